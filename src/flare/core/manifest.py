@@ -1,0 +1,456 @@
+"""The runtime-core contract: the manifest shared by preparation and runtime.
+
+Torch-free and behaviour-free. Preparation writes a ``Manifest``; the runtime
+loads it with :func:`load_manifest`, which rejects missing or unknown fields,
+a different ABI, and any layout that does not hold together. Everything the
+runtime does is derived from these numbers, never from the model's identity.
+
+Arena map (offsets grow downward, every buffer aligned to ``arena.alignment``)::
+
+    +--------------------------+ 0
+    | weights (role=weight)    |  persistent: stored in the arena image
+    +--------------------------+
+    | kv pages (role=kv)       |  runtime-owned, zero-filled at load
+    | request state (state)    |  row 0 of every state buffer is the null slot
+    | inputs  (role=input)     |  written by the runtime before a launch
+    | outputs (role=output)    |  completion records, logits, hidden rows
+    | scratch (role=scratch)   |  graph pool / operator workspaces (GPU only)
+    +--------------------------+ arena.nbytes
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from pathlib import Path
+from typing import Mapping
+
+import msgspec
+
+from flare.core.errors import CoreCompatibilityError, ManifestError
+
+ABI_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+
+class _Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class DType(str, enum.Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    int32 = "int32"
+    int64 = "int64"
+    uint8 = "uint8"
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {
+    DType.float32: 4,
+    DType.float16: 2,
+    DType.bfloat16: 2,
+    DType.int32: 4,
+    DType.int64: 8,
+    DType.uint8: 1,
+}
+
+
+class BufferRole(str, enum.Enum):
+    weight = "weight"  # persistent bytes from the arena image
+    kv = "kv"  # paged attention history
+    state = "state"  # per-slot request / continuation state
+    snapshot = "snapshot"  # immutable checkpoint rows
+    input = "input"  # host-written before a launch
+    output = "output"  # device-written, read back by the host
+    scratch = "scratch"  # graph pool and operator workspaces
+
+
+class Buffer(_Frozen):
+    name: str
+    role: BufferRole
+    dtype: DType
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ProgramKind(str, enum.Enum):
+    admit = "admit"  # initialise a slot's penalty histogram from prompt tokens
+    prefill = "prefill"  # one request's chunk of up to C tokens
+    decode = "decode"  # B running requests, one token each
+    resume = "resume"  # sample from a saved final hidden vector
+    snapshot = "snapshot"  # live state row -> immutable snapshot row
+    restore = "restore"  # snapshot row -> live state row
+
+
+class Program(_Frozen):
+    name: str  # e.g. "decode.4"
+    kind: ProgramKind
+    capacity: int
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    completion: str | None  # output buffer holding this program's completion records
+    graph: str | None  # exported graph file (GPU cores); None on reference cores
+
+
+class CompletionLayout(_Frozen):
+    """Completion records are int32 rows; ``fields`` names the columns in order."""
+
+    fields: tuple[str, ...]
+    status_codes: Mapping[str, int]
+
+
+class PageGeometry(_Frozen):
+    page_size: int  # tokens per physical page
+    num_pages: int  # including the null page
+    null_page: int  # never allocated; unused page-table entries point here
+    bytes_per_page: int  # over every layer, for memory reporting
+
+
+class Capacities(_Frozen):
+    context_limit: int
+    prefill_chunk: int
+    prefill_capacities: tuple[int, ...]
+    decode_capacities: tuple[int, ...]
+    slots: int  # live request slots; state buffers have slots + 1 rows (row 0 = null)
+    max_pages_per_slot: int
+    stop_ids: int  # per-slot stop-token capacity
+    vocab_size: int  # logits width
+    sampling_vocab: int  # ids >= this are never sampled (padded vocabularies)
+    hidden_size: int
+    snapshot_rows: int
+
+
+class ToolParser(str, enum.Enum):
+    none = "none"
+    hermes = "hermes"  # <tool_call>{json}</tool_call>
+    json_array = "json_array"  # [{"name": ..., "arguments": ...}]
+
+
+class ReasoningParser(str, enum.Enum):
+    none = "none"
+    think = "think"  # <think>...</think>
+
+
+class Frontend(_Frozen):
+    served_name: str
+    tokenizer: str  # file name inside the core
+    chat_template: str | None  # file name inside the core
+    special_tokens: Mapping[str, str]  # bos_token, eos_token, ...: passed to the template
+    eos_ids: tuple[int, ...]
+    tool_parser: ToolParser
+    reasoning_parser: ReasoningParser
+
+
+class Range(_Frozen):
+    lo: float
+    hi: float
+
+
+class SamplingDefaults(_Frozen):
+    """Complete defaults declared by the recipe; ``ranges`` bound request values
+    (out-of-range values clamp). A parameter without a range is fixed at its default."""
+
+    temperature: float
+    top_k: int  # 0 = disabled
+    top_p: float  # 1.0 = disabled
+    min_p: float  # 0.0 = disabled
+    repetition_penalty: float  # 1.0 = neutral
+    presence_penalty: float
+    frequency_penalty: float
+    ranges: Mapping[str, Range]
+
+
+class Identity(_Frozen):
+    abi: int
+    fingerprint: str  # sha256 over config, weights and tokenizer
+    model_type: str  # informational only: runtime policy never reads it
+    recipe: str
+    device: str  # "cpu" or "cuda"
+    device_name: str
+    compute_capability: str | None  # "9.0"
+    versions: Mapping[str, str]
+
+
+class Arena(_Frozen):
+    nbytes: int
+    alignment: int
+    base_address: int  # fixed virtual address on CUDA cores; 0 on reference cores
+    image: str  # safetensors file: one tensor per weight buffer, raw bytes
+
+
+class Reference(_Frozen):
+    """What the eager reference executor needs to rebuild the programs in torch.
+    Opaque to the runtime: it is handed to the reference worker as is."""
+
+    recipe: str
+    config: str  # the model's Hugging Face config, JSON
+    dtype: str
+
+
+class Manifest(_Frozen):
+    abi: int
+    identity: Identity
+    arena: Arena
+    buffers: tuple[Buffer, ...]
+    programs: tuple[Program, ...]
+    completion: CompletionLayout
+    pages: PageGeometry
+    capacities: Capacities
+    frontend: Frontend
+    sampling: SamplingDefaults
+    reference: Reference
+
+    def buffer(self, name: str) -> Buffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise ManifestError(f"core has no buffer {name!r}", param=name)
+
+    def program(self, name: str) -> Program:
+        for p in self.programs:
+            if p.name == name:
+                return p
+        raise ManifestError(f"core has no program {name!r}", param=name)
+
+    def programs_of(self, kind: ProgramKind) -> tuple[Program, ...]:
+        return tuple(sorted((p for p in self.programs if p.kind == kind), key=lambda p: p.capacity))
+
+
+# ---------------------------------------------------------------------------
+# The runtime-facing buffers every core provides. Shapes are functions of the
+# capacities so that loading can check them; model-specific buffers (weights,
+# kv layout, recurrent state) are opaque to the runtime apart from their role.
+
+COMPLETION_FIELDS = ("slot", "token", "generated", "status")
+STATUS_CODES = {"inactive": -1, "running": 0, "stop": 1, "length": 2}
+SAMPLING_F_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+PREFILL_META_FIELDS = ("slot", "count", "sample", "reserved")
+ADMIT_META_FIELDS = ("slot", "count", "clear", "reserved")
+STATE_ROW_META_FIELDS = ("slot", "row", "reserved0", "reserved1")
+# Prompt tokens set this bit in the penalty histogram; output tokens count in the low bits.
+HIST_PROMPT_BIT = 1 << 24
+
+
+def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, tuple[int, ...]]]:
+    rows = c.slots + 1
+    cmax = max(c.prefill_capacities)
+    bmax = max(c.decode_capacities)
+    ncomp = len(COMPLETION_FIELDS)
+    return {
+        "state.len": (BufferRole.state, DType.int32, (rows,)),
+        "state.pending": (BufferRole.state, DType.int32, (rows,)),
+        "state.generated": (BufferRole.state, DType.int32, (rows,)),
+        "state.max_new": (BufferRole.state, DType.int32, (rows,)),
+        "state.done": (BufferRole.state, DType.int32, (rows,)),
+        "state.seed": (BufferRole.state, DType.int64, (rows,)),
+        "state.counter": (BufferRole.state, DType.int64, (rows,)),
+        "state.top_k": (BufferRole.state, DType.int32, (rows,)),
+        "state.sampling": (BufferRole.state, DType.float32, (rows, len(SAMPLING_F_FIELDS))),
+        "state.stop_ids": (BufferRole.state, DType.int32, (rows, c.stop_ids)),
+        "state.page_table": (BufferRole.state, DType.int32, (rows, c.max_pages_per_slot)),
+        "state.hist": (BufferRole.state, DType.int32, (rows, c.vocab_size)),
+        "in.tokens": (BufferRole.input, DType.int32, (cmax,)),
+        "in.prefill": (BufferRole.input, DType.int32, (len(PREFILL_META_FIELDS),)),
+        "in.admit": (BufferRole.input, DType.int32, (len(ADMIT_META_FIELDS),)),
+        "in.decode_slots": (BufferRole.input, DType.int32, (bmax,)),
+        "out.prefill_completion": (BufferRole.output, DType.int32, (1, ncomp)),
+        "out.decode_completion": (BufferRole.output, DType.int32, (bmax, ncomp)),
+        "out.logits": (BufferRole.output, DType.float32, (bmax, c.vocab_size)),
+    }
+
+
+def prefill_capacities_for(chunk: int, context_limit: int) -> tuple[int, ...]:
+    """Seed rule: powers of two from 128 below the chunk limit, plus the exact limit;
+    a limit of 64 captures one 64-token program."""
+    if chunk % 64 or not 64 <= chunk <= context_limit:
+        raise ValueError(f"prefill chunk size must be a multiple of 64 in [64, {context_limit}], got {chunk}")
+    caps = []
+    c = 128
+    while c < chunk:
+        caps.append(c)
+        c *= 2
+    caps.append(chunk)
+    return tuple(caps)
+
+
+# ---------------------------------------------------------------------------
+# Loading and validation
+
+
+class _AbiProbe(msgspec.Struct):
+    abi: int
+
+
+def load_manifest(core_dir: str | Path) -> Manifest:
+    path = Path(core_dir) / MANIFEST_FILE
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ManifestError(f"cannot read runtime core manifest {path}: {e.strerror}", param=str(path)) from e
+    return decode_manifest(raw)
+
+
+def decode_manifest(raw: bytes) -> Manifest:
+    try:
+        probe = msgspec.json.decode(raw, type=_AbiProbe)
+    except msgspec.DecodeError as e:
+        raise ManifestError(f"manifest is not valid: {e}") from e
+    if probe.abi != ABI_VERSION:
+        raise CoreCompatibilityError(
+            f"core was exported with ABI {probe.abi}; this runtime loads ABI {ABI_VERSION}",
+            param="abi",
+            code="abi_mismatch",
+        )
+    try:
+        m = msgspec.json.decode(raw, type=Manifest)
+    except msgspec.ValidationError as e:
+        raise ManifestError(f"manifest does not match the contract: {e}") from e
+    except msgspec.DecodeError as e:
+        raise ManifestError(f"manifest is not valid JSON: {e}") from e
+    validate(m)
+    return m
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    validate(m)
+    return msgspec.json.format(msgspec.json.encode(m), indent=1)
+
+
+def _fail(msg: str, param: str | None = None) -> None:
+    raise ManifestError(msg, param=param)
+
+
+def validate(m: Manifest) -> None:
+    """Check that every number in the manifest is consistent with every other."""
+    if m.abi != ABI_VERSION or m.identity.abi != m.abi:
+        _fail(f"ABI fields disagree: {m.abi} / {m.identity.abi}", "abi")
+    c = m.capacities
+    for name in ("context_limit", "prefill_chunk", "slots", "max_pages_per_slot", "vocab_size", "hidden_size"):
+        if getattr(c, name) <= 0:
+            _fail(f"capacities.{name} must be positive", f"capacities.{name}")
+    if c.prefill_capacities != prefill_capacities_for(c.prefill_chunk, c.context_limit):
+        _fail(
+            f"prefill capacities {c.prefill_capacities} do not follow the chunk rule for {c.prefill_chunk}",
+            "capacities.prefill_capacities",
+        )
+    if not c.decode_capacities or list(c.decode_capacities) != sorted(set(c.decode_capacities)):
+        _fail("decode capacities must be unique and ascending", "capacities.decode_capacities")
+    if c.decode_capacities[0] < 1 or c.decode_capacities[-1] > c.slots:
+        _fail("decode capacities must lie in [1, slots]", "capacities.decode_capacities")
+    if not 0 < c.sampling_vocab <= c.vocab_size:
+        _fail("sampling_vocab must lie in (0, vocab_size]", "capacities.sampling_vocab")
+    if c.stop_ids < len(m.frontend.eos_ids) + 1:
+        _fail("stop_ids capacity must hold the EOS set plus one request stop id", "capacities.stop_ids")
+    if c.snapshot_rows < 0:
+        _fail("snapshot_rows must not be negative", "capacities.snapshot_rows")
+
+    p = m.pages
+    if p.page_size <= 0 or p.num_pages < 2 or not 0 <= p.null_page < p.num_pages:
+        _fail("page geometry is inconsistent", "pages")
+    if c.max_pages_per_slot != -(-c.context_limit // p.page_size):
+        _fail("max_pages_per_slot must equal ceil(context_limit / page_size)", "capacities.max_pages_per_slot")
+
+    if m.completion.fields != COMPLETION_FIELDS or dict(m.completion.status_codes) != STATUS_CODES:
+        _fail("completion record layout differs from this runtime's", "completion")
+
+    a = m.arena
+    if a.alignment <= 0 or a.alignment & (a.alignment - 1):
+        _fail("arena alignment must be a power of two", "arena.alignment")
+    names: set[str] = set()
+    spans = []
+    for b in m.buffers:
+        if b.name in names:
+            _fail(f"buffer {b.name!r} declared twice", b.name)
+        names.add(b.name)
+        if any(d <= 0 for d in b.shape):
+            _fail(f"buffer {b.name!r} has an empty dimension", b.name)
+        if b.nbytes != b.numel * b.dtype.itemsize:
+            _fail(f"buffer {b.name!r} extent {b.nbytes} does not match its shape", b.name)
+        if b.offset % a.alignment or b.offset < 0 or b.offset + b.nbytes > a.nbytes:
+            _fail(f"buffer {b.name!r} lies outside the arena or is misaligned", b.name)
+        spans.append((b.offset, b.offset + b.nbytes, b.name))
+    spans.sort()
+    for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            _fail(f"buffers {n0!r} and {n1!r} overlap", n1)
+
+    for name, (role, dtype, shape) in runtime_buffer_shapes(c).items():
+        if name not in names:
+            _fail(f"core lacks runtime buffer {name!r}", name)
+        b = m.buffer(name)
+        if (b.role, b.dtype, b.shape) != (role, dtype, shape):
+            _fail(f"runtime buffer {name!r} is {b.role.value}/{b.dtype.value}{b.shape}, "
+                  f"expected {role.value}/{dtype.value}{shape}", name)
+    if not any(b.role == BufferRole.kv for b in m.buffers):
+        _fail("core declares no kv buffer", "buffers")
+
+    seen_programs: set[str] = set()
+    for prog in m.programs:
+        if prog.name in seen_programs:
+            _fail(f"program {prog.name!r} declared twice", prog.name)
+        seen_programs.add(prog.name)
+        for ref in (*prog.reads, *prog.writes, *((prog.completion,) if prog.completion else ())):
+            if ref not in names:
+                _fail(f"program {prog.name!r} refers to unknown buffer {ref!r}", prog.name)
+        if (prog.graph is None) != (m.identity.device == "cpu"):
+            _fail(f"program {prog.name!r}: graphs are required on CUDA cores and absent on reference cores", prog.name)
+    caps = {k: tuple(p.capacity for p in m.programs_of(k)) for k in ProgramKind}
+    if caps[ProgramKind.prefill] != c.prefill_capacities:
+        _fail("prefill programs do not cover the declared prefill capacities", "programs")
+    if caps[ProgramKind.decode] != c.decode_capacities:
+        _fail("decode programs do not cover the declared decode capacities", "programs")
+    if caps[ProgramKind.admit] != (max(c.prefill_capacities),):
+        _fail("core needs exactly one admit program at the prefill chunk capacity", "programs")
+
+    s = m.sampling
+    if s.temperature <= 0:
+        _fail("default temperature must be positive", "sampling.temperature")
+    for name, r in s.ranges.items():
+        if name not in SAMPLING_PARAMS:
+            _fail(f"range for unknown sampling parameter {name!r}", f"sampling.ranges.{name}")
+        if r.lo > r.hi:
+            _fail(f"empty range for {name!r}", f"sampling.ranges.{name}")
+        if not r.lo <= float(getattr(s, name)) <= r.hi:
+            _fail(f"default {name} lies outside its range", f"sampling.ranges.{name}")
+    if "temperature" in s.ranges and s.ranges["temperature"].lo <= 0:
+        _fail("temperature range must be positive", "sampling.ranges.temperature")
+    if any(not 0 <= t < c.vocab_size for t in m.frontend.eos_ids):
+        _fail("EOS ids must lie inside the vocabulary", "frontend.eos_ids")
+
+
+SAMPLING_PARAMS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def check_device(m: Manifest, *, device: str, compute_capability: str | None) -> None:
+    """Reject a core prepared for another device kind or compute capability."""
+    if m.identity.device != device:
+        raise CoreCompatibilityError(
+            f"core was prepared for {m.identity.device}; this executor runs on {device}",
+            param="identity.device",
+            code="device_mismatch",
+        )
+    if device == "cuda" and m.identity.compute_capability != compute_capability:
+        raise CoreCompatibilityError(
+            f"core was prepared for compute capability {m.identity.compute_capability}; "
+            f"this GPU is {compute_capability}",
+            param="identity.compute_capability",
+            code="compute_capability_mismatch",
+        )

@@ -1,0 +1,112 @@
+"""Paged attention: the one module the decoder recipes replace.
+
+The canonical Transformers attention module computes q/k/v, q/k norms and
+RoPE; then it calls the registered attention function ``flare_paged`` with a
+``paged`` keyword argument (a :class:`PagedBatch`). That function writes the
+new keys/values into the page pool at ``slot_mapping`` (negative entries write
+nothing) and attends each query token over its own request's pages.
+
+Tokens are packed: a program hands the model ``T`` tokens, each with its own
+request slot and position. Prefill packs one request's chunk; decode packs one
+token of each of ``B`` requests. The same function serves both.
+
+KV layout (one buffer for every layer)::
+
+    kv[layer, 0|1, page, offset_in_page, kv_head, head_dim]      0 = K, 1 = V
+    slot_mapping = page * page_size + offset_in_page             (-1 = no write)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "flare_paged"
+
+
+@dataclass
+class PagedBatch:
+    kv: torch.Tensor  # [L, 2, P, page_size, KVH, D]
+    page_table: torch.Tensor  # [S, max_pages] int32, row per request slot
+    token_slot: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 for rows that must not write
+    valid: torch.Tensor  # [T] bool
+    impl: str = "reference"  # "reference" (eager, any device) or "triton" (capture-safe, CUDA)
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[3]
+
+
+def write_kv(batch: PagedBatch, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Scatter the chunk's keys/values (``[T, KVH, D]``) into the page pool.
+
+    Rows with a negative slot mapping are redirected into the null page (page
+    0), which is never allocated to a request and never read for a valid
+    token, so a padded row changes no state anybody can observe. This keeps the
+    scatter capture-safe: no boolean indexing, no host synchronisation.
+    """
+    kv = batch.kv
+    flat_k = kv[layer, 0].view(-1, kv.shape[-2], kv.shape[-1])
+    flat_v = kv[layer, 1].view(-1, kv.shape[-2], kv.shape[-1])
+    # Null page is page 0: its rows are garbage by contract. Padded rows write there.
+    dst = torch.where(batch.slot_mapping >= 0, batch.slot_mapping, torch.zeros_like(batch.slot_mapping))
+    flat_k.index_copy_(0, dst, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, dst, v.to(flat_v.dtype))
+
+
+def attend_reference(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Eager attention over the page pool. ``q``: ``[T, H, D]`` -> ``[T, H, D]``.
+
+    Reads lengths on the host, so it is for the reference executor only (never
+    captured). Each request's keys are gathered from its pages up to its
+    furthest query position; token ``i`` sees positions ``<= positions[i]``.
+    """
+    kv = batch.kv
+    ps = kv.shape[3]
+    out = torch.zeros_like(q)
+    valid = batch.valid
+    slots = batch.token_slot[valid].unique().tolist()
+    for s in slots:
+        rows = torch.nonzero(valid & (batch.token_slot == s)).flatten()
+        pos = batch.positions[rows]
+        n_keys = int(pos.max()) + 1
+        n_pages = -(-n_keys // ps)
+        pages = batch.page_table[s, :n_pages].long()
+        k = kv[layer, 0, pages].reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
+        v = kv[layer, 1, pages].reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
+        mask = torch.arange(n_keys, device=q.device)[None, :] <= pos[:, None]  # [r, n_keys]
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None].to(k.dtype),  # [1, H, r, D]
+            k.transpose(0, 1)[None],  # [1, KVH, n, D]
+            v.transpose(0, 1)[None],
+            attn_mask=mask[None, None],
+            scale=scaling,
+            enable_gqa=True,
+        )
+        out[rows] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+def flare_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None, **kwargs):
+    """Transformers attention-interface entry. Shapes: query ``[1, H, T, D]``,
+    key/value ``[1, KVH, T, D]``; returns ``([1, T, H, D], None)``."""
+    if paged is None:
+        raise RuntimeError("flare_paged attention needs the 'paged' batch argument")
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)
+    write_kv(paged, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if paged.impl == "triton":
+        from flare.prepare.kernels.paged_attention import attend_triton
+
+        out = attend_triton(paged, layer, q, scaling)
+    else:
+        out = attend_reference(paged, layer, q, scaling)
+    return out[None], None
+
+
+AttentionInterface.register(ATTENTION_NAME, flare_paged_attention)

@@ -1,0 +1,266 @@
+"""Preparation: from a resolved model source to an exported runtime core.
+
+Runs inside the preparation subprocess (``flare.prepare.worker``). Steps:
+load config and tokenizer, plan the arena, bind the canonical model to arena
+views, stream weights in, build the programs (and on CUDA capture and export
+them as graphs), then write the core directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import torch
+
+from flare.core import manifest as mf
+from flare.core.image import persistent_buffers, write_image
+from flare.core.manifest import BufferRole, DType, ProgramKind
+from flare.prepare import recipes
+from flare.prepare.layout import BufferRequest, plan
+from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
+from flare.prepare.sources import ModelSource
+
+STOP_IDS_CAPACITY = 16
+GiB = 1 << 30
+
+
+class PrepareError(ValueError):
+    """A requested capacity or feature that this preparation cannot provide."""
+
+
+@dataclass
+class Options:
+    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on cpu, bfloat16 on cuda
+    prefill_chunk_size: int | None = None
+    decode_capacities: tuple[int, ...] = (1, 2, 4)
+    context_limit: int | None = None
+    page_size: int = 16
+    kv_pages: int | None = None
+    kv_memory_gib: float | None = None
+    attention: str | None = None  # reference | triton
+    compile: bool = True
+    served_name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+
+def _dtype_enum(t: torch.dtype) -> DType:
+    for k, v in TORCH_DTYPES.items():
+        if v == t:
+            return DType(k)
+    raise PrepareError(f"unsupported dtype {t}")
+
+
+def plan_capacities(src: ModelSource, recipe, opts: Options) -> tuple[mf.Capacities, int]:
+    cfg = src.config
+    model_max = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+    context = opts.context_limit or min(model_max, 8192 if opts.device == "cpu" else 32768)
+    if context > model_max:
+        raise PrepareError(f"--context-limit {context} exceeds the model's max_position_embeddings {model_max}")
+    if context < 64:
+        raise PrepareError("--context-limit must be at least 64")
+    chunk = opts.prefill_chunk_size or min(context, 512 if opts.device == "cpu" else 2048) // 64 * 64
+    try:
+        prefill_caps = mf.prefill_capacities_for(chunk, context)
+    except ValueError as e:
+        raise PrepareError(str(e)) from None
+    decode_caps = tuple(sorted(set(opts.decode_capacities)))
+    if not decode_caps or decode_caps[0] < 1 or decode_caps[-1] > 256:
+        raise PrepareError(f"decode capacities must lie in [1, 256], got {opts.decode_capacities}")
+    if opts.page_size < 1 or opts.page_size & (opts.page_size - 1):
+        raise PrepareError(f"--page-size must be a power of two, got {opts.page_size}")
+    vocab = recipe.vocab_size(cfg)
+    caps = mf.Capacities(
+        context_limit=context,
+        prefill_chunk=chunk,
+        prefill_capacities=prefill_caps,
+        decode_capacities=decode_caps,
+        slots=decode_caps[-1],
+        max_pages_per_slot=-(-context // opts.page_size),
+        stop_ids=STOP_IDS_CAPACITY,
+        vocab_size=vocab,
+        sampling_vocab=min(vocab, src.frontend.tokenizer_vocab),
+        hidden_size=recipe.hidden_size(cfg),
+        snapshot_rows=0,
+    )
+    geo = recipe.kv_geometry(cfg)
+    itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
+    bytes_per_page = geo.layers * 2 * opts.page_size * geo.kv_heads * geo.head_dim * itemsize
+    if opts.kv_pages is not None:
+        pages = opts.kv_pages
+    else:
+        budget = (opts.kv_memory_gib if opts.kv_memory_gib is not None else 0.5) * GiB
+        pages = int(budget // bytes_per_page)
+    # One request at full context must fit, plus the null page.
+    if pages < caps.max_pages_per_slot + 1:
+        raise PrepareError(
+            f"{pages} KV pages cannot hold one request at the context limit "
+            f"({caps.max_pages_per_slot} pages of {opts.page_size} tokens + the null page); "
+            f"raise --kv-pages/--kv-memory or lower --context-limit"
+        )
+    return caps, pages
+
+
+def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: Options, specs) -> list[BufferRequest]:
+    dtype = DType(opts.resolved_dtype())
+    reqs = [BufferRequest(s.buffer, BufferRole.weight, _dtype_enum(s.dtype), s.shape) for s in specs]
+    geo = recipe.kv_geometry(src.config)
+    reqs.append(BufferRequest("kv", BufferRole.kv, dtype, (geo.layers, 2, pages, opts.page_size, geo.kv_heads, geo.head_dim)))
+    for name, (role, dt, shape) in mf.runtime_buffer_shapes(caps).items():
+        reqs.append(BufferRequest(name, role, dt, shape))
+    reqs.append(BufferRequest("state.hidden", BufferRole.state, dtype, (caps.slots + 1, caps.hidden_size)))
+    reqs.append(
+        BufferRequest("out.prefill_hidden", BufferRole.output, dtype, (max(caps.prefill_capacities), caps.hidden_size))
+    )
+    return reqs
+
+
+def program_table(caps: mf.Capacities, graphs: dict[str, str] | None) -> tuple[mf.Program, ...]:
+    state = ("state.len", "state.pending", "state.generated", "state.max_new", "state.done", "state.seed",
+             "state.counter", "state.top_k", "state.sampling", "state.stop_ids", "state.page_table",
+             "state.hist", "state.hidden")
+    progs = []
+
+    def add(kind, cap, reads, writes, completion):
+        name = f"{kind.value}.{cap}"
+        progs.append(mf.Program(name=name, kind=kind, capacity=cap, reads=reads, writes=writes,
+                                completion=completion, graph=(graphs or {}).get(name)))
+
+    cmax = max(caps.prefill_capacities)
+    add(ProgramKind.admit, cmax, ("in.admit", "in.tokens", "state.hist"), ("state.hist",), None)
+    for c in caps.prefill_capacities:
+        add(ProgramKind.prefill, c, ("in.prefill", "in.tokens", "kv", *state),
+            ("kv", *state, "out.logits", "out.prefill_hidden", "out.prefill_completion"), "out.prefill_completion")
+    for b in caps.decode_capacities:
+        add(ProgramKind.decode, b, ("in.decode_slots", "kv", *state),
+            ("kv", *state, "out.logits", "out.decode_completion"), "out.decode_completion")
+    return tuple(progs)
+
+
+def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str], None]) -> mf.Manifest:
+    t0 = time.time()
+    model_type = src.config.model_type
+    try:
+        recipe = recipes.for_model_type(model_type)
+    except recipes.UnsupportedArchitecture as e:
+        raise PrepareError(str(e)) from None
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise PrepareError("--device cuda requested but no CUDA device is available")
+    attention = opts.attention or ("triton" if opts.device == "cuda" else "reference")
+    dtype = TORCH_DTYPES[opts.resolved_dtype()]
+
+    progress(f"building {model_type} ({recipe.name} recipe) on the meta device")
+    model = recipe.build(src.config, dtype)
+    specs = recipe.weights(model)
+    caps, pages = plan_capacities(src, recipe, opts)
+    buffers, nbytes = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
+    weight_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.weight)
+    kv_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.kv)
+    progress(
+        f"arena {nbytes / GiB:.2f} GiB: weights {weight_bytes / GiB:.2f} GiB, "
+        f"kv {pages} pages x {opts.page_size} tokens ({kv_bytes / GiB:.2f} GiB)"
+    )
+    if opts.device != "cpu":
+        raise PrepareError("CUDA preparation is provided by flare.prepare.cuda (not available in this build)")
+    arena = torch.zeros(nbytes, dtype=torch.uint8)
+
+    partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, attention)
+    views = arena_views(arena, partial)
+    recipe.bind(model, specs, views)
+    progress("loading weights into the arena")
+    src.load_weights({name: views[s.buffer] for s in specs if s.from_checkpoint for name in s.names[:1]})
+    recipe.compute_constants(model, specs, views)
+
+    progress("building programs")
+    programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention)
+    for p in program_table(caps, None):
+        programs.callable(p.kind, p.capacity)()  # smoke run on the null slot: every program must execute
+    arena[[b for b in buffers if b.role == BufferRole.kv][0].offset :].zero_()
+
+    progress(f"writing runtime core to {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = persistent_buffers(partial)
+    arena_np = arena.numpy()
+    digest = write_image(out / "weights.safetensors", weights, lambda b: memoryview(arena_np[b.offset : b.offset + b.nbytes]))
+    (out / "tokenizer.json").write_text(src.frontend.tokenizer_json)
+    if src.frontend.chat_template is not None:
+        (out / "chat_template.jinja").write_text(src.frontend.chat_template)
+    fp = hashlib.sha256()
+    for part in (recipe.config_json(src.config), digest, src.frontend.tokenizer_json, src.frontend.chat_template or ""):
+        fp.update(part.encode())
+    identity = msgspec.structs.replace(partial.identity, fingerprint=fp.hexdigest())
+    final = msgspec.structs.replace(partial, identity=identity)
+    (out / mf.MANIFEST_FILE).write_bytes(mf.encode_manifest(final))
+    progress(f"done in {time.time() - t0:.1f} s")
+    return final
+
+
+def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, attention) -> mf.Manifest:
+    import transformers
+
+    from flare import __version__
+
+    s = src.sampling
+    ranges = {k: mf.Range(lo=lo, hi=hi) for k, (lo, hi) in src.ranges.items()}
+    if "top_k" in ranges:
+        hi = min(ranges["top_k"].hi, caps.sampling_vocab)
+        ranges["top_k"] = mf.Range(lo=ranges["top_k"].lo, hi=hi)
+    return mf.Manifest(
+        abi=mf.ABI_VERSION,
+        identity=mf.Identity(
+            abi=mf.ABI_VERSION,
+            fingerprint="",
+            model_type=src.config.model_type,
+            recipe=recipe.name,
+            device=opts.device,
+            device_name=platform.processor() or platform.machine(),
+            compute_capability=None,
+            versions={
+                "flare": __version__,
+                "torch": str(torch.__version__),
+                "transformers": transformers.__version__,
+                "python": sys.version.split()[0],
+            },
+        ),
+        arena=mf.Arena(nbytes=nbytes, alignment=256, base_address=0, image="weights.safetensors"),
+        buffers=buffers,
+        programs=program_table(caps, None),
+        completion=mf.CompletionLayout(fields=mf.COMPLETION_FIELDS, status_codes=mf.STATUS_CODES),
+        pages=mf.PageGeometry(
+            page_size=opts.page_size,
+            num_pages=pages,
+            null_page=0,
+            bytes_per_page=[b for b in buffers if b.role == BufferRole.kv][0].nbytes // pages,
+        ),
+        capacities=caps,
+        frontend=mf.Frontend(
+            served_name=opts.served_name or src.name,
+            tokenizer="tokenizer.json",
+            chat_template="chat_template.jinja" if src.frontend.chat_template is not None else None,
+            special_tokens=src.frontend.special_tokens,
+            eos_ids=src.frontend.eos_ids,
+            tool_parser=mf.ToolParser(src.tool_parser),
+            reasoning_parser=mf.ReasoningParser(src.reasoning_parser),
+        ),
+        sampling=mf.SamplingDefaults(
+            temperature=float(s["temperature"]),
+            top_k=int(s["top_k"]),
+            top_p=float(s["top_p"]),
+            min_p=float(s["min_p"]),
+            repetition_penalty=float(s["repetition_penalty"]),
+            presence_penalty=float(s["presence_penalty"]),
+            frequency_penalty=float(s["frequency_penalty"]),
+            ranges=ranges,
+        ),
+        reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
+    )

@@ -1,0 +1,79 @@
+"""``flare-prepare MODEL --out DIR``: prepare a runtime core in a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+
+def _capacities(text: str) -> list[int]:
+    try:
+        caps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not caps:
+        raise argparse.ArgumentTypeError("at least one capacity is required")
+    return caps
+
+
+def _default_device() -> str:
+    try:
+        from cuda.bindings import driver
+
+        err, = driver.cuInit(0)[:1]
+        if err == driver.CUresult.CUDA_SUCCESS:
+            err, n = driver.cuDeviceGetCount()
+            if err == driver.CUresult.CUDA_SUCCESS and n > 0:
+                return "cuda"
+    except Exception:  # no driver, no bindings: a CPU machine
+        pass
+    return "cpu"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flare-prepare", description=__doc__)
+    p.add_argument("model", help="config name from configs/, a Hugging Face directory, or a .gguf file")
+    p.add_argument("--out", required=True, help="directory to write the runtime core into")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weight/activation dtype (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help="largest prefill chunk, a multiple of 64 (default 512 on cpu, 2048 on cuda)")
+    p.add_argument("--decode-capacities", type=_capacities, default=[1, 2, 4],
+                   help="comma-separated decode batch capacities (default 1,2,4)")
+    p.add_argument("--context-limit", type=int, default=None, help="longest request, tokens")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-pages", type=int, default=None, help="number of KV pages")
+    kv.add_argument("--kv-memory", type=float, default=None, help="KV page budget in GiB")
+    p.add_argument("--attention", choices=("reference", "triton"), default=None)
+    p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
+    p.add_argument("--served-name", default=None, help="model id the server reports (default: config or dir name)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    args = {
+        "model": a.model,
+        "out": a.out,
+        "device": a.device or _default_device(),
+        "dtype": a.dtype,
+        "prefill_chunk_size": a.prefill_chunk_size,
+        "decode_capacities": a.decode_capacities,
+        "context_limit": a.context_limit,
+        "page_size": a.page_size,
+        "kv_pages": a.kv_pages,
+        "kv_memory_gib": a.kv_memory,
+        "attention": a.attention,
+        "compile": not a.no_compile,
+        "served_name": a.served_name,
+    }
+    proc = subprocess.run([sys.executable, "-m", "flare.prepare.worker", json.dumps(args)])
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The prepared programs, composed from a recipe over arena views.
+
+Every program is a no-argument callable that reads its inputs from and writes
+its results to named arena buffers; nothing is passed on the host. Each index
+is a device tensor (one-element index tensors, never Python ints read from the
+device), so the same callables are captured into CUDA graphs on the GPU and
+run eagerly by the reference worker on the CPU.
+
+Request slot 0 is the null slot and page 0 the null page: padded rows read and
+write only there, so they never touch another request's state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Manifest, ProgramKind
+from flare.prepare.attention import PagedBatch
+from flare.prepare.sampling import sample
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+}
+
+
+def arena_views(arena: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Typed, shaped views of every buffer over a flat uint8 arena tensor."""
+    views = {}
+    for b in manifest.buffers:
+        raw = arena[b.offset : b.offset + b.nbytes]
+        views[b.name] = raw.view(TORCH_DTYPES[b.dtype.value]).view(b.shape)
+    return views
+
+
+class ProgramSet:
+    def __init__(
+        self,
+        recipe,
+        model: torch.nn.Module,
+        views: dict[str, torch.Tensor],
+        caps: Capacities,
+        page_size: int,
+        attention: str,
+    ):
+        self.recipe = recipe
+        self.model = model
+        self.v = views
+        self.caps = caps
+        self.page_size = page_size
+        self.attention = attention
+
+    def callable(self, kind: ProgramKind, capacity: int) -> Callable[[], None]:
+        fn = {
+            ProgramKind.admit: self.admit,
+            ProgramKind.prefill: self.prefill,
+            ProgramKind.decode: self.decode,
+        }[kind]
+
+        def run() -> None:
+            with torch.inference_mode():
+                fn(capacity)
+
+        return run
+
+    # -- programs ----------------------------------------------------------
+
+    def admit(self, C: int) -> None:
+        """Initialise or extend a slot's penalty histogram from up to C tokens.
+
+        mode 0 sets the prompt bit of each token once; mode 1 adds one count per
+        occurrence (output tokens restored at readmission)."""
+        v = self.v
+        meta = v["in.admit"]
+        slot = meta[0:1].long()
+        count, clear, mode = meta[1], meta[2] != 0, meta[3]
+        V = self.caps.vocab_size
+        dev = meta.device
+        idx = torch.arange(C, device=dev)
+        tokens = torch.where(idx < count, v["in.tokens"][:C].long(), V)
+        marks = torch.zeros(V + 1, dtype=torch.int32, device=dev).index_fill_(0, tokens, 1)[:V]
+        counts = torch.zeros(V + 1, dtype=torch.int32, device=dev).index_add_(
+            0, tokens, torch.ones(C, dtype=torch.int32, device=dev)
+        )[:V]
+        row = v["state.hist"].index_select(0, slot)[0]
+        row = torch.where(clear, torch.zeros_like(row), row)
+        row = torch.where(mode == 0, row | (marks * HIST_PROMPT_BIT), row + counts)
+        v["state.hist"].index_copy_(0, slot, row[None])
+
+    def prefill(self, C: int) -> None:
+        v = self.v
+        meta = v["in.prefill"]
+        slot = meta[0:1].long()
+        n = meta[1:2].long()
+        sample_flag = meta[2:3] != 0
+        dev = meta.device
+        idx = torch.arange(C, device=dev)
+        valid = idx < n
+        tokens = torch.where(valid, v["in.tokens"][:C].long(), 0)
+        start = v["state.len"].index_select(0, slot).long()
+        pos = torch.where(valid, start + idx, 0)
+        pt = v["state.page_table"].index_select(0, slot)[0].long()
+        slot_mapping = self._slot_mapping(pt.expand(C, -1), pos, valid)
+        batch = self._batch(slot.expand(C), pos, slot_mapping, valid)
+        hidden = self.recipe.forward_tokens(self.model, tokens, pos, batch)
+        v["out.prefill_hidden"][:C].copy_(hidden)
+        last = hidden.index_select(0, (n - 1).clamp(min=0))
+        v["state.hidden"].index_copy_(0, slot, last)
+        v["state.len"].index_copy_(0, slot, (start + n).int())
+        logits = self.recipe.lm_head(self.model, last).float()
+        v["out.logits"][:1].copy_(logits)
+        live = sample_flag & (v["state.done"].index_select(0, slot) == 0)
+        self._sample_and_commit(slot, logits, live, v["out.prefill_completion"])
+
+    def decode(self, B: int) -> None:
+        v = self.v
+        slots = v["in.decode_slots"][:B].long()
+        live = (slots > 0) & (v["state.done"].index_select(0, slots) == 0)
+        tokens = torch.where(live, v["state.pending"].index_select(0, slots).long(), 0)
+        length = v["state.len"].index_select(0, slots).long()
+        pos = torch.where(live, length, 0)
+        pt = v["state.page_table"].index_select(0, slots).long()
+        slot_mapping = self._slot_mapping(pt, pos, live)
+        batch = self._batch(slots, pos, slot_mapping, live)
+        hidden = self.recipe.forward_tokens(self.model, tokens, pos, batch)
+        old_hidden = v["state.hidden"].index_select(0, slots)
+        v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old_hidden))
+        v["state.len"].index_copy_(0, slots, (length + live.long()).int())
+        logits = self.recipe.lm_head(self.model, hidden).float()
+        v["out.logits"][:B].copy_(logits)
+        self._sample_and_commit(slots, logits, live, v["out.decode_completion"][:B])
+
+    # -- shared pieces -----------------------------------------------------
+
+    def _slot_mapping(self, page_rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        ps = self.page_size
+        page_idx = (pos // ps).clamp(max=page_rows.shape[1] - 1)
+        page = page_rows.gather(1, page_idx[:, None])[:, 0]
+        return torch.where(valid, page * ps + pos % ps, -1)
+
+    def _batch(self, token_slot, pos, slot_mapping, valid) -> PagedBatch:
+        return PagedBatch(
+            kv=self.v["kv"],
+            page_table=self.v["state.page_table"],
+            token_slot=token_slot,
+            positions=pos,
+            slot_mapping=slot_mapping,
+            valid=valid,
+            impl=self.attention,
+        )
+
+    def _sample_and_commit(
+        self, slots: torch.Tensor, logits: torch.Tensor, live: torch.Tensor, completion: torch.Tensor
+    ) -> None:
+        """Sample one token per row and commit it to live rows' request state:
+        pending token, generated count, RNG counter, penalty histogram, done flag.
+        Rows that are not live keep their state; their completion says inactive."""
+        v = self.v
+        V = self.caps.vocab_size
+        samp = v["state.sampling"].index_select(0, slots)
+        counter = v["state.counter"].index_select(0, slots)
+        tok = sample(
+            logits,
+            v["state.hist"].index_select(0, slots),
+            temperature=samp[:, 0],
+            top_k=v["state.top_k"].index_select(0, slots),
+            top_p=samp[:, 1],
+            min_p=samp[:, 2],
+            repetition=samp[:, 3],
+            presence=samp[:, 4],
+            frequency=samp[:, 5],
+            seed=v["state.seed"].index_select(0, slots),
+            counter=counter,
+            sampling_vocab=self.caps.sampling_vocab,
+        )
+        li = live.long()
+        generated = v["state.generated"].index_select(0, slots).long() + li
+        stop_hit = (v["state.stop_ids"].index_select(0, slots).long() == tok[:, None]).any(dim=-1)
+        at_limit = generated >= v["state.max_new"].index_select(0, slots).long()
+        status = torch.where(stop_hit, 1, torch.where(at_limit, 2, 0))
+        pending = torch.where(live, tok, v["state.pending"].index_select(0, slots).long())
+        done = torch.where(live, status, v["state.done"].index_select(0, slots).long())
+        v["state.pending"].index_copy_(0, slots, pending.int())
+        v["state.generated"].index_copy_(0, slots, generated.int())
+        v["state.counter"].index_copy_(0, slots, counter + li)
+        v["state.done"].index_copy_(0, slots, done.int())
+        v["state.hist"].view(-1).index_add_(0, slots * V + tok, li.int())
+        record = torch.stack(
+            [slots, torch.where(live, tok, -1), generated, torch.where(live, status, -1)], dim=-1
+        )
+        completion.copy_(record.int())

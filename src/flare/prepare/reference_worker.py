@@ -1,0 +1,67 @@
+"""The torch side of the reference executor (see ``flare.runtime.reference``).
+
+``python -m flare.prepare.reference_worker CORE_DIR ARENA_FILE``
+
+Maps the arena file the serving process created, rebuilds the recipe's model
+over it (parameters are views of the arena: no copy) and runs programs when
+asked. Reports ``ready`` once every program is bound.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import traceback
+
+
+def main() -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    core_dir, arena_path = sys.argv[1], sys.argv[2]
+    try:
+        import torch
+
+        from flare.core.manifest import load_manifest
+        from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
+        from flare.prepare.recipes import by_name
+
+        m = load_manifest(core_dir)
+        with open(arena_path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), m.arena.nbytes)
+        arena = torch.frombuffer(mm, dtype=torch.uint8)
+        views = arena_views(arena, m)
+        recipe = by_name(m.reference.recipe)
+        config = recipe.config_from_json(m.reference.config)
+        model = recipe.build(config, TORCH_DTYPES[m.reference.dtype])
+        specs = recipe.weights(model)
+        missing = [s.buffer for s in specs if s.buffer not in views]
+        if missing:
+            raise RuntimeError(f"core lacks weight buffers the recipe needs: {missing[:5]}")
+        recipe.bind(model, specs, views)
+        programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference")
+        table = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
+    except Exception:
+        traceback.print_exc()
+        print("failed", flush=True)
+        return 1
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "exit":
+            break
+        if cmd != "run" or arg not in table:
+            print(f"error unknown command {line.strip()!r}", flush=True)
+            continue
+        try:
+            table[arg]()
+        except Exception as e:  # reported to the runtime, which fails the engine
+            traceback.print_exc()
+            print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
+            continue
+        print("ok", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The sampler that runs inside every sampling program.
+
+One path for temperature, top-k, top-p, min-p and repetition / presence /
+frequency penalties, built from plain tensor operations so it captures into
+a CUDA graph and runs eagerly on the CPU alike. Nothing is decided on the host.
+
+Random stream: a request's draw ``n`` uses one uniform derived from its seed
+and its counter ``n`` only (a counter-based hash), then inverse-CDF selection
+over its own filtered distribution. Nothing in a row's computation reads
+another row, so batch composition and position never change a request's
+stream. Torch generators are never used: a raw graph launch would bypass
+their bookkeeping.
+
+Penalty histogram encoding (int32 per vocabulary entry): prompt tokens set
+``HIST_PROMPT_BIT``; each sampled output token adds one to the low 24 bits.
+Repetition penalty applies to any token seen in prompt or output; presence and
+frequency penalties apply to output tokens (vLLM / OpenAI semantics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flare.core.manifest import HIST_PROMPT_BIT
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x < 2**32, without overflowing int64."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (the 'lowbias32' finaliser)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """A float32 in [0, 1) from (seed, counter), both int64 tensors of one shape."""
+    s_lo = seed & _MASK32
+    s_hi = (seed >> 32) & _MASK32
+    c_lo = counter & _MASK32
+    c_hi = (counter >> 32) & _MASK32
+    h = _mix32(s_lo ^ 0x9E3779B9)
+    h = _mix32(h ^ s_hi)
+    h = _mix32(h ^ c_lo)
+    h = _mix32(h ^ c_hi)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    hist: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    out_count = (hist & (HIST_PROMPT_BIT - 1)).to(logits.dtype)
+    seen = hist != 0
+    rep = repetition[:, None]
+    x = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return x - presence[:, None] * (out_count > 0).to(logits.dtype) - frequency[:, None] * out_count
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] float32
+    hist: torch.Tensor,  # [B, V] int32
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor,  # [B] int, <= 0 disables
+    top_p: torch.Tensor,  # [B]
+    min_p: torch.Tensor,  # [B]
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    seed: torch.Tensor,  # [B] int64
+    counter: torch.Tensor,  # [B] int64
+    sampling_vocab: int,
+) -> torch.Tensor:
+    """Returns the sampled token ids, int64 ``[B]``.
+
+    Filters keep a prefix of the tokens sorted by probability; the kept prefix is
+    then widened to every token tied with its last member, so a threshold tie is
+    never cut at an arbitrary candidate count.
+    """
+    x = logits[:, :sampling_vocab].float()
+    x = apply_penalties(x, hist[:, :sampling_vocab], repetition, presence, frequency)
+    # Padded rows carry the null slot's parameters; keep their arithmetic finite.
+    x = x / temperature.clamp(min=1e-5)[:, None]
+    probs = torch.softmax(x, dim=-1)
+    sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
+    v = sp.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).long()
+    kth = sp.gather(1, (k - 1)[:, None])
+    before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each token
+    keep = (sp >= kth) & (before < top_p[:, None]) & (sp >= min_p[:, None] * sp[:, :1])
+    n_keep = keep.sum(dim=-1).clamp(min=1)
+    threshold = sp.gather(1, (n_keep - 1)[:, None])
+    kept = torch.where(sp >= threshold, sp, torch.zeros_like(sp))
+    n_keep = (sp >= threshold).sum(dim=-1).clamp(min=1)
+    cdf = torch.cumsum(kept, dim=-1)
+    target = uniform(seed, counter) * cdf[:, -1]
+    idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), n_keep - 1)
+    return si.gather(1, idx[:, None])[:, 0]

@@ -1,0 +1,46 @@
+"""The preparation subprocess: ``python -m flare.prepare.worker OPTIONS_JSON``.
+
+Everything torch-related happens here, so the compiler workers, caching
+allocators and Python model objects are gone when it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+_T0 = time.time()
+
+
+def progress(msg: str) -> None:
+    print(f"[flare-prepare {time.time() - _T0:6.1f}s] {msg}", flush=True)
+
+
+def main() -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    args = json.loads(sys.argv[1])
+    out = Path(args.pop("out"))
+    model = args.pop("model")
+    from flare.prepare.build import Options, PrepareError, prepare
+    from flare.prepare.recipes import UnsupportedArchitecture
+    from flare.prepare.sources import SourceError, resolve
+
+    opts = Options(**{**args, "decode_capacities": tuple(args["decode_capacities"])})
+    try:
+        progress(f"loading {model}")
+        src = resolve(model, progress=progress)
+        prepare(src, opts, out, progress)
+    except (PrepareError, SourceError, UnsupportedArchitecture) as e:
+        print(f"flare-prepare: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

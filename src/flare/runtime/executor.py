@@ -1,0 +1,52 @@
+"""The executor interface: how the scheduler drives prepared programs.
+
+Two implementations share it: the reference executor (eager torch in a worker
+subprocess over a shared-memory arena) and the CUDA graph executor (cuda-python
+replay of exported graphs). The scheduler and server never know which one runs.
+
+Ordering contract: ``write`` is ordered after every previously submitted
+program and before every later one; ``read`` returns what the last completed
+program left in an output buffer. Programs execute in submission order.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from flare.core.manifest import DType, Manifest
+
+NUMPY_DTYPES = {
+    DType.float32: np.float32,
+    DType.float16: np.float16,
+    DType.bfloat16: np.uint16,  # raw bits: the runtime never does bfloat16 arithmetic
+    DType.int32: np.int32,
+    DType.int64: np.int64,
+    DType.uint8: np.uint8,
+}
+
+
+class Executor(Protocol):
+    manifest: Manifest
+
+    async def start(self) -> None:
+        """Load the core; after this returns no allocation, module load or graph
+        instantiation happens until close()."""
+
+    async def close(self) -> None: ...
+
+    def write(self, buffer: str, value: np.ndarray, row: int | slice | None = None) -> None:
+        """Stage ``value`` into ``buffer`` (or one of its rows)."""
+
+    def submit(self, program: str) -> None:
+        """Launch a program; its inputs are what was written before."""
+
+    async def wait(self) -> None:
+        """Wait until every submitted program has completed; raises ExecutionError."""
+
+    def read(self, buffer: str) -> np.ndarray:
+        """A host copy of an output buffer after wait()."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters (programs launched, device allocations after readiness, ...)."""

@@ -1,0 +1,104 @@
+"""A request as the runtime sees it: token ids in, token ids out.
+
+Token accounting (seed): *consumed* tokens are in every model state (KV, and
+for recurrent models the recurrence); the *pending* token was sampled but not
+yet consumed; *visible* output is what presentation shows. Only consumed
+history can define a checkpoint.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Protocol
+
+import msgspec
+
+from flare.runtime.pages import PageId, SlotId
+
+
+class FinishReason(str, enum.Enum):
+    stop = "stop"  # EOS, a stop token id, or a stop string
+    length = "length"  # max_tokens, or the context / pool limit
+    cancelled = "cancelled"  # client went away or shutdown
+    error = "error"
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Resolved parameters: defaults applied, ranges clamped, seed chosen."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class RequestSink(Protocol):
+    """Receives a request's output. Called from the engine loop: must not block."""
+
+    def on_tokens(self, request: "Request", ids: list[int]) -> bool:
+        """New visible tokens. Return True when a stop sequence matched: the request
+        then finishes with reason ``stop`` at this submission boundary."""
+
+    def on_finish(self, request: "Request") -> None: ...
+
+
+class NullSink:
+    def on_tokens(self, request: "Request", ids: list[int]) -> bool:
+        return False
+
+    def on_finish(self, request: "Request") -> None:
+        pass
+
+
+_ids = itertools.count(1)
+
+
+class Request:
+    def __init__(self, prompt: list[int], params: SamplingParams, sink: RequestSink | None = None,
+                 request_id: str | None = None):
+        self.id = request_id or f"req-{next(_ids)}"
+        self.prompt = list(prompt)
+        self.params = params
+        self.sink: RequestSink = sink or NullSink()
+        self.status = Status.WAITING
+        self.slot: SlotId | None = None
+        self.pages: list[PageId] = []
+        self.output: list[int] = []  # every sampled token, stop token included
+        self.consumed = 0  # tokens in model state
+        self.target: list[int] = self.prompt  # tokens to prefill before decoding
+        self.finish_reason: FinishReason | None = None
+        self.error: Exception | None = None
+        self.cancel_requested = False
+        self.admission_seq = -1  # admission order, for preemption
+        self.preemptions = 0
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    @property
+    def max_len(self) -> int:
+        """Longest history this request can ever hold in KV."""
+        return len(self.prompt) + self.params.max_tokens
+
+    def __repr__(self) -> str:
+        return f"Request({self.id}, {self.status.value}, slot={self.slot}, consumed={self.consumed}, out={len(self.output)})"

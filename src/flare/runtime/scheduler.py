@@ -1,0 +1,368 @@
+"""The scheduler: admission, page growth, preemption, and step selection.
+
+Synchronous and executor-free so that tests can drive it with tiny pools; the
+engine turns its ``Step``s into executor writes and launches. Policy (seed,
+"use a small scheduler"):
+
+* FIFO admission subject to a slot and a page reservation (the history to
+  prefill plus one page of output). A request that does not fit yet waits; a
+  smaller one behind it may go first.
+* Pages grow one page ahead of decode. When a running request cannot grow,
+  the newest decoder is preempted and readmitted later with its history,
+  output, penalty counts and a reseeded random stream.
+* One decode batch of every decoding request; at most one prefill chunk
+  between decode batches.
+* Cancellation and completion take effect at submission boundaries: the
+  engine calls ``schedule`` only when nothing it submitted is in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flare.core.errors import AdmissionError, CapacityError, ExecutionError, FrontendError
+from flare.core.manifest import STATUS_CODES, Manifest, ProgramKind
+from flare.runtime.pages import PagePool, PoolExhausted, SlotPool
+from flare.runtime.request import FinishReason, Request, Status
+
+_U64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, generated: int) -> int:
+    """Seed rule for readmission: a new stream from (request seed, tokens generated so
+    far), so a preempted request does not replay draws it already used. splitmix64."""
+    z = (seed + 0x9E3779B97F4A7C15 * (generated + 1)) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+@dataclass
+class Write:
+    buffer: str
+    value: np.ndarray
+    row: int | slice | None = None
+
+
+@dataclass
+class Step:
+    kind: ProgramKind
+    program: str
+    writes: list[Write] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    completion: str | None = None
+    count: int = 0  # prefill: tokens in this chunk
+    sample: bool = False  # prefill: samples the first output token
+
+
+class Scheduler:
+    def __init__(self, manifest: Manifest, *, max_waiting: int = 256):
+        self.m = manifest
+        self.caps = manifest.capacities
+        self.page_size = manifest.pages.page_size
+        self.pages = PagePool(manifest.pages.num_pages, manifest.pages.null_page)
+        self.slots = SlotPool(self.caps.slots)
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._maintenance: deque[Step] = deque()
+        self._admissions = 0
+        self._last_kind: ProgramKind | None = None
+        self.prefill_tokens_total = 0
+        self.preemptions_total = 0
+        self._prefill_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.prefill))
+        self._decode_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.decode))
+        self._admit_program = manifest.programs_of(ProgramKind.admit)[0]
+
+    # -- intake ------------------------------------------------------------
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def validate(self, req: Request) -> None:
+        """Reject what can never run, before anything is queued (HTTP 400)."""
+        n = len(req.prompt)
+        if n == 0:
+            raise FrontendError("the prompt is empty", param="messages", code="empty_prompt")
+        limit = self.caps.context_limit
+        if n + req.params.max_tokens > limit:
+            if n >= limit:
+                raise AdmissionError(
+                    f"this model's context limit is {limit} tokens; the prompt has {n}", param="messages")
+            raise AdmissionError(
+                f"this model's context limit is {limit} tokens; the prompt has {n} and max_tokens asks for "
+                f"{req.params.max_tokens} more", param="max_tokens")
+        if self.pages_for(n) + 1 > self.pages.total:
+            raise AdmissionError(
+                f"the prompt needs {self.pages_for(n) + 1} KV pages; the pool holds {self.pages.total}",
+                param="messages", code="kv_capacity_exceeded")
+        stops = len(req.params.stop_token_ids) + (0 if req.params.ignore_eos else len(self.m.frontend.eos_ids))
+        if stops > self.caps.stop_ids:
+            raise FrontendError(f"at most {self.caps.stop_ids} stop token ids (EOS included) are supported",
+                                param="stop_token_ids")
+        if any(not 0 <= t < self.caps.vocab_size for t in req.prompt):
+            raise FrontendError("prompt token id outside the vocabulary", param="prompt")
+
+    def add(self, req: Request) -> None:
+        self.validate(req)
+        if len(self.waiting) >= self.max_waiting:
+            raise CapacityError("the admission queue is full; retry later", code="queue_full")
+        self.waiting.append(req)
+
+    def cancel(self, req: Request) -> None:
+        req.cancel_requested = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._maintenance)
+
+    # -- scheduling --------------------------------------------------------
+
+    def schedule(self) -> Step | None:
+        """The next step to run. Call only when no submitted work is in flight."""
+        self._retire_cancelled()
+        if self._maintenance:
+            return self._maintenance.popleft()
+        self._admit()
+        if self._maintenance:
+            return self._maintenance.popleft()
+        prefilling = [r for r in self.running if r.status == Status.PREFILLING]
+        decoding = [r for r in self.running if r.status == Status.DECODING]
+        if prefilling and (not decoding or self._last_kind == ProgramKind.decode):
+            step = self._prefill_step(prefilling[0])
+        elif decoding:
+            step = self._decode_step()
+            if step is None:  # every decoder was preempted or ended
+                return self.schedule()
+        else:
+            return None
+        self._last_kind = step.kind
+        return step
+
+    def _retire_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.cancel_requested]:
+            self.waiting.remove(req)
+            self._finish(req, FinishReason.cancelled)
+        for req in [r for r in self.running if r.cancel_requested]:
+            self._finish(req, FinishReason.cancelled)
+
+    def _admit(self) -> None:
+        for req in list(self.waiting):
+            if not self.slots.free:
+                return
+            need = self._reservation(req)
+            if not self.pages.can_allocate(need):
+                continue  # a blocked request does not stop smaller ones behind it
+            self.waiting.remove(req)
+            req.slot = self.slots.allocate()
+            req.pages = self.pages.allocate(need)
+            req.status = Status.PREFILLING
+            req.consumed = 0
+            req.admission_seq = self._admissions
+            self._admissions += 1
+            self.running.append(req)
+            self._queue_admission(req)
+
+    def _reservation(self, req: Request) -> int:
+        tokens = min(len(req.target) + self.page_size, req.max_len)
+        return min(self.pages_for(tokens), self.caps.max_pages_per_slot)
+
+    def _queue_admission(self, req: Request) -> None:
+        """State row writes and the admit programs that build the penalty histogram."""
+        p = req.params
+        slot = req.slot
+        resumed = bool(req.output)
+        eos = () if p.ignore_eos else self.m.frontend.eos_ids
+        stops = np.full(self.caps.stop_ids, -1, np.int32)
+        ids = (*eos, *p.stop_token_ids)
+        stops[: len(ids)] = ids
+        table = np.zeros(self.caps.max_pages_per_slot, np.int32)
+        table[: len(req.pages)] = req.pages
+        seed = derive_seed(p.seed, len(req.output)) if resumed else p.seed
+        writes = [
+            Write("state.len", np.int32(0), slot),
+            Write("state.pending", np.int32(req.output[-1] if resumed else 0), slot),
+            Write("state.generated", np.int32(len(req.output)), slot),
+            Write("state.max_new", np.int32(p.max_tokens), slot),
+            Write("state.done", np.int32(0), slot),
+            Write("state.seed", np.int64(seed), slot),
+            Write("state.counter", np.int64(0), slot),
+            Write("state.top_k", np.int32(p.top_k), slot),
+            Write("state.sampling", np.array([p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                                               p.presence_penalty, p.frequency_penalty], np.float32), slot),
+            Write("state.stop_ids", stops, slot),
+            Write("state.page_table", table, slot),
+        ]
+        chunks = [(req.prompt[i : i + self._admit_program.capacity], 0)
+                  for i in range(0, len(req.prompt), self._admit_program.capacity)]
+        chunks += [(req.output[i : i + self._admit_program.capacity], 1)
+                   for i in range(0, len(req.output), self._admit_program.capacity)]
+        for i, (tokens, mode) in enumerate(chunks):
+            step = Step(ProgramKind.admit, self._admit_program.name, writes if i == 0 else [], [req])
+            step.writes = step.writes + [
+                Write("in.tokens", np.asarray(tokens, np.int32)),
+                Write("in.admit", np.array([slot, len(tokens), int(i == 0), mode], np.int32)),
+            ]
+            self._maintenance.append(step)
+
+    def _prefill_step(self, req: Request) -> Step:
+        start = req.consumed
+        tokens = req.target[start : start + self.caps.prefill_chunk]
+        n = len(tokens)
+        cap = next(c for c in self._prefill_caps if c >= n)
+        last = start + n == len(req.target)
+        sample = last and not req.output  # a readmitted request already holds its pending token
+        step = Step(ProgramKind.prefill, f"prefill.{cap}", requests=[req], completion="out.prefill_completion",
+                    count=n, sample=sample)
+        step.writes = [
+            Write("in.tokens", np.asarray(tokens, np.int32)),
+            Write("in.prefill", np.array([req.slot, n, int(sample), 0], np.int32)),
+        ]
+        return step
+
+    def _decode_step(self) -> Step | None:
+        writes: list[Write] = []
+        for req in sorted((r for r in self.running if r.status == Status.DECODING), key=lambda r: r.admission_seq):
+            if req.status != Status.DECODING:  # preempted while growing an earlier request
+                continue
+            if not self._grow(req, writes):
+                continue
+        batch = [r for r in self.running if r.status == Status.DECODING]
+        if not batch:
+            return None
+        cap = next(c for c in self._decode_caps if c >= len(batch))
+        slots = np.zeros(max(self._decode_caps), np.int32)
+        slots[: len(batch)] = [r.slot for r in batch]
+        writes.append(Write("in.decode_slots", slots))
+        return Step(ProgramKind.decode, f"decode.{cap}", writes, batch, "out.decode_completion")
+
+    def _grow(self, req: Request, writes: list[Write]) -> bool:
+        """Make sure the page for the next position exists (and one more, when free).
+        Returns False when the request was preempted or ended instead."""
+        must = self.pages_for(req.consumed + 1)
+        want = min(must + 1, self.pages_for(req.max_len), self.caps.max_pages_per_slot)
+        while len(req.pages) < must:
+            if self.pages.can_allocate(1):
+                self._add_pages(req, 1, writes)
+                continue
+            victim = self._preemption_victim()
+            if victim is None or (victim is req and len(self.running) == 1):
+                # Nothing else holds pages: this history fills the whole pool.
+                self._finish(req, FinishReason.length)
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if len(req.pages) < want and self.pages.can_allocate(want - len(req.pages)):
+            self._add_pages(req, want - len(req.pages), writes)
+        return True
+
+    def _add_pages(self, req: Request, n: int, writes: list[Write]) -> None:
+        first = len(req.pages)
+        req.pages.extend(self.pages.allocate(n))
+        writes.append(Write("state.page_table", np.asarray(req.pages[first:], np.int32),
+                            (req.slot, slice(first, len(req.pages)))))
+
+    def _preemption_victim(self) -> Request | None:
+        decoders = [r for r in self.running if r.status == Status.DECODING]
+        return max(decoders, key=lambda r: r.admission_seq) if decoders else None
+
+    def _preempt(self, req: Request) -> None:
+        """Release the request's resources and queue it first for readmission with its
+        history (prompt + output, the last output token still pending)."""
+        self._release(req)
+        req.status = Status.WAITING
+        req.target = req.prompt + req.output[:-1]
+        req.consumed = 0
+        req.preemptions += 1
+        self.preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    # -- completion --------------------------------------------------------
+
+    def complete(self, step: Step, records: np.ndarray | None) -> None:
+        """Apply a finished step. Records are validated before any state changes."""
+        if step.kind == ProgramKind.admit:
+            return
+        if records is None:
+            raise ExecutionError(f"{step.program} returned no completion records")
+        rows = records[: len(step.requests)]
+        for req, row in zip(step.requests, rows):
+            if int(row[0]) != req.slot:
+                raise ExecutionError(f"{step.program}: completion for slot {int(row[0])}, expected {req.slot}",
+                                     code="bad_completion")
+        if step.kind == ProgramKind.prefill:
+            req = step.requests[0]
+            req.consumed += step.count
+            self.prefill_tokens_total += step.count
+            if req.consumed == len(req.target) and not req.finished:
+                req.status = Status.DECODING
+            if step.sample:
+                self._accept(req, rows[0])
+            return
+        for req, row in zip(step.requests, rows):
+            if int(row[1]) >= 0:
+                req.consumed += 1  # the pending token was consumed by this decode
+            self._accept(req, row)
+
+    def _accept(self, req: Request, row: np.ndarray) -> None:
+        token, status = int(row[1]), int(row[3])
+        if token < 0 or req.finished:
+            return
+        req.output.append(token)
+        visible = [token] if status != STATUS_CODES["stop"] else []
+        stop_matched = req.sink.on_tokens(req, visible) if visible else False
+        if status == STATUS_CODES["stop"] or stop_matched:
+            self._finish(req, FinishReason.stop)
+        elif status == STATUS_CODES["length"]:
+            self._finish(req, FinishReason.length)
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None:
+            self.pages.release(req.pages)
+            self.slots.release(req.slot)
+            req.pages = []
+            req.slot = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def _finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> None:
+        if req.finished:
+            return
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        # A finished request may still have admit steps queued (cancelled right after admission).
+        self._maintenance = deque(s for s in self._maintenance if req not in s.requests)
+        req.sink.on_finish(req)
+
+    def fail_all(self, error: Exception) -> None:
+        for req in list(self.running) + list(self.waiting):
+            self._finish(req, FinishReason.error, error)
+        self.waiting.clear()
+
+    # -- invariants --------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        self.slots.check_integrity()
+        held = [p for r in self.running for p in r.pages]
+        if len(held) != len(set(held)):
+            raise AssertionError("two running requests hold the same page")
+        if len(held) != self.pages.used:
+            raise AssertionError(f"running requests hold {len(held)} pages, pool says {self.pages.used} used")
+        slots = [r.slot for r in self.running]
+        if None in slots or len(set(slots)) != len(slots) or len(slots) != self.slots.total - self.slots.free:
+            raise AssertionError("slot ownership is inconsistent")
+        for r in self.running:
+            if r.status not in (Status.PREFILLING, Status.DECODING):
+                raise AssertionError(f"{r} is running with status {r.status}")
+            if len(r.pages) * self.page_size < r.consumed:
+                raise AssertionError(f"{r} consumed more tokens than its pages hold")
+        for r in self.waiting:
+            if r.slot is not None or r.pages:
+                raise AssertionError(f"waiting {r} holds resources")

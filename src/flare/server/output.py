@@ -1,0 +1,72 @@
+"""Per-request output delivery from the engine loop to an HTTP handler.
+
+The engine calls ``on_tokens`` / ``on_finish`` synchronously; they only append
+to this stream's buffer and set an event, so a slow or absent consumer never
+blocks the engine or other requests. The buffer is bounded by the request's
+``max_tokens``: the handler drains everything pending at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from flare.runtime.request import FinishReason, Request
+from flare.server.text import IncrementalDetokenizer, StopMatcher, TextCodec
+
+
+@dataclass
+class Chunk:
+    text: str
+    finish_reason: FinishReason | None
+    error: Exception | None = None
+
+
+class OutputStream:
+    def __init__(self, codec: TextCodec, prompt_ids: list[int], stops: list[str]):
+        self.detok = IncrementalDetokenizer(codec, prompt_ids)
+        self.stops = StopMatcher(stops)
+        self._pieces: list[str] = []
+        self._finish: FinishReason | None = None
+        self._error: Exception | None = None
+        self._event = asyncio.Event()
+        self.request: Request | None = None
+
+    # -- RequestSink (engine side) -------------------------------------------
+
+    def on_tokens(self, request: Request, ids: list[int]) -> bool:
+        text, matched = self.stops.feed(self.detok.push(ids))
+        if text:
+            self._pieces.append(text)
+            self._event.set()
+        return matched
+
+    def on_finish(self, request: Request) -> None:
+        reason = request.finish_reason
+        if reason != FinishReason.stop or not self.stops.matched:
+            text, matched = self.stops.feed(self.detok.flush())
+            tail = text + ("" if matched else self.stops.flush())
+            if tail:
+                self._pieces.append(tail)
+        self._finish = reason
+        self._error = request.error
+        self._event.set()
+
+    # -- consumer side ---------------------------------------------------------
+
+    async def next(self) -> Chunk:
+        """Everything produced since the last call; waits while there is nothing."""
+        while not self._pieces and self._finish is None:
+            self._event.clear()
+            await self._event.wait()
+        text = "".join(self._pieces)
+        self._pieces.clear()
+        return Chunk(text, self._finish, self._error)
+
+    async def collect(self) -> Chunk:
+        parts = []
+        while True:
+            c = await self.next()
+            parts.append(c.text)
+            if c.finish_reason is not None:
+                return Chunk("".join(parts), c.finish_reason, c.error)

@@ -1,0 +1,121 @@
+"""Turning request fields into resolved sampling parameters (seed rules).
+
+* Missing values take the core's declared defaults.
+* Values outside the core's declared range clamp to the nearest endpoint; a
+  parameter without a declared range stays at its default.
+* Temperature must be positive: zero would collapse the distribution
+  (greedy decoding is not a sampling mode here).
+* Non-finite numbers, non-positive ``max_tokens`` and malformed stops are
+  errors naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from flare.core.errors import FrontendError
+from flare.core.manifest import Manifest
+from flare.runtime.request import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_N = 8
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_n: int = MAX_N
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_tokens_cap: int | None = None  # server-wide ceiling on max_tokens
+
+
+def _number(name: str, value, *, integer: bool = False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FrontendError(f"{name} must be a number", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise FrontendError(f"{name} must be finite", param=name)
+    if integer and int(value) != value:
+        raise FrontendError(f"{name} must be an integer", param=name)
+    return value
+
+
+def resolve_sampling(
+    manifest: Manifest,
+    *,
+    prompt_len: int,
+    fields: dict,
+    max_tokens: int | None,
+    seed: int | None,
+    stop_token_ids: list[int] | None,
+    ignore_eos: bool,
+    limits: Limits = Limits(),
+) -> SamplingParams:
+    d = manifest.sampling
+    values: dict[str, float] = {}
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        default = getattr(d, name)
+        v = fields.get(name)
+        if v is None:
+            values[name] = default
+            continue
+        v = _number(name, v, integer=name == "top_k")
+        if name == "temperature" and v <= 0:
+            raise FrontendError("temperature must be positive (greedy decoding is not supported)",
+                                param="temperature", code="invalid_temperature")
+        if name == "top_k" and v < 0:
+            v = 0  # vLLM's -1: disabled
+        r = d.ranges.get(name)
+        values[name] = default if r is None else min(max(v, r.lo), r.hi)
+
+    limit = manifest.capacities.context_limit - prompt_len
+    if max_tokens is None:
+        max_tokens = max(limit, 1)
+        if limits.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, limits.max_tokens_cap)
+    else:
+        max_tokens = _number("max_tokens", max_tokens, integer=True)
+        if max_tokens <= 0:
+            raise FrontendError("max_tokens must be at least 1", param="max_tokens")
+        if limits.max_tokens_cap is not None and max_tokens > limits.max_tokens_cap:
+            raise FrontendError(f"max_tokens is limited to {limits.max_tokens_cap} on this server",
+                                param="max_tokens")
+    if seed is None:
+        seed = secrets.randbits(63)
+    else:
+        seed = _number("seed", seed, integer=True)
+        if not -(1 << 63) <= seed < 1 << 63:
+            raise FrontendError("seed must fit in 64 bits", param="seed")
+    stop_ids = tuple(stop_token_ids or ())
+    vocab = manifest.capacities.vocab_size
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in stop_ids):
+        raise FrontendError("stop_token_ids must be token ids inside the vocabulary", param="stop_token_ids")
+    return SamplingParams(
+        temperature=float(values["temperature"]),
+        top_k=int(values["top_k"]),
+        top_p=float(values["top_p"]),
+        min_p=float(values["min_p"]),
+        repetition_penalty=float(values["repetition_penalty"]),
+        presence_penalty=float(values["presence_penalty"]),
+        frequency_penalty=float(values["frequency_penalty"]),
+        seed=int(seed),
+        max_tokens=int(max_tokens),
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(ignore_eos),
+    )
+
+
+def stop_strings(stop, limits: Limits = Limits()) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > limits.max_stop_strings:
+        raise FrontendError(f"at most {limits.max_stop_strings} stop sequences", param="stop")
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise FrontendError("stop sequences must be non-empty strings", param="stop")
+        if len(s) > MAX_STOP_LENGTH:
+            raise FrontendError(f"stop sequences are limited to {MAX_STOP_LENGTH} characters", param="stop")
+    return stops

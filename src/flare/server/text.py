@@ -1,0 +1,97 @@
+"""Tokenization, incremental detokenization and stop strings.
+
+The incremental detokenizer decodes a sliding window of token ids and emits
+only text that is complete: while the newest tokens end inside a UTF-8
+sequence (byte-fallback tokens decode to U+FFFD until the sequence closes),
+their text is held back. The window starts with the last prompt tokens so
+leading-space rules of the tokenizer's decoder see real context.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+CONTEXT_TOKENS = 5
+REPLACEMENT = "\ufffd"
+
+
+class TextCodec:
+    def __init__(self, tokenizer_json_path: str):
+        self.tokenizer = Tokenizer.from_file(tokenizer_json_path)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str, *, add_special_tokens: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, enc.offsets
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, codec: TextCodec, prompt_ids: list[int]):
+        self.codec = codec
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix = 0  # window start
+        self.read = len(self.ids)  # ids before this were already emitted
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self.codec.decode(self.ids[self.prefix : self.read])
+        text = self.codec.decode(self.ids[self.prefix :])
+        if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT):
+            delta = text[len(prefix_text) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end of the stream (an unfinished sequence
+        decodes to U+FFFD, a complete character, never a broken byte sequence)."""
+        prefix_text = self.codec.decode(self.ids[self.prefix : self.read])
+        text = self.codec.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return text[len(prefix_text) :] if len(text) > len(prefix_text) else ""
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back any suffix that could still
+    become one. ``feed`` returns (text safe to emit, matched?)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.matched = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.matched:
+            return "", True
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.matched = True
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.matched else self.held), ""
+        return out
