@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -71,7 +73,15 @@ async def serve(a: argparse.Namespace) -> int:
         await server.serve()
     finally:
         await engine.shutdown(grace_s=5.0)
+        _report_modules()
     return 0 if server.started else 4
+
+
+def _report_modules() -> None:
+    """Tests set FLARE_MODULES_REPORT to check what the serving process imported."""
+    path = os.environ.get("FLARE_MODULES_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(sorted(sys.modules)))
 
 
 def main(argv: list[str] | None = None) -> int:

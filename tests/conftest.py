@@ -1,0 +1,138 @@
+"""Shared fixtures: prepared cores (cached across runs) and live servers.
+
+Cores are prepared through the real ``flare-prepare`` CLI into
+``.cache/test-cores/<key>``; the key covers the preparation code, the configs
+and the options, so a change to any of them re-prepares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("FLARE_TEST_CACHE", ROOT / ".cache" / "test-cores"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Options shared by the test cores: small context, small chunks so that chunking and
+# page boundaries are exercised with short prompts.
+SMOL_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-size", "128", "--kv-pages", "600",
+             "--page-size", "16", "--decode-capacities", "1,2,4"]
+TINY_OPTS = ["--device", "cpu", "--context-limit", "1024", "--prefill-chunk-size", "128", "--kv-pages", "256",
+             "--page-size", "16", "--decode-capacities", "1,2,4,8"]
+
+
+def _code_digest() -> str:
+    h = hashlib.sha256()
+    for base in (ROOT / "src" / "flare", ROOT / "configs"):
+        for p in sorted(base.rglob("*")):
+            if p.is_file() and p.suffix in (".py", ".toml", ".c", ".jinja"):
+                h.update(str(p.relative_to(ROOT)).encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prepare_core(model: str, opts: list[str], name: str | None = None) -> Path:
+    key = hashlib.sha256(("|".join([model, *opts, _code_digest()])).encode()).hexdigest()[:16]
+    out = CACHE / f"{name or model}-{key}"
+    if (out / "manifest.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "flare.prepare.cli", model, "--out", str(tmp), *opts]
+    if name:
+        cmd += ["--served-name", name]
+    subprocess.run(cmd, check=True)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smol_core() -> Path:
+    return prepare_core("smollm2-135m-instruct", SMOL_OPTS)
+
+
+@pytest.fixture(scope="session")
+def tiny_core() -> Path:
+    return prepare_core("llama-tiny", TINY_OPTS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, core: Path, *extra: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(CACHE / f"server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flare.server.cli", str(core), "--port", str(self.port),
+             "--torch-threads", "2", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"flare-serve exited with {self.proc.returncode}:\n{self.output()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"flare-serve not ready after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_server(core: Path, *extra: str, env: dict | None = None):
+    CACHE.mkdir(parents=True, exist_ok=True)
+    srv = ServerProcess(core, *extra, env=env)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_server(smol_core):
+    with running_server(smol_core) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_core):
+    with running_server(tiny_core) as srv:
+        yield srv
