@@ -26,8 +26,11 @@ _ST_DTYPE = {
 }
 
 
+PERSISTENT_ROLES = (BufferRole.weight, BufferRole.scratch)
+
+
 def persistent_buffers(m: Manifest) -> list[Buffer]:
-    return [b for b in m.buffers if b.role == BufferRole.weight]
+    return [b for b in m.buffers if b.role in PERSISTENT_ROLES]
 
 
 def write_image(

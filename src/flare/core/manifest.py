@@ -14,7 +14,8 @@ Arena map (offsets grow downward, every buffer aligned to ``arena.alignment``)::
     | request state (state)    |  row 0 of every state buffer is the null slot
     | inputs  (role=input)     |  written by the runtime before a launch
     | outputs (role=output)    |  completion records, logits, hidden rows
-    | scratch (role=scratch)   |  graph pool / operator workspaces (GPU only)
+    | scratch (role=scratch)   |  torch's pool on CUDA cores: graph intermediates,
+    |                          |  compiled constants, library workspaces (in the image)
     +--------------------------+ arena.nbytes
 """
 
@@ -67,7 +68,7 @@ class BufferRole(str, enum.Enum):
     snapshot = "snapshot"  # immutable checkpoint rows
     input = "input"  # host-written before a launch
     output = "output"  # device-written, read back by the host
-    scratch = "scratch"  # graph pool and operator workspaces
+    scratch = "scratch"  # graph pool and operator workspaces (persistent: stored in the image)
 
 
 class Buffer(_Frozen):
@@ -209,6 +210,7 @@ class Manifest(_Frozen):
     frontend: Frontend
     sampling: SamplingDefaults
     reference: Reference
+    kernels: str | None  # kernel table file (CUDA cores); None on reference cores
 
     def buffer(self, name: str) -> Buffer:
         for b in self.buffers:
@@ -409,6 +411,10 @@ def validate(m: Manifest) -> None:
         _fail("prefill programs do not cover the declared prefill capacities", "programs")
     if caps[ProgramKind.decode] != c.decode_capacities:
         _fail("decode programs do not cover the declared decode capacities", "programs")
+    if (m.kernels is None) != (m.identity.device == "cpu"):
+        _fail("CUDA cores need a kernel table; reference cores have none", "kernels")
+    if m.identity.device == "cuda" and not m.arena.base_address:
+        _fail("CUDA cores need a fixed arena base address", "arena.base_address")
     if caps[ProgramKind.admit] != (max(c.prefill_capacities),):
         _fail("core needs exactly one admit program at the prefill chunk capacity", "programs")
 

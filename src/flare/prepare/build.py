@@ -8,7 +8,10 @@ them as graphs), then write the core directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import math
 import platform
 import sys
 import time
@@ -23,7 +26,7 @@ from flare.core import manifest as mf
 from flare.core.image import persistent_buffers, write_image
 from flare.core.manifest import BufferRole, DType, ProgramKind
 from flare.prepare import recipes
-from flare.prepare.layout import BufferRequest, plan
+from flare.prepare.layout import BufferRequest, align, plan
 from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
 from flare.prepare.sources import ModelSource
 
@@ -47,6 +50,9 @@ class Options:
     kv_memory_gib: float | None = None
     attention: str | None = None  # reference | triton
     compile: bool = True
+    scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
+    reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
+    qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce
     served_name: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -61,7 +67,9 @@ def _dtype_enum(t: torch.dtype) -> DType:
     raise PrepareError(f"unsupported dtype {t}")
 
 
-def plan_capacities(src: ModelSource, recipe, opts: Options) -> tuple[mf.Capacities, int]:
+def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_bytes: int | None) -> tuple[mf.Capacities, int]:
+    """Capacities from the options; KV pages from --kv-pages, --kv-memory, or (CUDA)
+    the device's free memory minus weights, scratch and the declared reserve."""
     cfg = src.config
     model_max = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
     context = opts.context_limit or min(model_max, 8192 if opts.device == "cpu" else 32768)
@@ -98,8 +106,12 @@ def plan_capacities(src: ModelSource, recipe, opts: Options) -> tuple[mf.Capacit
     bytes_per_page = geo.layers * 2 * opts.page_size * geo.kv_heads * geo.head_dim * itemsize
     if opts.kv_pages is not None:
         pages = opts.kv_pages
-    else:
+    elif opts.kv_memory_gib is not None or free_bytes is None:
         budget = (opts.kv_memory_gib if opts.kv_memory_gib is not None else 0.5) * GiB
+        pages = int(budget // bytes_per_page)
+    else:
+        weights = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
+        budget = free_bytes - weights - (opts.scratch_memory_gib + opts.reserve_gib) * GiB
         pages = int(budget // bytes_per_page)
     # One request at full context must fit, plus the null page.
     if pages < caps.max_pages_per_slot + 1:
@@ -147,51 +159,73 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None) -> tuple[m
     return tuple(progs)
 
 
-def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str], None]) -> mf.Manifest:
+def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str], None], session=None) -> mf.Manifest:
+    """Prepare and export a core. ``session`` is a CudaSession for --device cuda
+    (begun before torch initialised CUDA), None for the CPU reference path."""
     t0 = time.time()
     model_type = src.config.model_type
     try:
         recipe = recipes.for_model_type(model_type)
     except recipes.UnsupportedArchitecture as e:
         raise PrepareError(str(e)) from None
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise PrepareError("--device cuda requested but no CUDA device is available")
-    attention = opts.attention or ("triton" if opts.device == "cuda" else "reference")
+    cuda = opts.device == "cuda"
+    if cuda and session is None:
+        raise PrepareError("--device cuda requested but no CUDA session is available")
+    attention = opts.attention or ("triton" if cuda else "reference")
     dtype = TORCH_DTYPES[opts.resolved_dtype()]
 
     progress(f"building {model_type} ({recipe.name} recipe) on the meta device")
     model = recipe.build(src.config, dtype)
     specs = recipe.weights(model)
-    caps, pages = plan_capacities(src, recipe, opts)
-    buffers, nbytes = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
+    free = session.free_at_start if cuda else None
+    caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=free)
+    buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
     weight_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.weight)
     kv_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.kv)
-    progress(
-        f"arena {nbytes / GiB:.2f} GiB: weights {weight_bytes / GiB:.2f} GiB, "
-        f"kv {pages} pages x {opts.page_size} tokens ({kv_bytes / GiB:.2f} GiB)"
-    )
-    if opts.device != "cpu":
-        raise PrepareError("CUDA preparation is provided by flare.prepare.cuda (not available in this build)")
-    arena = torch.zeros(nbytes, dtype=torch.uint8)
+    state_bytes = sum(b.nbytes for b in buffers if b.role in (BufferRole.state, BufferRole.input, BufferRole.output))
+    progress(f"plan: weights {weight_bytes / GiB:.2f} GiB, kv {pages} pages x {opts.page_size} tokens "
+             f"({kv_bytes / GiB:.2f} GiB), state and io {state_bytes / 2**20:.1f} MiB")
+    if cuda:
+        pool_offset = align(planned, 2 << 20)
+        session.map(pool_offset + int(opts.scratch_memory_gib * GiB))
+        with torch.cuda.device(0):
+            arena = session.start_torch(pool_offset)
+    else:
+        pool_offset = planned
+        arena = torch.zeros(planned, dtype=torch.uint8)
+    views = arena_views(arena, buffers)
+    with (torch.cuda.use_mem_pool(session.pool) if cuda else contextlib.nullcontext()):
+        recipe.bind(model, specs, views)
+        progress("loading weights into the arena")
+        src.load_weights({name: views[s.buffer] for s in specs if s.from_checkpoint for name in s.names[:1]})
+        recipe.compute_constants(model, specs, views)
+        progress("building programs")
+        forward = _compiled_forward(recipe, model) if cuda and opts.compile else None
+        programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention, forward=forward)
+        table = program_table(caps, {p.name: f"graphs/{p.name}.json" for p in program_table(caps, None)} if cuda else None)
+        partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table,
+                                    base=session.base if cuda else 0, device=session.device if cuda else None)
+        out.mkdir(parents=True, exist_ok=True)
+        if cuda:
+            from flare.prepare.cuda.finish import capture_and_export
 
-    partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, attention)
-    views = arena_views(arena, partial)
-    recipe.bind(model, specs, views)
-    progress("loading weights into the arena")
-    src.load_weights({name: views[s.buffer] for s in specs if s.from_checkpoint for name in s.names[:1]})
-    recipe.compute_constants(model, specs, views)
-
-    progress("building programs")
-    programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention)
-    for p in program_table(caps, None):
-        programs.callable(p.kind, p.capacity)()  # smoke run on the null slot: every program must execute
-    arena[[b for b in buffers if b.role == BufferRole.kv][0].offset :].zero_()
+            extra = capture_and_export(session, programs, partial, views, pool_offset, out, opts, progress)
+            partial = msgspec.structs.replace(
+                partial, buffers=buffers + tuple(extra["buffers"]),
+                arena=msgspec.structs.replace(partial.arena, nbytes=extra["arena_nbytes"]))
+        else:
+            for p in table:
+                programs.callable(p.kind, p.capacity)()  # every program must execute once (null slot)
+            extra = {}
+    nbytes = partial.arena.nbytes
 
     progress(f"writing runtime core to {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    weights = persistent_buffers(partial)
-    arena_np = arena.numpy()
-    digest = write_image(out / "weights.safetensors", weights, lambda b: memoryview(arena_np[b.offset : b.offset + b.nbytes]))
+    if cuda:
+        read = lambda b: arena[b.offset : b.offset + b.nbytes].cpu().numpy().tobytes()  # noqa: E731
+    else:
+        arena_np = arena.numpy()
+        read = lambda b: memoryview(arena_np[b.offset : b.offset + b.nbytes])  # noqa: E731
+    digest = write_image(out / "weights.safetensors", persistent_buffers(partial), read)
     (out / "tokenizer.json").write_text(src.frontend.tokenizer_json)
     if src.frontend.chat_template is not None:
         (out / "chat_template.jinja").write_text(src.frontend.chat_template)
@@ -201,11 +235,36 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     identity = msgspec.structs.replace(partial.identity, fingerprint=fp.hexdigest())
     final = msgspec.structs.replace(partial, identity=identity)
     (out / mf.MANIFEST_FILE).write_bytes(mf.encode_manifest(final))
+    report = {"weights_bytes": weight_bytes, "kv_bytes": kv_bytes, "kv_pages": pages, "state_io_bytes": state_bytes,
+              "arena_bytes": nbytes, "seconds": round(time.time() - t0, 2), **extra.get("report", {})}
+    (out / "prepare_report.json").write_text(json.dumps(report, indent=1))
     progress(f"done in {time.time() - t0:.1f} s")
     return final
 
 
-def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, attention) -> mf.Manifest:
+def _compiled_forward(recipe, model):
+    """torch.compile over the complete model forward (Inductor). Shapes are static per
+    program capacity, so each capacity compiles once during warmup."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+    try:
+        import torch._inductor.config as ic
+
+        if hasattr(ic.triton, "use_static_cuda_launcher"):
+            # Kernels must load through Triton's launcher, whose loads we record exactly.
+            ic.triton.use_static_cuda_launcher = False
+    except ImportError:
+        pass
+
+    def forward(tokens, pos, batch):
+        return recipe.forward_tokens(model, tokens, pos, batch)
+
+    return torch.compile(forward, dynamic=False)
+
+
+def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, *, base, device) -> mf.Manifest:
     import transformers
 
     from flare import __version__
@@ -223,8 +282,8 @@ def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, attention
             model_type=src.config.model_type,
             recipe=recipe.name,
             device=opts.device,
-            device_name=platform.processor() or platform.machine(),
-            compute_capability=None,
+            device_name=device.name if device else (platform.processor() or platform.machine()),
+            compute_capability=device.compute_capability if device else None,
             versions={
                 "flare": __version__,
                 "torch": str(torch.__version__),
@@ -232,9 +291,9 @@ def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, attention
                 "python": sys.version.split()[0],
             },
         ),
-        arena=mf.Arena(nbytes=nbytes, alignment=256, base_address=0, image="weights.safetensors"),
+        arena=mf.Arena(nbytes=nbytes, alignment=256, base_address=base, image="weights.safetensors"),
         buffers=buffers,
-        programs=program_table(caps, None),
+        programs=table,
         completion=mf.CompletionLayout(fields=mf.COMPLETION_FIELDS, status_codes=mf.STATUS_CODES),
         pages=mf.PageGeometry(
             page_size=opts.page_size,
@@ -263,4 +322,5 @@ def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, attention
             ranges=ranges,
         ),
         reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
+        kernels="kernels.json" if device else None,
     )

@@ -50,6 +50,12 @@ def parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-memory", type=float, default=None, help="KV page budget in GiB")
     p.add_argument("--attention", choices=("reference", "triton"), default=None)
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
+    p.add_argument("--scratch-memory", type=float, default=4.0,
+                   help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept)")
+    p.add_argument("--gpu-reserve", type=float, default=4.0,
+                   help="CUDA: GiB of device memory left free when sizing KV pages from free memory")
+    p.add_argument("--qualify", type=int, default=0,
+                   help="CUDA: record N golden replays per program for replay qualification")
     p.add_argument("--served-name", default=None, help="model id the server reports (default: config or dir name)")
     return p
 
@@ -70,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         "attention": a.attention,
         "compile": not a.no_compile,
         "served_name": a.served_name,
+        "scratch_memory_gib": a.scratch_memory,
+        "reserve_gib": a.gpu_reserve,
+        "qualify": a.qualify,
     }
     proc = subprocess.run([sys.executable, "-m", "flare.prepare.worker", json.dumps(args)])
     return proc.returncode

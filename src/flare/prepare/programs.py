@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Manifest, ProgramKind
+from flare.core.manifest import HIST_PROMPT_BIT, Capacities, ProgramKind
 from flare.prepare.attention import PagedBatch
 from flare.prepare.sampling import sample
 
@@ -30,10 +30,10 @@ TORCH_DTYPES = {
 }
 
 
-def arena_views(arena: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
+def arena_views(arena: torch.Tensor, buffers) -> dict[str, torch.Tensor]:
     """Typed, shaped views of every buffer over a flat uint8 arena tensor."""
     views = {}
-    for b in manifest.buffers:
+    for b in buffers:
         raw = arena[b.offset : b.offset + b.nbytes]
         views[b.name] = raw.view(TORCH_DTYPES[b.dtype.value]).view(b.shape)
     return views
@@ -48,6 +48,7 @@ class ProgramSet:
         caps: Capacities,
         page_size: int,
         attention: str,
+        forward: Callable | None = None,
     ):
         self.recipe = recipe
         self.model = model
@@ -55,8 +56,12 @@ class ProgramSet:
         self.caps = caps
         self.page_size = page_size
         self.attention = attention
+        # The model forward over packed tokens; preparation may pass a compiled one.
+        self.eager_forward = lambda tokens, pos, batch: recipe.forward_tokens(model, tokens, pos, batch)
+        self.forward = forward or self.eager_forward
+        self._use_eager = False
 
-    def callable(self, kind: ProgramKind, capacity: int) -> Callable[[], None]:
+    def callable(self, kind: ProgramKind, capacity: int, *, eager: bool = False) -> Callable[[], None]:
         fn = {
             ProgramKind.admit: self.admit,
             ProgramKind.prefill: self.prefill,
@@ -64,10 +69,14 @@ class ProgramSet:
         }[kind]
 
         def run() -> None:
+            self._use_eager = eager
             with torch.inference_mode():
                 fn(capacity)
 
         return run
+
+    def _forward(self, tokens, pos, batch):
+        return (self.eager_forward if self._use_eager else self.forward)(tokens, pos, batch)
 
     # -- programs ----------------------------------------------------------
 
@@ -108,7 +117,7 @@ class ProgramSet:
         pt = v["state.page_table"].index_select(0, slot)[0].long()
         slot_mapping = self._slot_mapping(pt.expand(C, -1), pos, valid)
         batch = self._batch(slot.expand(C), pos, slot_mapping, valid)
-        hidden = self.recipe.forward_tokens(self.model, tokens, pos, batch)
+        hidden = self._forward(tokens, pos, batch)
         v["out.prefill_hidden"][:C].copy_(hidden)
         last = hidden.index_select(0, (n - 1).clamp(min=0))
         v["state.hidden"].index_copy_(0, slot, last)
@@ -128,7 +137,7 @@ class ProgramSet:
         pt = v["state.page_table"].index_select(0, slots).long()
         slot_mapping = self._slot_mapping(pt, pos, live)
         batch = self._batch(slots, pos, slot_mapping, live)
-        hidden = self.recipe.forward_tokens(self.model, tokens, pos, batch)
+        hidden = self._forward(tokens, pos, batch)
         old_hidden = v["state.hidden"].index_select(0, slots)
         v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old_hidden))
         v["state.len"].index_copy_(0, slots, (length + live.long()).int())

@@ -30,7 +30,7 @@ def main() -> int:
         with open(arena_path, "r+b") as f:
             mm = mmap.mmap(f.fileno(), m.arena.nbytes)
         arena = torch.frombuffer(mm, dtype=torch.uint8)
-        views = arena_views(arena, m)
+        views = arena_views(arena, m.buffers)
         recipe = by_name(m.reference.recipe)
         config = recipe.config_from_json(m.reference.config)
         model = recipe.build(config, TORCH_DTYPES[m.reference.dtype])

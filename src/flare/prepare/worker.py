@@ -27,6 +27,15 @@ def main() -> int:
     args = json.loads(sys.argv[1])
     out = Path(args.pop("out"))
     model = args.pop("model")
+    session = None
+    if args.get("device") == "cuda":
+        # Before torch initialises CUDA: CUPTI must see every module load and the
+        # arena's fixed address range must be ours.
+        from flare.prepare.cuda.session import CudaSession
+
+        session = CudaSession.begin()
+        progress(f"CUDA session: {session.device.name} (sm {session.device.compute_capability}), "
+                 f"arena address {session.base:#x}, {session.free_at_start / 2**30:.1f} GiB free")
     from flare.prepare.build import Options, PrepareError, prepare
     from flare.prepare.recipes import UnsupportedArchitecture
     from flare.prepare.sources import SourceError, resolve
@@ -35,7 +44,7 @@ def main() -> int:
     try:
         progress(f"loading {model}")
         src = resolve(model, progress=progress)
-        prepare(src, opts, out, progress)
+        prepare(src, opts, out, progress, session=session)
     except (PrepareError, SourceError, UnsupportedArchitecture) as e:
         print(f"flare-prepare: error: {e}", file=sys.stderr, flush=True)
         return 2

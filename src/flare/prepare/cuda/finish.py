@@ -1,0 +1,128 @@
+"""Capture every program, record golden replays, export graphs and kernels.
+
+Runs inside the CUDA preparation session with torch's allocations routed into
+the arena's pool. Warmup compiles (Inductor) and autotunes; a program whose
+compiled forward fails to build falls back to the eager forward, and the
+report says so. Golden replays (``--qualify N``) restore a deterministic base
+state, apply N input sets per program (``flare.runtime.qualify``), replay the
+torch graph and record a digest of every runtime-owned buffer, which the
+torch-free runtime must reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+from flare.core import graph as G
+from flare.core.manifest import Buffer, BufferRole, DType, Manifest
+from flare.prepare.cuda.export import KernelTableBuilder, export_graph
+from flare.prepare.layout import align
+from flare.runtime import qualify
+
+
+def _set_bytes(views: dict[str, torch.Tensor], name: str, value: np.ndarray) -> None:
+    dst = views[name].reshape(-1).view(torch.uint8)
+    src = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+    if src.numel() != dst.numel():
+        raise ValueError(f"{name}: {src.numel()} bytes for a {dst.numel()}-byte buffer")
+    dst.copy_(src)
+
+
+def _get_bytes(views: dict[str, torch.Tensor], name: str) -> bytes:
+    return views[name].reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
+def capture_and_export(session, programs, manifest: Manifest, views, pool_offset: int, out: Path, opts,
+                       progress) -> dict:
+    stream = torch.cuda.Stream()
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    compiled: dict[str, bool] = {}
+    timings: dict[str, dict] = {}
+    for p in sorted(manifest.programs, key=lambda p: (p.kind.value, -p.capacity)):
+        t0 = time.perf_counter()
+        eager = not opts.compile
+        fn = programs.callable(p.kind, p.capacity, eager=eager)
+        try:
+            with torch.cuda.stream(stream):
+                fn()
+                fn()
+            torch.cuda.synchronize()
+        except Exception as e:
+            if eager:
+                raise
+            progress(f"{p.name}: compiled forward failed ({type(e).__name__}: {str(e)[:300]}); capturing eager")
+            traceback.print_exc()
+            eager = True
+            fn = programs.callable(p.kind, p.capacity, eager=True)
+            with torch.cuda.stream(stream):
+                fn()
+                fn()
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(g, pool=session.pool.id, stream=stream):
+            fn()
+        g.instantiate()
+        torch.cuda.synchronize()
+        graphs[p.name] = g
+        compiled[p.name] = not eager
+        timings[p.name] = {"warmup_s": round(t1 - t0, 2), "capture_s": round(time.perf_counter() - t1, 3)}
+        progress(f"captured {p.name} ({'compiled' if not eager else 'eager'}): warmup {t1 - t0:.1f} s, "
+                 f"capture {time.perf_counter() - t1:.2f} s")
+
+    golden = {}
+    if opts.qualify:
+        base = qualify.base_state(manifest)
+        for p in manifest.programs:
+            sets = []
+            for i in range(opts.qualify):
+                for name, value in base.buffers.items():
+                    _set_bytes(views, name, value)
+                for name, value in qualify.input_writes(manifest, p.name, i, base).items():
+                    _set_bytes(views, name, value)
+                torch.cuda.synchronize()
+                graphs[p.name].replay()
+                torch.cuda.synchronize()
+                sets.append(qualify.digests(manifest, lambda n: _get_bytes(views, n)))
+            golden[p.name] = sets
+        progress(f"recorded golden replays: {opts.qualify} input sets x {len(golden)} programs")
+
+    session.check_no_escapes()
+    used = align(session.allocator.used, 2 << 20)
+    arena = (session.base, pool_offset + used)
+    builder = KernelTableBuilder(session.recorder)
+    (out / "graphs").mkdir(parents=True, exist_ok=True)
+    (out / "kernels").mkdir(parents=True, exist_ok=True)
+    node_counts = {}
+    for name, g in graphs.items():
+        spec = export_graph(name, int(g.raw_cuda_graph()), builder, arena)
+        G.save(out / "graphs" / f"{name}.json", spec)
+        node_counts[name] = len(spec.nodes)
+    table = builder.table()
+    G.save(out / "kernels.json", table)
+    for img in table.images:
+        (out / "kernels" / f"{img.sha}.cubin").write_bytes(session.recorder.images[img.sha].data)
+    if golden:
+        (out / "qualification.json").write_bytes(msgspec.json.encode(golden))
+    progress(f"exported {len(graphs)} graphs ({sum(node_counts.values())} nodes), {len(table.functions)} kernels "
+             f"from {len(table.images)} images ({sum(i.nbytes for i in table.images) / 2**20:.1f} MiB)")
+    pool = Buffer(name="pool", role=BufferRole.scratch, dtype=DType.uint8, shape=(used,), offset=pool_offset,
+                  nbytes=used)
+    return {
+        "buffers": (pool,),
+        "arena_nbytes": pool_offset + used,
+        "report": {
+            "scratch_pool": session.allocator.stats(),
+            "graph_nodes": node_counts,
+            "compiled": compiled,
+            "capture": timings,
+            "kernel_images_bytes": sum(i.nbytes for i in table.images),
+            "cupti_callback_errors": session.recorder.callback_errors[:5],
+        },
+    }

@@ -1,0 +1,127 @@
+"""The CUDA preparation session: arena, allocator, image capture, graph capture.
+
+``CudaSession.begin()`` runs before torch is imported: it subscribes CUPTI to
+module loads, makes the primary context current and reserves a large range of
+device address space at a fixed address. Preparation then maps the planned
+arena into that range, routes every torch allocation (model code, compiled
+kernels' constants, library workspaces, graph pools) into its tail through a
+``MemPool`` backed by ``allocator.c``, captures each program, and exports the
+graphs. Nothing a graph can reference lives outside the arena; the exporter
+checks every pointer it sees.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from cuda.bindings import driver as d
+
+from flare.prepare.cuda.images import ImageRecorder
+from flare.runtime.cuda_driver import (SUCCESS, VA_HINTS, CoreCompatibilityError, Device, _alloc_prop, ck,
+                                       free_memory, granularity, open_device, round_up)
+
+VA_RESERVE = 1 << 40  # address space only; physical memory is mapped as planned
+MiB = 1 << 20
+
+
+class _CudaArray:
+    """Exposes a raw device range to torch.as_tensor without copying."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }
+
+
+@dataclass
+class CudaSession:
+    device: Device
+    recorder: ImageRecorder
+    base: int
+    reserved: int
+    free_at_start: int
+    mapped: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    _handles: list = field(default_factory=list)
+    allocator: object = None
+    pool: object = None
+    pool_offset: int = 0
+
+    @classmethod
+    def begin(cls) -> "CudaSession":
+        recorder = ImageRecorder()
+        recorder.install_cupti()
+        dev = open_device(0)
+        free, _ = free_memory()
+        tried = []
+        for hint in VA_HINTS:
+            r = d.cuMemAddressReserve(VA_RESERVE, 0, d.CUdeviceptr(hint), 0)
+            if r[0] == SUCCESS and int(r[1]) == hint:
+                return cls(dev, recorder, hint, VA_RESERVE, free)
+            if r[0] == SUCCESS:
+                d.cuMemAddressFree(r[1], VA_RESERVE)
+            tried.append(f"{hint:#x}")
+        raise CoreCompatibilityError(f"no fixed arena address could be reserved (tried {', '.join(tried)})",
+                                     code="address_range_unavailable")
+
+    def map(self, nbytes: int) -> None:
+        """Back [base, base + nbytes) with physical device memory."""
+        size = round_up(nbytes, granularity(self.device.ordinal))
+        if size > self.reserved:
+            raise ValueError(f"arena of {size} bytes exceeds the reserved address range")
+        handle = ck(d.cuMemCreate(size, _alloc_prop(self.device.ordinal), 0), "cuMemCreate")
+        ck(d.cuMemMap(d.CUdeviceptr(self.base), size, 0, handle, 0), "cuMemMap")
+        acc = d.CUmemAccessDesc()
+        acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = self.device.ordinal
+        acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        ck(d.cuMemSetAccess(d.CUdeviceptr(self.base), size, [acc], 1), "cuMemSetAccess")
+        ck(d.cuMemsetD8(d.CUdeviceptr(self.base), 0, size), "cuMemsetD8")
+        self._handles.append(handle)
+        self.mapped = size
+
+    def start_torch(self, pool_offset: int):
+        """Route torch allocations into the arena tail; returns the flat arena tensor."""
+        import torch
+
+        from flare.prepare.cuda.allocator import PoolAllocator
+
+        self.recorder.install_triton_hook()
+        self.pool_offset = pool_offset
+        self.allocator = PoolAllocator(self.base + pool_offset, self.mapped - pool_offset)
+        plug = torch.cuda.memory.CUDAPluggableAllocator(self.allocator.path, "flare_pool_malloc", "flare_pool_free")
+        self.pool = torch.cuda.MemPool(plug.allocator())
+        return torch.as_tensor(_CudaArray(self.base, self.mapped), device="cuda")
+
+    def capture(self, programs, table, progress) -> dict:
+        """Warm up and capture every program into a CUDA graph (largest capacity first),
+        sharing the session's pool. Returns {program name: torch.cuda.CUDAGraph}."""
+        import torch
+
+        stream = torch.cuda.Stream()
+        graphs = {}
+        for p in sorted(table, key=lambda p: (p.kind.value, -p.capacity)):
+            t0 = time.perf_counter()
+            fn = programs.callable(p.kind, p.capacity)
+            with torch.cuda.stream(stream):
+                fn()
+                fn()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            g = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(g, pool=self.pool.id, stream=stream):
+                fn()
+            g.instantiate()
+            torch.cuda.synchronize()
+            graphs[p.name] = g
+            progress(f"captured {p.name}: warmup {t1 - t0:.1f} s, capture {time.perf_counter() - t1:.2f} s")
+        return graphs
+
+    def check_no_escapes(self) -> None:
+        if self.allocator is not None and self.allocator.stats()["failed"]:
+            raise MemoryError("the arena's scratch region ran out during preparation; raise --scratch-memory")
+
+
+def pool_alignment() -> int:
+    return 2 * MiB

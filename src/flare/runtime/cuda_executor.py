@@ -1,0 +1,379 @@
+"""The CUDA graph executor: replays exported graphs through cuda-python only.
+
+Startup (everything that allocates, loads or instantiates happens here):
+reserve and map the arena at the core's fixed address, upload the arena
+image, zero the runtime-owned regions, load every kernel image and re-apply
+function attributes, rebuild every program's graph node by node and
+instantiate it once. After ``start`` returns the executor only copies staged
+inputs, launches graph executables, records events and copies completion
+records back, all on one stream. Counters prove it: device memory and the
+allocation / module-load / instantiation counts are reported by ``stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import time
+from pathlib import Path
+
+import numpy as np
+from cuda.bindings import driver as d
+
+from flare.core import graph as G
+from flare.core.errors import ExecutionError, ManifestError
+from flare.core.image import iter_image
+from flare.core.manifest import BufferRole, Manifest, check_device
+from flare.runtime.cuda_driver import SUCCESS, Arena, ck, free_memory, open_device
+from flare.runtime.executor import NUMPY_DTYPES
+
+ATTR_RAW_SIZE = 64
+STAGING_BYTES = 16 << 20
+UPLOAD_CHUNK = 64 << 20
+_SETTABLE_FUNC_ATTRS = {
+    "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES",
+    "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT",
+    "CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
+    "CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE",
+    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH",
+    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT",
+    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH",
+}
+# Read-only attributes that identify the compiled code: a mismatch means the wrong binary.
+_IDENTITY_FUNC_ATTRS = (
+    "CU_FUNC_ATTRIBUTE_NUM_REGS",
+    "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES",
+    "CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES",
+    "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES",
+    "CU_FUNC_ATTRIBUTE_BINARY_VERSION",
+)
+
+
+class _Pinned:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(ck(d.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr))
+
+    def free(self) -> None:
+        if self.ptr:
+            d.cuMemFreeHost(self.ptr)
+            self.ptr = 0
+
+
+class CudaExecutor:
+    def __init__(self, core_dir: str | Path, manifest: Manifest, *, device: int = 0):
+        self.core_dir = Path(core_dir)
+        self.manifest = manifest
+        self.ordinal = device
+        self.ready = False
+        self.timings_ms: dict[str, float] = {}
+        self._counts = {"allocations": 0, "module_loads": 0, "instantiations": 0}
+        self._counts_at_ready: dict[str, int] = {}
+        self._launches = 0
+        self._buffers = {b.name: b for b in manifest.buffers}
+        self._execs: dict[str, object] = {}
+        self._graphs: list = []
+        self._modules: list = []
+        self._keep: list = []
+        self._completion_copies: dict[str, _Pinned] = {}
+        self._pending_completion: str | None = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-cuda")
+        self.arena: Arena | None = None
+        self._free_at_ready = 0
+
+    # -- startup -------------------------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._start)
+
+    def _start(self) -> None:
+        m = self.manifest
+        t = time.perf_counter()
+
+        def mark(name):
+            nonlocal t
+            now = time.perf_counter()
+            self.timings_ms[name] = round((now - t) * 1000, 2)
+            t = now
+
+        if m.kernels is None:
+            raise ManifestError("this core has no exported graphs (a reference core): use --executor reference",
+                                param="kernels", code="not_a_cuda_core")
+        self.device = open_device(self.ordinal)
+        check_device(m, device="cuda", compute_capability=self.device.compute_capability)
+        mark("context")
+        self.arena = Arena.reserve(m.arena.nbytes, at=m.arena.base_address, ordinal=self.ordinal)
+        self._counts["allocations"] += 1
+        self.stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
+        self.event = ck(d.cuEventCreate(int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)), "cuEventCreate")
+        self.staging = _Pinned(STAGING_BYTES)
+        self.readback = _Pinned(max(b.nbytes for b in m.buffers if b.role == BufferRole.output))
+        for p in m.programs:
+            if p.completion and p.completion not in self._completion_copies:
+                self._completion_copies[p.completion] = _Pinned(self._buffers[p.completion].nbytes)
+        self._counts["allocations"] += 3 + len(self._completion_copies)
+        self._cursor = 0
+        mark("reserve_map")
+        self._upload_image()
+        mark("arena_upload")
+        functions = self._load_kernels()
+        mark("module_load")
+        for p in m.programs:
+            spec = G.load_graph(self.core_dir / p.graph)
+            self._execs[p.name] = self._build(spec, functions)
+        ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        mark("graph_build")
+        self._free_at_ready = free_memory()[0]
+        self._counts_at_ready = dict(self._counts)
+        self.ready = True
+
+    def _upload_image(self) -> None:
+        m = self.manifest
+        # Runtime-owned regions start zeroed (state rows, inputs, outputs, KV pages).
+        for b in m.buffers:
+            if b.role not in (BufferRole.weight, BufferRole.scratch):
+                ck(d.cuMemsetD8Async(d.CUdeviceptr(self.arena.base + b.offset), 0, b.nbytes, self.stream), "memset")
+        image = self.core_dir / m.arena.image
+        half = STAGING_BYTES // 2
+        with image.open("rb") as f:
+            for b, off, n in iter_image(image, m):
+                f.seek(off)
+                done = 0
+                while done < n:
+                    k = min(half, n - done)
+                    # Alternate halves: while one half is being copied the other is refilled.
+                    slot = (done // half) % 2
+                    if slot == 0:  # both halves may still be in flight
+                        ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+                    view = memoryview(self.staging.array)[slot * half : slot * half + k]
+                    if f.readinto(view) != k:
+                        raise ManifestError(f"arena image is truncated at {b.name}", param="arena.image")
+                    ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(self.arena.base + b.offset + done),
+                                           self.staging.ptr + slot * half, k, self.stream), "cuMemcpyHtoDAsync")
+                    done += k
+                ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def _load_kernels(self) -> list:
+        table = G.load_kernel_table(self.core_dir / self.manifest.kernels)
+        modules = {}
+        for img in table.images:
+            data = (self.core_dir / "kernels" / f"{img.sha}.cubin").read_bytes()
+            if len(data) != img.nbytes:
+                raise ManifestError(f"kernel image {img.sha} is {len(data)} bytes, expected {img.nbytes}",
+                                    param="kernels")
+            modules[img.sha] = ck(d.cuModuleLoadData(data), f"cuModuleLoadData {img.sha[:12]}")
+            self._counts["module_loads"] += 1
+        self._modules = list(modules.values())
+        functions = []
+        for kf in table.functions:
+            r = d.cuModuleGetFunction(modules[kf.image], kf.name.encode())
+            if r[0] != SUCCESS:
+                raise ManifestError(f"kernel {kf.name!r} not found in image {kf.image[:12]}", param="kernels")
+            f = r[1]
+            for name in _IDENTITY_FUNC_ATTRS:
+                if name in kf.attributes:
+                    have = ck(d.cuFuncGetAttribute(getattr(d.CUfunction_attribute, name), f), "cuFuncGetAttribute")
+                    if int(have) != kf.attributes[name]:
+                        raise ManifestError(f"kernel {kf.name!r}: {name} is {have}, prepared {kf.attributes[name]}",
+                                            param="kernels", code="kernel_mismatch")
+            functions.append(f)
+        self._kernel_table = table
+        return functions
+
+    def _build(self, spec: G.GraphSpec, functions: list):
+        graph = ck(d.cuGraphCreate(0), "cuGraphCreate")
+        self._graphs.append(graph)
+        smem_needed: dict[int, int] = {}
+        for node in spec.nodes:
+            if isinstance(node, G.KernelNode):
+                smem_needed[node.function] = max(smem_needed.get(node.function, 0), node.shared_bytes)
+        for fidx, smem in smem_needed.items():
+            self._apply_function_attributes(fidx, functions[fidx], smem)
+        handles = []
+        for node in spec.nodes:
+            if isinstance(node, G.KernelNode):
+                handles.append(self._kernel_node(graph, node, functions))
+            elif isinstance(node, G.MemsetNode):
+                p = d.CUDA_MEMSET_NODE_PARAMS()
+                p.dst = d.CUdeviceptr(node.dst)
+                p.pitch, p.value, p.elementSize = node.pitch, node.value, node.element_size
+                p.width, p.height = node.width, node.height
+                handles.append(ck(d.cuGraphAddMemsetNode(graph, None, 0, p, self.device.context), "memset node"))
+            elif isinstance(node, G.MemcpyNode):
+                p = d.CUDA_MEMCPY3D()
+                p.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+                p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+                p.srcDevice, p.dstDevice = d.CUdeviceptr(node.src), d.CUdeviceptr(node.dst)
+                p.srcPitch, p.dstPitch = node.src_pitch, node.dst_pitch
+                p.srcHeight, p.dstHeight = node.src_height, node.dst_height
+                p.WidthInBytes, p.Height, p.Depth = node.width, node.height, node.depth
+                handles.append(ck(d.cuGraphAddMemcpyNode(graph, None, 0, p, self.device.context), "memcpy node"))
+            else:
+                handles.append(ck(d.cuGraphAddEmptyNode(graph, None, 0), "empty node"))
+        if spec.edges:
+            frm = [handles[e.src] for e in spec.edges]
+            to = [handles[e.dst] for e in spec.edges]
+            data = []
+            for e in spec.edges:
+                ed = d.CUgraphEdgeData()
+                ed.from_port, ed.to_port, ed.type = e.src_port, e.dst_port, e.type
+                data.append(ed)
+            ck(d.cuGraphAddDependencies(graph, frm, to, data, len(frm)), "cuGraphAddDependencies")
+        flags = int(d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.value)
+        gexec = ck(d.cuGraphInstantiate(graph, flags), f"cuGraphInstantiate {spec.program}")
+        self._counts["instantiations"] += 1
+        ck(d.cuGraphUpload(gexec, self.stream), "cuGraphUpload")
+        return gexec
+
+    def _apply_function_attributes(self, fidx: int, f, smem: int) -> None:
+        kf = self._kernel_table.functions[fidx]
+        for name, want in kf.attributes.items():
+            if name not in _SETTABLE_FUNC_ATTRS:
+                continue
+            if name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES":
+                want = max(want, smem)
+            attr = getattr(d.CUfunction_attribute, name, None)
+            if attr is None:
+                continue
+            r = d.cuFuncGetAttribute(attr, f)
+            if r[0] == SUCCESS and int(r[1]) == want:
+                continue
+            ck(d.cuFuncSetAttribute(f, attr, want), f"cuFuncSetAttribute {name} on {kf.name[:60]}")
+
+    def _kernel_node(self, graph, node: G.KernelNode, functions: list):
+        p = d.CUDA_KERNEL_NODE_PARAMS()
+        p.func = functions[node.function]
+        p.gridDimX, p.gridDimY, p.gridDimZ = node.grid
+        p.blockDimX, p.blockDimY, p.blockDimZ = node.block
+        p.sharedMemBytes = node.shared_bytes
+        buf = ctypes.create_string_buffer(node.params, max(len(node.params), 8))
+        ptrs = (ctypes.c_void_p * max(len(node.param_layout), 1))()
+        for j, (off, _) in enumerate(node.param_layout):
+            ptrs[j] = ctypes.addressof(buf) + off
+        self._keep += [buf, ptrs]
+        p.kernelParams = ctypes.addressof(ptrs)
+        handle = ck(d.cuGraphAddKernelNode(graph, None, 0, p), "cuGraphAddKernelNode")
+        for a in node.attributes:
+            aid = getattr(d.CUkernelNodeAttrID, a.name, None)
+            if aid is None:
+                raise ManifestError(f"launch attribute {a.name} is unknown to this driver binding", param="graphs")
+            r = d.cuGraphKernelNodeGetAttribute(handle, aid)
+            if r[0] == SUCCESS and ctypes.string_at(r[1].getPtr(), ATTR_RAW_SIZE) == a.raw:
+                continue
+            v = d.CUkernelNodeAttrValue()
+            ctypes.memmove(v.getPtr(), a.raw, ATTR_RAW_SIZE)
+            ck(d.cuGraphKernelNodeSetAttribute(handle, aid, v), f"set {a.name}")
+        return handle
+
+    # -- executor interface ------------------------------------------------------
+
+    def _address(self, buffer: str, row) -> tuple[int, int]:
+        b = self._buffers[buffer]
+        if row is None:
+            return self.arena.base + b.offset, b.nbytes
+        itemsize = b.dtype.itemsize
+        strides = [itemsize]
+        for dim in reversed(b.shape[1:]):
+            strides.insert(0, strides[0] * dim)
+        if isinstance(row, tuple):  # (row, slice of the last dimension)
+            r, sl = row
+            start = r * strides[0] + sl.start * itemsize
+            return self.arena.base + b.offset + start, (sl.stop - sl.start) * itemsize
+        return self.arena.base + b.offset + row * strides[0], strides[0]
+
+    def write(self, buffer: str, value: np.ndarray, row=None) -> None:
+        b = self._buffers[buffer]
+        data = np.ascontiguousarray(np.asarray(value, dtype=NUMPY_DTYPES[b.dtype])).reshape(-1).view(np.uint8)
+        dst, extent = self._address(buffer, row)
+        n = data.nbytes
+        if n > extent:
+            raise ExecutionError(f"write of {n} bytes into {buffer}[{row}] ({extent} bytes)", code="bad_write")
+        if self._cursor + n > STAGING_BYTES:
+            ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            self._cursor = 0
+        if n > STAGING_BYTES:
+            for start in range(0, n, STAGING_BYTES):
+                k = min(STAGING_BYTES, n - start)
+                self.staging.array[:k] = data[start : start + k]
+                ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst + start), self.staging.ptr, k, self.stream), "HtoD")
+                ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            return
+        self.staging.array[self._cursor : self._cursor + n] = data
+        ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), self.staging.ptr + self._cursor, n, self.stream), "HtoD")
+        self._cursor += (n + 255) // 256 * 256
+
+    def submit(self, program: str) -> None:
+        p = self.manifest.program(program)
+        ck(d.cuGraphLaunch(self._execs[program], self.stream), f"cuGraphLaunch {program}")
+        self._launches += 1
+        if p.completion:
+            host = self._completion_copies[p.completion]
+            b = self._buffers[p.completion]
+            ck(d.cuMemcpyDtoHAsync(host.ptr, d.CUdeviceptr(self.arena.base + b.offset), b.nbytes, self.stream),
+               "DtoH")
+            self._pending_completion = p.completion
+        ck(d.cuEventRecord(self.event, self.stream), "cuEventRecord")
+
+    async def wait(self) -> None:
+        err = await asyncio.get_running_loop().run_in_executor(self._thread, d.cuEventSynchronize, self.event)
+        if err[0] != SUCCESS:
+            raise ExecutionError(f"program failed on the device: {err[0].name}", code="device_error")
+        self._cursor = 0
+
+    def sync(self) -> None:
+        ck(d.cuEventSynchronize(self.event), "cuEventSynchronize")
+        self._cursor = 0
+
+    def read(self, buffer: str) -> np.ndarray:
+        b = self._buffers[buffer]
+        if buffer in self._completion_copies and buffer == self._pending_completion:
+            raw = self._completion_copies[buffer].array[: b.nbytes]
+        else:
+            ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            raw = self.read_bytes(buffer)
+        return np.frombuffer(bytes(raw), NUMPY_DTYPES[b.dtype]).reshape(b.shape).copy()
+
+    def read_bytes(self, buffer: str) -> bytes:
+        """Synchronous copy of a buffer's bytes (diagnostics and qualification)."""
+        b = self._buffers[buffer]
+        out = bytearray()
+        for start in range(0, b.nbytes, self.readback.nbytes):
+            k = min(self.readback.nbytes, b.nbytes - start)
+            ck(d.cuMemcpyDtoHAsync(self.readback.ptr, d.CUdeviceptr(self.arena.base + b.offset + start), k,
+                                   self.stream), "DtoH")
+            ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            out += self.readback.array[:k].tobytes()
+        return bytes(out)
+
+    def stats(self) -> dict[str, int]:
+        after = {f"{k}_after_ready": v - self._counts_at_ready.get(k, v) for k, v in self._counts.items()}
+        free = free_memory()[0] if self.ready else 0
+        return {
+            "launches": self._launches,
+            "device_free_at_ready": self._free_at_ready,
+            "device_free_now": free,
+            **after,
+            **{f"startup_{k}_ms": int(v) for k, v in self.timings_ms.items()},
+        }
+
+    async def close(self) -> None:
+        if self.arena is None:
+            self._thread.shutdown(wait=False)
+            return
+        try:
+            d.cuStreamSynchronize(self.stream)
+        finally:
+            for gexec in self._execs.values():
+                d.cuGraphExecDestroy(gexec)
+            for g in self._graphs:
+                d.cuGraphDestroy(g)
+            for mod in self._modules:
+                d.cuModuleUnload(mod)
+            for pinned in [self.staging, self.readback, *self._completion_copies.values()]:
+                pinned.free()
+            self.arena.release()
+            self.arena = None
+            self.ready = False
+            self._thread.shutdown(wait=False)

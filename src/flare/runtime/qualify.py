@@ -1,0 +1,144 @@
+"""Replay qualification: the same programs on the same inputs, in two processes.
+
+Preparation replays every captured graph in-process (torch) on a few input
+sets and records a digest of every runtime-owned buffer afterwards; a fresh
+torch-free process loads the exported core, applies the same inputs through
+its executor and must reproduce every digest bit for bit.
+
+Input sets are generated here, torch-free and deterministic, from the
+manifest alone: a base state where every slot holds a plausible running
+request (valid page tables, lengths, sampling parameters, random KV), then
+per-program inputs (slots, chunk sizes, sample flags, decode batches) drawn
+from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from flare.core.manifest import BufferRole, DType, Manifest, ProgramKind
+from flare.runtime.executor import NUMPY_DTYPES
+
+RUNTIME_ROLES = (BufferRole.kv, BufferRole.state, BufferRole.snapshot, BufferRole.input, BufferRole.output)
+
+
+def runtime_buffers(m: Manifest) -> list:
+    return [b for b in m.buffers if b.role in RUNTIME_ROLES]
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _fill(b, rng: np.random.Generator) -> np.ndarray:
+    """Random but finite contents for an opaque runtime buffer (KV, hidden rows)."""
+    n = b.numel
+    if b.dtype == DType.bfloat16:
+        return _bf16_bits(rng.standard_normal(n, dtype=np.float32) * 0.5).reshape(b.shape)
+    if b.dtype in (DType.float16, DType.float32):
+        return (rng.standard_normal(n, dtype=np.float32) * 0.5).astype(NUMPY_DTYPES[b.dtype]).reshape(b.shape)
+    return np.zeros(b.shape, NUMPY_DTYPES[b.dtype])
+
+
+@dataclass
+class BaseState:
+    buffers: dict[str, np.ndarray]
+    per_slot_tokens: int  # every slot owns this many tokens of distinct pages
+
+
+def base_state(m: Manifest, seed: int = 0) -> BaseState:
+    rng = np.random.default_rng(seed)
+    c = m.capacities
+    rows = c.slots + 1
+    state = {b.name: _fill(b, rng) for b in runtime_buffers(m)}
+    usable = m.pages.num_pages - 1
+    max_len = min(c.context_limit - 2, (usable // rows) * m.pages.page_size)
+    lengths = rng.integers(1, max(2, max_len // 2), rows).astype(np.int32)
+    lengths[0] = 0
+    state["state.len"][:] = lengths
+    state["state.pending"][:] = rng.integers(0, c.sampling_vocab, rows)
+    state["state.generated"][:] = rng.integers(0, 8, rows)
+    state["state.max_new"][:] = rng.integers(8, 4096, rows)
+    state["state.done"][:] = 0
+    state["state.seed"][:] = rng.integers(-(1 << 62), 1 << 62, rows)
+    state["state.counter"][:] = rng.integers(0, 1000, rows)
+    state["state.top_k"][:] = rng.choice([0, 1, 20, 50], rows)
+    samp = state["state.sampling"]
+    samp[:, 0] = rng.uniform(0.3, 1.5, rows)  # temperature
+    samp[:, 1] = rng.choice([1.0, 0.95, 0.8], rows)  # top_p
+    samp[:, 2] = rng.choice([0.0, 0.05], rows)  # min_p
+    samp[:, 3] = rng.choice([1.0, 1.1], rows)  # repetition
+    samp[:, 4] = rng.choice([0.0, 0.5], rows)  # presence
+    samp[:, 5] = rng.choice([0.0, 0.2], rows)  # frequency
+    stops = np.full((rows, c.stop_ids), -1, np.int32)
+    stops[:, : len(m.frontend.eos_ids)] = m.frontend.eos_ids
+    state["state.stop_ids"][:] = stops
+    # Disjoint page sets per slot, shuffled so pages are not contiguous.
+    pages = rng.permutation(np.arange(1, m.pages.num_pages, dtype=np.int32))
+    per = min(c.max_pages_per_slot, usable // rows)
+    table = np.zeros((rows, c.max_pages_per_slot), np.int32)
+    for s in range(1, rows):
+        table[s, :per] = pages[(s - 1) * per : s * per]
+    state["state.page_table"][:] = table
+    hist = np.zeros((rows, c.vocab_size), np.int32)
+    for s in range(1, rows):
+        idx = rng.integers(0, c.sampling_vocab, 64)
+        hist[s, idx] = rng.integers(0, 3, 64) + (rng.integers(0, 2, 64) << 24)
+    state["state.hist"][:] = hist
+    state["in.tokens"][:] = rng.integers(0, c.sampling_vocab, state["in.tokens"].shape)
+    state["in.prefill"][:] = 0
+    state["in.admit"][:] = 0
+    state["in.decode_slots"][:] = 0
+    for name in [n for n in state if n.startswith("out.")]:
+        state[name][...] = 0
+    return BaseState(state, per * m.pages.page_size)
+
+
+def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -> dict[str, np.ndarray]:
+    """Full-buffer values that override the base state for one input set."""
+    p = m.program(program)
+    c = m.capacities
+    rng = np.random.default_rng(1000 + 97 * index + sum(map(ord, program)))
+    base = base_state.buffers
+    per_slot_tokens = base_state.per_slot_tokens
+    out: dict[str, np.ndarray] = {}
+    if p.kind == ProgramKind.admit:
+        slot = int(rng.integers(1, c.slots + 1))
+        out["in.admit"] = np.array([slot, int(rng.integers(1, p.capacity + 1)), int(rng.integers(0, 2)),
+                                    int(rng.integers(0, 2))], np.int32)
+        out["in.tokens"] = rng.integers(0, c.sampling_vocab, base["in.tokens"].shape).astype(np.int32)
+    elif p.kind == ProgramKind.prefill:
+        slot = int(rng.integers(1, c.slots + 1))
+        n = int(rng.integers(1, p.capacity + 1))
+        n = min(n, per_slot_tokens - 1)
+        start = int(rng.integers(0, max(1, per_slot_tokens - n)))
+        lens = base["state.len"].copy()
+        lens[slot] = start
+        done = base["state.done"].copy()
+        done[slot] = int(rng.integers(0, 2)) if index == 2 else 0
+        out["state.len"] = lens
+        out["state.done"] = done
+        out["in.prefill"] = np.array([slot, n, int(index != 1), 0], np.int32)
+        out["in.tokens"] = rng.integers(0, c.sampling_vocab, base["in.tokens"].shape).astype(np.int32)
+    elif p.kind == ProgramKind.decode:
+        live = int(rng.integers(1, p.capacity + 1))
+        slots = rng.permutation(np.arange(1, c.slots + 1))[:live]
+        arr = np.zeros(base["in.decode_slots"].shape, np.int32)
+        arr[:live] = slots
+        out["in.decode_slots"] = arr
+        lens = base["state.len"].copy()
+        lens[slots] = rng.integers(1, per_slot_tokens - 1, live)
+        out["state.len"] = lens
+        if index == 2:  # one finished request inside the batch: it must not change
+            done = base["state.done"].copy()
+            done[slots[0]] = 1
+            out["state.done"] = done
+    return out
+
+
+def digests(m: Manifest, read: Callable[[str], bytes]) -> dict[str, str]:
+    return {b.name: hashlib.sha256(read(b.name)).hexdigest()[:32] for b in runtime_buffers(m)}
