@@ -35,7 +35,8 @@ class PagedBatch:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, -1 for rows that must not write
     valid: torch.Tensor  # [T] bool
-    impl: str = "reference"  # "reference" (eager, any device) or "triton" (capture-safe, CUDA)
+    impl: str = "reference"  # "reference" (eager), "gather" (capture-safe torch), "triton" (CUDA kernels)
+    single_slot: bool = False  # every token belongs to token_slot[0] (prefill)
 
     @property
     def page_size(self) -> int:
@@ -92,6 +93,35 @@ def attend_reference(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: fl
     return out
 
 
+def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Capture-safe attention in plain torch: gathers every page of the slot's page
+    table (the whole context capacity) and masks by position. Memory and time grow
+    with the context limit, not the history, so it is a fallback and a GPU
+    cross-check for the Triton kernels, not the fast path."""
+    kv = batch.kv
+    L, _, P, ps, kvh, d = kv.shape
+    T = q.shape[0]
+    keys = torch.arange(batch.page_table.shape[1] * ps, device=q.device)
+    if batch.single_slot:
+        pages = batch.page_table.index_select(0, batch.token_slot[:1]).long()[0]  # [MP]
+        k = kv[layer, 0].index_select(0, pages).reshape(-1, kvh, d)  # [MP*ps, KVH, D]
+        v = kv[layer, 1].index_select(0, pages).reshape(-1, kvh, d)
+        mask = (keys[None, :] <= batch.positions[:, None]) & batch.valid[:, None]  # [T, keys]
+        mask[:, 0] |= ~batch.valid  # padded rows attend to one key: finite output
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].to(k.dtype), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask[None, None], scale=scaling, enable_gqa=True)
+        return o[0].transpose(0, 1).to(q.dtype)
+    pages = batch.page_table.index_select(0, batch.token_slot).long()  # [T, MP]
+    k = kv[layer, 0][pages].reshape(T, -1, kvh, d)  # [T, MP*ps, KVH, D]
+    v = kv[layer, 1][pages].reshape(T, -1, kvh, d)
+    mask = (keys[None, :] <= batch.positions[:, None]) | (keys[None, :] == 0)  # [T, keys]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(k.dtype), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scaling, enable_gqa=True)  # [T, H, 1, D]
+    return o[:, :, 0, :].to(q.dtype)
+
+
 def flare_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None, **kwargs):
     """Transformers attention-interface entry. Shapes: query ``[1, H, T, D]``,
     key/value ``[1, KVH, T, D]``; returns ``([1, T, H, D], None)``."""
@@ -104,6 +134,8 @@ def flare_paged_attention(module, query, key, value, attention_mask, scaling=Non
         from flare.prepare.kernels.paged_attention import attend_triton
 
         out = attend_triton(paged, layer, q, scaling)
+    elif paged.impl == "gather":
+        out = attend_gather(paged, layer, q, scaling)
     else:
         out = attend_reference(paged, layer, q, scaling)
     return out[None], None

@@ -217,6 +217,12 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
             for p in table:
                 programs.callable(p.kind, p.capacity)()  # every program must execute once (null slot)
             extra = {}
+            if opts.qualify:
+                from flare.prepare.golden import record
+
+                calls = {p.name: programs.callable(p.kind, p.capacity) for p in table}
+                golden = record(partial, views, lambda name: calls[name](), opts.qualify)
+                (out / "qualification.json").write_bytes(msgspec.json.encode(golden))
     nbytes = partial.arena.nbytes
 
     progress(f"writing runtime core to {out}")

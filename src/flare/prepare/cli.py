@@ -48,14 +48,14 @@ def parser() -> argparse.ArgumentParser:
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="number of KV pages")
     kv.add_argument("--kv-memory", type=float, default=None, help="KV page budget in GiB")
-    p.add_argument("--attention", choices=("reference", "triton"), default=None)
+    p.add_argument("--attention", choices=("reference", "gather", "triton"), default=None)
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
     p.add_argument("--scratch-memory", type=float, default=4.0,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept)")
     p.add_argument("--gpu-reserve", type=float, default=4.0,
                    help="CUDA: GiB of device memory left free when sizing KV pages from free memory")
     p.add_argument("--qualify", type=int, default=0,
-                   help="CUDA: record N golden replays per program for replay qualification")
+                   help="record N golden replays per program for replay qualification (flare.runtime.replay_check)")
     p.add_argument("--served-name", default=None, help="model id the server reports (default: config or dir name)")
     return p
 

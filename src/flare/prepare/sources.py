@@ -19,7 +19,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from flare.core.manifest import SAMPLING_PARAMS
 
@@ -271,10 +271,15 @@ def _random(name: str, spec: dict, progress: Callable[[str], None]) -> ModelSour
     if model_type is None:
         raise SourceError(f"config {name!r} declares no model.model_type")
     config = AutoConfig.for_model(model_type, **model_cfg)
-    tok_from = src.get("tokenizer_from")
-    if tok_from is None:
-        raise SourceError(f"random config {name!r} must name tokenizer_from")
-    frontend = resolve(tok_from, progress=progress).frontend
+    if "tokenizer_dir" in src:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(configs_dir() / src["tokenizer_dir"]))
+        frontend = _frontend_from_tokenizer(tok, config)
+    elif "tokenizer_from" in src:
+        frontend = resolve(src["tokenizer_from"], progress=progress).frontend
+    else:
+        raise SourceError(f"random config {name!r} must name tokenizer_dir or tokenizer_from")
     seed = int(src.get("seed", 0))
     sampling, ranges = _sampling_from(spec)
     fe = spec.get("frontend", {})
@@ -315,7 +320,3 @@ def fill_random(dest: dict[str, Any], *, seed: int, std: float) -> None:
         tmp.normal_(0.0, std, generator=g)
         d.copy_(tmp)
         del tmp
-
-
-def iter_names() -> Iterator[str]:
-    yield from list_configs()

@@ -308,7 +308,27 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
             detail["error"] = str(engine.failure)
         return JSONResponse(detail, status_code=503)
 
+    async def metrics(http: HTTPRequest) -> Response:
+        lines = []
+        sched = engine.scheduler
+        gauges = {
+            "flare_requests_running": len(sched.running),
+            "flare_requests_waiting": len(sched.waiting),
+            "flare_kv_pages_total": sched.pages.total,
+            "flare_kv_pages_free": sched.pages.free,
+            "flare_kv_pages_used": sched.pages.used,
+            "flare_engine_steps_total": engine.steps,
+            "flare_prefill_tokens_total": sched.prefill_tokens_total,
+            "flare_preemptions_total": sched.preemptions_total,
+        }
+        for name, value in gauges.items():
+            lines.append(f"{name} {value}")
+        for key, value in engine.executor.stats().items():
+            lines.append(f"flare_executor_{key} {value}")
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
     routes = [
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

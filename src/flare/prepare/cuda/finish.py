@@ -16,26 +16,13 @@ import traceback
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import torch
 
 from flare.core import graph as G
 from flare.core.manifest import Buffer, BufferRole, DType, Manifest
 from flare.prepare.cuda.export import KernelTableBuilder, export_graph
 from flare.prepare.layout import align
-from flare.runtime import qualify
-
-
-def _set_bytes(views: dict[str, torch.Tensor], name: str, value: np.ndarray) -> None:
-    dst = views[name].reshape(-1).view(torch.uint8)
-    src = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
-    if src.numel() != dst.numel():
-        raise ValueError(f"{name}: {src.numel()} bytes for a {dst.numel()}-byte buffer")
-    dst.copy_(src)
-
-
-def _get_bytes(views: dict[str, torch.Tensor], name: str) -> bytes:
-    return views[name].reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+from flare.prepare.golden import record as record_golden
 
 
 def capture_and_export(session, programs, manifest: Manifest, views, pool_offset: int, out: Path, opts,
@@ -78,19 +65,13 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
 
     golden = {}
     if opts.qualify:
-        base = qualify.base_state(manifest)
-        for p in manifest.programs:
-            sets = []
-            for i in range(opts.qualify):
-                for name, value in base.buffers.items():
-                    _set_bytes(views, name, value)
-                for name, value in qualify.input_writes(manifest, p.name, i, base).items():
-                    _set_bytes(views, name, value)
-                torch.cuda.synchronize()
-                graphs[p.name].replay()
-                torch.cuda.synchronize()
-                sets.append(qualify.digests(manifest, lambda n: _get_bytes(views, n)))
-            golden[p.name] = sets
+
+        def run(name: str) -> None:
+            torch.cuda.synchronize()
+            graphs[name].replay()
+            torch.cuda.synchronize()
+
+        golden = record_golden(manifest, views, run, opts.qualify)
         progress(f"recorded golden replays: {opts.qualify} input sets x {len(golden)} programs")
 
     session.check_no_escapes()

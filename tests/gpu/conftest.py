@@ -1,0 +1,69 @@
+"""GPU tests: skipped cleanly without a CUDA device; run on the H200 before resolving
+an issue that touches GPU code (see docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import prepare_core
+
+
+def _cuda_available() -> bool:
+    try:
+        from cuda.bindings import driver as d
+
+        if d.cuInit(0)[0] != d.CUresult.CUDA_SUCCESS:
+            return False
+        err, n = d.cuDeviceGetCount()
+        return err == d.CUresult.CUDA_SUCCESS and n > 0
+    except Exception:
+        return False
+
+
+HAS_CUDA = _cuda_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath):
+            item.add_marker(pytest.mark.gpu)
+            if not HAS_CUDA:
+                item.add_marker(skip)
+
+
+ATTENTION = os.environ.get("FLARE_GPU_ATTENTION", "triton")
+COMPILE = [] if os.environ.get("FLARE_GPU_COMPILE", "1") == "1" else ["--no-compile"]
+SHAPES = {
+    "smollm2-135m-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024"],
+}
+
+
+def gpu_core(model: str) -> Path:
+    opts = ["--device", "cuda", "--page-size", "16", "--decode-capacities", "1,2,4", "--qualify", "3",
+            "--attention", ATTENTION, "--scratch-memory", "8", *COMPILE, *SHAPES[model]]
+    return prepare_core(model, opts, name=f"{model}-gpu")
+
+
+@pytest.fixture(scope="session", params=list(SHAPES))
+def gpu_shape_core(request):
+    return request.param, gpu_core(request.param)
+
+
+@pytest.fixture(scope="session")
+def results_dir() -> Path:
+    d = Path(os.environ.get("FLARE_RESULTS_DIR", Path(__file__).resolve().parents[2] / ".cache" / "gpu-results"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def record(results_dir: Path, name: str, payload: dict) -> None:
+    path = results_dir / f"{name}.json"
+    existing = json.loads(path.read_text()) if path.exists() else {}
+    existing.update(payload)
+    path.write_text(json.dumps(existing, indent=1, default=str))
