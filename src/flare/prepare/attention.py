@@ -122,8 +122,11 @@ def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float
     return o[:, :, 0, :].to(q.dtype)
 
 
+@torch.compiler.disable
 def flare_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None, **kwargs):
-    """Transformers attention-interface entry. Shapes: query ``[1, H, T, D]``,
+    """Transformers attention-interface entry. Excluded from torch.compile: the compiled
+    regions end and resume around it, so the KV pool (mutated in place by the writes)
+    never becomes a compiled graph's input and no layer index is specialised on. Shapes: query ``[1, H, T, D]``,
     key/value ``[1, KVH, T, D]``; returns ``([1, T, H, D], None)``."""
     if paged is None:
         raise RuntimeError("flare_paged attention needs the 'paged' batch argument")

@@ -193,27 +193,21 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     else:
         pool_offset = planned
         arena = torch.zeros(planned, dtype=torch.uint8)
-    views = arena_views(arena, buffers)
+    views = session.buffer_tensors(buffers) if cuda else arena_views(arena, buffers)
     with (torch.cuda.use_mem_pool(session.pool) if cuda else contextlib.nullcontext()):
         recipe.bind(model, specs, views)
         progress("loading weights into the arena")
         src.load_weights({name: views[s.buffer] for s in specs if s.from_checkpoint for name in s.names[:1]})
         recipe.compute_constants(model, specs, views)
         progress("building programs")
-        forward = _compiled_forward(recipe, model) if cuda and opts.compile else None
-        programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention, forward=forward)
+        if cuda and opts.compile:
+            _compile_layers(recipe, model)
+        programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention)
         table = program_table(caps, {p.name: f"graphs/{p.name}.json" for p in program_table(caps, None)} if cuda else None)
         partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table,
                                     base=session.base if cuda else 0, device=session.device if cuda else None)
         out.mkdir(parents=True, exist_ok=True)
-        if cuda:
-            from flare.prepare.cuda.finish import capture_and_export
-
-            extra = capture_and_export(session, programs, partial, views, pool_offset, out, opts, progress)
-            partial = msgspec.structs.replace(
-                partial, buffers=buffers + tuple(extra["buffers"]),
-                arena=msgspec.structs.replace(partial.arena, nbytes=extra["arena_nbytes"]))
-        else:
+        if not cuda:
             for p in table:
                 programs.callable(p.kind, p.capacity)()  # every program must execute once (null slot)
             extra = {}
@@ -223,6 +217,14 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
                 calls = {p.name: programs.callable(p.kind, p.capacity) for p in table}
                 golden = record(partial, views, lambda name: calls[name](), opts.qualify)
                 (out / "qualification.json").write_bytes(msgspec.json.encode(golden))
+    if cuda:
+        # Outside use_mem_pool: graph capture routes its allocations to the same pool itself.
+        from flare.prepare.cuda.finish import capture_and_export
+
+        extra = capture_and_export(session, programs, partial, views, pool_offset, out, opts, progress)
+        partial = msgspec.structs.replace(
+            partial, buffers=buffers + tuple(extra["buffers"]),
+            arena=msgspec.structs.replace(partial.arena, nbytes=extra["arena_nbytes"]))
     nbytes = partial.arena.nbytes
 
     progress(f"writing runtime core to {out}")
@@ -248,26 +250,20 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     return final
 
 
-def _compiled_forward(recipe, model):
-    """torch.compile over the complete model forward (Inductor). Shapes are static per
-    program capacity, so each capacity compiles once during warmup."""
+def _compile_layers(recipe, model) -> None:
+    """torch.compile (Inductor) on every decoder layer. Layers share their code, and
+    nn-module inlining makes their weights graph inputs, so each program capacity
+    compiles once for all layers; attention itself stays outside (see attention.py)."""
     import torch._dynamo
+    import torch._inductor.config as ic
 
     torch._dynamo.config.cache_size_limit = 64
-    torch._dynamo.config.accumulated_cache_size_limit = 512
-    try:
-        import torch._inductor.config as ic
-
-        if hasattr(ic.triton, "use_static_cuda_launcher"):
-            # Kernels must load through Triton's launcher, whose loads we record exactly.
-            ic.triton.use_static_cuda_launcher = False
-    except ImportError:
-        pass
-
-    def forward(tokens, pos, batch):
-        return recipe.forward_tokens(model, tokens, pos, batch)
-
-    return torch.compile(forward, dynamic=False)
+    torch._dynamo.config.accumulated_cache_size_limit = 1024
+    # Kernels must load through Triton's launcher, whose loads are recorded exactly
+    # (the static launcher loads cubins itself).
+    ic.use_static_cuda_launcher = False
+    for layer in recipe.decoder_layers(model):
+        layer.compile(dynamic=False)
 
 
 def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, *, base, device) -> mf.Manifest:

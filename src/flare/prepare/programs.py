@@ -12,6 +12,7 @@ write only there, so they never touch another request's state.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -48,7 +49,6 @@ class ProgramSet:
         caps: Capacities,
         page_size: int,
         attention: str,
-        forward: Callable | None = None,
     ):
         self.recipe = recipe
         self.model = model
@@ -56,10 +56,6 @@ class ProgramSet:
         self.caps = caps
         self.page_size = page_size
         self.attention = attention
-        # The model forward over packed tokens; preparation may pass a compiled one.
-        self.eager_forward = lambda tokens, pos, batch: recipe.forward_tokens(model, tokens, pos, batch)
-        self.forward = forward or self.eager_forward
-        self._use_eager = False
 
     def callable(self, kind: ProgramKind, capacity: int, *, eager: bool = False) -> Callable[[], None]:
         fn = {
@@ -69,14 +65,16 @@ class ProgramSet:
         }[kind]
 
         def run() -> None:
-            self._use_eager = eager
-            with torch.inference_mode():
+            # eager=True runs compiled modules' original code (a program whose compiled
+            # build failed is captured eagerly instead).
+            stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+            with stance, torch.inference_mode():
                 fn(capacity)
 
         return run
 
     def _forward(self, tokens, pos, batch):
-        return (self.eager_forward if self._use_eager else self.forward)(tokens, pos, batch)
+        return self.recipe.forward_tokens(self.model, tokens, pos, batch)
 
     # -- programs ----------------------------------------------------------
 

@@ -87,6 +87,8 @@ class CudaExecutor:
 
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._thread, self._start)
+        # The context is current per thread: the loop's thread issues copies and launches.
+        ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
 
     def _start(self) -> None:
         m = self.manifest

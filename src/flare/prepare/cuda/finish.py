@@ -36,7 +36,7 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
         eager = not opts.compile
         fn = programs.callable(p.kind, p.capacity, eager=eager)
         try:
-            with torch.cuda.stream(stream):
+            with torch.cuda.use_mem_pool(session.pool), torch.cuda.stream(stream):
                 fn()
                 fn()
             torch.cuda.synchronize()
@@ -47,7 +47,7 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
             traceback.print_exc()
             eager = True
             fn = programs.callable(p.kind, p.capacity, eager=True)
-            with torch.cuda.stream(stream):
+            with torch.cuda.use_mem_pool(session.pool), torch.cuda.stream(stream):
                 fn()
                 fn()
             torch.cuda.synchronize()
@@ -71,7 +71,8 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
             graphs[name].replay()
             torch.cuda.synchronize()
 
-        golden = record_golden(manifest, views, run, opts.qualify)
+        with torch.cuda.use_mem_pool(session.pool):
+            golden = record_golden(manifest, views, run, opts.qualify)
         progress(f"recorded golden replays: {opts.qualify} input sets x {len(golden)} programs")
 
     session.check_no_escapes()

@@ -81,6 +81,28 @@ class CudaSession:
         self._handles.append(handle)
         self.mapped = size
 
+    def buffer_tensors(self, buffers) -> dict:
+        """One tensor per planned buffer, each over its own storage (not views of one
+        flat tensor): compiled forwards that mutate a buffer must not see it as a
+        view aliasing every other buffer, nor as a view of a different dtype."""
+        import torch
+
+        from flare.prepare.programs import TORCH_DTYPES
+
+        out = {}
+        for b in buffers:
+            dtype = TORCH_DTYPES[b.dtype.value]
+            ptr = self.base + b.offset
+            try:
+                storage = torch._C._construct_storage_from_data_pointer(ptr, torch.device("cuda", 0), b.nbytes)
+                t = torch.empty(0, dtype=dtype, device="cuda").set_(storage, 0, b.shape)
+            except (AttributeError, TypeError, RuntimeError):
+                t = torch.as_tensor(_CudaArray(ptr, b.nbytes), device="cuda").view(dtype).view(b.shape)
+            if t.data_ptr() != ptr or t.nbytes != b.nbytes:
+                raise RuntimeError(f"tensor for {b.name} does not cover its arena range")
+            out[b.name] = t
+        return out
+
     def start_torch(self, pool_offset: int):
         """Route torch allocations into the arena tail; returns the flat arena tensor."""
         import torch

@@ -106,6 +106,9 @@ class DecoderRecipe:
         out = model.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, paged=batch)
         return out.last_hidden_state[0]
 
+    def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.model.layers)
+
     def lm_head(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return model.lm_head(hidden)
 
