@@ -36,6 +36,9 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] int64, -1 for rows that must not write
     valid: torch.Tensor  # [T] bool
     impl: str = "reference"  # "reference" (eager, any device) or "triton" (capture-safe, CUDA)
+    # Hint: every valid row belongs to one request slot (a prefill chunk), so a
+    # kernel may tile query tokens. Kernels must stay correct when it is wrong.
+    single_slot: bool = False
 
     @property
     def page_size(self) -> int:
@@ -99,12 +102,15 @@ def flare_paged_attention(module, query, key, value, attention_mask, scaling=Non
         raise RuntimeError("flare_paged attention needs the 'paged' batch argument")
     layer = module.layer_idx
     q = query[0].transpose(0, 1)
-    write_kv(paged, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if paged.impl == "triton":
+        from flare.prepare.kernels.kv_write import write_kv_triton
         from flare.prepare.kernels.paged_attention import attend_triton
 
+        write_kv_triton(paged, layer, k, v)
         out = attend_triton(paged, layer, q, scaling)
     else:
+        write_kv(paged, layer, k, v)
         out = attend_reference(paged, layer, q, scaling)
     return out[None], None
 
