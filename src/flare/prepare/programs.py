@@ -107,7 +107,7 @@ class ProgramSet:
         pos = torch.where(valid, start + idx, 0)
         pt = v["state.page_table"].index_select(0, slot)[0].long()
         slot_mapping = self._slot_mapping(pt.expand(C, -1), pos, valid)
-        batch = self._batch(slot.expand(C), pos, slot_mapping, valid)
+        batch = self._batch(slot.expand(C), pos, slot_mapping, valid, single_slot=True)
         hidden = self.recipe.forward_tokens(self.model, tokens, pos, batch)
         v["out.prefill_hidden"][:C].copy_(hidden)
         last = hidden.index_select(0, (n - 1).clamp(min=0))
@@ -144,7 +144,7 @@ class ProgramSet:
         page = page_rows.gather(1, page_idx[:, None])[:, 0]
         return torch.where(valid, page * ps + pos % ps, -1)
 
-    def _batch(self, token_slot, pos, slot_mapping, valid) -> PagedBatch:
+    def _batch(self, token_slot, pos, slot_mapping, valid, single_slot: bool = False) -> PagedBatch:
         return PagedBatch(
             kv=self.v["kv"],
             page_table=self.v["state.page_table"],
@@ -153,6 +153,7 @@ class ProgramSet:
             slot_mapping=slot_mapping,
             valid=valid,
             impl=self.attention,
+            single_slot=single_slot,
         )
 
     def _sample_and_commit(
