@@ -28,7 +28,8 @@ def _write_kv_kernel(
     base = (dst // PAGE) * stride_cp + (dst % PAGE) * stride_co
     hh = tl.arange(0, KVH_PAD)[:, None]
     dd = tl.arange(0, D_PAD)[None, :]
-    mask = ok & (hh < KVH) & (dd < D)
+    # `ok` folded into a bound: Triton's interpreter mis-types scalar & tensor masks.
+    mask = (hh < tl.where(ok, KVH, 0)) & (dd < D)
     dst_off = base + hh * stride_ch + dd * stride_cd
     k = tl.load(k_ptr + t * stride_kt + hh * stride_kh + dd * stride_kd, mask=mask)
     tl.store(k_cache + dst_off, k.to(k_cache.dtype.element_ty), mask=mask)

@@ -101,7 +101,9 @@ def _attend_kernel(
         t_pass = tb * BLOCK_T + p_i
         pass_slot = tl.load(token_slot + t_pass * stride_ts, mask=t_pass < T, other=0).to(tl.int32)
         kslot = tl.where(uniform, slot_hi, pass_slot)
-        act = row_valid & (uniform | (tok == p_i))
+        # Rows of this pass: the whole tile, or token p_i alone. (Bounds rather than
+        # `uniform | (tok == p_i)`: Triton's interpreter mis-types scalar-tensor `|`.)
+        act = row_valid & (tok >= tl.where(uniform, 0, p_i)) & (tok <= tl.where(uniform, BLOCK_T, p_i))
         n_keys = tl.minimum(tl.max(tl.where(act, pos, -1), 0) + 1, key_limit)
         n_blocks = (n_keys + BLOCK_N - 1) // BLOCK_N
         per_split = (n_blocks + SPLITS - 1) // SPLITS
