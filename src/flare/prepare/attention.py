@@ -36,7 +36,9 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] int64, -1 for rows that must not write
     valid: torch.Tensor  # [T] bool
     impl: str = "reference"  # "reference" (eager), "gather" (capture-safe torch), "triton" (CUDA kernels)
-    single_slot: bool = False  # every token belongs to token_slot[0] (prefill)
+    # Every valid row belongs to token_slot[0] (a prefill chunk): kernels may tile
+    # query tokens. The Triton kernels stay correct when it is wrong; gather relies on it.
+    single_slot: bool = False
 
     @property
     def page_size(self) -> int:
@@ -126,20 +128,24 @@ def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float
 def flare_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, paged=None, **kwargs):
     """Transformers attention-interface entry. Excluded from torch.compile: the compiled
     regions end and resume around it, so the KV pool (mutated in place by the writes)
-    never becomes a compiled graph's input and no layer index is specialised on. Shapes: query ``[1, H, T, D]``,
-    key/value ``[1, KVH, T, D]``; returns ``([1, T, H, D], None)``."""
+    never becomes a compiled graph's input and no layer index is specialised on.
+    Shapes: query ``[1, H, T, D]``, key/value ``[1, KVH, T, D]``; returns ``([1, T, H, D], None)``."""
     if paged is None:
         raise RuntimeError("flare_paged attention needs the 'paged' batch argument")
     layer = module.layer_idx
     q = query[0].transpose(0, 1)
-    write_kv(paged, layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if paged.impl == "triton":
+        from flare.prepare.kernels.kv_write import write_kv_triton
         from flare.prepare.kernels.paged_attention import attend_triton
 
+        write_kv_triton(paged, layer, k, v)
         out = attend_triton(paged, layer, q, scaling)
     elif paged.impl == "gather":
+        write_kv(paged, layer, k, v)
         out = attend_gather(paged, layer, q, scaling)
     else:
+        write_kv(paged, layer, k, v)
         out = attend_reference(paged, layer, q, scaling)
     return out[None], None
 

@@ -142,11 +142,40 @@ class ImageRecorder:
                 candidates = narrowed or candidates
         if len(candidates) > 1 and len({i.functions[name] for i in candidates}) == 1:
             candidates = candidates[:1]  # byte-identical code: any copy is the same kernel
+        if len(candidates) > 1:
+            # Last resort: load each candidate privately and keep those whose compiled
+            # function reports the same resource attributes as the launched one.
+            want = _identity_attributes(func)
+            candidates = [i for i in candidates if _trial_attributes(i.data, name) == want]
         if not candidates:
             raise ImageCaptureError(f"no recorded binary defines kernel {name!r}")
         if len(candidates) > 1:
             raise ImageCaptureError(f"kernel {name!r} is defined differently by {len(candidates)} recorded binaries")
         return candidates[0].sha, name
+
+
+_IDENTITY = ("CU_FUNC_ATTRIBUTE_NUM_REGS", "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES",
+             "CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES", "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES",
+             "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK", "CU_FUNC_ATTRIBUTE_BINARY_VERSION")
+
+
+def _identity_attributes(func) -> tuple:
+    out = []
+    for name in _IDENTITY:
+        r = d.cuFuncGetAttribute(getattr(d.CUfunction_attribute, name), func)
+        out.append(int(r[1]) if r[0] == SUCCESS else None)
+    return tuple(out)
+
+
+def _trial_attributes(image: bytes, name: str) -> tuple | None:
+    r = d.cuModuleLoadData(image)
+    if r[0] != SUCCESS:
+        return None
+    try:
+        f = d.cuModuleGetFunction(r[1], name.encode())
+        return _identity_attributes(f[1]) if f[0] == SUCCESS else None
+    finally:
+        d.cuModuleUnload(r[1])
 
 
 def _func_name(func) -> str:

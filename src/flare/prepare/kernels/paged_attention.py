@@ -1,0 +1,284 @@
+"""Capture-safe paged attention in Triton (flash-decoding over pages).
+
+Semantics are :func:`flare.prepare.attention.attend_reference`'s: token ``i``
+of request slot ``s`` attends to key positions ``0..positions[i]`` of that
+slot, the keys read through ``page_table[s]``. Rows with ``valid == False``
+read nothing and produce zeros.
+
+One kernel serves decode and prefill. A program owns a tile of query *rows*
+for one kv head and one split of the key range::
+
+    rows  = BLOCK_T tokens x HEADS query heads of one kv head (GQA packing)
+            row r -> token tb*BLOCK_T + r // HEADS, head kvh*GROUP + r % HEADS
+            (HEADS >= GROUP, a power of two; rows with r % HEADS >= GROUP are padding)
+    keys  = 0 .. max(position of the tile's valid rows), BLOCK_N per step,
+            each key's page looked up in page_table (page = j // PAGE)
+    grid  = (cdiv(T, BLOCK_T), KVH, SPLITS)      -- static shapes only
+
+Every length, position, slot and page is read on the device; nothing on the
+host depends on tensor values, so the launch can be captured in a CUDA graph
+and replayed with new inputs. Scores and the softmax state are fp32 (online
+softmax in base 2); ``tl.dot`` runs on tensor cores in the cache dtype.
+
+A tile of several tokens shares key tiles only if its valid tokens share one
+slot (prefill). The kernel checks that on the device; a tile with mixed slots
+falls back to one pass per token, so any batch is correct and the tiling hint
+(:attr:`PagedBatch.single_slot`) only chooses speed. With ``SPLITS > 1``
+(few programs, long contexts) each program writes unnormalised partials and a
+second kernel combines them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flare.prepare.attention import PagedBatch
+
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_SPLITS = 32
+_TILE_ROWS = 64  # query rows per program when tokens are tiled (prefill)
+_DOT_MIN = 16  # tl.dot needs at least 16 rows
+
+
+@triton.jit
+def _attend_kernel(
+    q_ptr, out_ptr, k_cache, v_cache, page_table, token_slot, positions, valid,
+    part_acc, part_m, part_l,
+    T, H, num_pages, max_pages, scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_cp, stride_co, stride_ch, stride_cd,
+    stride_pts, stride_ptp, stride_ts, stride_pos, stride_val,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ROWS: tl.constexpr = BLOCK_T * HEADS
+
+    r = tl.arange(0, ROWS)
+    tok = r // HEADS  # token within the tile
+    g = r % HEADS  # head within the kv head's group
+    t = tb * BLOCK_T + tok
+    h = kvh * GROUP + g
+    t_in = t < T
+    row_in = t_in & (g < GROUP)
+    d = tl.arange(0, D_PAD)
+    d_in = d < D
+
+    slot = tl.load(token_slot + t * stride_ts, mask=t_in, other=0).to(tl.int32)
+    pos = tl.load(positions + t * stride_pos, mask=t_in, other=0).to(tl.int32)
+    row_valid = row_in & (tl.load(valid + t * stride_val, mask=t_in, other=0) != 0)
+
+    # One slot for the whole tile (prefill, or a single token) -> one pass whose
+    # key tiles every row shares. Otherwise one pass per token of the tile.
+    slot_hi = tl.max(tl.where(row_valid, slot, -1), 0)
+    slot_lo = tl.min(tl.where(row_valid, slot, slot_hi), 0)
+    any_valid = tl.max(row_valid.to(tl.int32), 0) > 0
+    uniform = slot_lo == slot_hi
+    n_pass = tl.where(any_valid, tl.where(uniform, 1, BLOCK_T), 0)
+
+    q = tl.load(
+        q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_in[:, None] & d_in[None, :],
+        other=0.0,
+    ).to(k_cache.dtype.element_ty)
+
+    # m starts finite so that fully masked rows give exp2(0) = 1, never NaN.
+    m = tl.full([ROWS], -1.0e30, tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    key_limit = max_pages * PAGE
+
+    for p_i in range(0, n_pass):
+        t_pass = tb * BLOCK_T + p_i
+        pass_slot = tl.load(token_slot + t_pass * stride_ts, mask=t_pass < T, other=0).to(tl.int32)
+        kslot = tl.where(uniform, slot_hi, pass_slot)
+        # Rows of this pass: the whole tile, or token p_i alone. (Bounds rather than
+        # `uniform | (tok == p_i)`: Triton's interpreter mis-types scalar-tensor `|`.)
+        act = row_valid & (tok >= tl.where(uniform, 0, p_i)) & (tok <= tl.where(uniform, BLOCK_T, p_i))
+        n_keys = tl.minimum(tl.max(tl.where(act, pos, -1), 0) + 1, key_limit)
+        n_blocks = (n_keys + BLOCK_N - 1) // BLOCK_N
+        per_split = (n_blocks + SPLITS - 1) // SPLITS
+        b_lo = split * per_split
+        b_hi = tl.minimum(b_lo + per_split, n_blocks)
+        pt_row = page_table + kslot.to(tl.int64) * stride_pts
+        for b in range(b_lo, b_hi):
+            j = b * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_in = j < n_keys
+            page = tl.load(pt_row + (j // PAGE) * stride_ptp, mask=k_in, other=0)
+            # A page id outside the pool is treated as absent: never read out of bounds.
+            k_in = k_in & (page >= 0) & (page < num_pages)
+            off = page.to(tl.int64) * stride_cp + (j % PAGE) * stride_co + kvh * stride_ch
+            k = tl.load(
+                k_cache + off[None, :] + d[:, None] * stride_cd,
+                mask=k_in[None, :] & d_in[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+            sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None])
+            s = tl.where(sees, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_cache + off[:, None] + d[None, :] * stride_cd,
+                mask=k_in[:, None] & d_in[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+    if SPLITS == 1:
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only for rows that saw no key: acc == 0
+        tl.store(
+            out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_in[:, None] & d_in[None, :],
+        )
+    else:
+        prow = (t * H + h) * SPLITS + split
+        tl.store(part_m + prow, m, mask=row_in)
+        tl.store(part_l + prow, l, mask=row_in)
+        tl.store(part_acc + prow[:, None] * D_PAD + d[None, :], acc, mask=row_in[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    part_acc, part_m, part_l, out_ptr,
+    H, stride_ot, stride_oh, stride_od,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)  # t * H + h
+    t = row // H
+    h = row % H
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_in = sp < SPLITS
+    m = tl.load(part_m + row * SPLITS + sp, mask=sp_in, other=-1.0e30)
+    l = tl.load(part_l + row * SPLITS + sp, mask=sp_in, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    l_sum = tl.sum(w * l, 0)
+    d = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc + (row * SPLITS + sp[:, None]) * D_PAD + d[None, :], mask=sp_in[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Static launch shape of :func:`attend_triton` (a function of shapes only)."""
+
+    block_t: int  # query tokens per program
+    heads: int  # padded query heads per token (>= group, power of two)
+    block_n: int  # keys per inner step
+    splits: int  # programs sharing one row tile's key range
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def rows(self) -> int:
+        return self.block_t * self.heads
+
+
+def plan_launch(
+    T: int, H: int, KVH: int, D: int, max_pages: int, page_size: int, *,
+    tile_tokens: bool, sm_count: int, num_splits: int | None = None,
+) -> Launch:
+    group = H // KVH
+    heads = triton.next_power_of_2(group)
+    if tile_tokens and T > 1:
+        block_t = max(1, min(_TILE_ROWS // heads, triton.next_power_of_2(T)))
+    else:
+        block_t = 1
+    heads = max(heads, -(-_DOT_MIN // block_t))  # pad a short tile up to tl.dot's minimum
+    block_n = 64 if D <= 128 else 32
+    if num_splits is None:
+        programs = -(-T // block_t) * KVH
+        key_blocks = -(-(max_pages * page_size) // block_n)
+        num_splits = 1 if programs >= sm_count else min(-(-2 * sm_count // programs), key_blocks, _MAX_SPLITS)
+    return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small grids
+
+
+def _check(batch: PagedBatch, layer: int, q: torch.Tensor) -> None:
+    kv = batch.kv
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got shape {tuple(q.shape)}")
+    if kv.dim() != 6 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [L, 2, P, page_size, KVH, D], got shape {tuple(kv.shape)}")
+    if not 0 <= layer < kv.shape[0]:
+        raise ValueError(f"layer {layer} outside kv's {kv.shape[0]} layers")
+    T, H, D = q.shape
+    if kv.shape[-1] != D:
+        raise ValueError(f"head_dim: q has {D}, kv has {kv.shape[-1]}")
+    if H % kv.shape[-2]:
+        raise ValueError(f"query heads {H} not a multiple of kv heads {kv.shape[-2]}")
+    if q.dtype not in _DTYPES or kv.dtype not in _DTYPES:
+        raise ValueError(f"dtypes q={q.dtype} kv={kv.dtype}: expected float16, bfloat16 or float32")
+    for name in ("token_slot", "positions", "valid"):
+        if getattr(batch, name).shape != (T,):
+            raise ValueError(f"batch.{name} has shape {tuple(getattr(batch, name).shape)}, expected ({T},)")
+
+
+def attend_triton(
+    batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None
+) -> torch.Tensor:
+    """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``.
+
+    ``num_splits`` overrides the key-range split count (tests); by default it
+    follows from static shapes and the device's multiprocessor count.
+    """
+    _check(batch, layer, q)
+    kv = batch.kv
+    T, H, D = q.shape
+    KVH, ps, P = kv.shape[-2], kv.shape[3], kv.shape[2]
+    max_pages = batch.page_table.shape[1]
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    lc = plan_launch(
+        T, H, KVH, D, max_pages, ps,
+        tile_tokens=batch.single_slot, sm_count=_sm_count(q.device), num_splits=num_splits,
+    )
+    d_pad = max(16, triton.next_power_of_2(D))
+    k_cache, v_cache = kv[layer, 0], kv[layer, 1]  # [P, page_size, KVH, D] views
+    if lc.splits > 1:
+        part_acc = torch.empty((T, H, lc.splits, d_pad), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((T, H, lc.splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((T, H, lc.splits), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_m = part_l = out  # never touched when SPLITS == 1
+    valid = batch.valid.view(torch.uint8)
+    pt = batch.page_table
+    grid = (triton.cdiv(T, lc.block_t), KVH, lc.splits)
+    _attend_kernel[grid](
+        q, out, k_cache, v_cache, pt, batch.token_slot, batch.positions, valid,
+        part_acc, part_m, part_l,
+        T, H, P, max_pages, scaling * LOG2E,
+        *q.stride(), *out.stride(), *k_cache.stride(),
+        pt.stride(0), pt.stride(1), batch.token_slot.stride(0), batch.positions.stride(0), valid.stride(0),
+        GROUP=H // KVH, HEADS=lc.heads, BLOCK_T=lc.block_t, PAGE=ps, D=D, D_PAD=d_pad,
+        BLOCK_N=lc.block_n, SPLITS=lc.splits,
+        PRECISION="ieee" if kv.dtype == torch.float32 else "tf32",
+        num_warps=lc.num_warps, num_stages=lc.num_stages,
+    )
+    if lc.splits > 1:
+        _combine_kernel[(T * H,)](
+            part_acc, part_m, part_l, out, H, *out.stride(),
+            SPLITS=lc.splits, SPLITS_PAD=triton.next_power_of_2(lc.splits), D=D, D_PAD=d_pad,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,167 @@
+"""Triton paged attention and KV write against the eager reference.
+
+Without CUDA this runs the kernels in Triton's CPU interpreter
+(TRITON_INTERPRET=1, set here before Triton is imported); with CUDA it runs the
+same cases compiled on the GPU. tests/gpu/ adds bf16, large prefill and CUDA
+graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from flare.prepare.attention import PagedBatch, flare_paged_attention  # noqa: E402
+from flare.prepare.kernels.kv_write import write_kv_triton  # noqa: E402
+from flare.prepare.kernels.paged_attention import attend_triton, plan_launch  # noqa: E402
+from tests.paged_cases import Shape, decode_step, prefill_step, run_fp32_truth, run_reference, run_triton  # noqa: E402
+
+SHAPES = [
+    Shape(H=4, KVH=4, D=64, page_size=16),  # MHA
+    Shape(H=9, KVH=3, D=64, page_size=16),  # SmolLM2-135M: GQA 3, 9 heads
+    Shape(H=8, KVH=1, D=128, page_size=32),  # GQA 8, D 128
+    Shape(H=8, KVH=2, D=64, page_size=64, max_pages=3),  # GQA 4, big pages
+    Shape(H=4, KVH=2, D=80, page_size=16),  # head_dim not a power of two
+]
+IDS = [f"H{s.H}-KVH{s.KVH}-D{s.D}-ps{s.page_size}" for s in SHAPES]
+
+# fp32: ieee dots, so only summation order differs from the reference.
+# fp16: the kernel rounds P to fp16 before P@V and the output to fp16 (2^-11 each).
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+DTYPES = [torch.float32, torch.float16]
+
+
+def scale(shape: Shape) -> float:
+    return shape.D**-0.5
+
+
+def check_step(step, shape, dtype, num_splits=None):
+    ref, kv_ref = run_reference(step, scale(shape))
+    out, kv_tri = run_triton(step, scale(shape), num_splits=num_splits)
+    # The write: identical outside the null page; the null page untouched (padded rows write nothing).
+    assert torch.equal(kv_tri[:, :, 1:], kv_ref[:, :, 1:])
+    assert torch.equal(kv_tri[:, :, 0], step.kv[:, :, 0])
+    assert out.dtype == step.q.dtype and out.shape == step.q.shape
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[~step.valid], torch.zeros_like(out[~step.valid]))
+    truth = ref if dtype == torch.float32 else run_fp32_truth(step, kv_ref, scale(shape))
+    torch.testing.assert_close(out.float(), truth.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_decode_matches_reference(shape, dtype):
+    ps = shape.page_size
+    # Lengths straddling page boundaries, a full table, a single key, and padded rows.
+    lengths = [1, ps - 1, None, ps, ps + 1, shape.max_keys, None]
+    for seed, splits in ((1, None), (2, 1), (3, 3)):
+        check_step(decode_step(shape, lengths, dtype, seed, DEVICE), shape, dtype, num_splits=splits)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_prefill_chunks_match_reference(shape):
+    ps = shape.page_size
+    dtype = torch.float32
+    chunk = 20
+    # Each start (history length) with one launch variant; together they cover
+    # tiled / untiled and split / unsplit.
+    starts = (0, ps - 1, ps + 1, shape.max_keys - 16)
+    variants = ((True, 1), (True, 2), (False, None), (True, None))
+    for seed, (start, (single_slot, splits)) in enumerate(zip(starts, variants)):
+        n = min(16, shape.max_keys - start)
+        step = prefill_step(shape, start, n, chunk, dtype, 10 + seed, DEVICE, single_slot=single_slot)
+        check_step(step, shape, dtype, num_splits=splits)
+
+
+def test_prefill_fp16_crossing_pages():
+    shape = SHAPES[1]
+    step = prefill_step(shape, start=shape.page_size - 3, n=30, chunk=32, dtype=torch.float16, seed=7, device=DEVICE)
+    check_step(step, shape, torch.float16, num_splits=2)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=IDS[:3])
+def test_tiling_hint_wrong_is_still_correct(shape):
+    """single_slot=True over a decode batch (mixed slots): the kernel detects the
+    mixed tile on the device and makes one pass per token."""
+    step = decode_step(shape, [3, None, shape.page_size + 2, 1, 2 * shape.page_size], torch.float32, 5, DEVICE)
+    step.single_slot = True
+    check_step(step, shape, torch.float32, num_splits=2)
+
+
+def test_all_rows_padded_write_nothing_and_return_zeros():
+    shape = SHAPES[1]
+    step = decode_step(shape, [None, None, None], torch.float32, 4, DEVICE)
+    out, kv_after = run_triton(step, scale(shape))
+    assert torch.equal(kv_after, step.kv)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_write_kv_is_exact_and_skips_padded_rows(dtype):
+    shape = SHAPES[2]
+    step = decode_step(shape, [5, None, 40, 1, None, 33], dtype, 6, DEVICE)
+    kv = step.kv.clone()
+    write_kv_triton(step.batch(kv, "triton"), step.layer, step.k, step.v)
+    sm = step.slot_mapping
+    live = sm >= 0
+    flat = kv[step.layer].view(2, -1, shape.KVH, shape.D)
+    assert torch.equal(flat[0, sm[live]], step.k[live])
+    assert torch.equal(flat[1, sm[live]], step.v[live])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+    untouched[sm[live]] = False
+    assert torch.equal(flat[:, untouched], step.kv[step.layer].view(2, -1, shape.KVH, shape.D)[:, untouched])
+    other = 1 - step.layer
+    assert torch.equal(kv[other], step.kv[other])
+
+
+def test_flare_paged_attention_triton_matches_reference():
+    """The transformers entry point with impl='triton' (write + attend) against impl='reference'."""
+    shape = SHAPES[1]
+    step = prefill_step(shape, start=5, n=12, chunk=16, dtype=torch.float32, seed=8, device=DEVICE)
+    module = type("Attn", (), {"layer_idx": step.layer})()
+    query = step.q.transpose(0, 1)[None]
+    key, value = step.k.transpose(0, 1)[None], step.v.transpose(0, 1)[None]
+    outs = {}
+    for impl in ("reference", "triton"):
+        kv = step.kv.clone()
+        outs[impl], _ = flare_paged_attention(module, query, key, value, None, scaling=scale(shape),
+                                              paged=step.batch(kv, impl))
+        outs[impl + "_kv"] = kv
+    assert torch.equal(outs["triton_kv"][:, :, 1:], outs["reference_kv"][:, :, 1:])
+    torch.testing.assert_close(outs["triton"], outs["reference"], **TOL[torch.float32])
+
+
+def test_launch_plan_depends_on_shapes_only():
+    # Decode: one token per program, the GQA group padded to tl.dot's 16 rows.
+    lc = plan_launch(T=8, H=9, KVH=3, D=64, max_pages=64, page_size=16, tile_tokens=False, sm_count=132)
+    assert (lc.block_t, lc.heads, lc.rows, lc.block_n) == (1, 16, 16, 64)
+    assert lc.splits == 11  # 24 programs -> ceil(264 / 24) splits to fill 132 SMs twice
+    # Prefill: 16 tokens x 4 (padded group of 3) rows per program; enough programs, no split.
+    lc = plan_launch(T=4096, H=9, KVH=3, D=64, max_pages=64, page_size=16, tile_tokens=True, sm_count=132)
+    assert (lc.block_t, lc.heads, lc.rows, lc.splits) == (16, 4, 64, 1)
+    # Splits never exceed the key blocks a slot can have.
+    lc = plan_launch(T=1, H=8, KVH=8, D=128, max_pages=2, page_size=16, tile_tokens=False, sm_count=132)
+    assert lc.splits == 1
+
+
+def test_rejects_bad_shapes():
+    shape = SHAPES[1]
+    step = decode_step(shape, [3], torch.float32, 9, DEVICE)
+    b = step.batch(step.kv, "triton")
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        attend_triton(b, 0, torch.zeros(1, 4, shape.D, device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        attend_triton(b, 0, torch.zeros(1, shape.H, 32, device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match="layer"):
+        attend_triton(b, 5, step.q, 1.0)
+    bad = PagedBatch(step.kv, step.page_table, step.token_slot[:0], step.positions, step.slot_mapping, step.valid)
+    with pytest.raises(ValueError, match="token_slot"):
+        attend_triton(bad, 0, step.q, 1.0)
