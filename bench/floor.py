@@ -1,0 +1,102 @@
+"""The replay floor: decode graphs launched back to back by a minimal harness.
+
+usage: python -m bench.floor CORE OUT.json [steps]
+
+No scheduler, no HTTP: B slots are set up as endless requests (no stop ids,
+huge max_new), then decode.B is launched ``steps`` times; the pending token
+stays on the device between steps. Reports GPU time per step (events) and
+wall time per step with one step in flight (launch, wait) -- the floor the
+full server is measured against -- plus the device copy bandwidth for the
+roofline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import numpy as np
+from cuda.bindings import driver as d
+
+from flare.core.manifest import load_manifest
+from flare.runtime.cuda_driver import ck
+from flare.runtime.cuda_executor import CudaExecutor
+
+
+def _setup_slots(ex: CudaExecutor, m, batch: int) -> None:
+    c = m.capacities
+    per = (m.pages.num_pages - 1) // c.slots
+    for s in range(1, c.slots + 1):
+        table = np.zeros(c.max_pages_per_slot, np.int32)
+        n = min(per, c.max_pages_per_slot)
+        table[:n] = np.arange(1 + (s - 1) * per, 1 + (s - 1) * per + n)
+        for name, value in {
+            "state.len": 16, "state.pending": 100 + s, "state.generated": 0, "state.max_new": 1 << 30,
+            "state.done": 0, "state.seed": s, "state.counter": 0, "state.top_k": 20,
+            "state.sampling": np.array([1.0, 0.95, 0.0, 1.0, 0.0, 0.0], np.float32),
+            "state.stop_ids": np.full(c.stop_ids, -1, np.int32), "state.page_table": table,
+        }.items():
+            ex.write(name, np.asarray(value), s)
+    slots = np.zeros(max(c.decode_capacities), np.int32)
+    slots[:batch] = np.arange(1, batch + 1)
+    ex.write("in.decode_slots", slots)
+
+
+def copy_bandwidth(ex: CudaExecutor, m) -> float:
+    """Device-to-device copy inside the arena (KV pages), bytes read + written per second."""
+    kv = m.buffer("kv")
+    n = kv.nbytes // 2 // (1 << 20) * (1 << 20)
+    src, dst = ex.arena.base + kv.offset, ex.arena.base + kv.offset + n
+    e0, e1 = ck(d.cuEventCreate(0), "event"), ck(d.cuEventCreate(0), "event")
+    for _ in range(3):
+        ck(d.cuMemcpyDtoDAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), n, ex.stream), "copy")
+    ck(d.cuEventRecord(e0, ex.stream), "record")
+    reps = 20
+    for _ in range(reps):
+        ck(d.cuMemcpyDtoDAsync(d.CUdeviceptr(dst), d.CUdeviceptr(src), n, ex.stream), "copy")
+    ck(d.cuEventRecord(e1, ex.stream), "record")
+    ck(d.cuEventSynchronize(e1), "sync")
+    ms = ck(d.cuEventElapsedTime(e0, e1), "elapsed")
+    return 2 * n * reps / (ms / 1e3)
+
+
+async def main(core: str, out: str, steps: int) -> None:
+    m = load_manifest(core)
+    ex = CudaExecutor(core, m)
+    await ex.start()
+    results = {"core": core, "steps": steps, "copy_bandwidth_Bps": copy_bandwidth(ex, m), "decode": {}}
+    e0, e1 = ck(d.cuEventCreate(0), "event"), ck(d.cuEventCreate(0), "event")
+    for b in m.capacities.decode_capacities:
+        _setup_slots(ex, m, b)
+        ex.sync()
+        prog = f"decode.{b}"
+        for _ in range(5):
+            ex.submit(prog)
+        ex.sync()
+        ck(d.cuEventRecord(e0, ex.stream), "record")
+        for _ in range(steps):
+            ex.submit(prog)
+        ck(d.cuEventRecord(e1, ex.stream), "record")
+        ck(d.cuEventSynchronize(e1), "sync")
+        gpu_ms = ck(d.cuEventElapsedTime(e0, e1), "elapsed") / steps
+        walls = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            ex.submit(prog)
+            await ex.wait()
+            ex.read("out.decode_completion")
+            walls.append(time.perf_counter() - t)
+        wall_ms = float(np.median(walls) * 1e3)
+        results["decode"][b] = {"gpu_ms_per_step": gpu_ms, "wall_ms_per_step_one_in_flight": wall_ms,
+                                "tokens_per_s_gpu": b / gpu_ms * 1e3, "tokens_per_s_wall": b / wall_ms * 1e3}
+    results["executor_stats"] = ex.stats()
+    await ex.close()
+    assert "torch" not in sys.modules
+    json.dump(results, open(out, "w"), indent=1)
+    print(json.dumps(results["decode"]))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 200))

@@ -1,0 +1,68 @@
+"""The baseline in the same run: Transformers generate with a static cache and
+torch.compile, on the core's own weights (BF16), same sampling.
+
+usage: python -m bench.hf_baseline CORE OUT.json [--batches 1,2,4] [--tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def load(core: str):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from flare.core.manifest import load_manifest
+    from flare.prepare.recipes import by_name
+
+    m = load_manifest(core)
+    config = by_name(m.reference.recipe).config_from_json(m.reference.config)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    raw = load_file(f"{core}/{m.arena.image}", device="cuda")
+    state = {k[2:]: v for k, v in raw.items() if k.startswith("w.")}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config, device="cuda")
+    return model.eval(), m
+
+
+def main(a) -> None:
+    model, m = load(a.core)
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    results = {"core": a.core, "torch": torch.__version__, "tokens": a.tokens, "batches": {}}
+    for b in a.batches:
+        ids = torch.randint(1000, 30000, (b, 32), device="cuda")
+        kw = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, pad_token_id=0)
+        model.generate(ids, max_new_tokens=a.tokens, min_new_tokens=a.tokens, **kw)  # compile + warm up
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=a.tokens, min_new_tokens=a.tokens, **kw)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t
+        new = out.shape[1] - ids.shape[1]
+        results["batches"][b] = {"total_s": total, "prefill_s": prefill, "new_tokens": new,
+                                 "decode_tokens_per_s": b * (new - 1) / (total - prefill),
+                                 "itl_s": (total - prefill) / (new - 1)}
+        print(b, results["batches"][b], flush=True)
+    json.dump(results, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("core")
+    p.add_argument("out")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    main(p.parse_args())
