@@ -346,14 +346,18 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
 
 
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def _prompts(prompt, codec: TextCodec) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts = [codec.encode(prompt, add_special_tokens=True)]
-    elif prompt and all(isinstance(t, int) for t in prompt):
+    elif prompt and _is_ids(prompt):
         prompts = [list(prompt)]
     elif prompt and all(isinstance(p, str) for p in prompt):
         prompts = [codec.encode(p, add_special_tokens=True) for p in prompt]
-    elif prompt and all(isinstance(p, list) for p in prompt):
+    elif prompt and all(_is_ids(p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
         raise FrontendError("prompt must be a non-empty string, token list, or list of them", param="prompt",

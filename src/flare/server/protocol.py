@@ -92,7 +92,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]] = ""
+    # str | list[int] | list[str] | list[list[int]]: msgspec cannot express a union of
+    # several array types, so the shape is checked when the prompt is tokenized.
+    prompt: str | list[Any] = ""
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
