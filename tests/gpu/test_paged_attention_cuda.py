@@ -138,6 +138,7 @@ class Captured:
 
     def replay_and_check(self, step) -> None:
         """Load ``step`` into the static buffers, replay, compare with the eager reference."""
+        step.layer = self.layer  # the layer is baked into the capture
         self.kv.copy_(step.kv)
         for name in ("page_table", "token_slot", "positions", "slot_mapping", "valid", "q", "k", "v"):
             getattr(self, name).copy_(getattr(step, name))
