@@ -27,6 +27,19 @@ CACHE = Path(os.environ.get("FLARE_TEST_CACHE", ROOT / ".cache" / "test-cores"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Without CUDA the Triton kernels run in Triton's CPU interpreter. The switch is
+# read when Triton is imported, and importing transformers imports Triton, so it
+# must be set here, before any test module imports flare.prepare.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Options shared by the test cores: small context, small chunks so that chunking and
 # page boundaries are exercised with short prompts.
 SMOL_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-size", "128", "--kv-pages", "600",
