@@ -34,6 +34,7 @@ resolve differences smaller than float32 noise); anything else fails.
 from __future__ import annotations
 
 import json
+import mmap
 import random
 from dataclasses import dataclass, field
 
@@ -73,8 +74,11 @@ class Rig:
 def rig(smol_core) -> Rig:
     m = load_manifest(smol_core)
     assert (m.capacities.prefill_capacities, m.capacities.decode_capacities, m.pages.page_size) == ((128,), (1, 2, 4), 16)
-    arena = torch.zeros(m.arena.nbytes, dtype=torch.uint8)
-    host = memoryview(arena.numpy())
+    # An anonymous shared mapping, as the reference worker maps the arena file: zero-filled,
+    # and only the pages a program touches are ever backed (the kv pool is 442 MB).
+    mapping = mmap.mmap(-1, m.arena.nbytes)
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)
+    host = memoryview(mapping)
     image = smol_core / m.arena.image
     with image.open("rb") as f:
         for b, off, n in iter_image(image, m):
@@ -95,24 +99,38 @@ def rig(smol_core) -> Rig:
 
 
 @pytest.fixture(scope="module")
-def hf_models(rig):
+def image_weights(smol_core, rig) -> dict[str, torch.Tensor]:
+    """The persistent buffers read straight from the core's image file, independent of
+    the arena the programs run in."""
+    from safetensors.torch import load_file
+
+    return load_file(str(smol_core / rig.m.arena.image))
+
+
+@pytest.fixture(scope="module")
+def hf_models(rig, image_weights):
+    """The canonical model, fp32 and fp64, with the checkpoint weights from the image file.
+    Rotary tables are Transformers' own (not the core's precomputed constants)."""
     from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     recipe = by_name(rig.m.reference.recipe)
     config = recipe.config_from_json(rig.m.reference.config)
     config._attn_implementation = "eager"
-    hf32 = LlamaForCausalLM(config).eval()
-    state = {}
-    for spec in rig.specs:
-        if spec.from_checkpoint:
-            for name in spec.names:
-                state[name] = rig.v[spec.buffer]
-    missing, unexpected = hf32.load_state_dict(state, strict=False)
-    assert (missing, unexpected) == ([], [])
-    hf64 = LlamaForCausalLM(config).eval()
-    hf64.load_state_dict(state)
-    hf64.double()
-    return hf32, hf64
+    models = []
+    for dtype in (torch.float32, torch.float64):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        state = {}
+        for spec in rig.specs:
+            if spec.from_checkpoint:
+                t = image_weights[spec.buffer].to(dtype)  # one tensor per buffer: ties stay tied
+                state.update({name: t for name in spec.names})
+        model.load_state_dict(state, strict=True, assign=True)
+        model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+        models.append(model.to(dtype).eval())
+    assert models[0].lm_head.weight.data_ptr() == models[0].model.embed_tokens.weight.data_ptr()
+    return models
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +252,7 @@ GROUPS = ((0, 1, 2, 3), (4, 5, 6), (7, 8), (9,), (10, 11, 12))
 
 @dataclass
 class Outcome:
-    prefill_rows: torch.Tensor  # [L, V] float64: hidden @ lm_head.T
+    prefill_hidden: torch.Tensor  # [L, H] float32 out.prefill_hidden rows
     prefill_head: torch.Tensor  # [V] float32 out.logits of the last prompt token
     prefill_record: torch.Tensor
     decode_rows: torch.Tensor  # [DECODE_STEPS, V] float32 out.logits
@@ -243,8 +261,8 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def flare_outcomes(rig, cases) -> list[Outcome]:
-    head = rig.model.lm_head.weight.detach().double()
+def flare_outcomes(rig, cases, hf_models) -> list[Outcome]:
+    # hf_models first: the reference is built before any program has run.
     out: list[Outcome | None] = [None] * len(cases)
     for group in GROUPS:
         slots = list(range(1, len(group) + 1))
@@ -256,7 +274,7 @@ def flare_outcomes(rig, cases) -> list[Outcome]:
             hidden, last, record = prefill(rig, slot, c.prompt)
             state = {k: rig.v[k][slot].clone() for k in ("state.len", "state.generated", "state.counter",
                                                           "state.pending", "state.hist")}
-            pre[i] = (hidden.double() @ head.T, last, record, state)
+            pre[i] = (hidden, last, record, state)
         rows, recs = [], []
         for step in range(DECODE_STEPS):
             logits, record = decode(rig, slots, [cases[i].continuation[step] for i in group])
@@ -280,7 +298,7 @@ def hf_logits(hf_models, cases) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if ids not in memo:
             with torch.inference_mode():
                 x = torch.tensor([list(ids)])
-                memo[ids] = (hf32(input_ids=x).logits[0].double(), hf64(input_ids=x).logits[0])
+                memo[ids] = (hf32(input_ids=x).logits[0], hf64(input_ids=x).logits[0])
         return memo[ids]
 
     longest = max((c for c in cases if c.name.startswith("prefix")), key=lambda c: len(c.prompt))
@@ -306,12 +324,11 @@ class Stats:
     d_flare64: float = 0.0  # max |flare - hf64|
     err32: float = 0.0  # max |hf32 - hf64|
     rows: int = 0
-    near_ties: list = field(default_factory=list)
     mismatches: list = field(default_factory=list)
 
 
 def compare(stats: Stats, name: str, offset: int, flare: torch.Tensor, l32: torch.Tensor, l64: torch.Tensor) -> None:
-    flare = flare.double()
+    flare, l32 = flare.double(), l32.double()
     stats.d_flare = max(stats.d_flare, float((flare - l32).abs().max()))
     stats.d_flare64 = max(stats.d_flare64, float((flare - l64).abs().max()))
     stats.err32 = max(stats.err32, float((l32 - l64).abs().max()))
@@ -323,11 +340,12 @@ def compare(stats: Stats, name: str, offset: int, flare: torch.Tensor, l32: torc
 
 
 @pytest.fixture(scope="module")
-def comparison(cases, flare_outcomes, hf_logits):
+def comparison(rig, cases, flare_outcomes, hf_logits):
+    head = rig.model.lm_head.weight.detach().double()
     pre, dec = Stats(), Stats()
     for c, o, (l32, l64) in zip(cases, flare_outcomes, hf_logits):
         L = len(c.prompt)
-        compare(pre, c.name, 0, o.prefill_rows, l32[:L], l64[:L])
+        compare(pre, c.name, 0, o.prefill_hidden.double() @ head.T, l32[:L], l64[:L])
         compare(dec, c.name, L, o.decode_rows, l32[L:], l64[L:])
     err32 = max(pre.err32, dec.err32)
     bound = 4 * err32 + 1e-6
@@ -372,7 +390,7 @@ def test_prefill_last_row_head_and_greedy_sample(rig, cases, flare_outcomes, hf_
     *_, bound, _ = comparison
     for c, o, (l32, l64) in zip(cases, flare_outcomes, hf_logits):
         L = len(c.prompt)
-        assert float((o.prefill_head.double() - l32[L - 1]).abs().max()) <= bound
+        assert float((o.prefill_head.double() - l32[L - 1].double()).abs().max()) <= bound
         slot, tok, generated, status = o.prefill_record.tolist()
         assert tok == int(o.prefill_head.argmax()) and generated == 1
         assert status == (1 if tok in rig.m.frontend.eos_ids else 0)
@@ -413,7 +431,17 @@ def test_padded_and_finished_rows_write_nothing(rig):
     # Slot 4 holds a stale row from earlier tests; it is not in the batch.
     state_names = [b.name for b in rig.m.buffers if b.role.value == "state"]
     before = {k: v[k].clone() for k in state_names}
-    kv_before = v["kv"].clone()
+    # KV: pages handed out so far (this module's earlier cases included) are snapshotted;
+    # every other page except the null page has never been written and must stay zero.
+    kv = v["kv"]
+    unused = sorted(rig.free_pages)
+    used = sorted(set(range(1, rig.m.pages.num_pages)) - set(unused))
+    used_before = kv.index_select(2, torch.tensor(used)).clone()
+
+    def zero_pages() -> bool:
+        return all(int(torch.count_nonzero(kv[:, :, p])) == 0 for p in unused)
+
+    assert zero_pages()
     v["in.decode_slots"][:] = torch.tensor([1, 2, 0, 0], dtype=torch.int32)
     rig.run["decode.4"]()
     rec = v["out.decode_completion"].clone()
@@ -427,8 +455,17 @@ def test_padded_and_finished_rows_write_nothing(rig):
             if row != 1:
                 assert torch.equal(v[k][row], before[k][row]), f"{k}[{row}] changed"
     assert int(v["state.len"][1]) == L + 1
-    # KV: only (page of position L, offset L % ps) of slot 1, in every layer and both K/V.
+    # Only (page of position L, offset L % ps) of slot 1 changed, in every layer, K and V.
+    changed = (kv.index_select(2, torch.tensor(used)) != used_before).any(dim=(0, 1, 4, 5))  # [pages, offsets]
     page, off = owned[1][L // ps], L % ps
-    changed = (v["kv"] != kv_before).any(dim=(0, 1, 4, 5))  # [pages, offsets]
-    changed[0] = False  # the null page is garbage by contract
-    assert torch.nonzero(changed).tolist() == [[page, off]]
+    assert [[used[i], o] for i, o in torch.nonzero(changed).tolist()] == [[page, off]]
+    assert changed.sum() == 1 and bool((kv[:, :, page, off] != used_before[:, :, used.index(page), off]).all())
+    assert zero_pages()
+
+
+def test_programs_never_write_weights(rig, image_weights, flare_outcomes):
+    """After every program above ran, each persistent buffer in the arena still holds
+    exactly the bytes of the image: programs write only runtime buffers."""
+    for b in rig.m.buffers:
+        if b.role.value == "weight":
+            assert torch.equal(rig.v[b.name], image_weights[b.name]), b.name
