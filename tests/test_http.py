@@ -100,6 +100,20 @@ def test_usage_counts_every_sampled_token(client, frontend):
     assert text.startswith(shorter.choices[0].message.content) and len(shorter.choices[0].message.content) < len(text)
 
 
+def test_stop_string(client):
+    """A stop string ends the answer before it, streaming or not; the tokens sampled up
+    to the one that completed it are counted."""
+    full = chat(client, FRANCE, seed=0, max_tokens=32)
+    text = full.choices[0].message.content
+    assert " Paris" in text
+    before = text[: text.index(" Paris")]
+    r = chat(client, FRANCE, seed=0, max_tokens=32, stop=[" Paris"])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (before, "stop")
+    assert r.usage.completion_tokens < full.usage.completion_tokens
+    streamed, finish, usage, _ = chat_stream(client, FRANCE, seed=0, max_tokens=32, stop=["zzz", " Paris"])
+    assert (streamed, finish, usage.completion_tokens) == (before, "stop", r.usage.completion_tokens)
+
+
 # ---------------------------------------------------------------------------
 # (b) concurrency
 
