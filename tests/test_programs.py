@@ -1,21 +1,23 @@
 """Numerical acceptance: the smol core's prepared programs against Transformers.
 
 The programs run in-process exactly as the reference worker runs them: the
-arena is one flat uint8 tensor filled from the core's arena image, the recipe's
-model is bound to views of it, and every program reads and writes named arena
-buffers. They are driven with the same writes the scheduler stages (see
-``Scheduler._queue_admission`` / ``_prefill_step`` / ``_decode_step``). The
-reference is the canonical ``LlamaForCausalLM`` (eager attention) holding a copy
-of the same weights, in float32 and in float64.
+arena is one flat uint8 mapping filled from the core's arena image, the
+recipe's model is bound to views of it, and every program reads and writes
+named arena buffers. They are driven with the same writes the scheduler stages
+(see ``Scheduler._queue_admission`` / ``_prefill_step`` / ``_decode_step``).
+The reference is the canonical ``LlamaForCausalLM`` (eager attention) with the
+weights read separately from the image file, in float32 and in float64.
 
 Bound (derived, then measured). Let z be the exact logits; the float64 model
-gives z to ~1e-13 relative, so we take hf64 = z. ``err32 = max |hf32 - hf64|``
-over every compared position and vocabulary entry is the rounding error of one
-valid float32 evaluation order of this network on these very inputs. Flare
+gives z to ~1e-13 relative, so we take hf64 = z (Transformers computes the
+rotary cos/sin in float32 even in a float64 model; all three models share that
+identical computation, so it cancels from every difference below).
+``err32 = max |hf32 - hf64|`` over every compared position and vocabulary entry
+is the rounding error of one valid float32 evaluation order of this network on these very inputs. Flare
 evaluates the same function in float32 in another order (paged KV, chunked
 prefill, batched decode, SDPA with an explicit mask), so its own error
 ``|flare - z|`` is a sum of rounding terms of the same sizes; allowing it to be up
-to 3 * err32 (the maximum over ~1e8 entries of a different summation order stays
+to 3 * err32 (the maximum over ~6e7 entries of a different summation order stays
 well within a small factor of another's), the triangle inequality gives
 
     |flare - hf32| <= |flare - z| + |z - hf32| <= 3 * err32 + err32 = 4 * err32,
@@ -23,7 +25,9 @@ well within a small factor of another's), the triangle inequality gives
 plus 1e-6 so that the bound is never zero. Prefill logits are ``hidden @
 lm_head.T`` in float64 (one rounding fewer than Flare's float32 head); decode
 logits are Flare's own float32 ``out.logits``. The measured numbers are printed
-(``pytest -s``).
+(``pytest -s``); on the development machine: err32 = 1.04e-4, bound = 4.17e-4,
+max |flare - hf32| = 7.9e-5 (prefill, 1,153 rows) and 1.9e-4 (decode, 130 rows),
+no argmax disagreement.
 
 Argmax: Flare's argmax must equal the float64 model's at every position. A
 disagreement is accepted only as a proven near-tie: the float64 logit gap
