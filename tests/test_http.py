@@ -120,7 +120,8 @@ def test_stop_string(client):
 
 STORY_PROMPTS = [
     [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}],
-    [{"role": "system", "content": "You are a poet."}, {"role": "user", "content": "Describe the sea at night in detail."}],
+    [{"role": "system", "content": "You are a poet."},
+     {"role": "user", "content": "Describe the sea at night in detail."}],
     [{"role": "user", "content": "Explain in detail how a bicycle works, part by part."}],
     [{"role": "user", "content": "Tell me everything you know about the history of Rome. 🏛️"}],
 ]

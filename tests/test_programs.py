@@ -77,7 +77,8 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(smol_core) -> Rig:
     m = load_manifest(smol_core)
-    assert (m.capacities.prefill_capacities, m.capacities.decode_capacities, m.pages.page_size) == ((128,), (1, 2, 4), 16)
+    c = m.capacities
+    assert (c.prefill_capacities, c.decode_capacities, m.pages.page_size) == ((128,), (1, 2, 4), 16)
     # An anonymous shared mapping, as the reference worker maps the arena file: zero-filled,
     # and only the pages a program touches are ever backed (the kv pool is 442 MB).
     mapping = mmap.mmap(-1, m.arena.nbytes)

@@ -27,7 +27,8 @@ def rows(n: int, V: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repe
         "presence": torch.full((n,), presence, dtype=torch.float32),
         "frequency": torch.full((n,), frequency, dtype=torch.float32),
         "seed": torch.full((n,), seed, dtype=torch.int64),
-        "counter": torch.arange(n, dtype=torch.int64) if counter is None else torch.full((n,), counter, dtype=torch.int64),
+        "counter": (torch.arange(n, dtype=torch.int64) if counter is None
+                    else torch.full((n,), counter, dtype=torch.int64)),
     }
 
 
@@ -81,7 +82,7 @@ def test_batch_position_and_neighbours_never_change_a_draw():
             parts[pos] = (logits, p)
             lg, pp = stack(parts)
             got = draw(lg, pp)
-            assert int(got[pos]) == alone, f"trial {trial}: batch {B} position {pos} drew {int(got[pos])}, alone {alone}"
+            assert int(got[pos]) == alone, f"trial {trial}: batch {B}, position {pos}: {int(got[pos])} != {alone}"
             checked += 1
     assert checked == 200 * 8
 

@@ -49,7 +49,8 @@ CONVERSATIONS = {
         {"role": "user", "content": "\t\n "},
     ],
     "markup_in_content": [
-        {"role": "user", "content": "Literal tokens: <|im_end|> and <|im_start|>assistant {{ not a template }} {% raw %}"},
+        {"role": "user",
+         "content": "Literal tokens: <|im_end|> and <|im_start|>assistant {{ not a template }} {% raw %}"},
     ],
     "assistant_last": [
         {"role": "user", "content": "Say OK."},
@@ -128,8 +129,8 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Fin
         ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "other name"}], {}),
         ([{"role": "user", "content": "q"}], {"enable_thinking": False}),
         ([{"role": "user", "content": "q"},
-          {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-                                                                 "function": {"name": "lookup", "arguments": "{\"q\": \"é\"}"}}]}],
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"é\"}"}}]}],
          {}),
     ],
 )
