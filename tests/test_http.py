@@ -162,6 +162,25 @@ def test_four_concurrent_streams(client, frontend):
         assert alone.usage.completion_tokens == usage.completion_tokens
 
 
+def test_abandoned_requests_free_their_slots(smol_server, client):
+    """Four clients that leave (two streams closed after a few chunks, two non-streaming
+    requests timed out) each asked for 1,500 tokens, minutes of work holding all four
+    slots. Their departures cancel them: four new requests then complete at once."""
+    url = smol_server.url + "/v1/chat/completions"
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long essay about rivers."}],
+            "max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
+    for _ in range(2):
+        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as s:
+            lines = s.iter_lines()
+            assert [next(lines) for _ in range(4)][0].startswith("data: ")
+    for _ in range(2):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=long, timeout=1.5)
+    quick = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    results = run_together([(lambda i=i: chat(quick, FRANCE, seed=i, max_tokens=4)) for i in range(4)])
+    assert [r.choices[0].finish_reason for r in results] == ["length"] * 4
+
+
 def test_batch_independence(client):
     """Same seed and prompt: identical output alone and beside three other requests."""
     target = [{"role": "user", "content": "Invent a name for a new colour and describe it."}]
