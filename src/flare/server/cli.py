@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -66,7 +67,7 @@ async def serve(a: argparse.Namespace) -> int:
     app = create_app(engine, frontend)
     config = uvicorn.Config(app, host=a.host, port=a.port, loop="none", lifespan="off", log_level=a.log_level,
                             timeout_graceful_shutdown=10, access_log=False)
-    server = uvicorn.Server(config)
+    server = _keep_signals(uvicorn.Server)(config)
     log.info("ready in %.2f s: serving %s on http://%s:%d", time.perf_counter() - t0, frontend.served_name,
              a.host, a.port)
     try:
@@ -75,6 +76,26 @@ async def serve(a: argparse.Namespace) -> int:
         await engine.shutdown(grace_s=5.0)
         _report_modules()
     return 0 if server.started else 4
+
+
+def _keep_signals(server_cls):
+    """uvicorn re-raises the SIGTERM/SIGINT it caught as ``serve()`` returns, so the
+    default handler kills the process before the ``finally`` below runs: the engine
+    never drains, the executor never closes (the reference worker and the shared
+    arena file in /dev/shm are left behind) and the modules report is not written.
+    Keep uvicorn's graceful HTTP shutdown, drop the re-raise; the process then exits
+    normally once everything is released."""
+
+    class Server(server_cls):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    return Server
 
 
 def _report_modules() -> None:

@@ -92,9 +92,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    # str | list[int] | list[str] | list[list[int]]: msgspec cannot express a union of
-    # several array types, so the shape is checked when the prompt is tokenized.
-    prompt: str | list[Any] = ""
+    # One of: a string, a token list, a list of strings, a list of token lists. msgspec
+    # cannot decode a union of several list types, so the element union is decoded
+    # here and the homogeneous shapes are checked in the server (``_prompts``).
+    prompt: str | list[int | str | list[int]] = ""
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -88,6 +88,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 def _alias_reasoning(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
+        # Transformers drops keys whose value is None first (clients send ``tool_calls: null``),
+        # so ``is defined`` tests in templates see a missing key, not None.
+        m = {k: v for k, v in m.items() if v is not None}
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}

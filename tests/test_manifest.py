@@ -1,0 +1,212 @@
+"""The runtime-core contract: loading a prepared core, and every way a manifest
+must be rejected. Invalid manifests are made by editing the JSON of a real
+prepared core (``tiny_core``), so each case differs from a valid core in
+exactly one respect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from flare.core import manifest as mf
+from flare.core.errors import CoreCompatibilityError, ManifestError
+
+
+@pytest.fixture(scope="module")
+def raw(tiny_core: Path) -> dict:
+    return json.loads((tiny_core / mf.MANIFEST_FILE).read_bytes())
+
+
+def _decode(d: dict) -> mf.Manifest:
+    return mf.decode_manifest(json.dumps(d).encode())
+
+
+def _buffer(d: dict, name: str) -> dict:
+    return next(b for b in d["buffers"] if b["name"] == name)
+
+
+def _reject(d: dict, *, param: str | None, match: str, error=ManifestError) -> ManifestError:
+    with pytest.raises(error, match=match) as e:
+        _decode(d)
+    assert e.value.param == param
+    return e.value
+
+
+def test_load_prepared_core(tiny_core, raw):
+    m = mf.load_manifest(tiny_core)
+    # Numbers come from TINY_OPTS in conftest.py.
+    assert m.abi == mf.ABI_VERSION == 1
+    assert m.identity.device == "cpu" and m.identity.compute_capability is None
+    c = m.capacities
+    assert (c.context_limit, c.prefill_chunk, c.prefill_capacities) == (1024, 128, (128,))
+    assert c.decode_capacities == (1, 2, 4, 8) and c.slots == 8
+    assert c.max_pages_per_slot == 1024 // 16
+    assert (m.pages.page_size, m.pages.num_pages, m.pages.null_page) == (16, 256, 0)
+    assert [p.name for p in m.programs] == ["admit.128", "prefill.128", "decode.1", "decode.2", "decode.4", "decode.8"]
+    assert m.buffer("state.page_table").shape == (9, 64)
+    # The decoded struct re-encodes to the same document (no field lost or invented).
+    assert json.loads(mf.encode_manifest(m)) == raw
+
+
+def test_load_missing_directory(tmp_path):
+    with pytest.raises(ManifestError, match="cannot read runtime core manifest"):
+        mf.load_manifest(tmp_path / "nowhere")
+
+
+def test_unknown_top_level_field(raw):
+    d = {**raw, "extras": 1}
+    _reject(d, param=None, match=r"Object contains unknown field `extras`")
+
+
+def test_unknown_nested_field(raw):
+    d = json.loads(json.dumps(raw))
+    d["capacities"]["max_batch"] = 4
+    _reject(d, param=None, match=r"unknown field `max_batch`.*\$\.capacities")
+
+
+def test_missing_field(raw):
+    d = json.loads(json.dumps(raw))
+    del d["capacities"]["slots"]
+    _reject(d, param=None, match=r"missing required field `slots`.*\$\.capacities")
+    d = {k: v for k, v in raw.items() if k != "pages"}
+    _reject(d, param=None, match=r"missing required field `pages`")
+
+
+def test_abi_mismatch(raw):
+    d = {**raw, "abi": mf.ABI_VERSION + 1}
+    err = _reject(d, param="abi", match="exported with ABI 2", error=CoreCompatibilityError)
+    assert err.code == "abi_mismatch"
+    # The probe runs first: a future ABI is reported as such even if the rest of the
+    # document would not decode under this ABI's schema.
+    d = {"abi": 2, "something": "else"}
+    err = _reject(d, param="abi", match="exported with ABI 2", error=CoreCompatibilityError)
+    assert err.code == "abi_mismatch"
+
+
+def test_identity_abi_disagrees(raw):
+    d = json.loads(json.dumps(raw))
+    d["identity"]["abi"] = 0
+    _reject(d, param="abi", match="ABI fields disagree")
+
+
+def test_overlapping_buffers(raw):
+    d = json.loads(json.dumps(raw))
+    # state.pending starts where state.len starts (both aligned, both in the arena).
+    _buffer(d, "state.pending")["offset"] = _buffer(d, "state.len")["offset"]
+    _reject(d, param="state.pending", match="buffers 'state.len' and 'state.pending' overlap")
+
+
+def test_overlap_by_one_alignment_unit(raw):
+    d = json.loads(json.dumps(raw))
+    kv = _buffer(d, "kv")
+    nxt = min((b for b in d["buffers"] if b["offset"] > kv["offset"]), key=lambda b: b["offset"])
+    # Move the next buffer back by one alignment unit: it now starts inside kv.
+    nxt["offset"] = kv["offset"] + kv["nbytes"] - d["arena"]["alignment"]
+    _reject(d, param=nxt["name"], match=f"buffers 'kv' and '{nxt['name']}' overlap")
+
+
+def test_buffer_outside_arena(raw):
+    d = json.loads(json.dumps(raw))
+    last = max(d["buffers"], key=lambda b: b["offset"] + b["nbytes"])
+    d["arena"]["nbytes"] = last["offset"] + last["nbytes"] - 1
+    _reject(d, param=last["name"], match="lies outside the arena")
+
+
+def test_misaligned_buffer(raw):
+    d = json.loads(json.dumps(raw))
+    _buffer(d, "state.len")["offset"] += 4
+    _reject(d, param="state.len", match="outside the arena or is misaligned")
+
+
+def test_extent_disagrees_with_shape(raw):
+    d = json.loads(json.dumps(raw))
+    _buffer(d, "in.tokens")["nbytes"] -= 4
+    _reject(d, param="in.tokens", match="extent 508 does not match its shape")
+
+
+def test_runtime_buffer_with_wrong_shape(raw):
+    d = json.loads(json.dumps(raw))
+    b = _buffer(d, "state.len")
+    # One row short (slots instead of slots + 1), extent kept consistent with the shape.
+    b["shape"] = [8]
+    b["nbytes"] = 32
+    _reject(d, param="state.len", match=r"runtime buffer 'state.len' is state/int32\(8,\), expected state/int32\(9,\)")
+
+
+def test_runtime_buffer_with_wrong_dtype(raw):
+    d = json.loads(json.dumps(raw))
+    b = _buffer(d, "state.seed")
+    b["dtype"] = "int32"
+    b["nbytes"] //= 2
+    _reject(d, param="state.seed", match=r"expected state/int64\(9,\)")
+
+
+def test_missing_runtime_buffer(raw):
+    d = json.loads(json.dumps(raw))
+    d["buffers"] = [b for b in d["buffers"] if b["name"] != "in.decode_slots"]
+    _reject(d, param="in.decode_slots", match="core lacks runtime buffer 'in.decode_slots'")
+
+
+def test_prefill_capacities_must_follow_the_rule(raw):
+    d = json.loads(json.dumps(raw))
+    d["capacities"]["prefill_capacities"] = [64, 128]
+    _reject(d, param="capacities.prefill_capacities", match=r"\(64, 128\) do not follow the chunk rule for 128")
+
+
+def test_prefill_programs_must_cover_capacities(raw):
+    d = json.loads(json.dumps(raw))
+    d["programs"] = [p for p in d["programs"] if p["kind"] != "prefill"]
+    _reject(d, param="programs", match="prefill programs do not cover")
+
+
+def test_max_pages_per_slot_rule(raw):
+    d = json.loads(json.dumps(raw))
+    d["capacities"]["max_pages_per_slot"] = 65
+    _reject(d, param="capacities.max_pages_per_slot", match=r"ceil\(context_limit / page_size\)")
+
+
+def test_program_refers_to_unknown_buffer(raw):
+    d = json.loads(json.dumps(raw))
+    d["programs"][2]["reads"] = [*d["programs"][2]["reads"], "in.nothing"]
+    _reject(d, param="decode.1", match="refers to unknown buffer 'in.nothing'")
+
+
+@pytest.mark.parametrize(
+    "chunk,context,expected",
+    [
+        (64, 64, (64,)),
+        (64, 2048, (64,)),
+        (128, 2048, (128,)),
+        (192, 2048, (128, 192)),
+        (512, 2048, (128, 256, 512)),
+        (640, 2048, (128, 256, 512, 640)),
+        (2048, 2048, (128, 256, 512, 1024, 2048)),
+    ],
+)
+def test_prefill_capacities_rule(chunk, context, expected):
+    assert mf.prefill_capacities_for(chunk, context) == expected
+
+
+@pytest.mark.parametrize("chunk,context", [(96, 2048), (0, 2048), (32, 2048), (256, 128)])
+def test_prefill_capacities_rule_rejects(chunk, context):
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mf.prefill_capacities_for(chunk, context)
+
+
+def test_check_device(tiny_core):
+    m = mf.load_manifest(tiny_core)
+    mf.check_device(m, device="cpu", compute_capability=None)
+    with pytest.raises(CoreCompatibilityError) as e:
+        mf.check_device(m, device="cuda", compute_capability="9.0")
+    assert (e.value.code, e.value.param) == ("device_mismatch", "identity.device")
+
+    cuda = msgspec.structs.replace(
+        m, identity=msgspec.structs.replace(m.identity, device="cuda", compute_capability="9.0"))
+    mf.check_device(cuda, device="cuda", compute_capability="9.0")
+    for other in ("12.0", "8.9", None):
+        with pytest.raises(CoreCompatibilityError, match="prepared for compute capability 9.0") as e:
+            mf.check_device(cuda, device="cuda", compute_capability=other)
+        assert (e.value.code, e.value.param) == ("compute_capability_mismatch", "identity.compute_capability")

@@ -1,0 +1,595 @@
+"""Page and slot ownership, and the scheduler driven without an executor.
+
+The scheduler runs against ``FakeDevice``: numpy arrays shaped like the core's
+runtime buffers, the scheduler's ``Write``s applied to them exactly as the
+reference executor applies them, and prefill/decode/admit semantics of
+``flare.prepare.programs`` re-enacted on those arrays (lengths, pending token,
+generated count, counter, stop ids, penalty histogram, completion records with
+columns slot, token, generated, status). Tokens come from ``token_fn(seed,
+counter)``, the same dependency the real sampler has, so a request's stream is
+known in advance. The fake also checks every KV position a program would write
+lies in a page the request owns: a page-growth bug fails here, not silently.
+
+Page ids in the expectations are derived by hand from the policy in
+``flare.runtime.scheduler`` (reservation = pages for min(history + one page,
+prompt + max_tokens); growth keeps one page ahead; FIFO free list).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from flare.core.errors import AdmissionError, FrontendError
+from flare.core.manifest import HIST_PROMPT_BIT, Manifest, ProgramKind, load_manifest, \
+    runtime_buffer_shapes
+from flare.runtime.pages import PagePool, PoolExhausted, SlotPool
+from flare.runtime.request import FinishReason, Request, SamplingParams, Status
+from flare.runtime.scheduler import Scheduler, Step, derive_seed
+
+PS = 16  # page size of the test cores
+
+
+# ---------------------------------------------------------------------------
+# PagePool / SlotPool
+
+
+def test_page_pool_ids_are_fifo_and_skip_the_null_page():
+    pool = PagePool(8)
+    assert (pool.total, pool.free, pool.used) == (7, 7, 0)
+    assert pool.allocate(3) == [1, 2, 3]
+    assert pool.allocate(2) == [4, 5]
+    pool.check_integrity()
+    pool.release([4, 2])
+    # Oldest free pages first, then released pages in release order.
+    assert pool.allocate(4) == [6, 7, 4, 2]
+    assert (pool.free, pool.used) == (0, 7)
+    assert not pool.can_allocate(1)
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+    assert pool.free == 0  # a failed allocation takes nothing
+    pool.check_integrity()
+
+
+def test_page_pool_nonzero_null_page():
+    pool = PagePool(4, null_page=2)
+    assert pool.allocate(3) == [0, 1, 3]
+    pool.check_integrity()
+
+
+def test_page_pool_refcounts():
+    pool = PagePool(6)
+    a = pool.allocate(2)
+    assert [pool.refcount(p) for p in range(6)] == [0, 1, 1, 0, 0, 0]
+    pool.retain([1])
+    pool.retain([1])
+    assert pool.refcount(1) == 3
+    pool.release([1, 2])
+    assert (pool.refcount(1), pool.refcount(2), pool.free) == (2, 0, 4)
+    pool.release([1])
+    pool.release([1])
+    assert pool.refcount(1) == 0 and pool.free == 5
+    # Free list order: 3, 4, 5 (never allocated), then 2, then 1.
+    assert pool.allocate(5) == [3, 4, 5, 2, 1]
+    pool.check_integrity()
+    assert a == [1, 2]
+
+
+def test_page_pool_errors():
+    pool = PagePool(4)
+    with pytest.raises(ValueError, match="null page and at least one"):
+        PagePool(1)
+    pages = pool.allocate(2)
+    pool.release(pages)
+    with pytest.raises(ValueError, match="release of free page 1"):
+        pool.release([1])
+    with pytest.raises(ValueError, match="release of free page 3"):
+        pool.release([3])  # never allocated
+    with pytest.raises(ValueError, match="retain of free page 2"):
+        pool.retain([2])
+    with pytest.raises(ValueError, match="release of free page 0"):
+        pool.release([0])  # the null page is never owned
+    pool.check_integrity()
+
+
+def test_page_pool_integrity_detects_corruption():
+    pool = PagePool(4)
+    pool.allocate(1)
+    pool._free.append(1)  # a used page on the free list
+    with pytest.raises(AssertionError, match="page 1: refcount 1 disagrees"):
+        pool.check_integrity()
+    pool = PagePool(4)
+    pool._free.append(2)
+    with pytest.raises(AssertionError, match="free list twice"):
+        pool.check_integrity()
+    pool = PagePool(4)
+    pool._free.append(0)
+    with pytest.raises(AssertionError, match="null page"):
+        pool.check_integrity()
+
+
+def test_slot_pool():
+    slots = SlotPool(3)
+    assert [slots.allocate() for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(PoolExhausted):
+        slots.allocate()
+    slots.release(2)
+    slots.release(1)
+    with pytest.raises(ValueError, match="release of free slot 2"):
+        slots.release(2)
+    with pytest.raises(ValueError, match="release of free slot 0"):
+        slots.release(0)
+    slots.check_integrity()
+    assert slots.free == 2
+    assert [slots.allocate(), slots.allocate()] == [2, 1]
+    slots.check_integrity()
+    slots._used.add(0)
+    with pytest.raises(AssertionError):
+        slots.check_integrity()
+
+
+# ---------------------------------------------------------------------------
+# The fake device
+
+
+def token_fn(seed: int, counter: int) -> int:
+    """Stands in for the sampler: a token from (seed, counter) only. Never an EOS id."""
+    return 1000 + (seed * 7919 + counter * 104729) % 40000
+
+
+class Sink:
+    def __init__(self, stop_on: int | None = None):
+        self.visible: list[int] = []
+        self.finished = 0
+        self.stop_on = stop_on  # pretend a stop string matched when this token arrives
+
+    def on_tokens(self, request, ids):
+        self.visible.extend(ids)
+        return self.stop_on in ids
+
+    def on_finish(self, request):
+        self.finished += 1
+
+
+class FakeDevice:
+    def __init__(self, m: Manifest):
+        self.m = m
+        self.caps = m.capacities
+        self.a = {name: np.zeros(shape, np.dtype(dt.value)) for name, (_, dt, shape) in
+                  runtime_buffer_shapes(self.caps).items()}
+        self.log: list[tuple[str, list[str]]] = []
+
+    def apply(self, w) -> None:  # as ReferenceExecutor._apply
+        view = self.a[w.buffer]
+        if w.row is None:
+            flat = np.asarray(w.value, dtype=view.dtype).reshape(-1)
+            view.reshape(-1)[: flat.size] = flat
+        else:
+            view[w.row] = w.value
+
+    def run(self, step: Step) -> np.ndarray | None:
+        for w in step.writes:
+            self.apply(w)
+        self.log.append((step.program, [r.id for r in step.requests]))
+        if step.kind == ProgramKind.admit:
+            slot, count, clear, mode = (int(x) for x in self.a["in.admit"])
+            toks = self.a["in.tokens"][:count]
+            if clear:
+                self.a["state.hist"][slot] = 0
+            if mode == 0:
+                self.a["state.hist"][slot, np.unique(toks)] |= HIST_PROMPT_BIT
+            else:
+                np.add.at(self.a["state.hist"][slot], toks, 1)
+            return None
+        if step.kind == ProgramKind.prefill:
+            slot, n, sample, _ = (int(x) for x in self.a["in.prefill"])
+            req = step.requests[0]
+            start = int(self.a["state.len"][slot])
+            assert list(self.a["in.tokens"][:n]) == req.target[start : start + n]
+            for pos in range(start, start + n):
+                self._check_kv_write(req, slot, pos)
+            self.a["state.len"][slot] = start + n
+            live = np.array([sample != 0 and self.a["state.done"][slot] == 0])
+            return self._sample_and_commit(np.array([slot]), live)
+        slots = self.a["in.decode_slots"][: step_capacity(step)].astype(np.int64)
+        live = (slots > 0) & (self.a["state.done"][slots] == 0)
+        for i, s in enumerate(slots):
+            if live[i]:
+                req = next(r for r in step.requests if r.slot == s)
+                self._check_kv_write(req, s, int(self.a["state.len"][s]))
+                self.a["state.len"][s] += 1
+        return self._sample_and_commit(slots, live)
+
+    def _check_kv_write(self, req: Request, slot: int, pos: int) -> None:
+        page = int(self.a["state.page_table"][slot, pos // PS])
+        assert page != 0 and page in req.pages, f"{req} writes position {pos} into page {page} ({req.pages})"
+
+    def _sample_and_commit(self, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
+        a = self.a
+        rec = np.zeros((len(slots), 4), np.int32)
+        for i, s in enumerate(slots):
+            gen = int(a["state.generated"][s])
+            if not live[i]:
+                rec[i] = (s, -1, gen, -1)
+                continue
+            tok = token_fn(int(a["state.seed"][s]), int(a["state.counter"][s]))
+            gen += 1
+            status = 1 if tok in a["state.stop_ids"][s] else (2 if gen >= a["state.max_new"][s] else 0)
+            a["state.pending"][s] = tok
+            a["state.generated"][s] = gen
+            a["state.counter"][s] += 1
+            a["state.done"][s] = status
+            a["state.hist"][s, tok] += 1
+            rec[i] = (s, tok, gen, status)
+        return rec
+
+
+def step_capacity(step: Step) -> int:
+    return int(step.program.split(".")[1])
+
+
+def small_manifest(core: Path, *, num_pages: int, slots: int) -> Manifest:
+    m = load_manifest(core)
+    decode_caps = tuple(c for c in m.capacities.decode_capacities if c <= slots)
+    assert decode_caps[-1] == slots  # cores always have slots == largest decode capacity
+    caps = msgspec.structs.replace(m.capacities, slots=slots, decode_capacities=decode_caps)
+    programs = tuple(p for p in m.programs if p.kind != ProgramKind.decode or p.capacity in decode_caps)
+    return msgspec.structs.replace(m, capacities=caps, programs=programs,
+                                   pages=msgspec.structs.replace(m.pages, num_pages=num_pages))
+
+
+def params(seed: int, max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                          presence_penalty=0.0, frequency_penalty=0.0, seed=seed, max_tokens=max_tokens, **kw)
+
+
+def make_request(name: str, prompt_len: int, max_tokens: int, seed: int, sink=None, **kw) -> Request:
+    prompt = [100 + (7 * i + seed) % 500 for i in range(prompt_len)]
+    return Request(prompt, params(seed, max_tokens, **kw), sink or Sink(), request_id=name)
+
+
+class Driver:
+    """Runs the scheduler against the fake device, checking invariants after every step
+    and logging every change of a request's page list as (consumed, pages)."""
+
+    def __init__(self, m: Manifest):
+        self.sched = Scheduler(m)
+        self.dev = FakeDevice(m)
+        self.pages: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+        self.known: list[Request] = []
+        self.steps: list[Step] = []
+
+    def add(self, *reqs: Request) -> None:
+        for r in reqs:
+            self.sched.add(r)
+            self.known.append(r)
+            self.pages[r.id] = []
+
+    def _note_pages(self) -> None:
+        for r in self.known:
+            log = self.pages[r.id]
+            cur = tuple(r.pages)
+            if (log[-1][1] if log else ()) != cur:
+                log.append((r.consumed, cur))
+
+    def step(self) -> Step | None:
+        step = self.sched.schedule()
+        self._note_pages()
+        self.sched.check_integrity()
+        if step is None:
+            return None
+        self.steps.append(step)
+        records = self.dev.run(step)
+        self.sched.complete(step, records)
+        self._note_pages()
+        self.sched.check_integrity()
+        if step.kind != ProgramKind.admit:
+            for r in step.requests:
+                if not r.finished and r.slot is not None:
+                    assert int(self.dev.a["state.len"][r.slot]) == r.consumed
+                    assert int(self.dev.a["state.generated"][r.slot]) == len(r.output)
+        return step
+
+    def run(self, until=None, limit: int = 10_000) -> None:
+        for _ in range(limit):
+            if until is not None and until():
+                return
+            if self.step() is None:
+                return
+        raise AssertionError("scheduler did not settle")
+
+
+# ---------------------------------------------------------------------------
+# Scheduler
+
+
+def test_single_request_reservation_growth_and_length_finish(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    a = make_request("A", 20, 40, seed=1)
+    d.add(a)
+    first = d.step()
+    assert first.kind == ProgramKind.admit and first.program == "admit.128"
+    # Reservation: min(20 + 16, 20 + 40) = 36 tokens -> 3 pages.
+    assert (a.slot, a.pages, a.status) == (1, [1, 2, 3], Status.PREFILLING)
+    w = {x.buffer: x for x in first.writes}
+    assert list(w["state.page_table"].value[:4]) == [1, 2, 3, 0] and w["state.page_table"].row == 1
+    assert list(w["state.stop_ids"].value[:2]) == [2, -1]  # the tiny core's EOS set, nothing else
+    assert list(w["in.admit"].value) == [1, 20, 1, 0]
+    assert list(w["in.tokens"].value) == a.prompt
+    assert (int(w["state.seed"].value), int(w["state.max_new"].value)) == (1, 40)
+    pre = d.step()
+    assert (pre.program, pre.count, pre.sample) == ("prefill.128", 20, True)
+    assert [list(x.value) for x in pre.writes if x.buffer == "in.prefill"] == [[1, 20, 1, 0]]
+    d.run()
+    # Growth one page ahead: at consumed 32 (the first token of page 3) page 4 is added,
+    # and never more: prompt + max_tokens = 60 tokens fit in 4 pages.
+    assert d.pages["A"] == [(0, (1, 2, 3)), (32, (1, 2, 3, 4)), (59, ())]
+    assert a.finish_reason == FinishReason.length
+    assert a.output == [token_fn(1, i) for i in range(40)]
+    assert a.sink.visible == a.output and a.sink.finished == 1
+    assert [s.program for s in d.steps] == ["admit.128", "prefill.128"] + ["decode.1"] * 39
+    assert d.sched.pages.free == 11 and d.sched.slots.free == 2 and not d.sched.has_work()
+    # Released pages go to the back of the free list, in the request's page order.
+    assert list(d.sched.pages._free) == [5, 6, 7, 8, 9, 10, 11, 1, 2, 3, 4]
+
+
+def test_preemption_of_newest_decoder_and_readmission(tiny_core):
+    """11 usable pages, 2 slots. A (prompt 40, max 70) is 25 tokens ahead of B
+    (prompt 16, max 100); both grow one page ahead until the pool is empty. When A
+    needs the page for position 96 the newest decoder, B, is preempted; B is readmitted
+    with target = prompt + output[:-1] once A finishes and frees its pages."""
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    a = make_request("A", 40, 70, seed=11)
+    b = make_request("B", 16, 100, seed=22)
+    d.add(a, b)
+    d.run(until=lambda: b.preemptions == 1)
+    pre_step = d.steps[-1]
+    assert pre_step.program == "decode.1" and pre_step.requests == [a]
+    assert b.status == Status.WAITING and b.pages == [] and b.slot is None and list(d.sched.waiting) == [b]
+    assert a.consumed == 97 and len(b.output) == 56
+    assert b.target == b.prompt + b.output[:55]
+    assert d.sched.preemptions_total == 1
+    hist_b = d.dev.a["state.hist"][2].copy()  # B's slot row as B left it
+
+    # Readmission (once A has finished): admit writes restore the whole state row, in slot 2.
+    d.run(until=lambda: b.slot is not None)
+    assert a.finished and b.slot == 2
+    admit1, admit2 = d.steps[-1], d.step()
+    reseeded = derive_seed(22, 56)
+    w = {x.buffer: x.value for x in admit1.writes}
+    assert int(w["state.generated"]) == 56 and int(w["state.pending"]) == token_fn(22, 55)
+    assert int(w["state.seed"]) == reseeded and int(w["state.counter"]) == 0 and int(w["state.len"]) == 0
+    assert list(w["in.admit"]) == [2, 16, 1, 0]  # prompt: clear the row, set prompt bits
+    assert list({x.buffer: x.value for x in admit2.writes}["in.admit"]) == [2, 56, 0, 1]  # output counts
+    # The penalty histogram rebuilt by the admit steps equals the one B had before.
+    assert np.array_equal(d.dev.a["state.hist"][2], hist_b)
+    assert int(hist_b.sum() & (HIST_PROMPT_BIT - 1)) > 0
+    refill = d.step()
+    assert refill.program == "prefill.128" and (refill.count, refill.sample) == (71, False)
+    assert list({x.buffer: x.value for x in refill.writes}["in.prefill"]) == [2, 71, 0, 0]
+    assert b.output == [token_fn(22, i) for i in range(56)]  # the refill sampled nothing
+    assert d.step().program == "decode.1"
+
+    d.run()
+    assert d.pages["A"] == [
+        (0, (1, 2, 3, 4)),  # reservation: 40 + 16 tokens
+        (48, (1, 2, 3, 4, 8)),
+        (64, (1, 2, 3, 4, 8, 10)),
+        (96, (1, 2, 3, 4, 8, 10, 5)),  # page 5 came from preempted B; 110 tokens need no 8th page
+        (109, ()),
+    ]
+    assert d.pages["B"] == [
+        (0, (5, 6)),
+        (16, (5, 6, 7)),
+        (32, (5, 6, 7, 9)),
+        (48, (5, 6, 7, 9, 11)),
+        (0, ()),  # preempted while at consumed 71: page 6 would be needed at position 80
+        (0, (6, 7, 9, 11, 1, 2)),  # readmitted: 71 + 16 tokens -> 6 pages, FIFO from the free list
+        (80, (6, 7, 9, 11, 1, 2, 3)),
+        (96, (6, 7, 9, 11, 1, 2, 3, 4)),
+        (115, ()),
+    ]
+    assert a.finish_reason == b.finish_reason == FinishReason.length
+    assert a.output == [token_fn(11, i) for i in range(70)]
+    # B keeps the 56 tokens it had (the last one pending at preemption) and continues
+    # from a reseeded stream: nothing is lost, repeated, or re-drawn from the old stream.
+    assert b.output == [token_fn(22, i) for i in range(56)] + [token_fn(reseeded, i) for i in range(44)]
+    assert b.sink.visible == b.output and b.sink.finished == 1
+
+    assert d.sched.pages.free == 11 and d.sched.slots.free == 2
+
+
+def test_small_request_behind_blocked_large_request(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=4))
+    a = make_request("A", 100, 10, seed=1)  # reserves min(116, 110) tokens: 7 pages
+    big = make_request("L", 70, 10, seed=2)  # needs min(86, 80) tokens: 5 pages, 4 free
+    small = make_request("S", 20, 10, seed=3)  # needs 2 pages
+    d.add(a, big, small)
+    d.step()
+    assert a.pages == [1, 2, 3, 4, 5, 6, 7] and small.pages == [8, 9]
+    assert (a.slot, small.slot) == (1, 2)
+    assert big.status == Status.WAITING and list(d.sched.waiting) == [big]
+    d.run(until=lambda: big.status != Status.WAITING)
+    assert a.finish_reason == FinishReason.length and not small.finished
+    # A's pages freed: L gets the oldest free pages first (10, 11 never used), slot 3.
+    assert big.pages == [10, 11, 1, 2, 3] and big.slot == 3
+    d.run()
+    for r, seed in ((a, 1), (big, 2), (small, 3)):
+        assert r.finish_reason == FinishReason.length
+        assert r.output == [token_fn(seed, i) for i in range(10)]
+    assert d.sched.pages.free == 11
+
+
+def test_waits_for_a_free_slot(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=64, slots=2))
+    reqs = [make_request(f"R{i}", 5, 3, seed=i) for i in range(3)]
+    d.add(*reqs)
+    d.step()
+    assert [r.slot for r in reqs] == [1, 2, None] and reqs[2].status == Status.WAITING
+    d.run(until=lambda: reqs[2].slot is not None)
+    assert reqs[2].slot == 1 and reqs[0].finished and not reqs[1].finished
+    d.run()
+    assert all(r.output == [token_fn(i, k) for k in range(3)] for i, r in enumerate(reqs))
+
+
+def test_prefill_chunking_interleaved_with_decode(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=64, slots=2))
+    a = make_request("A", 10, 8, seed=5)
+    d.add(a)
+    d.run(until=lambda: a.status == Status.DECODING)
+    b = make_request("B", 300, 3, seed=6)
+    d.add(b)
+    d.run()
+    trace = [(s.program, [r.id for r in s.requests], s.count) for s in d.steps]
+    assert trace == [
+        ("admit.128", ["A"], 0),
+        ("prefill.128", ["A"], 10),
+        ("admit.128", ["B"], 0), ("admit.128", ["B"], 0), ("admit.128", ["B"], 0),  # 300 prompt tokens
+        ("decode.1", ["A"], 0),
+        ("prefill.128", ["B"], 128),
+        ("decode.1", ["A"], 0),
+        ("prefill.128", ["B"], 128),
+        ("decode.1", ["A"], 0),
+        ("prefill.128", ["B"], 44),  # the last chunk samples B's first token
+        ("decode.2", ["A", "B"], 0),
+        ("decode.2", ["A", "B"], 0),
+        ("decode.1", ["A"], 0),  # B finished at 3 tokens
+        ("decode.1", ["A"], 0),
+    ]
+    chunks = [s for s in d.steps if s.kind == ProgramKind.prefill and s.requests == [b]]
+    assert [s.sample for s in chunks] == [False, False, True]
+    assert [list(w.value) for s in chunks for w in s.writes if w.buffer == "in.prefill"] == [
+        [2, 128, 0, 0], [2, 128, 0, 0], [2, 44, 1, 0]]
+    assert b.output == [token_fn(6, i) for i in range(3)] and a.output == [token_fn(5, i) for i in range(8)]
+    # Reservation: min(300 + 16, 300 + 3) = 303 tokens -> 19 pages, no growth.
+    assert [len(p) for _, p in d.pages["B"]] == [19, 0]
+
+
+def test_finish_on_stop_status_and_on_sink_stop(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    stop_tok = token_fn(7, 3)
+    a = make_request("A", 8, 50, seed=7, stop_token_ids=(stop_tok,))
+    b = make_request("B", 8, 50, seed=8, sink=Sink(stop_on=token_fn(8, 2)))
+    d.add(a, b)
+    w = {x.buffer: x.value for x in d.step().writes}
+    assert list(w["state.stop_ids"][:3]) == [2, stop_tok, -1]
+    d.run()
+    # Device stop status: the stop token is output but not visible.
+    assert a.finish_reason == FinishReason.stop and a.output == [token_fn(7, i) for i in range(4)]
+    assert a.sink.visible == a.output[:3]
+    # A stop string matched by the sink: the token that completed it is visible.
+    assert b.finish_reason == FinishReason.stop and b.output == [token_fn(8, i) for i in range(3)]
+    assert b.sink.visible == b.output
+    assert d.sched.pages.free == 11 and d.sched.slots.free == 2
+
+
+def test_ignore_eos_leaves_stop_ids_empty(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    a = make_request("A", 8, 2, seed=7, ignore_eos=True)
+    d.add(a)
+    w = {x.buffer: x.value for x in d.step().writes}
+    assert list(w["state.stop_ids"]) == [-1] * 16
+
+
+def test_max_tokens_one_finishes_at_prefill(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    a = make_request("A", 30, 1, seed=9)
+    d.add(a)
+    d.run()
+    assert [s.program for s in d.steps] == ["admit.128", "prefill.128"]
+    assert a.finish_reason == FinishReason.length and a.output == [token_fn(9, 0)]
+    # prompt + max_tokens = 31 tokens: 2 pages reserved, never grown.
+    assert d.pages["A"] == [(0, (1, 2)), (30, ())]
+
+
+def test_cancellation(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    a = make_request("A", 20, 30, seed=1)
+    b = make_request("B", 20, 30, seed=2)
+    c = make_request("C", 20, 30, seed=3)
+    d.add(a, b, c)
+    # Cancel a waiting request: it leaves the queue without ever holding anything.
+    d.sched.cancel(c)
+    step = d.step()
+    assert step.requests == [a] and step.kind == ProgramKind.admit
+    assert c.finish_reason == FinishReason.cancelled and c.sink.finished == 1 and c.pages == []
+    assert a.pages == [1, 2, 3] and b.pages == [4, 5, 6]
+    # Cancel B right after admission: its queued admit step is dropped.
+    d.sched.cancel(b)
+    step = d.step()
+    assert step.program == "prefill.128" and step.requests == [a]
+    assert b.finish_reason == FinishReason.cancelled and b.slot is None and b.pages == []
+    assert d.sched.pages.free == 8 and d.sched.slots.free == 1
+    # Cancel A while decoding: pages and slot come back at the next boundary.
+    d.run(until=lambda: len(a.output) == 5)
+    d.sched.cancel(a)
+    assert d.step() is None
+    assert a.finish_reason == FinishReason.cancelled and len(a.output) == 5
+    assert a.sink.finished == 1 and a.sink.visible == a.output
+    assert d.sched.pages.free == 11 and d.sched.slots.free == 2 and not d.sched.has_work()
+    assert [s.program for s in d.steps].count("admit.128") == 1  # B's admit never ran
+
+
+def test_cancel_one_of_two_decoders(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    a = make_request("A", 10, 20, seed=1)
+    b = make_request("B", 10, 20, seed=2)
+    d.add(a, b)
+    d.run(until=lambda: len(b.output) == 3)
+    d.sched.cancel(a)
+    step = d.step()
+    assert step.program == "decode.1" and step.requests == [b]
+    assert a.finish_reason == FinishReason.cancelled and a.slot is None
+    d.run()
+    assert b.output == [token_fn(2, i) for i in range(20)]
+
+
+def test_validation_rejects_what_can_never_run(tiny_core):
+    sched = Scheduler(small_manifest(tiny_core, num_pages=12, slots=2))
+    with pytest.raises(AdmissionError, match="pool holds 11") as e:
+        sched.add(make_request("X", 161, 10, seed=0))  # 11 pages of prompt + 1
+    assert (e.value.code, e.value.param) == ("kv_capacity_exceeded", "messages")
+    sched.add(make_request("Y", 160, 10, seed=0))  # 10 pages + 1: fits the whole pool
+    with pytest.raises(AdmissionError, match="the prompt has 1000 and max_tokens asks for 25") as e:
+        sched.add(make_request("Z", 1000, 25, seed=0))
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "max_tokens")
+    with pytest.raises(AdmissionError, match="the prompt has 1024$") as e:
+        sched.add(make_request("Z", 1024, 1, seed=0))
+    assert e.value.param == "messages"
+    with pytest.raises(FrontendError, match="prompt is empty"):
+        sched.add(make_request("E", 0, 1, seed=0))
+    with pytest.raises(FrontendError, match="at most 16 stop token ids"):
+        sched.add(make_request("S", 5, 1, seed=0, stop_token_ids=tuple(range(10, 26))))
+    sched.add(make_request("S", 5, 1, seed=0, stop_token_ids=tuple(range(10, 24))))  # 15 + EOS
+    bad = Request([5, 49152], params(0, 1), request_id="V")
+    with pytest.raises(FrontendError, match="outside the vocabulary"):
+        sched.add(bad)
+    assert [r.id for r in sched.waiting] == ["Y", "S"]
+
+
+def test_history_filling_the_pool_finishes_with_length(tiny_core):
+    """A lone request whose history outgrows the whole pool ends with ``length``
+    rather than preempting itself forever."""
+    d = Driver(small_manifest(tiny_core, num_pages=4, slots=2))
+    a = make_request("A", 20, 100, seed=4)
+    d.add(a)
+    d.run()
+    # 3 pages hold 48 tokens: the decode that would write position 48 cannot run.
+    assert a.finish_reason == FinishReason.length and a.consumed == 48
+    assert a.output == [token_fn(4, i) for i in range(29)]
+    assert d.sched.pages.free == 3
+
+
+def test_completion_for_wrong_slot_is_rejected(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
+    a = make_request("A", 10, 5, seed=1)
+    d.add(a)
+    d.step()
+    step = d.sched.schedule()
+    bad = np.array([[2, 5, 1, 0]], np.int32)
+    with pytest.raises(Exception, match="completion for slot 2, expected 1"):
+        d.sched.complete(step, bad)
+    assert a.output == [] and a.consumed == 0

@@ -1,0 +1,476 @@
+"""Numerical acceptance: the smol core's prepared programs against Transformers.
+
+The programs run in-process exactly as the reference worker runs them: the
+arena is one flat uint8 mapping filled from the core's arena image, the
+recipe's model is bound to views of it, and every program reads and writes
+named arena buffers. They are driven with the same writes the scheduler stages
+(see ``Scheduler._queue_admission`` / ``_prefill_step`` / ``_decode_step``).
+The reference is the canonical ``LlamaForCausalLM`` (eager attention) with the
+weights read separately from the image file, in float32 and in float64.
+
+Bound (derived, then measured). Let z be the exact logits; the float64 model
+gives z to ~1e-13 relative, so we take hf64 = z (Transformers computes the
+rotary cos/sin in float32 even in a float64 model; all three models share that
+identical computation, so it cancels from every difference below).
+``err32 = max |hf32 - hf64|`` over every compared position and vocabulary entry
+is the rounding error of one valid float32 evaluation order of this network on these very inputs. Flare
+evaluates the same function in float32 in another order (paged KV, chunked
+prefill, batched decode, SDPA with an explicit mask), so its own error
+``|flare - z|`` is a sum of rounding terms of the same sizes; allowing it to be up
+to 3 * err32 (the maximum over ~6e7 entries of a different summation order stays
+well within a small factor of another's), the triangle inequality gives
+
+    |flare - hf32| <= |flare - z| + |z - hf32| <= 3 * err32 + err32 = 4 * err32,
+
+plus 1e-6 so that the bound is never zero. Prefill logits are ``hidden @
+lm_head.T`` in float64 (one rounding fewer than Flare's float32 head); decode
+logits are Flare's own float32 ``out.logits``. The measured numbers are printed
+(``pytest -s``); on the development machine: err32 = 1.04e-4, bound = 4.17e-4,
+max |flare - hf32| = 7.9e-5 (prefill, 1,153 rows) and 1.9e-4 (decode, 130 rows),
+no argmax disagreement.
+
+Argmax: Flare's argmax must equal the float64 model's at every position. A
+disagreement is accepted only as a proven near-tie: the float64 logit gap
+between the two tokens must lie within the bound (Flare cannot be asked to
+resolve differences smaller than float32 noise); anything else fails.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from flare.core.image import iter_image
+from flare.core.manifest import HIST_PROMPT_BIT, Manifest, ProgramKind, load_manifest
+from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
+from flare.prepare.recipes import by_name
+from flare.server.template import ChatTemplate
+from flare.server.text import TextCodec
+
+DECODE_STEPS = 10
+BASE_LENGTHS = (15, 16, 17, 31, 32, 33, 127, 128, 129, 257, 290)  # page size 16, prefill chunk 128
+
+
+@dataclass
+class Rig:
+    m: Manifest
+    arena: torch.Tensor
+    v: dict[str, torch.Tensor]
+    run: dict
+    model: torch.nn.Module
+    specs: list  # the recipe's weight specs (buffer <- module paths), taken before binding
+    codec: TextCodec
+    template: ChatTemplate
+    free_pages: list[int] = field(default_factory=list)
+
+    def pages(self, n: int) -> list[int]:
+        out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        assert len(out) == n
+        return out
+
+
+@pytest.fixture(scope="module")
+def rig(smol_core) -> Rig:
+    m = load_manifest(smol_core)
+    c = m.capacities
+    assert (c.prefill_capacities, c.decode_capacities, m.pages.page_size) == ((128,), (1, 2, 4), 16)
+    # An anonymous shared mapping, as the reference worker maps the arena file: zero-filled,
+    # and only the pages a program touches are ever backed (the kv pool is 442 MB).
+    mapping = mmap.mmap(-1, m.arena.nbytes)
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)
+    host = memoryview(mapping)
+    image = smol_core / m.arena.image
+    with image.open("rb") as f:
+        for b, off, n in iter_image(image, m):
+            f.seek(off)
+            assert f.readinto(host[b.offset : b.offset + n]) == n
+    views = arena_views(arena, m)
+    recipe = by_name(m.reference.recipe)
+    model = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
+    specs = recipe.weights(model)
+    recipe.bind(model, specs, views)
+    programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference")
+    run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
+    template = ChatTemplate((smol_core / m.frontend.chat_template).read_text(), dict(m.frontend.special_tokens))
+    r = Rig(m, arena, views, run, model, specs, TextCodec(str(smol_core / m.frontend.tokenizer)), template)
+    # Pages in a scrambled order: page tables are never the identity or contiguous.
+    r.free_pages = random.Random(0).sample(range(1, m.pages.num_pages), m.pages.num_pages - 1)
+    return r
+
+
+@pytest.fixture(scope="module")
+def image_weights(smol_core, rig) -> dict[str, torch.Tensor]:
+    """The persistent buffers read straight from the core's image file, independent of
+    the arena the programs run in."""
+    from safetensors.torch import load_file
+
+    return load_file(str(smol_core / rig.m.arena.image))
+
+
+@pytest.fixture(scope="module")
+def hf_models(rig, image_weights):
+    """The canonical model, fp32 and fp64, with the checkpoint weights from the image file.
+    Rotary tables are Transformers' own (not the core's precomputed constants)."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    recipe = by_name(rig.m.reference.recipe)
+    config = recipe.config_from_json(rig.m.reference.config)
+    config._attn_implementation = "eager"
+    models = []
+    for dtype in (torch.float32, torch.float64):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        state = {}
+        for spec in rig.specs:
+            if spec.from_checkpoint:
+                t = image_weights[spec.buffer].to(dtype)  # one tensor per buffer: ties stay tied
+                state.update({name: t for name in spec.names})
+        model.load_state_dict(state, strict=True, assign=True)
+        model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
+        models.append(model.to(dtype).eval())
+    assert models[0].lm_head.weight.data_ptr() == models[0].model.embed_tokens.weight.data_ptr()
+    return models
+
+
+# ---------------------------------------------------------------------------
+# Driving the programs (the scheduler's writes, applied to torch views)
+
+
+def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int) -> None:
+    v, c = r.v, r.m.capacities
+    v["state.len"][slot] = 0
+    v["state.pending"][slot] = 0
+    v["state.generated"][slot] = 0
+    v["state.max_new"][slot] = 4096
+    v["state.done"][slot] = 0
+    v["state.seed"][slot] = seed
+    v["state.counter"][slot] = 0
+    v["state.top_k"][slot] = 1  # greedy: the sampled token must be the argmax of out.logits
+    v["state.sampling"][slot] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    stops = torch.full((c.stop_ids,), -1, dtype=torch.int32)
+    stops[: len(r.m.frontend.eos_ids)] = torch.tensor(r.m.frontend.eos_ids)
+    v["state.stop_ids"][slot] = stops
+    table = torch.zeros(c.max_pages_per_slot, dtype=torch.int32)
+    table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    v["state.page_table"][slot] = table
+    C = r.m.programs_of(ProgramKind.admit)[0].capacity
+    for i in range(0, len(prompt), C):
+        chunk = prompt[i : i + C]
+        v["in.tokens"][: len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
+        v["in.admit"][:] = torch.tensor([slot, len(chunk), int(i == 0), 0], dtype=torch.int32)
+        r.run[f"admit.{C}"]()
+
+
+def prefill(r: Rig, slot: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All chunks of one prompt. Returns (hidden rows [L, H], out.logits row of the last
+    token, the completion record)."""
+    v, C = r.v, r.m.capacities.prefill_chunk
+    rows = []
+    for start in range(0, len(prompt), C):
+        chunk = prompt[start : start + C]
+        n = len(chunk)
+        cap = next(c for c in r.m.capacities.prefill_capacities if c >= n)
+        v["in.tokens"][:n] = torch.tensor(chunk, dtype=torch.int32)
+        v["in.prefill"][:] = torch.tensor([slot, n, int(start + n == len(prompt)), 0], dtype=torch.int32)
+        r.run[f"prefill.{cap}"]()
+        rows.append(v["out.prefill_hidden"][:n].clone())
+        assert int(v["state.len"][slot]) == start + n
+    return torch.cat(rows), v["out.logits"][0].clone(), v["out.prefill_completion"][0].clone()
+
+
+def decode(r: Rig, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teacher-forced decode step: each slot consumes the given token."""
+    v = r.v
+    cap = next(c for c in r.m.capacities.decode_capacities if c >= len(slots))
+    batch = torch.zeros(max(r.m.capacities.decode_capacities), dtype=torch.int32)
+    batch[: len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    for s, t in zip(slots, tokens):
+        v["state.pending"][s] = t
+        v["state.done"][s] = 0
+    v["in.decode_slots"][:] = batch
+    r.run[f"decode.{cap}"]()
+    return v["out.logits"][: len(slots)].clone(), v["out.decode_completion"][: len(slots)].clone()
+
+
+# ---------------------------------------------------------------------------
+# Cases
+
+
+def chat_ids(r: Rig, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    return r.codec.encode(r.template.render(messages, add_generation_prompt=add_generation_prompt),
+                          add_special_tokens=False)
+
+
+LONG_CHAT = [
+    {"role": "system", "content": "You are a patient tutor who explains things step by step."},
+    {"role": "user", "content": "Why is the sky blue? Please keep it short but precise."},
+    {"role": "assistant", "content": "Sunlight contains all colours. Air molecules scatter short wavelengths much "
+                                     "more strongly than long ones (Rayleigh scattering, proportional to 1/λ⁴), so "
+                                     "blue light is redirected across the whole sky and reaches your eyes from every "
+                                     "direction, while the direct sunlight looks slightly yellow."},
+    {"role": "user", "content": "Then why are sunsets red and orange instead of blue?"},
+    {"role": "assistant", "content": "At sunset the light crosses far more atmosphere. Most of the blue is scattered "
+                                     "out of the beam long before it reaches you, so what remains in the direct path "
+                                     "is dominated by red and orange. Dust and aerosols make the colours stronger."},
+    {"role": "user", "content": "Could you write a tiny Python function that converts a wavelength in nanometres "
+                                "to a rough colour name? Also mention 日本語 and émojis 🌅 in a comment."},
+    {"role": "assistant", "content": "def colour(nm):\n    # 日本語 comment with émojis 🌅\n    if nm < 450:\n        "
+                                     "return 'violet'\n    if nm < 495:\n        return 'blue'\n    if nm < 570:\n"
+                                     "        return 'green'\n    if nm < 590:\n        return 'yellow'\n    return "
+                                     "'red'"},
+]
+
+
+@dataclass
+class Case:
+    name: str
+    prompt: list[int]
+    continuation: list[int]  # teacher-forced decode tokens
+
+
+@pytest.fixture(scope="module")
+def cases(rig) -> list[Case]:
+    base = chat_ids(rig, LONG_CHAT, add_generation_prompt=False)
+    assert len(base) >= max(BASE_LENGTHS) + DECODE_STEPS
+    out = [Case(f"prefix{L}", base[:L], base[L : L + DECODE_STEPS]) for L in BASE_LENGTHS]
+    q = chat_ids(rig, [{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    a = rig.codec.encode("Paris is the capital of France.<|im_end|>", add_special_tokens=False)
+    out.append(Case("chat_france", q, (a * 2)[:DECODE_STEPS]))
+    q = chat_ids(rig, [{"role": "system", "content": "Réponds brièvement."},
+                       {"role": "user", "content": "Traduis en japonais : « bonjour » 🙂"}])
+    a = rig.codec.encode("こんにちは (konnichiwa) 🙂 — voilà !", add_special_tokens=False)
+    out.append(Case("chat_unicode", q, a[:DECODE_STEPS]))
+    assert all(len(c.continuation) == DECODE_STEPS for c in out) and len(out) >= 8
+    return out
+
+
+# Decode groups: sizes 4, 3, 2, 1, 3 exercise decode.4 (full and padded), decode.2 and decode.1 with
+# requests of different lengths side by side.
+GROUPS = ((0, 1, 2, 3), (4, 5, 6), (7, 8), (9,), (10, 11, 12))
+
+
+@dataclass
+class Outcome:
+    prefill_hidden: torch.Tensor  # [L, H] float32 out.prefill_hidden rows
+    prefill_head: torch.Tensor  # [V] float32 out.logits of the last prompt token
+    prefill_record: torch.Tensor
+    decode_rows: torch.Tensor  # [DECODE_STEPS, V] float32 out.logits
+    decode_records: torch.Tensor  # [DECODE_STEPS, 4]
+    state_after_prefill: dict
+
+
+@pytest.fixture(scope="module")
+def flare_outcomes(rig, cases, hf_models) -> list[Outcome]:
+    # hf_models first: the reference is built before any program has run.
+    out: list[Outcome | None] = [None] * len(cases)
+    for group in GROUPS:
+        slots = list(range(1, len(group) + 1))
+        pre = {}
+        for slot, i in zip(slots, group):
+            c = cases[i]
+            pages = rig.pages(-(-(len(c.prompt) + DECODE_STEPS) // rig.m.pages.page_size))
+            admit(rig, slot, c.prompt, pages, seed=1000 + i)
+            hidden, last, record = prefill(rig, slot, c.prompt)
+            state = {k: rig.v[k][slot].clone() for k in ("state.len", "state.generated", "state.counter",
+                                                          "state.pending", "state.hist")}
+            pre[i] = (hidden, last, record, state)
+        rows, recs = [], []
+        for step in range(DECODE_STEPS):
+            logits, record = decode(rig, slots, [cases[i].continuation[step] for i in group])
+            rows.append(logits)
+            recs.append(record)
+        for k, i in enumerate(group):
+            p = pre[i]
+            out[i] = Outcome(p[0], p[1], p[2], torch.stack([x[k] for x in rows]), torch.stack([x[k] for x in recs]),
+                             p[3])
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_logits(hf_models, cases) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(float32, float64) logits over prompt + continuation for every case; prefixes of
+    the long chat share one forward (causal: row i depends on tokens <= i only)."""
+    hf32, hf64 = hf_models
+    memo = {}
+
+    def forward(ids: tuple[int, ...]):
+        if ids not in memo:
+            with torch.inference_mode():
+                x = torch.tensor([list(ids)])
+                memo[ids] = (hf32(input_ids=x).logits[0], hf64(input_ids=x).logits[0])
+        return memo[ids]
+
+    longest = max((c for c in cases if c.name.startswith("prefix")), key=lambda c: len(c.prompt))
+    full = tuple(longest.prompt + longest.continuation)
+    out = []
+    for c in cases:
+        seq = tuple(c.prompt + c.continuation)
+        if full[: len(seq)] == seq:
+            l32, l64 = forward(full)
+            out.append((l32[: len(seq)], l64[: len(seq)]))
+        else:
+            out.append(forward(seq))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The comparisons
+
+
+@dataclass
+class Stats:
+    d_flare: float = 0.0  # max |flare - hf32|
+    d_flare64: float = 0.0  # max |flare - hf64|
+    err32: float = 0.0  # max |hf32 - hf64|
+    rows: int = 0
+    mismatches: list = field(default_factory=list)
+
+
+def compare(stats: Stats, name: str, offset: int, flare: torch.Tensor, l32: torch.Tensor, l64: torch.Tensor) -> None:
+    flare, l32 = flare.double(), l32.double()
+    stats.d_flare = max(stats.d_flare, float((flare - l32).abs().max()))
+    stats.d_flare64 = max(stats.d_flare64, float((flare - l64).abs().max()))
+    stats.err32 = max(stats.err32, float((l32 - l64).abs().max()))
+    stats.rows += flare.shape[0]
+    a_fl, a_64 = flare.argmax(-1), l64.argmax(-1)
+    for pos in torch.nonzero(a_fl != a_64).flatten().tolist():
+        gap = float(l64[pos, a_64[pos]] - l64[pos, a_fl[pos]])
+        stats.mismatches.append((name, offset + pos, int(a_fl[pos]), int(a_64[pos]), gap))
+
+
+@pytest.fixture(scope="module")
+def comparison(rig, cases, flare_outcomes, hf_logits):
+    head = rig.model.lm_head.weight.detach().double()
+    pre, dec = Stats(), Stats()
+    for c, o, (l32, l64) in zip(cases, flare_outcomes, hf_logits):
+        L = len(c.prompt)
+        compare(pre, c.name, 0, o.prefill_hidden.double() @ head.T, l32[:L], l64[:L])
+        compare(dec, c.name, L, o.decode_rows, l32[L:], l64[L:])
+    err32 = max(pre.err32, dec.err32)
+    bound = 4 * err32 + 1e-6
+    report = {
+        "bound": bound, "err_hf32": err32,
+        "prefill": {"rows": pre.rows, "max|flare-hf32|": pre.d_flare, "max|flare-hf64|": pre.d_flare64,
+                    "max|hf32-hf64|": pre.err32, "argmax_mismatches": pre.mismatches},
+        "decode": {"rows": dec.rows, "max|flare-hf32|": dec.d_flare, "max|flare-hf64|": dec.d_flare64,
+                   "max|hf32-hf64|": dec.err32, "argmax_mismatches": dec.mismatches},
+    }
+    print("\nprogram acceptance:", json.dumps(report, indent=1))
+    return pre, dec, bound, err32
+
+
+def test_reference_error_is_measured(comparison):
+    """The bound is only meaningful if float32 rounding is visible and small."""
+    _, _, bound, err32 = comparison
+    assert 1e-7 < err32 < 1e-2
+
+
+def test_prefill_logits_match_transformers(comparison, cases):
+    pre, _, bound, _ = comparison
+    assert pre.rows == sum(len(c.prompt) for c in cases)
+    assert pre.d_flare <= bound, f"prefill: max |flare - hf32| = {pre.d_flare:.3g} > bound {bound:.3g}"
+
+
+def test_decode_logits_match_transformers(comparison, cases):
+    _, dec, bound, _ = comparison
+    assert dec.rows == DECODE_STEPS * len(cases)
+    assert dec.d_flare <= bound, f"decode: max |flare - hf32| = {dec.d_flare:.3g} > bound {bound:.3g}"
+
+
+def test_argmax_agrees_at_every_position(comparison):
+    pre, dec, bound, _ = comparison
+    bad = [m for m in pre.mismatches + dec.mismatches if m[4] > bound]
+    assert not bad, f"argmax differs beyond a near-tie (name, position, flare, hf64, gap): {bad}"
+
+
+def test_prefill_last_row_head_and_greedy_sample(rig, cases, flare_outcomes, hf_logits, comparison):
+    """out.logits of the last prompt token (Flare's float32 head) and the first sampled
+    token: with top_k = 1 it is the argmax of out.logits, and the float64 model agrees."""
+    *_, bound, _ = comparison
+    for c, o, (l32, l64) in zip(cases, flare_outcomes, hf_logits):
+        L = len(c.prompt)
+        assert float((o.prefill_head.double() - l32[L - 1].double()).abs().max()) <= bound
+        slot, tok, generated, status = o.prefill_record.tolist()
+        assert tok == int(o.prefill_head.argmax()) and generated == 1
+        assert status == (1 if tok in rig.m.frontend.eos_ids else 0)
+        if tok != int(l64[L - 1].argmax()):
+            assert float(l64[L - 1].max() - l64[L - 1, tok]) <= bound
+        st = o.state_after_prefill
+        assert (int(st["state.len"]), int(st["state.generated"]), int(st["state.counter"])) == (L, 1, 1)
+        assert int(st["state.pending"]) == tok
+        # Histogram: prompt bit for each distinct prompt token, plus one count for the sample.
+        expected = torch.zeros_like(st["state.hist"])
+        expected[torch.tensor(sorted(set(c.prompt)))] = HIST_PROMPT_BIT
+        expected[tok] += 1
+        assert torch.equal(st["state.hist"], expected)
+
+
+def test_decode_records_are_greedy_and_counted(cases, flare_outcomes):
+    for c, o in zip(cases, flare_outcomes):
+        recs = o.decode_records
+        assert recs[:, 1].tolist() == o.decode_rows.argmax(-1).tolist()
+        assert recs[:, 2].tolist() == list(range(2, 2 + DECODE_STEPS))
+
+
+def test_padded_and_finished_rows_write_nothing(rig):
+    """decode.4 with one live slot, one finished slot and two padded rows: every state
+    row but the live one, and every KV page except the live slot's written position and
+    the null page, are bitwise unchanged."""
+    v, ps = rig.v, rig.m.pages.page_size
+    codec = rig.codec
+    prompts = {s: codec.encode(t, add_special_tokens=False) for s, t in
+               {1: "The quick brown fox jumps over the lazy dog.", 2: "One two three four five six seven",
+                3: "Bonjour tout le monde, ceci est un test."}.items()}
+    owned = {}
+    for s, p in prompts.items():
+        owned[s] = rig.pages(3)
+        admit(rig, s, p, owned[s], seed=s)
+        prefill(rig, s, p)
+    v["state.done"][2] = 1  # finished: in the batch but not live
+    # Slot 4 holds a stale row from earlier tests; it is not in the batch.
+    state_names = [b.name for b in rig.m.buffers if b.role.value == "state"]
+    before = {k: v[k].clone() for k in state_names}
+    # KV: pages handed out so far (this module's earlier cases included) are snapshotted;
+    # every other page except the null page has never been written and must stay zero.
+    kv = v["kv"]
+    unused = sorted(rig.free_pages)
+    used = sorted(set(range(1, rig.m.pages.num_pages)) - set(unused))
+    used_before = kv.index_select(2, torch.tensor(used)).clone()
+
+    def zero_pages() -> bool:
+        return all(int(torch.count_nonzero(kv[:, :, p])) == 0 for p in unused)
+
+    assert zero_pages()
+    v["in.decode_slots"][:] = torch.tensor([1, 2, 0, 0], dtype=torch.int32)
+    rig.run["decode.4"]()
+    rec = v["out.decode_completion"].clone()
+    L = len(prompts[1])
+    assert rec[0, 0] == 1 and rec[0, 1] >= 0 and rec[0, 2] == 2
+    assert rec[1].tolist() == [2, -1, 1, -1]
+    assert rec[2].tolist() == [0, -1, int(before["state.generated"][0]), -1]
+    assert rec[3].tolist() == rec[2].tolist()
+    for k in state_names:
+        for row in range(v[k].shape[0]):
+            if row != 1:
+                assert torch.equal(v[k][row], before[k][row]), f"{k}[{row}] changed"
+    assert int(v["state.len"][1]) == L + 1
+    # Only (page of position L, offset L % ps) of slot 1 changed, in every layer, K and V.
+    changed = (kv.index_select(2, torch.tensor(used)) != used_before).any(dim=(0, 1, 4, 5))  # [pages, offsets]
+    page, off = owned[1][L // ps], L % ps
+    assert [[used[i], o] for i, o in torch.nonzero(changed).tolist()] == [[page, off]]
+    assert changed.sum() == 1 and bool((kv[:, :, page, off] != used_before[:, :, used.index(page), off]).all())
+    assert zero_pages()
+
+
+def test_programs_never_write_weights(rig, image_weights, flare_outcomes):
+    """After every program above ran, each persistent buffer in the arena still holds
+    exactly the bytes of the image: programs write only runtime buffers."""
+    for b in rig.m.buffers:
+        if b.role.value == "weight":
+            assert torch.equal(rig.v[b.name], image_weights[b.name]), b.name

@@ -1,0 +1,306 @@
+"""The sampler (``flare.prepare.sampling``), called directly with torch tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flare.core.manifest import HIST_PROMPT_BIT
+from flare.prepare.sampling import apply_penalties, sample, uniform
+
+# A row of sampling parameters: everything ``sample`` takes besides logits and vocab.
+FIELDS = ("hist", "temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency", "seed", "counter")
+
+
+def rows(n: int, V: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition=1.0, presence=0.0,
+         frequency=0.0, seed=0, counter=None, hist=None) -> dict[str, torch.Tensor]:
+    """n rows with the same parameters; counters 0..n-1 unless given."""
+    return {
+        "hist": torch.zeros(n, V, dtype=torch.int32) if hist is None else hist.expand(n, V).clone(),
+        "temperature": torch.full((n,), temperature, dtype=torch.float32),
+        "top_k": torch.full((n,), top_k, dtype=torch.int32),
+        "top_p": torch.full((n,), top_p, dtype=torch.float32),
+        "min_p": torch.full((n,), min_p, dtype=torch.float32),
+        "repetition": torch.full((n,), repetition, dtype=torch.float32),
+        "presence": torch.full((n,), presence, dtype=torch.float32),
+        "frequency": torch.full((n,), frequency, dtype=torch.float32),
+        "seed": torch.full((n,), seed, dtype=torch.int64),
+        "counter": (torch.arange(n, dtype=torch.int64) if counter is None
+                    else torch.full((n,), counter, dtype=torch.int64)),
+    }
+
+
+def draw(logits: torch.Tensor, p: dict, sampling_vocab: int | None = None) -> torch.Tensor:
+    n = p["seed"].shape[0]
+    lg = logits.expand(n, -1) if logits.dim() == 1 else logits
+    return sample(lg, p["hist"], temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"],
+                  min_p=p["min_p"], repetition=p["repetition"], presence=p["presence"], frequency=p["frequency"],
+                  seed=p["seed"], counter=p["counter"], sampling_vocab=sampling_vocab or lg.shape[1])
+
+
+def random_row(g: torch.Generator, V: int) -> tuple[torch.Tensor, dict]:
+    """A logits row and parameters with every filter and penalty enabled."""
+    logits = torch.randn(V, generator=g) * 3
+    hist = torch.randint(0, 3, (V,), generator=g, dtype=torch.int32)
+    hist |= (torch.rand(V, generator=g) < 0.3).int() * HIST_PROMPT_BIT
+    u = lambda lo, hi: lo + (hi - lo) * float(torch.rand(1, generator=g))  # noqa: E731
+    p = rows(1, V, temperature=u(0.3, 1.5), top_k=int(torch.randint(1, V + 1, (1,), generator=g)),
+             top_p=u(0.5, 1.0), min_p=u(0.0, 0.1), repetition=u(1.0, 1.5), presence=u(-0.5, 0.5),
+             frequency=u(-0.3, 0.3), seed=int(torch.randint(-(1 << 62), 1 << 62, (1,), generator=g)),
+             counter=int(torch.randint(0, 1 << 40, (1,), generator=g)), hist=hist[None])
+    return logits, p
+
+
+def null_row(V: int) -> tuple[torch.Tensor, dict]:
+    """What a padded row carries: the null slot's all-zero parameters."""
+    p = rows(1, V, temperature=0.0, top_k=0, top_p=0.0, min_p=0.0, repetition=0.0, seed=0, counter=0)
+    return torch.zeros(V), p
+
+
+def stack(parts: list[tuple[torch.Tensor, dict]]) -> tuple[torch.Tensor, dict]:
+    return (torch.stack([lg for lg, _ in parts]),
+            {k: torch.cat([p[k] for _, p in parts]) for k in FIELDS})
+
+
+# ---------------------------------------------------------------------------
+# (a) a row's draw depends on its logits, parameters, seed and counter only
+
+
+def test_batch_position_and_neighbours_never_change_a_draw():
+    V = 96
+    g = torch.Generator().manual_seed(1234)
+    pool = [random_row(g, V) for _ in range(48)] + [null_row(V) for _ in range(8)]
+    checked = 0
+    for trial in range(200):
+        logits, p = random_row(g, V)
+        alone = int(draw(logits[None], p)[0])
+        for B in range(1, 9):
+            pos = int(torch.randint(0, B, (1,), generator=g))
+            parts = [pool[int(i)] for i in torch.randint(0, len(pool), (B,), generator=g)]
+            parts[pos] = (logits, p)
+            lg, pp = stack(parts)
+            got = draw(lg, pp)
+            assert int(got[pos]) == alone, f"trial {trial}: batch {B}, position {pos}: {int(got[pos])} != {alone}"
+            checked += 1
+    assert checked == 200 * 8
+
+
+def test_streams_differ_across_seeds_and_counters():
+    # The (seed, counter) -> uniform map is not degenerate: distinct inputs give distinct numbers.
+    seeds = torch.tensor([0, 1, -1, 1 << 40, -(1 << 62)], dtype=torch.int64).repeat_interleave(200)
+    counters = torch.arange(200, dtype=torch.int64).repeat(5) + (1 << 33)
+    u = uniform(seeds, counters)
+    assert u.dtype == torch.float32 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert len(set(u.tolist())) == 1000
+    assert torch.equal(uniform(seeds, counters), u)
+
+
+# ---------------------------------------------------------------------------
+# (b) the empirical distribution
+
+
+def chi2_threshold(dof: int, alpha: float) -> float:
+    """x with P(X > x) = alpha for X ~ chi-square(dof), dof even, from the closed form
+    P(X > x) = exp(-x/2) * sum_{j < dof/2} (x/2)^j / j!  (solved by bisection)."""
+    assert dof % 2 == 0
+
+    def sf(x):
+        t = x / 2
+        return math.exp(-t) * sum(t**j / math.factorial(j) for j in range(dof // 2))
+
+    lo, hi = 0.0, 1000.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sf(mid) > alpha else (lo, mid)
+    return hi
+
+
+def pearson(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = float(counts.sum())
+    expected = probs * n
+    return float(((counts.double() - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("temperature,seed", [(1.0, 7), (0.6, 123456789), (1.7, -5)])
+def test_distribution_matches_softmax_over_temperature(temperature, seed):
+    """N = 40,000 draws (counters 0..N-1 of one seed) over a 5-token vocabulary.
+
+    Bound: under the null hypothesis (draws are independent samples of
+    softmax(logits / T)), Pearson's statistic X^2 = sum (O - E)^2 / E is
+    chi-square with V - 1 = 4 degrees of freedom (every E >= 1,000, so the
+    asymptotic law is accurate). We reject above x with P(X^2 > x) = 1e-9,
+    x = 47.8 from the closed-form survival function e^(-x/2)(1 + x/2): a correct
+    sampler fails with probability 1e-9, while a sampler off by a 1 % shift of
+    mass between two tokens would give X^2 ~ N * 0.01^2 * (1/p_i + 1/p_j) > 48.
+    The negative control checks the test has that power: the same counts
+    against softmax(logits) at T = 1 +/- 0.3 must exceed the bound.
+    """
+    V, N = 5, 40_000
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.7, -1.3])
+    counts = torch.bincount(draw(logits, rows(N, V, temperature=temperature, seed=seed)), minlength=V)
+    probs = torch.softmax(logits.double() / temperature, dim=0)
+    assert float((probs * N).min()) >= 400
+    bound = chi2_threshold(V - 1, 1e-9)
+    assert 47.5 < bound < 48.0
+    x2 = pearson(counts, probs)
+    assert x2 < bound, f"X^2 = {x2:.1f} >= {bound:.1f}: counts {counts.tolist()} vs expected {(probs * N).tolist()}"
+    wrong = torch.softmax(logits.double() / (temperature + 0.3), dim=0)
+    assert pearson(counts, wrong) > bound
+
+
+def test_distribution_after_top_k_is_renormalised():
+    """top_k = 3 of 5 tokens: draws follow the top three probabilities renormalised.
+    Same bound construction with 3 - 1 = 2 degrees of freedom: P(X^2 > x) = e^(-x/2)."""
+    V, N = 5, 30_000
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.7, -1.3])
+    counts = torch.bincount(draw(logits, rows(N, V, top_k=3, seed=99)), minlength=V)
+    assert counts[2] == 0 and counts[4] == 0
+    kept = torch.tensor([0, 3, 1])
+    probs = torch.softmax(logits.double()[kept], dim=0)
+    bound = chi2_threshold(2, 1e-9)
+    assert abs(bound - 2 * math.log(1e9)) < 1e-6
+    assert pearson(counts[kept], probs) < bound
+
+
+# ---------------------------------------------------------------------------
+# (c) filters
+
+
+def sampled_set(logits: torch.Tensor, N: int = 4000, **kw) -> set[int]:
+    """Tokens drawn over N counters. Every kept token in these cases has renormalised
+    probability >= 0.04 (>= 0.002 where N = 20,000), so the chance that one is never
+    drawn is below 0.96^4000 ~ 1e-71 (0.998^20000 ~ 1e-17)."""
+    return set(draw(logits, rows(N, logits.shape[0], **kw)).tolist())
+
+
+def test_top_k_keeps_exactly_the_k_most_likely():
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.5, 1.9, 0.0, -3.0, 1.0])
+    order = [1, 4, 3, 7, 0, 5, 2, 6]  # descending
+    for k in (1, 2, 3, 4):
+        # Low temperature would starve the tail; T = 1 keeps every kept token >= 0.05.
+        assert sampled_set(logits, top_k=k, seed=k) == set(order[:k])
+    assert sampled_set(logits, top_k=0, seed=3, N=20000) == set(range(8))  # 0 disables
+    assert sampled_set(logits, top_k=100, seed=3, N=20000) == set(range(8))  # k > V keeps all
+
+
+def test_top_k_keeps_exact_ties_at_the_threshold():
+    logits = torch.tensor([3.0, 1.0, 3.0, 0.0, 3.0, 1.0])
+    assert sampled_set(logits, top_k=1, seed=1) == {0, 2, 4}
+    assert sampled_set(logits, top_k=2, seed=2) == {0, 2, 4}
+    assert sampled_set(logits, top_k=4, seed=3) == {0, 1, 2, 4, 5}
+
+
+def test_top_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()  # probabilities 0.5, 0.3, 0.15, 0.05
+    # Smallest prefix whose mass reaches top_p: mass before each token is 0, 0.5, 0.8, 0.95.
+    assert sampled_set(logits, top_p=0.4, seed=1) == {0}
+    assert sampled_set(logits, top_p=0.55, seed=1) == {0, 1}
+    assert sampled_set(logits, top_p=0.75, seed=1) == {0, 1}
+    assert sampled_set(logits, top_p=0.85, seed=1) == {0, 1, 2}
+    assert sampled_set(logits, top_p=0.97, seed=1, N=20000) == {0, 1, 2, 3}
+    # Temperature applies first: at T = 0.5 the probabilities are 0.685, 0.247, 0.062, 0.007,
+    # so top_p = 0.9 keeps two tokens where T = 1 keeps three.
+    assert sampled_set(logits, top_p=0.9, seed=2) == {0, 1, 2}
+    assert sampled_set(logits, top_p=0.9, temperature=0.5, seed=2) == {0, 1}
+
+
+def test_min_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    # Keeps p >= min_p * p_max (p_max = 0.5).
+    assert sampled_set(logits, min_p=0.05, seed=1, N=20000) == {0, 1, 2, 3}
+    assert sampled_set(logits, min_p=0.25, seed=1) == {0, 1, 2}
+    assert sampled_set(logits, min_p=0.55, seed=1) == {0, 1}
+    assert sampled_set(logits, min_p=0.7, seed=1) == {0}
+
+
+def test_filters_combine_as_an_intersection():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert sampled_set(logits, top_k=3, top_p=0.75, seed=1) == {0, 1}
+    assert sampled_set(logits, top_k=2, min_p=0.05, seed=1) == {0, 1}
+    assert sampled_set(logits, top_k=3, top_p=0.97, min_p=0.55, seed=1) == {0, 1}
+
+
+# ---------------------------------------------------------------------------
+# (d) penalties
+
+
+def test_penalties_change_logits_exactly_as_documented():
+    """Repetition divides positive / multiplies negative logits of every token seen in
+    prompt or output; presence subtracts once and frequency per occurrence, for output
+    tokens only. The prompt bit never counts as an occurrence. Dyadic values: exact."""
+    P = HIST_PROMPT_BIT
+    logits = torch.tensor([[2.0, -2.0, 3.0, -1.0, 0.5, 1.0, 0.0, -0.5]])
+    hist = torch.tensor([[P, P + 2, 3, 0, 1, 0, P, P + 1]], dtype=torch.int32)
+    out = apply_penalties(logits, hist, repetition=torch.tensor([2.0]), presence=torch.tensor([0.5]),
+                          frequency=torch.tensor([0.25]))
+    expected = torch.tensor([[
+        2.0 / 2,  # prompt only: repetition
+        -2.0 * 2 - 0.5 - 2 * 0.25,  # prompt + 2 outputs, negative logit
+        3.0 / 2 - 0.5 - 3 * 0.25,  # 3 outputs
+        -1.0,  # unseen
+        0.5 / 2 - 0.5 - 0.25,  # 1 output
+        1.0,  # unseen
+        0.0,  # prompt, zero logit: unchanged by repetition
+        -0.5 * 2 - 0.5 - 0.25,  # prompt + 1 output
+    ]])
+    assert torch.equal(out, expected)
+    # Neutral parameters change nothing, bit for bit.
+    neutral = apply_penalties(logits, hist, torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([0.0]))
+    assert torch.equal(neutral, logits)
+
+
+def test_penalties_apply_inside_sample():
+    """top_k = 1 makes the draw the argmax of the penalised logits."""
+    P = HIST_PROMPT_BIT
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0])
+    one = lambda **kw: int(draw(logits, rows(1, 4, top_k=1, **kw))[0])  # noqa: E731
+    assert one() == 0
+    hist = torch.tensor([[P, 0, 0, 0]], dtype=torch.int32)
+    assert one(hist=hist, repetition=1.1) == 0  # 3 / 1.1 = 2.73 still the largest
+    assert one(hist=hist, repetition=1.5) == 1  # 3 / 1.5 = 2.0 < 2.5
+    assert one(hist=hist, presence=2.0) == 0  # presence ignores prompt tokens
+    hist = torch.tensor([[1, 0, 0, 0]], dtype=torch.int32)
+    assert one(hist=hist, presence=0.6) == 1  # 3 - 0.6 = 2.4 < 2.5
+    hist = torch.tensor([[2, 3, 0, 0]], dtype=torch.int32)
+    assert one(hist=hist, frequency=0.6) == 2  # 3 - 1.2 = 1.8 and 2.5 - 1.8 = 0.7 against 2.0
+    hist = torch.tensor([[1, 3, 0, 0]], dtype=torch.int32)
+    assert one(hist=hist, frequency=-0.3) == 1  # negative frequency rewards repetition: 3.3 vs 3.4
+
+
+# ---------------------------------------------------------------------------
+# (e) padded vocabularies
+
+
+def test_tokens_beyond_sampling_vocab_are_never_sampled():
+    V, SV, N = 12, 7, 5000
+    logits = torch.zeros(V)
+    logits[SV:] = 50.0  # padded ids carry the largest logits
+    p = rows(N, V, seed=31)
+    toks = draw(logits, p, sampling_vocab=SV)
+    assert int(toks.max()) < SV and set(toks.tolist()) == set(range(SV))
+    # Identical to sampling from the truncated row: the padded columns are not even seen.
+    assert torch.equal(toks, draw(logits[:SV], {**p, "hist": p["hist"][:, :SV]}))
+
+
+# ---------------------------------------------------------------------------
+# (f) the null slot
+
+
+def test_null_slot_row_yields_an_in_range_index():
+    V = 50
+    for logits in (torch.zeros(V), torch.randn(V, generator=torch.Generator().manual_seed(0)) * 30,
+                   torch.full((V,), -1e30)):
+        lg, p = null_row(V)
+        tok = draw(logits[None], p)
+        assert tok.shape == (1,) and 0 <= int(tok[0]) < V
+    # Zero temperature keeps only the maximum: the null row is well defined.
+    logits = torch.arange(V, dtype=torch.float32)
+    _, p = null_row(V)
+    assert int(draw(logits[None], p)[0]) == V - 1
+    # Padded rows of a real batch: live rows are unaffected (see the batch test), the
+    # padded ones stay in range even with a sampling vocabulary below the logits width.
+    lg, pp = stack([null_row(V) for _ in range(4)])
+    toks = draw(lg, pp, sampling_vocab=30)
+    assert ((toks >= 0) & (toks < 30)).all()
