@@ -11,7 +11,7 @@ import sys
 
 import httpx
 
-from conftest import ROOT, running_server
+from tests.conftest import ROOT, running_server
 
 SERVING_MODULES = ("flare.core.manifest", "flare.runtime.engine", "flare.runtime.reference",
                    "flare.runtime.scheduler", "flare.server.app", "flare.server.cli")

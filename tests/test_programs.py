@@ -89,7 +89,7 @@ def rig(smol_core) -> Rig:
         for b, off, n in iter_image(image, m):
             f.seek(off)
             assert f.readinto(host[b.offset : b.offset + n]) == n
-    views = arena_views(arena, m)
+    views = arena_views(arena, m.buffers)
     recipe = by_name(m.reference.recipe)
     model = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
     specs = recipe.weights(model)
