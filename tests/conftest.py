@@ -149,3 +149,13 @@ def smol_server(smol_core):
 def tiny_server(tiny_core):
     with running_server(tiny_core) as srv:
         yield srv
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """The server's /metrics as {name (with labels): value}."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

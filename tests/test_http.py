@@ -176,7 +176,7 @@ def test_abandoned_requests_free_their_slots(smol_server, client):
     for _ in range(2):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url, json=long, timeout=1.5)
-    quick = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    quick = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
     results = run_together([(lambda i=i: chat(quick, FRANCE, seed=i, max_tokens=4)) for i in range(4)])
     assert [r.choices[0].finish_reason for r in results] == ["length"] * 4
 

@@ -8,19 +8,10 @@ import time
 
 import httpx
 
-from tests.conftest import running_server
+from tests.conftest import running_server, scrape_metrics
 from tests.gpu.conftest import gpu_core, record
 
 MODEL = "llama-3.2-1b-shape"
-
-
-def _metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            k, _, v = line.rpartition(" ")
-            out[k] = float(v)
-    return out
 
 
 def _stream(url: str, i: int, n: int) -> dict:
@@ -52,11 +43,11 @@ def test_four_concurrent_streams_and_no_allocation_after_ready(results_dir):
     t0 = time.perf_counter()
     with running_server(core) as srv:
         ready_s = time.perf_counter() - t0
-        before = _metrics(srv.url)
+        before = scrape_metrics(srv.url)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda i: _stream(srv.url, i, 64), range(4)))
         again = _stream(srv.url, 9, 16)
-        after = _metrics(srv.url)
+        after = scrape_metrics(srv.url)
     for r in results:
         assert r["finish"] == "length"
         assert r["usage"]["completion_tokens"] == 64

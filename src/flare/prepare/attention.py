@@ -80,8 +80,8 @@ def attend_reference(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: fl
         n_keys = int(pos.max()) + 1
         n_pages = -(-n_keys // ps)
         pages = batch.page_table[s, :n_pages].long()
-        k = kv[layer, 0, pages].reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
-        v = kv[layer, 1, pages].reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
+        k = kv[layer, 0].index_select(0, pages).reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
+        v = kv[layer, 1].index_select(0, pages).reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
         mask = torch.arange(n_keys, device=q.device)[None, :] <= pos[:, None]  # [r, n_keys]
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None].to(k.dtype),  # [1, H, r, D]

@@ -16,6 +16,7 @@ import time
 
 from flare.core.errors import CapacityError, ExecutionError, FlareError
 from flare.runtime.executor import Executor
+from flare.runtime.metrics import ServingMetrics
 from flare.runtime.request import Request
 from flare.runtime.scheduler import Scheduler
 
@@ -34,7 +35,8 @@ class Engine:
     def __init__(self, executor: Executor, *, max_waiting: int = 256):
         self.executor = executor
         self.manifest = executor.manifest
-        self.scheduler = Scheduler(self.manifest, max_waiting=max_waiting)
+        self.metrics = ServingMetrics()
+        self.scheduler = Scheduler(self.manifest, max_waiting=max_waiting, metrics=self.metrics)
         self.state = EngineState.starting
         self.failure: Exception | None = None
         self.steps = 0
@@ -94,19 +96,28 @@ class Engine:
             self.state = EngineState.failed
             sched.fail_all(err)
 
-    async def shutdown(self, grace_s: float = 10.0) -> None:
-        """Stop admission, let running requests finish within the grace period, cancel
-        the rest, drain the executor and release it."""
-        if self.state in (EngineState.stopped,):
-            return
+    def stop_admission(self) -> None:
+        """New requests get 503 from now on; admitted and queued ones keep running."""
         if self.state == EngineState.ready:
             self.state = EngineState.stopping
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admission, give running and queued requests ``grace_s`` to finish, then
+        cancel the rest (their streams end with a terminal error event)."""
+        self.stop_admission()
         deadline = time.monotonic() + grace_s
         while self.scheduler.has_work() and time.monotonic() < deadline and self.state == EngineState.stopping:
             await asyncio.sleep(0.02)
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.cancel(req)
         self._wake.set()
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Drain (see ``drain``), stop the loop once no submitted work remains, and
+        release the executor."""
+        if self.state == EngineState.stopped:
+            return
+        await self.drain(grace_s)
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, timeout=max(5.0, grace_s))
@@ -117,3 +128,19 @@ class Engine:
         if self.state != EngineState.failed:
             self.state = EngineState.stopped
         await self.executor.close()
+
+    def gauges(self) -> dict[str, float]:
+        sched = self.scheduler
+        return {
+            "flare_requests_running": len(sched.running),
+            "flare_requests_waiting": len(sched.waiting),
+            "flare_kv_pages_total": sched.pages.total,
+            "flare_kv_pages_free": sched.pages.free,
+            "flare_kv_pages_used": sched.pages.used,
+            "flare_kv_pages_cached": 0,
+            "flare_engine_steps_total": self.steps,
+            "flare_prefill_tokens_total": sched.prefill_tokens_total,
+            "flare_preemptions_total": sched.preemptions_total,
+            "flare_engine_ready": int(self.ready),
+            **{f"flare_executor_{k}": v for k, v in self.executor.stats().items()},
+        }

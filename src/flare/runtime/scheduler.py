@@ -18,6 +18,7 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,7 +26,8 @@ import numpy as np
 
 from flare.core.errors import AdmissionError, CapacityError, ExecutionError, FrontendError
 from flare.core.manifest import STATUS_CODES, Manifest, ProgramKind
-from flare.runtime.pages import PagePool, PoolExhausted, SlotPool
+from flare.runtime.metrics import ServingMetrics
+from flare.runtime.pages import PagePool, SlotPool
 from flare.runtime.request import FinishReason, Request, Status
 
 _U64 = (1 << 64) - 1
@@ -60,8 +62,9 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, manifest: Manifest, *, max_waiting: int = 256):
+    def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None):
         self.m = manifest
+        self.metrics = metrics or ServingMetrics()
         self.caps = manifest.capacities
         self.page_size = manifest.pages.page_size
         self.pages = PagePool(manifest.pages.num_pages, manifest.pages.null_page)
@@ -164,6 +167,8 @@ class Scheduler:
             req.admission_seq = self._admissions
             self._admissions += 1
             self.running.append(req)
+            if not req.output:  # readmissions were counted when first admitted
+                self.metrics.on_admitted(len(req.prompt))
             self._queue_admission(req)
 
     def _reservation(self, req: Request) -> int:
@@ -312,6 +317,11 @@ class Scheduler:
         token, status = int(row[1]), int(row[3])
         if token < 0 or req.finished:
             return
+        now = time.monotonic()
+        self.metrics.on_token(req.arrival, req.first_token_at, req.last_token_at, now)
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.last_token_at = now
         req.output.append(token)
         visible = [token] if status != STATUS_CODES["stop"] else []
         stop_matched = req.sink.on_tokens(req, visible) if visible else False
@@ -336,6 +346,7 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
+        self.metrics.on_finished(reason.value)
         # A finished request may still have admit steps queued (cancelled right after admission).
         self._maintenance = deque(s for s in self._maintenance if req not in s.requests)
         req.sink.on_finish(req)

@@ -11,6 +11,7 @@ a failure after SSE headers ends the stream with an error event and no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -23,7 +24,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from flare.core.errors import FlareError, FrontendError, NotFoundError, PayloadTooLargeError, UnprocessableError
+from flare.core.errors import (AuthenticationError, CapacityError, ExecutionError, FlareError, FrontendError,
+                               NotFoundError, PayloadTooLargeError, UnprocessableError)
 from flare.runtime.engine import Engine
 from flare.runtime.request import FinishReason, Request
 from flare.server import params as P
@@ -40,6 +42,7 @@ _json = msgspec.json.Encoder()
 class ServerConfig:
     max_body_bytes: int = 16 << 20
     limits: P.Limits = P.Limits()
+    api_key: str | None = None  # when set, /v1/* requires it (Bearer or x-api-key)
 
 
 class Frontend:
@@ -54,6 +57,13 @@ class Frontend:
         if m.frontend.chat_template is not None:
             with open(f"{core_dir}/{m.frontend.chat_template}") as f:
                 self.template = ChatTemplate(f.read(), dict(m.frontend.special_tokens))
+
+
+def log_failure(rid: str | None, stage: str, err: FlareError) -> None:
+    """One line per failed request: GMT time, request id, stage, typed code."""
+    level = logging.ERROR if err.status >= 500 else logging.WARNING
+    log.log(level, "%s request=%s stage=%s code=%s status=%d: %s", _gmt(), rid or "-", stage, err.code, err.status,
+            err.message)
 
 
 def error_response(err: FlareError, request_id: str | None = None) -> JSONResponse:
@@ -156,20 +166,30 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
         if isinstance(body.n, bool) or not 1 <= body.n <= config.limits.max_n:
             raise FrontendError(f"n must lie in [1, {config.limits.max_n}]", param="n")
 
-    async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool) -> Response:
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    def fail(rid: str | None, stage: str, err: FlareError) -> JSONResponse:
+        log_failure(rid, stage, err)
+        engine.metrics.on_error(err.code)
+        return error_response(err, rid)
+
+    def outcome_error(r) -> FlareError | None:
+        """The typed error for a choice that did not finish normally."""
+        if r.finish_reason == FinishReason.error:
+            return r.error if isinstance(r.error, FlareError) else ExecutionError(str(r.error))
+        if r.finish_reason == FinishReason.cancelled:  # not the client: it is still here
+            return CapacityError("the server is shutting down; the request was cancelled", code="server_shutdown")
+        return None
+
+    async def run(http: HTTPRequest, rid: str, body, prompts: list[list[int]], chat: bool) -> Response:
         stops = P.stop_strings(body.stop, config.limits)
+        choices = [(p_i * body.n + j, prompt, sampling(body, len(prompt), p_i * body.n + j))
+                   for p_i, prompt in enumerate(prompts) for j in range(body.n)]
         gen = _Generation(engine, rid)
         try:
-            for p_i, prompt in enumerate(prompts):
-                for j in range(body.n):
-                    index = p_i * body.n + j
-                    params = sampling(body, len(prompt), index)
-                    gen.submit(index, prompt, params, OutputStream(frontend.codec, prompt, stops))
+            for index, prompt, params in choices:
+                gen.submit(index, prompt, params, OutputStream(frontend.codec, prompt, stops))
         except FlareError as e:
             gen.cancel()
-            log.warning("%s request %s failed at admission: %s %s", _gmt(), rid, e.code, e.message)
-            return error_response(e, rid)
+            return fail(rid, "admission", e)
         prompt_tokens = sum(len(p) for p in prompts)
         created = int(time.time())
         if body.stream:
@@ -186,15 +206,16 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
             if collect not in done:  # the client left: cancel its work
                 gen.cancel()
                 collect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
                 return Response(status_code=499)
             results = collect.result()
         finally:
             watcher.cancel()
         for r in results:
-            if r.finish_reason == FinishReason.error:
-                err = r.error if isinstance(r.error, FlareError) else FlareError(str(r.error))
-                log.error("%s request %s failed during execution: %s", _gmt(), rid, err.code)
-                return error_response(err, rid)
+            err = outcome_error(r)
+            if err is not None:
+                return fail(rid, "execution", err)
         choices = []
         for c, r in zip(gen.choices, results):
             if chat:
@@ -243,9 +264,10 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
                     index = next(i for i, f in pending.items() if f is fut)
                     chunk = fut.result()
                     del pending[index]
-                    if chunk.finish_reason == FinishReason.error:
-                        err = chunk.error if isinstance(chunk.error, FlareError) else FlareError(str(chunk.error))
-                        log.error("%s request %s failed during streaming: %s", _gmt(), rid, err.code)
+                    err = outcome_error(chunk)
+                    if err is not None:  # after the headers: an error event, and no [DONE]
+                        log_failure(rid, "streaming", err)
+                        engine.metrics.on_error(err.code)
                         gen.cancel()
                         for f in pending.values():
                             f.cancel()
@@ -266,6 +288,7 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
                 gen.cancel()
 
     async def chat_completions(http: HTTPRequest) -> Response:
+        rid = new_request_id("chatcmpl-")
         try:
             body = _decode(await read_body(http), ChatCompletionRequest)
             check_model(body.model)
@@ -279,20 +302,21 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
             text = frontend.template.render(_message_dicts(body), add_generation_prompt=body.add_generation_prompt,
                                             **kwargs)
             prompt = frontend.codec.encode(text, add_special_tokens=False)
-            return await run(http, body, [prompt], chat=True)
+            return await run(http, rid, body, [prompt], chat=True)
         except FlareError as e:
-            return error_response(e)
+            return fail(rid, "frontend", e)
 
     async def completions(http: HTTPRequest) -> Response:
+        rid = new_request_id("cmpl-")
         try:
             body = _decode(await read_body(http), CompletionRequest)
             check_model(body.model)
             check_unsupported(body)
             check_n(body)
             prompts = _prompts(body.prompt, frontend.codec)
-            return await run(http, body, prompts, chat=False)
+            return await run(http, rid, body, prompts, chat=False)
         except FlareError as e:
-            return error_response(e)
+            return fail(rid, "frontend", e)
 
     async def models(http: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -301,6 +325,8 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
         }]})
 
     async def health(http: HTTPRequest) -> Response:
+        """Worker readiness, not just process liveness: 503 while starting, draining
+        or after the engine failed."""
         if engine.ready:
             return JSONResponse({"status": "ok"})
         detail = {"status": engine.state.value}
@@ -309,29 +335,27 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
         return JSONResponse(detail, status_code=503)
 
     async def metrics(http: HTTPRequest) -> Response:
-        lines = []
-        sched = engine.scheduler
-        gauges = {
-            "flare_requests_running": len(sched.running),
-            "flare_requests_waiting": len(sched.waiting),
-            "flare_kv_pages_total": sched.pages.total,
-            "flare_kv_pages_free": sched.pages.free,
-            "flare_kv_pages_used": sched.pages.used,
-            "flare_engine_steps_total": engine.steps,
-            "flare_prefill_tokens_total": sched.prefill_tokens_total,
-            "flare_preemptions_total": sched.preemptions_total,
-        }
-        for name, value in gauges.items():
-            lines.append(f"{name} {value}")
-        for key, value in engine.executor.stats().items():
-            lines.append(f"flare_executor_{key} {value}")
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(engine.gauges()), media_type="text/plain; version=0.0.4")
+
+    def guarded(handler):
+        """API key (when configured) and a typed 500 for anything unexpected."""
+
+        async def wrapped(http: HTTPRequest) -> Response:
+            if config.api_key is not None and _presented_key(http) != config.api_key:
+                return fail(None, "auth", AuthenticationError("missing or invalid API key", param="authorization"))
+            try:
+                return await handler(http)
+            except Exception as e:  # a bug, not a client error: typed 500, logged with its stack
+                log.exception("unhandled error in %s", http.url.path)
+                return fail(None, "internal", FlareError(f"internal error: {type(e).__name__}"))
+
+        return wrapped
 
     routes = [
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
 
@@ -376,6 +400,17 @@ def _finish(reason: FinishReason | None) -> str | None:
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def new_request_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def _presented_key(http: HTTPRequest) -> str | None:
+    auth = http.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return http.headers.get("x-api-key")
 
 
 def _gmt() -> str:

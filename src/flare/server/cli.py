@@ -32,6 +32,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-waiting", type=int, default=256, help="bounded admission queue length")
     p.add_argument("--torch-threads", type=int, default=None, help="reference executor: torch threads")
+    p.add_argument("--api-key", default=os.environ.get("FLARE_API_KEY"),
+                   help="require this key on /v1/* (Authorization: Bearer or x-api-key); default $FLARE_API_KEY")
+    p.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body limit (413 above)")
+    p.add_argument("--max-n", type=int, default=8, help="largest n (choices per request)")
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="ceiling on max_tokens (default: context)")
+    p.add_argument("--max-stop", type=int, default=16, help="most stop strings per request")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests get to finish after SIGTERM/SIGINT before they are cancelled")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -52,7 +60,8 @@ async def serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from flare.runtime.engine import Engine
-    from flare.server.app import Frontend, create_app
+    from flare.server.app import Frontend, ServerConfig, create_app
+    from flare.server.params import Limits
 
     t0 = time.perf_counter()
     core = Path(a.core)
@@ -64,10 +73,14 @@ async def serve(a: argparse.Namespace) -> int:
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
-    app = create_app(engine, frontend)
+    limits = Limits(max_n=a.max_n, max_stop_strings=a.max_stop, max_tokens_cap=a.max_tokens_limit)
+    app = create_app(engine, frontend, ServerConfig(max_body_bytes=a.max_body_bytes, limits=limits,
+                                                    api_key=a.api_key))
+    # uvicorn waits for open connections after the signal; the engine's drain (started
+    # by the signal) ends every stream within the grace period, so this bound is a backstop.
     config = uvicorn.Config(app, host=a.host, port=a.port, loop="none", lifespan="off", log_level=a.log_level,
-                            timeout_graceful_shutdown=10, access_log=False)
-    server = _keep_signals(uvicorn.Server)(config)
+                            timeout_graceful_shutdown=a.shutdown_grace + 5, access_log=False)
+    server = _keep_signals(uvicorn.Server, engine, a.shutdown_grace)(config)
     log.info("ready in %.2f s: serving %s on http://%s:%d", time.perf_counter() - t0, frontend.served_name,
              a.host, a.port)
     try:
@@ -78,7 +91,7 @@ async def serve(a: argparse.Namespace) -> int:
     return 0 if server.started else 4
 
 
-def _keep_signals(server_cls):
+def _keep_signals(server_cls, engine, grace_s: float):
     """uvicorn re-raises the SIGTERM/SIGINT it caught as ``serve()`` returns, so the
     default handler kills the process before the ``finally`` below runs: the engine
     never drains, the executor never closes (the reference worker and the shared
@@ -87,6 +100,15 @@ def _keep_signals(server_cls):
     normally once everything is released."""
 
     class Server(server_cls):
+        drain_task = None
+
+        def handle_exit(self, sig, frame) -> None:
+            # Stop admission at once (new requests get 503) and give running ones the
+            # grace period; uvicorn meanwhile stops accepting connections.
+            if Server.drain_task is None:
+                Server.drain_task = asyncio.get_event_loop().create_task(engine.drain(grace_s))
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():

@@ -12,7 +12,6 @@ checks every pointer it sees.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from cuda.bindings import driver as d
@@ -22,7 +21,6 @@ from flare.runtime.cuda_driver import (SUCCESS, VA_HINTS, CoreCompatibilityError
                                        free_memory, granularity, open_device, round_up)
 
 VA_RESERVE = 1 << 40  # address space only; physical memory is mapped as planned
-MiB = 1 << 20
 
 
 class _CudaArray:
@@ -116,34 +114,7 @@ class CudaSession:
         self.pool = torch.cuda.MemPool(plug.allocator())
         return torch.as_tensor(_CudaArray(self.base, self.mapped), device="cuda")
 
-    def capture(self, programs, table, progress) -> dict:
-        """Warm up and capture every program into a CUDA graph (largest capacity first),
-        sharing the session's pool. Returns {program name: torch.cuda.CUDAGraph}."""
-        import torch
-
-        stream = torch.cuda.Stream()
-        graphs = {}
-        for p in sorted(table, key=lambda p: (p.kind.value, -p.capacity)):
-            t0 = time.perf_counter()
-            fn = programs.callable(p.kind, p.capacity)
-            with torch.cuda.stream(stream):
-                fn()
-                fn()
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            g = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(g, pool=self.pool.id, stream=stream):
-                fn()
-            g.instantiate()
-            torch.cuda.synchronize()
-            graphs[p.name] = g
-            progress(f"captured {p.name}: warmup {t1 - t0:.1f} s, capture {time.perf_counter() - t1:.2f} s")
-        return graphs
-
     def check_no_escapes(self) -> None:
         if self.allocator is not None and self.allocator.stats()["failed"]:
             raise MemoryError("the arena's scratch region ran out during preparation; raise --scratch-memory")
 
-
-def pool_alignment() -> int:
-    return 2 * MiB
