@@ -115,3 +115,27 @@ def test_sigterm_during_streams_drains_and_exits_zero(tiny_core):
         # error event (no [DONE]) telling the client why.
         assert last is not None and last["error"]["code"] == "server_shutdown", e[-3:]
         assert "[DONE]" not in e
+
+
+def test_startup_failure_binds_no_socket(tiny_core, tmp_path):
+    """A core that cannot be loaded fails before the socket is bound: the process exits
+    non-zero, says why, and nothing ever listened on the port."""
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    bad = tmp_path / "core"
+    shutil.copytree(tiny_core, bad)
+    raw = json.loads((bad / "manifest.json").read_text())
+    raw["abi"] += 1
+    (bad / "manifest.json").write_text(json.dumps(raw))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "flare.server.cli", str(bad), "--port", str(port)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert "abi_mismatch" in proc.stderr and "Uvicorn running" not in proc.stderr
+    with socket.socket() as s:  # the port is still free: nobody bound it
+        s.bind(("127.0.0.1", port))
