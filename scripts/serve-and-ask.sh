@@ -7,7 +7,7 @@ PORT=${2:-8000}
 VENV=${VENV:-.venv}
 "$VENV/bin/flare-serve" "$CORE" --port "$PORT" &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT INT TERM
+trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT INT TERM
 for _ in $(seq 1 300); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
   kill -0 $SERVER 2>/dev/null || { echo "flare-serve exited during startup" >&2; exit 1; }
