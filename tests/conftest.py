@@ -49,8 +49,10 @@ TINY_OPTS = ["--device", "cpu", "--context-limit", "1024", "--prefill-chunk-size
 
 
 def _code_digest() -> str:
+    """What a core depends on: the preparation code, the contract and the configs (the
+    runtime and server never change a core, so editing them does not re-prepare)."""
     h = hashlib.sha256()
-    for base in (ROOT / "src" / "flare", ROOT / "configs"):
+    for base in (ROOT / "src" / "flare" / "prepare", ROOT / "src" / "flare" / "core", ROOT / "configs"):
         for p in sorted(base.rglob("*")):
             if p.is_file() and p.suffix in (".py", ".toml", ".c", ".jinja"):
                 h.update(str(p.relative_to(ROOT)).encode())
