@@ -86,6 +86,11 @@ def tiny_core() -> Path:
     return prepare_core("llama-tiny", TINY_OPTS)
 
 
+@pytest.fixture(scope="session")
+def qwen3_core() -> Path:
+    return prepare_core("qwen3-tiny", TINY_OPTS)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
