@@ -21,12 +21,13 @@ free whitespace: a model cannot wander off into blank space, and a random
 model terminates as soon as the schema's own bounds allow.
 
 Compilation (building the llguidance matcher) runs on a small thread pool,
-never on the event loop; llguidance releases the GIL while it builds. Each
-compile is bounded by ``timeout_s``: a request waits at most that long and
-then fails with a typed error, while the compile finishes in the background
-and its outcome (and measured time) is cached, so an identical grammar is
-answered at once, and a grammar measured over the limit is rejected at once.
-Schemas nested deeper than ``MAX_DEPTH`` are refused before compiling.
+never on the event loop; llguidance releases the GIL while it builds. A request
+waits at most ``timeout_s`` for its grammar and then fails with a typed error;
+the compile finishes in the background and its outcome is cached (keyed by the
+grammar text, LRU), so a retry of the same grammar is answered at once and no
+grammar is compiled twice while it stays cached. Deterministic bounds come
+first: schemas nested deeper than ``MAX_DEPTH`` are refused before compiling,
+and llguidance's own size limits reject oversized grammars quickly.
 """
 
 from __future__ import annotations
@@ -152,29 +153,48 @@ def compose(answer: AnswerFormat, *, think_start: ThinkStart | None, tools: list
 class RequestGrammar:
     """One request's matcher; implements the runtime's ``Grammar`` protocol."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, specials: np.ndarray):
         self._m = matcher
+        self._specials = specials
+        self._failure: str | None = None
 
     def fill_mask(self, out: np.ndarray) -> bool:
         if self._m.is_error():
             return False
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-        return not self._m.is_error()
+        if self._m.is_error():
+            return False
+        # llguidance (1.9) may allow a special token where the grammar forces the same
+        # text as bytes (a literal "<tool_call>" in an answer grammar) and then reject it
+        # when consumed. The few special ids a mask allows are checked one by one.
+        # Such text cannot be produced (the forced token is its only spelling): the mask
+        # is then empty and the request fails instead of sampling from nothing.
+        words = out.view(np.uint32)
+        sp = self._specials
+        for t in sp[(words[sp >> 5] >> (sp & 31).astype(np.uint32)) & 1 == 1]:
+            if self._m.validate_tokens([int(t)]) != 1:
+                words[t >> 5] &= np.uint32(~(1 << int(t & 31)) & 0xFFFFFFFF)
+                if not words.any():
+                    self._failure = ("the grammar allows no token here (text equal to a special token cannot "
+                                     "be forced as plain text; reference the token instead)")
+                    return False
+        return True
 
     def accept(self, token: int) -> bool:
         return self._m.consume_token(token)
 
     def error(self) -> str:
-        return _first_line(self._m.get_error())
+        return self._failure or _first_line(self._m.get_error())
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
     matcher: llguidance.LLMatcher  # never advanced: every request takes a copy
     seconds: float
+    specials: np.ndarray  # token ids llguidance treats as special, EOS excluded
 
     def new(self) -> RequestGrammar:
-        return RequestGrammar(self.matcher.deep_copy())
+        return RequestGrammar(self.matcher.deep_copy(), self.specials)
 
 
 @dataclass(frozen=True)
@@ -199,6 +219,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_ids: tuple[int, ...], timeout_s: float = 5.0,
                  cache_size: int = 128, workers: int = 2):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+        # llguidance treats every added token of the form <...> as special (markers included).
+        self.specials = np.array([t for t in range(vocab_size)
+                                  if t not in eos_ids and self.tokenizer.is_special_token(t)], np.int64)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self.limits = llguidance.LLParserLimits(**STEP_LIMITS, verbose_errors=False)
@@ -233,9 +256,6 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         if outcome.error is not None:
             raise GrammarError(f"the output grammar is not valid: {outcome.error}", param=param)
-        if outcome.seconds > self.timeout_s:
-            raise GrammarError(f"the output grammar takes {outcome.seconds:.1f} s to compile, over the "
-                               f"{self.timeout_s:g} s limit", param=param, code="grammar_compile_timeout")
         return outcome.grammar
 
     def _build(self, grammar: str) -> _Outcome:
@@ -247,7 +267,7 @@ class GrammarCompiler:
         seconds = time.perf_counter() - t0
         if m.is_error():
             return _Outcome(None, _first_line(m.get_error()), seconds)
-        return _Outcome(CompiledGrammar(m, seconds), None, seconds)
+        return _Outcome(CompiledGrammar(m, seconds, self.specials), None, seconds)
 
     def _store(self, key: str, fut: concurrent.futures.Future) -> None:
         """On the event loop, when a compile finishes (whether or not anyone still waits)."""
