@@ -98,13 +98,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    # One torch thread in the reference worker: on a 2-core machine the server's event
+    # loop and the test client need the other core, and two OpenMP threads competing with
+    # them (or with anything else running) spin-wait and run ~8x slower than one.
     def __init__(self, core: Path, *extra: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(CACHE / f"server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flare.server.cli", str(core), "--port", str(self.port),
-             "--torch-threads", "2", *extra],
+             "--torch-threads", "1", *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
 
