@@ -681,8 +681,8 @@ def test_grammar_survives_preemption(tiny_core):
     assert len(b.output) == 56 and b.output == script[:56]
     d.run()
     assert b.output == script + [eos] and b.finish_reason == FinishReason.stop and b.preemptions == 1
-    admissions = [{w.buffer: w.value for w in s.writes} for s in d.steps
-                  if s.kind == ProgramKind.admit and b in s.requests and any(w.buffer == "state.mask_on" for w in s.writes)]
+    admissions = [{w.buffer: w.value for w in s.writes} for s in d.steps if s.kind == ProgramKind.admit
+                  and b in s.requests and any(w.buffer == "state.mask_on" for w in s.writes)]
     assert [int(w["state.mask_on"]) for w in admissions] == [1, 1]  # first admission and readmission
 
 
