@@ -138,7 +138,6 @@ class _Choice:
         self.stream = stream
         self.parser = parser
         self.policy = policy
-        self.done = False
 
     async def next(self) -> Update:
         chunk = await self.stream.next()
@@ -146,7 +145,6 @@ class _Choice:
             events = self._parse(chunk.text)
             if chunk.finish_reason is None:
                 return Update(self.index, events)
-            self.done = True
             if chunk.finish_reason == FinishReason.error:
                 err = chunk.error if isinstance(chunk.error, FlareError) else FlareError(str(chunk.error))
                 return Update(self.index, events, Finish(FinishReason.error, error=err))
@@ -156,7 +154,6 @@ class _Choice:
                 self.policy.check_finish()
             return Update(self.index, events, Finish(chunk.finish_reason, chunk.stop))
         except ModelOutputError as e:
-            self.done = True
             return Update(self.index, [], Finish(FinishReason.error, error=e))
 
     def _parse(self, text: str) -> list[Event]:
@@ -213,6 +210,8 @@ class Generation:
             outputs[u.index].add(u.events)
             if u.finish is not None:
                 finishes[u.index] = u.finish
+                if u.finish.error is not None:
+                    self.cancel()  # the whole response fails: free the other choices now
         return [ChoiceResult(i, outputs[i], finishes[i]) for i in sorted(outputs)]
 
 
