@@ -49,8 +49,10 @@ TINY_OPTS = ["--device", "cpu", "--context-limit", "1024", "--prefill-chunk-size
 
 
 def _code_digest() -> str:
+    """What a core depends on: the preparation code, the contract and the configs (the
+    runtime and server never change a core, so editing them does not re-prepare)."""
     h = hashlib.sha256()
-    for base in (ROOT / "src" / "flare", ROOT / "configs"):
+    for base in (ROOT / "src" / "flare" / "prepare", ROOT / "src" / "flare" / "core", ROOT / "configs"):
         for p in sorted(base.rglob("*")):
             if p.is_file() and p.suffix in (".py", ".toml", ".c", ".jinja"):
                 h.update(str(p.relative_to(ROOT)).encode())
@@ -84,6 +86,11 @@ def tiny_core() -> Path:
     return prepare_core("llama-tiny", TINY_OPTS)
 
 
+@pytest.fixture(scope="session")
+def qwen3_core() -> Path:
+    return prepare_core("qwen3-tiny", TINY_OPTS)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,13 +98,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
+    # One torch thread in the reference worker: on a 2-core machine the server's event
+    # loop and the test client need the other core, and two OpenMP threads competing with
+    # them (or with anything else running) spin-wait and run ~8x slower than one.
     def __init__(self, core: Path, *extra: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(CACHE / f"server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flare.server.cli", str(core), "--port", str(self.port),
-             "--torch-threads", "2", *extra],
+             "--torch-threads", "1", *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
 

@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from flare.core.errors import AdmissionError, FrontendError
+from flare.core.errors import AdmissionError, FrontendError, ModelOutputError
 from flare.core.manifest import HIST_PROMPT_BIT, Manifest, ProgramKind, load_manifest, \
     runtime_buffer_shapes
 from flare.runtime.pages import PagePool, PoolExhausted, SlotPool
@@ -216,6 +216,9 @@ class FakeDevice:
                 rec[i] = (s, -1, gen, -1)
                 continue
             tok = token_fn(int(a["state.seed"][s]), int(a["state.counter"][s]))
+            if a["state.mask_on"][s]:  # as the sampler: only allowed tokens, chosen by the same draw
+                allowed = allowed_tokens(a["in.token_mask"][s])
+                tok = allowed[tok % len(allowed)]
             gen += 1
             status = 1 if tok in a["state.stop_ids"][s] else (2 if gen >= a["state.max_new"][s] else 0)
             a["state.pending"][s] = tok
@@ -225,6 +228,11 @@ class FakeDevice:
             a["state.hist"][s, tok] += 1
             rec[i] = (s, tok, gen, status)
         return rec
+
+
+def allowed_tokens(words: np.ndarray) -> list[int]:
+    bits = (words[:, None].astype(np.int64) >> np.arange(32)) & 1
+    return [int(t) for t in np.flatnonzero(bits.reshape(-1))]
 
 
 def step_capacity(step: Step) -> int:
@@ -593,3 +601,105 @@ def test_completion_for_wrong_slot_is_rejected(tiny_core):
     with pytest.raises(Exception, match="completion for slot 2, expected 1"):
         d.sched.complete(step, bad)
     assert a.output == [] and a.consumed == 0
+
+
+# ---------------------------------------------------------------------------
+# Grammar-constrained requests
+
+
+class ScriptGrammar:
+    """A grammar that allows exactly one token sequence, then only ``end`` (an EOS id).
+    ``fail_at``: the mask call at which it reports a failure instead."""
+
+    def __init__(self, script: list[int], end: int, words: int, fail_at: int | None = None):
+        self.script, self.end, self.words, self.fail_at = script, end, words, fail_at
+        self.accepted: list[int] = []
+        self.masks = 0
+
+    def fill_mask(self, out: np.ndarray) -> bool:
+        self.masks += 1
+        if self.masks == self.fail_at:
+            return False
+        nxt = self.script[len(self.accepted)] if len(self.accepted) < len(self.script) else self.end
+        bits = np.zeros(self.words * 32, np.int64)
+        bits[nxt] = 1
+        out[:] = (bits.reshape(-1, 32) << np.arange(32)).sum(axis=1).astype(np.uint32).view(np.int32)
+        return True
+
+    def accept(self, token: int) -> bool:
+        ok = token == (self.script[len(self.accepted)] if len(self.accepted) < len(self.script) else self.end)
+        self.accepted.append(token)
+        return ok
+
+    def error(self) -> str:
+        return "scripted failure"
+
+
+def test_grammar_masks_at_every_sampling_step_and_only_there(tiny_core):
+    """A constrained request (prompt of 200 tokens: two prefill chunks) beside a free one:
+    mask_on is written at admission (1 / 0), the constrained slot's mask row goes with
+    its final prefill chunk and with every decode step, each computed after the grammar
+    accepted the previous token; the output is the script, then EOS ends it."""
+    m = small_manifest(tiny_core, num_pages=64, slots=2)
+    d = Driver(m)
+    eos = m.frontend.eos_ids[0]
+    script = [500 + 3 * i for i in range(6)]
+    g = ScriptGrammar(script, eos, d.dev.a["in.token_mask"].shape[1])
+    free = make_request("F", 10, 12, seed=4)
+    con = Request([100 + i % 300 for i in range(200)], params(9, 40), Sink(), request_id="C", grammar=g)
+    d.add(free, con)
+    d.run()
+    admits = {s.requests[0].id: {w.buffer: w.value for w in s.writes}
+              for s in d.steps if s.kind == ProgramKind.admit and any(w.buffer == "state.mask_on" for w in s.writes)}
+    assert (int(admits["F"]["state.mask_on"]), int(admits["C"]["state.mask_on"])) == (0, 1)
+    masked = [(s.program, [r.id for r in s.requests]) for s in d.steps
+              if any(w.buffer == "in.token_mask" for w in s.writes)]
+    sampling_c = [(s.program, [r.id for r in s.requests]) for s in d.steps if con in s.requests
+                  and (s.kind == ProgramKind.decode or (s.kind == ProgramKind.prefill and s.sample))]
+    assert masked == sampling_c and len(masked) == len(script) + 1  # six script tokens, then EOS
+    assert [s.sample for s in d.steps if s.kind == ProgramKind.prefill and s.requests == [con]] == [False, True]
+    for s in d.steps:
+        rows = [w.row for w in s.writes if w.buffer == "in.token_mask"]
+        assert rows in ([], [con.slot] if con.slot is not None else rows)
+    assert con.output == script + [eos] and g.accepted == con.output and g.masks == len(script) + 1
+    assert con.finish_reason == FinishReason.stop and con.sink.visible == script
+    assert free.output == [token_fn(4, i) for i in range(12)]  # unconstrained, unaffected
+
+
+def test_grammar_survives_preemption(tiny_core):
+    """A constrained request preempted mid-output keeps its grammar state: after
+    readmission its next masks continue the script where it stopped."""
+    m = small_manifest(tiny_core, num_pages=12, slots=2)
+    d = Driver(m)
+    eos = m.frontend.eos_ids[0]
+    script = [1000 + i for i in range(80)]
+    a = make_request("A", 40, 70, seed=11)
+    g = ScriptGrammar(script, eos, d.dev.a["in.token_mask"].shape[1])
+    b = Request([100 + (7 * i + 22) % 500 for i in range(16)], params(22, 100), Sink(), request_id="B", grammar=g)
+    d.add(a, b)
+    d.run(until=lambda: b.preemptions == 1)
+    assert len(b.output) == 56 and b.output == script[:56]
+    d.run()
+    assert b.output == script + [eos] and b.finish_reason == FinishReason.stop and b.preemptions == 1
+    admissions = [{w.buffer: w.value for w in s.writes} for s in d.steps if s.kind == ProgramKind.admit
+                  and b in s.requests and any(w.buffer == "state.mask_on" for w in s.writes)]
+    assert [int(w["state.mask_on"]) for w in admissions] == [1, 1]  # first admission and readmission
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_grammar_failure_ends_only_its_request(tiny_core, fail_at):
+    """A grammar that cannot give a mask (at the first sample, in prefill, or later, in
+    decode) ends its request with a typed error; the step goes on without it."""
+    m = small_manifest(tiny_core, num_pages=24, slots=2)
+    d = Driver(m)
+    g = ScriptGrammar([600, 601, 602, 603], m.frontend.eos_ids[0], d.dev.a["in.token_mask"].shape[1],
+                      fail_at=fail_at)
+    bad = Request([100 + i for i in range(8)], params(1, 20), Sink(), request_id="G", grammar=g)
+    ok = make_request("OK", 8, 6, seed=2)
+    d.add(bad, ok)
+    d.run()
+    assert bad.finish_reason == FinishReason.error and isinstance(bad.error, ModelOutputError)
+    assert bad.error.code == "grammar_failed" and "scripted failure" in bad.error.message
+    assert bad.output == [600, 601][: fail_at - 1] and bad.sink.finished == 1
+    assert ok.output == [token_fn(2, i) for i in range(6)] and ok.finish_reason == FinishReason.length
+    assert d.sched.slots.free == 2 and d.sched.pages.free == 23

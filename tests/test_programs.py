@@ -474,3 +474,36 @@ def test_programs_never_write_weights(rig, image_weights, flare_outcomes):
     for b in rig.m.buffers:
         if b.role.value == "weight":
             assert torch.equal(rig.v[b.name], image_weights[b.name]), b.name
+
+
+def test_grammar_mask_constrains_prefill_and_decode_samples(rig):
+    """A slot with ``state.mask_on`` samples only tokens its ``in.token_mask`` row allows
+    (greedy here: the best allowed token by ``out.logits``), in prefill and in decode,
+    while an unconstrained slot in the same decode batch keeps its plain argmax even
+    though its own mask row is set to forbid it."""
+    v, V = rig.v, rig.m.capacities.vocab_size
+    words = v["in.token_mask"].shape[1]
+
+    def mask_row(allowed) -> torch.Tensor:
+        row = [0] * words
+        for t in allowed:
+            row[t // 32] |= 1 << (t % 32)
+        return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in row], dtype=torch.int32)
+
+    prompt = rig.codec.encode("The capital of France is", add_special_tokens=False)
+    for s in (1, 2):
+        admit(rig, s, prompt, rig.pages(2), seed=s)
+    v["state.mask_on"][1], v["state.mask_on"][2] = 1, 0
+    _, head, _ = prefill(rig, 2, prompt)
+    free_choice = int(head.argmax())
+    allowed = sorted(int(t) for t in head.argsort(descending=True)[5:9])  # four tokens below the top five
+    v["in.token_mask"][1] = mask_row(allowed + [V - 1])
+    v["in.token_mask"][2] = mask_row([3])
+    _, head1, record = prefill(rig, 1, prompt)
+    first = int(record[1])
+    assert first == max(allowed, key=lambda t: float(head1[t])) and first != free_choice
+    v["in.token_mask"][1] = mask_row([7, 8])
+    logits, records = decode(rig, [1, 2], [first, free_choice])
+    assert int(records[0, 1]) == max((7, 8), key=lambda t: float(logits[0, t]))
+    assert int(records[1, 1]) == int(logits[1].argmax()) and int(records[1, 1]) != 3
+    v["state.mask_on"][1] = 0

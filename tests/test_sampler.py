@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flare.core.manifest import HIST_PROMPT_BIT
-from flare.prepare.sampling import apply_penalties, sample, uniform
+from flare.prepare.sampling import apply_penalties, apply_token_mask, sample, uniform
 
 # A row of sampling parameters: everything ``sample`` takes besides logits and vocab.
 FIELDS = ("hist", "temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency", "seed", "counter")
@@ -304,3 +304,44 @@ def test_null_slot_row_yields_an_in_range_index():
     lg, pp = stack([null_row(V) for _ in range(4)])
     toks = draw(lg, pp, sampling_vocab=30)
     assert ((toks >= 0) & (toks < 30)).all()
+
+
+# ---------------------------------------------------------------------------
+# (g) grammar masks
+
+
+def pack(allowed: set[int], V: int) -> torch.Tensor:
+    """The host's bitmask layout (llguidance's): bit j of int32 word w = token 32 * w + j."""
+    words = [0] * (-(-V // 32))
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_token_mask_keeps_exactly_the_allowed_tokens():
+    V = 70  # three words, the last one partial
+    allowed = {0, 5, 31, 32, 63, 69}  # bit 31 is the int32 sign bit
+    logits = torch.arange(V, dtype=torch.float32)[None].repeat(3, 1)
+    words = torch.stack([pack(allowed, V), pack(set(), V), pack(set(range(V)), V)])
+    on = torch.tensor([1, 0, 1], dtype=torch.int32)
+    out = apply_token_mask(logits, words, on)
+    assert [i for i in range(V) if out[0, i] != float("-inf")] == sorted(allowed)
+    assert torch.equal(out[0, sorted(allowed)], logits[0, sorted(allowed)])
+    assert torch.equal(out[1], logits[1])  # mask off: the (empty) row is ignored
+    assert torch.equal(out[2], logits[2])  # everything allowed
+
+
+def test_masked_draws_follow_the_renormalised_distribution():
+    """With penalties, temperature and top-k after the mask, draws land only on allowed
+    tokens, in proportion to their softmax restricted to the allowed set."""
+    V, N = 40, 20000
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(V, generator=g)
+    allowed = {3, 17, 31, 38}
+    masked = apply_token_mask(logits[None], pack(allowed, V)[None], torch.ones(1, dtype=torch.int32))[0]
+    p = rows(N, V, seed=5, temperature=0.7, top_k=30, repetition=1.3)
+    toks = draw(masked, p)
+    assert set(toks.tolist()) == allowed
+    expected = torch.softmax(logits[sorted(allowed)] / 0.7, dim=0)
+    freq = torch.tensor([(toks == t).sum().item() / N for t in sorted(allowed)])
+    assert float((freq - expected).abs().max()) < 0.02

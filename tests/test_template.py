@@ -195,3 +195,92 @@ def test_sandbox_blocks_attribute_escapes(assets):
 def test_template_that_does_not_compile():
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate("{% for m in messages %}", {})
+
+
+# ---------------------------------------------------------------------------
+# The Qwen3 template (configs/qwen3-tiny): tools, tool calls and results, thinking
+
+
+@pytest.fixture(scope="module")
+def qwen3_assets(qwen3_core):
+    m = load_manifest(qwen3_core)
+    source = (qwen3_core / m.frontend.chat_template).read_text()
+    special = dict(m.frontend.special_tokens)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(qwen3_core / m.frontend.tokenizer), chat_template=source,
+                                 **special)
+    return ChatTemplate(source, special), TextCodec(str(qwen3_core / m.frontend.tokenizer)), hf
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city — «météo»",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "q": {"type": "string"}}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                         "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}
+QWEN3_CONVERSATIONS = {
+    "user_only": [{"role": "user", "content": "What's the weather in Paris?"}],
+    "system_user": [SYS, {"role": "user", "content": "Weather in Tokyo? 東京"}],
+    "tool_round_trip": [
+        SYS,
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21, \"sky\": \"clear\"}"},
+    ],
+    "parallel_calls_and_results": [
+        {"role": "user", "content": "Paris and Rome?"},
+        {"role": "assistant", "content": "Checking both.", "tool_calls": [
+            CALL, {"id": "call_2", "type": "function", "function": {"name": "get_weather",
+                                                                    "arguments": "{\"city\": \"Rome\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "25 C"},
+        {"role": "assistant", "content": "Paris 21 C, Rome 25 C."},
+        {"role": "user", "content": "Thanks! And Oslo?"},
+    ],
+    "reasoning_history": [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Simple arithmetic."},
+        {"role": "user", "content": "Now 3 + 3, and call a tool if needed."},
+        {"role": "assistant", "content": "", "reasoning_content": "I might search.", "tool_calls": [
+            {"id": "c9", "type": "function", "function": {"name": "search", "arguments": {"q": "3+3"}}}]},
+        {"role": "tool", "tool_call_id": "c9", "content": "6"},
+    ],
+}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+@pytest.mark.parametrize("with_tools", [False, True])
+@pytest.mark.parametrize("name", sorted(QWEN3_CONVERSATIONS))
+def test_qwen3_template_matches_transformers(qwen3_assets, name, with_tools, kwargs):
+    tmpl, codec, hf = qwen3_assets
+    conv = QWEN3_CONVERSATIONS[name]
+    tools = [WEATHER, SEARCH] if with_tools else None
+    text = tmpl.render(conv, tools=tools, add_generation_prompt=True, **kwargs)
+    expected = hf.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert text.encode() == expected.encode()
+    ids = hf.apply_chat_template(conv, tools=tools, tokenize=True, add_generation_prompt=True, **kwargs)["input_ids"]
+    assert codec.encode(text, add_special_tokens=False) == ids
+    # The markers are single tokens, as in Qwen3's own vocabulary.
+    calls = sum(len(m.get("tool_calls") or []) for m in conv)
+    # The tools prompt names the tags and shows an example: two more <tool_call> tokens.
+    assert ids.count(codec.token_to_id("<tool_call>")) == calls + 2 * bool(tools)
+    assert ids.count(codec.token_to_id("<tool_response>")) == sum(m["role"] == "tool" for m in conv)
+    assert ("<tools>" in text) == with_tools and ("«météo»" in text) == with_tools
+
+
+def test_qwen3_known_rendering(qwen3_assets):
+    """Exact bytes for tools and a disabled thinking block, independent of Transformers."""
+    tmpl, _, _ = qwen3_assets
+    assert tmpl.accepts_tools
+    text = tmpl.render([{"role": "user", "content": "Hi"}], tools=[SEARCH], add_generation_prompt=True,
+                       enable_thinking=False)
+    assert text == (
+        "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": '
+        '{"q": {"type": "string"}}}}}\n</tools>\n\nFor each function call, return a json object with function name '
+        "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")

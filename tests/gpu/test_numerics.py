@@ -19,7 +19,6 @@ import sys
 import tempfile
 
 import numpy as np
-import pytest
 
 from tests.gpu.conftest import record
 
@@ -74,7 +73,6 @@ def test_teacher_forced_logits_match_transformers(gpu_shape_core, results_dir):
         with torch.no_grad():
             ref = hf32(x).logits[0].float()
             low = hf16(x).logits[0].float()
-        n_pre = len(ids) - DECODE_STEPS
         hidden = torch.from_numpy(flare[f"hidden_{i}"].astype(np.int32) << 16).view(torch.float32).cuda()
         got = torch.cat([hidden @ lm_head.T, torch.from_numpy(flare[f"logits_{i}"]).cuda()])
         # hidden row j predicts token j+1; decode step k consumes ids[n_pre + k] -> position n_pre + k

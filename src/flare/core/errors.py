@@ -75,6 +75,23 @@ class AdmissionError(FrontendError):
     default_code = "context_length_exceeded"
 
 
+class GrammarError(FrontendError):
+    """A structured-output request whose grammar cannot be compiled within the limits
+    (invalid schema or regex, too complex, compile timeout)."""
+
+    default_code = "invalid_grammar"
+
+
+class ModelOutputError(FlareError):
+    """Generation finished but its output breaks the request's contract: a malformed or
+    unknown tool call, a required tool call that was not made, a grammar that failed
+    while decoding. The request was valid and the server healthy."""
+
+    status = 422
+    type = "model_output_error"
+    default_code = "invalid_model_output"
+
+
 class CapacityError(FlareError):
     """Capacity that is temporarily unavailable: the admission queue is full, the
     server is shutting down or the worker is not ready."""

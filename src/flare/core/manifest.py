@@ -241,6 +241,9 @@ ADMIT_META_FIELDS = ("slot", "count", "clear", "reserved")
 STATE_ROW_META_FIELDS = ("slot", "row", "reserved0", "reserved1")
 # Prompt tokens set this bit in the penalty histogram; output tokens count in the low bits.
 HIST_PROMPT_BIT = 1 << 24
+# Grammar masks: ``state.mask_on[slot]`` (written at admission) says whether the slot's
+# sampling row is constrained; ``in.token_mask[slot]`` holds that row's allowed-token
+# bitmask, written by the host before every program that samples for the slot.
 
 
 def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, tuple[int, ...]]]:
@@ -261,14 +264,21 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         "state.stop_ids": (BufferRole.state, DType.int32, (rows, c.stop_ids)),
         "state.page_table": (BufferRole.state, DType.int32, (rows, c.max_pages_per_slot)),
         "state.hist": (BufferRole.state, DType.int32, (rows, c.vocab_size)),
+        "state.mask_on": (BufferRole.state, DType.int32, (rows,)),
         "in.tokens": (BufferRole.input, DType.int32, (cmax,)),
         "in.prefill": (BufferRole.input, DType.int32, (len(PREFILL_META_FIELDS),)),
         "in.admit": (BufferRole.input, DType.int32, (len(ADMIT_META_FIELDS),)),
         "in.decode_slots": (BufferRole.input, DType.int32, (bmax,)),
+        "in.token_mask": (BufferRole.input, DType.int32, (rows, mask_words(c.vocab_size))),
         "out.prefill_completion": (BufferRole.output, DType.int32, (1, ncomp)),
         "out.decode_completion": (BufferRole.output, DType.int32, (bmax, ncomp)),
         "out.logits": (BufferRole.output, DType.float32, (bmax, c.vocab_size)),
     }
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words per grammar mask row: bit j of word w allows token 32 * w + j."""
+    return -(-vocab_size // 32)
 
 
 def prefill_capacities_for(chunk: int, context_limit: int) -> tuple[int, ...]:

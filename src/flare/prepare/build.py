@@ -141,6 +141,7 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None) -> tuple[m
     state = ("state.len", "state.pending", "state.generated", "state.max_new", "state.done", "state.seed",
              "state.counter", "state.top_k", "state.sampling", "state.stop_ids", "state.page_table",
              "state.hist", "state.hidden")
+    mask = ("state.mask_on", "in.token_mask")  # grammar masks: read by every sampling program
     progs = []
 
     def add(kind, cap, reads, writes, completion):
@@ -151,10 +152,10 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None) -> tuple[m
     cmax = max(caps.prefill_capacities)
     add(ProgramKind.admit, cmax, ("in.admit", "in.tokens", "state.hist"), ("state.hist",), None)
     for c in caps.prefill_capacities:
-        add(ProgramKind.prefill, c, ("in.prefill", "in.tokens", "kv", *state),
+        add(ProgramKind.prefill, c, ("in.prefill", "in.tokens", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.prefill_hidden", "out.prefill_completion"), "out.prefill_completion")
     for b in caps.decode_capacities:
-        add(ProgramKind.decode, b, ("in.decode_slots", "kv", *state),
+        add(ProgramKind.decode, b, ("in.decode_slots", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.decode_completion"), "out.decode_completion")
     return tuple(progs)
 

@@ -19,7 +19,7 @@ import torch
 
 from flare.core.manifest import HIST_PROMPT_BIT, Capacities, ProgramKind
 from flare.prepare.attention import PagedBatch
-from flare.prepare.sampling import sample
+from flare.prepare.sampling import apply_token_mask, sample
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -171,6 +171,11 @@ class ProgramSet:
         Rows that are not live keep their state; their completion says inactive."""
         v = self.v
         V = self.caps.vocab_size
+        # Grammar masks first, before penalties and filters: a masked token is never a
+        # candidate, whatever its penalised probability. The host wrote the slot's row of
+        # in.token_mask for this very step (one step in flight for constrained slots).
+        logits = apply_token_mask(logits, v["in.token_mask"].index_select(0, slots),
+                                  v["state.mask_on"].index_select(0, slots))
         samp = v["state.sampling"].index_select(0, slots)
         counter = v["state.counter"].index_select(0, slots)
         tok = sample(

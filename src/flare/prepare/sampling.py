@@ -55,6 +55,18 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def apply_token_mask(logits: torch.Tensor, words: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """Grammar masks: rows with ``on != 0`` keep only the tokens whose bit is set in
+    ``words`` (int32 ``[B, ceil(V / 32)]``, bit j of word w = token 32 * w + j); the others
+    become -inf. Bits are unpacked with shifts (the arithmetic shift of a negative word
+    still yields its bit 31 after ``& 1``): no host sync, no data-dependent shapes."""
+    V = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)[:, :V]
+    allowed = (bits != 0) | (on == 0)[:, None]
+    return torch.where(allowed, logits, torch.full_like(logits, float("-inf")))
+
+
 def apply_penalties(
     logits: torch.Tensor,
     hist: torch.Tensor,

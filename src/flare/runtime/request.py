@@ -14,6 +14,7 @@ import time
 from typing import Protocol
 
 import msgspec
+import numpy as np
 
 from flare.runtime.pages import PageId, SlotId
 
@@ -58,6 +59,25 @@ class RequestSink(Protocol):
     def on_finish(self, request: "Request") -> None: ...
 
 
+class Grammar(Protocol):
+    """A request's output constraint, opaque to the runtime (the server builds it).
+
+    The scheduler calls ``fill_mask`` before every step that samples for the request
+    (its final prefill chunk and each decode step) and ``accept`` with each token the
+    step sampled, before the next ``fill_mask``. Both run on the engine loop and must
+    be bounded in time."""
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """Write the allowed-token bitmask for the next sample into ``out`` (int32
+        words, bit j of word w = token 32 * w + j)."""
+
+    def accept(self, token: int) -> bool:
+        """Advance on a sampled token; False when the grammar rejects it."""
+
+    def error(self) -> str:
+        """Why the grammar failed (after ``accept`` returned False or a mask failed)."""
+
+
 class NullSink:
     def on_tokens(self, request: "Request", ids: list[int]) -> bool:
         return False
@@ -71,11 +91,12 @@ _ids = itertools.count(1)
 
 class Request:
     def __init__(self, prompt: list[int], params: SamplingParams, sink: RequestSink | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, grammar: Grammar | None = None):
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt = list(prompt)
         self.params = params
         self.sink: RequestSink = sink or NullSink()
+        self.grammar = grammar
         self.status = Status.WAITING
         self.slot: SlotId | None = None
         self.pages: list[PageId] = []

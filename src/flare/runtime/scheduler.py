@@ -14,6 +14,12 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
   between decode batches.
 * Cancellation and completion take effect at submission boundaries: the
   engine calls ``schedule`` only when nothing it submitted is in flight.
+* Grammar-constrained requests: the step that samples for such a request carries
+  its next-token mask row, computed here from the request's grammar. That mask
+  depends on the token the previous step sampled, which ``complete`` fed to the
+  grammar; it is correct because the engine runs one step at a time (schedule,
+  launch, wait, complete), so a constrained request always has exactly one step
+  in flight. A pipelined engine must keep that property for constrained slots.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flare.core.errors import AdmissionError, CapacityError, ExecutionError, FrontendError
-from flare.core.manifest import STATUS_CODES, Manifest, ProgramKind
+from flare.core.errors import AdmissionError, CapacityError, ExecutionError, FrontendError, ModelOutputError
+from flare.core.manifest import STATUS_CODES, Manifest, ProgramKind, mask_words
 from flare.runtime.metrics import ServingMetrics
 from flare.runtime.pages import PagePool, SlotPool
 from flare.runtime.request import FinishReason, Request, Status
@@ -80,6 +86,8 @@ class Scheduler:
         self._prefill_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.prefill))
         self._decode_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.decode))
         self._admit_program = manifest.programs_of(ProgramKind.admit)[0]
+        # Host rows for grammar masks, one per slot: writes are staged (copied) at write time.
+        self._masks = np.zeros((self.caps.slots + 1, mask_words(self.caps.vocab_size)), np.int32)
 
     # -- intake ------------------------------------------------------------
 
@@ -136,6 +144,8 @@ class Scheduler:
         decoding = [r for r in self.running if r.status == Status.DECODING]
         if prefilling and (not decoding or self._last_kind == ProgramKind.decode):
             step = self._prefill_step(prefilling[0])
+            if step is None:  # its grammar failed: the request ended
+                return self.schedule()
         elif decoding:
             step = self._decode_step()
             if step is None:  # every decoder was preempted or ended
@@ -200,6 +210,7 @@ class Scheduler:
                                                p.presence_penalty, p.frequency_penalty], np.float32), slot),
             Write("state.stop_ids", stops, slot),
             Write("state.page_table", table, slot),
+            Write("state.mask_on", np.int32(req.grammar is not None), slot),
         ]
         chunks = [(req.prompt[i : i + self._admit_program.capacity], 0)
                   for i in range(0, len(req.prompt), self._admit_program.capacity)]
@@ -213,7 +224,7 @@ class Scheduler:
             ]
             self._maintenance.append(step)
 
-    def _prefill_step(self, req: Request) -> Step:
+    def _prefill_step(self, req: Request) -> Step | None:
         start = req.consumed
         tokens = req.target[start : start + self.caps.prefill_chunk]
         n = len(tokens)
@@ -226,6 +237,10 @@ class Scheduler:
             Write("in.tokens", np.asarray(tokens, np.int32)),
             Write("in.prefill", np.array([req.slot, n, int(sample), 0], np.int32)),
         ]
+        if sample and req.grammar is not None:
+            self._mask_write(req, step.writes)
+            if req.finished:
+                return None
         return step
 
     def _decode_step(self) -> Step | None:
@@ -235,6 +250,8 @@ class Scheduler:
                 continue
             if not self._grow(req, writes):
                 continue
+        for req in [r for r in self.running if r.status == Status.DECODING and r.grammar is not None]:
+            self._mask_write(req, writes)
         batch = [r for r in self.running if r.status == Status.DECODING]
         if not batch:
             return None
@@ -243,6 +260,16 @@ class Scheduler:
         slots[: len(batch)] = [r.slot for r in batch]
         writes.append(Write("in.decode_slots", slots))
         return Step(ProgramKind.decode, f"decode.{cap}", writes, batch, "out.decode_completion")
+
+    def _mask_write(self, req: Request, writes: list[Write]) -> None:
+        """Stage the request's next-token mask; a grammar that cannot give one ends the
+        request with its error instead (the request then leaves the batch)."""
+        row = self._masks[req.slot]
+        if not req.grammar.fill_mask(row):
+            self._finish(req, FinishReason.error, ModelOutputError(
+                f"the output grammar failed: {req.grammar.error()}", code="grammar_failed"))
+            return
+        writes.append(Write("in.token_mask", row, req.slot))
 
     def _grow(self, req: Request, writes: list[Write]) -> bool:
         """Make sure the page for the next position exists (and one more, when free).
@@ -323,6 +350,12 @@ class Scheduler:
             req.first_token_at = now
         req.last_token_at = now
         req.output.append(token)
+        if req.grammar is not None and not req.grammar.accept(token):
+            # The mask allowed only what the grammar accepts, so this is a mask/grammar bug.
+            self._finish(req, FinishReason.error, ModelOutputError(
+                f"the output grammar rejected sampled token {token}: {req.grammar.error()}",
+                code="grammar_failed"))
+            return
         visible = [token] if status != STATUS_CODES["stop"] else []
         stop_matched = req.sink.on_tokens(req, visible) if visible else False
         if status == STATUS_CODES["stop"] or stop_matched:

@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stop", type=int, default=16, help="most stop strings per request")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT before they are cancelled")
+    p.add_argument("--grammar-compile-timeout", type=float, default=5.0,
+                   help="seconds an output grammar may take to compile before its request fails")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -69,7 +71,7 @@ async def serve(a: argparse.Namespace) -> int:
         manifest = load_manifest(core)
         engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting)
         await engine.start()
-        frontend = Frontend(str(core), engine, a.served_model_name)
+        frontend = Frontend(str(core), engine, a.served_model_name, grammar_timeout_s=a.grammar_compile_timeout)
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
@@ -87,6 +89,7 @@ async def serve(a: argparse.Namespace) -> int:
         await server.serve()
     finally:
         await engine.shutdown(grace_s=5.0)
+        frontend.close()
         _report_modules()
     return 0 if server.started else 4
 

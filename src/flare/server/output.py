@@ -20,6 +20,7 @@ class Chunk:
     text: str
     finish_reason: FinishReason | None
     error: Exception | None = None
+    stop: str | None = None  # the stop string that ended the output (finish_reason stop)
 
 
 class OutputStream:
@@ -61,7 +62,7 @@ class OutputStream:
             await self._event.wait()
         text = "".join(self._pieces)
         self._pieces.clear()
-        return Chunk(text, self._finish, self._error)
+        return Chunk(text, self._finish, self._error, self.stops.matched_stop if self._finish is not None else None)
 
     async def collect(self) -> Chunk:
         parts = []
@@ -69,4 +70,4 @@ class OutputStream:
             c = await self.next()
             parts.append(c.text)
             if c.finish_reason is not None:
-                return Chunk("".join(parts), c.finish_reason, c.error)
+                return Chunk("".join(parts), c.finish_reason, c.error, c.stop)

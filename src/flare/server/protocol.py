@@ -87,6 +87,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
+    reasoning_effort: str | None = None  # none/minimal -> enable_thinking=False for templates that read it
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
@@ -107,12 +108,6 @@ def check_unsupported(req: _Sampling) -> None:
         raise FrontendError("logprobs are not supported by this server", param="logprobs", code="unsupported")
     if req.logit_bias:
         raise FrontendError("logit_bias is not supported by this server", param="logit_bias", code="unsupported")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools or req.tool_choice not in (None, "none", "auto"):
-            raise FrontendError("tools are not supported by this model's core", param="tools", code="unsupported")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise FrontendError("response_format is not supported by this server", param="response_format",
-                                code="unsupported")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise FrontendError("echo is not supported", param="echo", code="unsupported")

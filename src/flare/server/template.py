@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -102,10 +103,14 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]):
         self.source = source
         self.special_tokens = dict(special_tokens)
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            variables = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"chat template does not compile: {e}") from e
+        # A template that never reads ``tools`` cannot show them to the model.
+        self.accepts_tools = "tools" in variables
 
     def render(
         self,

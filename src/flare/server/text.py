@@ -71,6 +71,7 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.matched = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         if self.matched:
@@ -78,11 +79,12 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched_stop = min(hits, key=lambda h: h[0])
             self.matched = True
             self.held = ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), 0, -1):

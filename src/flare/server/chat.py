@@ -1,0 +1,304 @@
+"""OpenAI Chat Completions and text Completions: request mapping and responses.
+
+Chat messages carry ``reasoning_content`` next to ``content`` and OpenAI-style
+``tool_calls``; streamed chunks carry the same fields as deltas (a call's first
+delta has its id, type and name; later ones argument fragments). A failure
+before the response starts is an HTTP error with the OpenAI envelope; after SSE
+headers, an error event ends the stream without ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response, StreamingResponse
+
+from flare.core.errors import FlareError, FrontendError
+from flare.runtime.request import FinishReason
+from flare.server import params as P
+from flare.server import pipeline
+from flare.server import tools as T
+from flare.server.grammar import AnswerFormat
+from flare.server.http import (Context, as_flare_error, decode_body, fail, json_encoder, json_response, stage_of,
+                               unless_disconnected)
+from flare.server.output import OutputStream
+from flare.server.parsers import Content, Reasoning, ToolArgs, ToolStart
+from flare.server.pipeline import ChatSpec, ChoiceResult, Generation
+from flare.server.protocol import ChatCompletionRequest, CompletionRequest, ImagePart, check_unsupported
+from flare.server.text import TextCodec
+
+log = logging.getLogger("flare.server")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
+
+
+# ---------------------------------------------------------------------------
+# request mapping
+
+
+def _message_dicts(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(req.messages):
+        d = msgspec.to_builtins(m)
+        if isinstance(m.content, list):
+            if any(isinstance(p, ImagePart) for p in m.content):
+                raise FrontendError("image inputs are not supported by this model's core", param=f"messages[{i}]",
+                                    code="unsupported")
+            d["content"] = "\n".join(p.text for p in m.content)
+        if m.role == "assistant" and m.tool_calls and m.content is None:
+            d["content"] = ""  # a turn that only called tools has no text (templates concatenate content)
+        out.append(d)
+    return out
+
+
+def chat_tools(tools: list[dict] | None) -> list[T.Tool]:
+    out = []
+    for i, t in enumerate(tools or []):
+        param = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise FrontendError('each tool must be {"type": "function", "function": {...}}', param=param)
+        fn = t["function"]
+        unknown = set(fn) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise FrontendError(f"unknown tool function fields {sorted(unknown)}", param=f"{param}.function")
+        out.append(T.make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), fn.get("strict"),
+                               f"{param}.function"))
+    T.check_unique(out, "tools")
+    return out
+
+
+def chat_tool_choice(value: Any, tools: list[T.Tool]) -> T.ToolChoice:
+    if value is None:
+        return T.AUTO if tools else T.NONE
+    if value in ("none", "auto", "required"):
+        return T.choose(tools, value, None, "tool_choice")
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        return T.choose(tools, "named", value["function"].get("name"), "tool_choice")
+    raise FrontendError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                        '{"name": ...}}', param="tool_choice")
+
+
+def answer_format(rf: dict | None, param: str = "response_format") -> AnswerFormat | None:
+    """OpenAI ``response_format`` plus two Flare extensions: ``{"type": "regex", "regex":
+    ...}`` and ``{"type": "grammar", "grammar": <Lark, llguidance dialect>}``."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return AnswerFormat("json_object", param=param)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise FrontendError("json_schema needs a schema object", param=f"{param}.json_schema.schema")
+        return AnswerFormat("json_schema", js["schema"], param=f"{param}.json_schema.schema")
+    if kind == "regex":
+        return AnswerFormat("regex", rf.get("regex"), param=f"{param}.regex")
+    if kind == "grammar":
+        return AnswerFormat("grammar", rf.get("grammar"), param=f"{param}.grammar")
+    raise FrontendError(f"unknown response_format type {kind!r}", param=f"{param}.type")
+
+
+def thinking_kwargs(effort: str | None) -> dict:
+    """Reasoning effort -> the ``enable_thinking`` template switch (templates that do not
+    read it ignore it)."""
+    if effort is None:
+        return {}
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        raise FrontendError(f"unknown reasoning effort {effort!r}", param="reasoning_effort")
+    return {"enable_thinking": effort not in ("none", "minimal")}
+
+
+def chat_spec(body: ChatCompletionRequest) -> ChatSpec:
+    tools = chat_tools(body.tools)
+    choice = chat_tool_choice(body.tool_choice, tools)
+    return ChatSpec(
+        messages=_message_dicts(body),
+        sampling={k: getattr(body, k) for k in SAMPLING_FIELDS},
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, n=body.n,
+        tools=tuple(tools), tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        answer=answer_format(body.response_format),
+        template_kwargs={**thinking_kwargs(body.reasoning_effort), **(body.chat_template_kwargs or {})},
+        add_generation_prompt=body.add_generation_prompt,
+    )
+
+
+# ---------------------------------------------------------------------------
+# responses
+
+
+def finish_reason(r: FinishReason | None, tool_calls: bool = False) -> str | None:
+    if r is None:
+        return None
+    if r == FinishReason.length:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _message(r: ChoiceResult, reasoning: bool) -> dict:
+    o = r.output
+    msg: dict[str, Any] = {"role": "assistant", "content": o.content if (o.content or not o.tool_calls) else None}
+    if reasoning:
+        msg["reasoning_content"] = o.reasoning or None
+    if o.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in o.tool_calls]
+    return msg
+
+
+class ChatApi:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    async def chat_completions(self, http: HTTPRequest) -> Response:
+        ctx = self.ctx
+        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+        try:
+            body = decode_body(await ctx.read_body(http), ChatCompletionRequest)
+            ctx.check_model(body.model)
+            check_unsupported(body)
+            gen = await pipeline.start(ctx.frontend, ctx.engine, chat_spec(body), rid, limits=ctx.config.limits)
+        except FlareError as e:
+            return fail(self.ctx, rid, stage_of(e), e)
+        reasoning = ctx.frontend.manifest.frontend.reasoning_parser.value != "none"
+        return await self._respond(http, body, gen, chat=True, reasoning=reasoning)
+
+    async def completions(self, http: HTTPRequest) -> Response:
+        ctx = self.ctx
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        try:
+            body = decode_body(await ctx.read_body(http), CompletionRequest)
+            ctx.check_model(body.model)
+            check_unsupported(body)
+            if isinstance(body.n, bool) or not 1 <= body.n <= ctx.config.limits.max_n:
+                raise FrontendError(f"n must lie in [1, {ctx.config.limits.max_n}]", param="n")
+            prompts = _prompts(body.prompt, ctx.frontend.codec)
+            stops = P.stop_strings(body.stop, ctx.config.limits)
+            gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts))
+            try:
+                for p_i, prompt in enumerate(prompts):
+                    for j in range(body.n):
+                        index = p_i * body.n + j
+                        seed = None if body.seed is None else body.seed + index
+                        params = P.resolve_sampling(
+                            ctx.frontend.manifest, prompt_len=len(prompt),
+                            fields={k: getattr(body, k) for k in SAMPLING_FIELDS}, max_tokens=body.max_tokens,
+                            seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                            limits=ctx.config.limits)
+                        pipeline.submit(gen, index, prompt, params, OutputStream(ctx.frontend.codec, prompt, stops))
+            except FlareError:
+                gen.cancel()
+                raise
+        except FlareError as e:
+            return fail(self.ctx, rid, stage_of(e), e)
+        return await self._respond(http, body, gen, chat=False, reasoning=False)
+
+    async def _respond(self, http: HTTPRequest, body, gen: Generation, *, chat: bool, reasoning: bool) -> Response:
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(gen, chat, reasoning, created, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"x-request-id": gen.id, "cache-control": "no-cache"})
+        results = await unless_disconnected(http, gen.results(), gen.cancel)
+        if results is None:
+            return Response(status_code=499)
+        err = pipeline.first_error(results)
+        if err is not None:
+            return fail(self.ctx, gen.id, "execution", err)
+        if chat:
+            choices = [{"index": r.index, "message": _message(r, reasoning), "logprobs": None,
+                        "finish_reason": finish_reason(r.finish.reason, bool(r.output.tool_calls))} for r in results]
+        else:
+            choices = [{"index": r.index, "text": r.output.content, "logprobs": None,
+                        "finish_reason": finish_reason(r.finish.reason)} for r in results]
+        return json_response({
+            "id": gen.id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.ctx.frontend.served_name, "choices": choices,
+            "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+        }, gen.id)
+
+    async def _sse(self, gen: Generation, chat: bool, reasoning: bool, created: int,
+                   include_usage: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        model = self.ctx.frontend.served_name
+
+        def frame(choices: list, usage_=None) -> bytes:
+            payload = {"id": gen.id, "object": obj, "created": created, "model": model, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage_
+            return b"data: " + json_encoder.encode(payload) + b"\n\n"
+
+        def choice(index: int, delta: dict | None = None, text: str = "", finish: str | None = None) -> dict:
+            if chat:
+                return {"index": index, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+        completed = False
+        called: set[int] = set()
+        try:
+            if chat:
+                yield frame([choice(c.index, {"role": "assistant", "content": ""}) for c in gen.choices])
+            async for u in gen.updates():
+                if u.finish is not None and u.finish.error is not None:
+                    err = as_flare_error(u.finish.error)
+                    self.ctx.report_failure(gen.id, "streaming", err)
+                    yield b"data: " + json_encoder.encode(err.envelope()) + b"\n\n"
+                    return
+                for e in u.events:
+                    if isinstance(e, Content) and e.text:
+                        yield frame([choice(u.index, {"content": e.text}, e.text)])
+                    elif isinstance(e, Reasoning) and e.text and chat:
+                        yield frame([choice(u.index, {"reasoning_content": e.text})])
+                    elif isinstance(e, ToolStart):
+                        called.add(u.index)
+                        yield frame([choice(u.index, {"tool_calls": [{
+                            "index": e.index, "id": e.id, "type": "function",
+                            "function": {"name": e.name, "arguments": ""}}]})])
+                    elif isinstance(e, ToolArgs) and e.text:
+                        yield frame([choice(u.index, {"tool_calls": [{
+                            "index": e.index, "function": {"arguments": e.text}}]})])
+                if u.finish is not None:
+                    yield frame([choice(u.index, finish=finish_reason(u.finish.reason, u.index in called))])
+            if include_usage:
+                yield frame([], usage(gen.prompt_tokens, gen.completion_tokens))
+            yield b"data: [DONE]\n\n"
+            completed = True
+        finally:
+            if not completed:  # client disconnected (generator closed) or error: free the work
+                gen.cancel()
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompts(prompt, codec: TextCodec) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [codec.encode(prompt, add_special_tokens=True)]
+    elif prompt and _is_ids(prompt):
+        prompts = [list(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [codec.encode(p, add_special_tokens=True) for p in prompt]
+    elif prompt and all(_is_ids(p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise FrontendError("prompt must be a non-empty string, token list, or list of them", param="prompt",
+                            code="empty_prompt")
+    if any(not p for p in prompts):
+        raise FrontendError("prompt must not be empty", param="prompt", code="empty_prompt")
+    return prompts

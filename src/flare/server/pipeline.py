@@ -1,0 +1,313 @@
+"""The request pipeline that Chat Completions, Responses and Messages share.
+
+A protocol mapper turns its request body into a ``ChatSpec`` (or, for text
+completions, token prompts); ``start`` renders it through the chat template,
+tokenizes, compiles the output grammar off the event loop, resolves sampling
+and submits one engine request per choice. The returned ``Generation`` yields
+``Update``s: parsed events (answer text, reasoning, tool-call deltas) and, last,
+a ``Finish`` per choice. Tool-choice rules are enforced here, once, so every
+protocol fails the same way (``ModelOutputError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from flare.core.errors import CapacityError, FlareError, FrontendError, ModelOutputError, UnprocessableError
+from flare.core.manifest import ReasoningParser, ToolParser
+from flare.runtime.engine import Engine
+from flare.runtime.request import FinishReason, Request
+from flare.server import params as P
+from flare.server import tools as T
+from flare.server.grammar import AnswerFormat, CompiledGrammar, GrammarCompiler, ToolSpec, compose
+from flare.server.output import OutputStream
+from flare.server.parsers import Assembled, Content, Event, OutputParser, ThinkStart, ToolEnd, ToolStart
+from flare.server.parsers import start_for
+from flare.server.template import ChatTemplate
+from flare.server.text import TextCodec
+
+
+class Frontend:
+    """What the server needs from a core besides the engine: tokenizer, template,
+    parser selection, grammar compiler, names."""
+
+    def __init__(self, core_dir: str, engine: Engine, served_name: str | None = None, *,
+                 grammar_timeout_s: float = 5.0):
+        m = engine.manifest
+        self.manifest = m
+        self.served_name = served_name or m.frontend.served_name
+        self.codec = TextCodec(f"{core_dir}/{m.frontend.tokenizer}")
+        self.template = None
+        if m.frontend.chat_template is not None:
+            with open(f"{core_dir}/{m.frontend.chat_template}") as f:
+                self.template = ChatTemplate(f.read(), dict(m.frontend.special_tokens))
+        self.grammars = GrammarCompiler(f"{core_dir}/{m.frontend.tokenizer}", vocab_size=m.capacities.vocab_size,
+                                        eos_ids=m.frontend.eos_ids, timeout_s=grammar_timeout_s)
+
+    def marker(self, text: str) -> str:
+        return self.grammars.marker(text, self.codec.encode(text, add_special_tokens=False))
+
+    def close(self) -> None:
+        self.grammars.close()
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """A chat request, protocol-neutral. ``messages`` are OpenAI chat message dicts
+    (tool calls with string arguments, tool results as role ``tool``)."""
+
+    messages: list[dict]
+    sampling: dict  # temperature, top_k, top_p, min_p, repetition/presence/frequency penalties (None = default)
+    max_tokens: int | None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    tools: tuple[T.Tool, ...] = ()
+    tool_choice: T.ToolChoice = T.AUTO
+    parallel_tool_calls: bool = True
+    answer: AnswerFormat | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class Finish:
+    reason: FinishReason
+    stop: str | None = None  # the stop string that matched
+    error: FlareError | None = None
+
+
+@dataclass
+class Update:
+    index: int
+    events: list[Event]
+    finish: Finish | None = None
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    output: Assembled
+    finish: Finish
+
+
+class _Policy:
+    """Tool-choice rules applied to one choice's parsed events."""
+
+    def __init__(self, choice: T.ToolChoice, callable_names: set[str], parallel: bool):
+        self.choice = choice
+        self.names = callable_names
+        self.parallel = parallel
+        self.completed = 0
+
+    def filter(self, events: list[Event]) -> list[Event]:
+        out = []
+        for e in events:
+            if isinstance(e, ToolStart):
+                if e.name not in self.names:
+                    raise ModelOutputError(f"the model called {e.name!r}, which is not a declared tool",
+                                           code="unknown_tool")
+                if e.index > 0 and not self.parallel:
+                    raise ModelOutputError("the model made more than one tool call with parallel_tool_calls "
+                                           "false", code="too_many_tool_calls")
+            elif isinstance(e, ToolEnd):
+                self.completed += 1
+            elif isinstance(e, Content) and self.choice.mode == T.ChoiceMode.named:
+                continue  # a named tool choice presents the call, not answer text
+            out.append(e)
+        return out
+
+    def check_finish(self) -> None:
+        if self.choice.mode in (T.ChoiceMode.required, T.ChoiceMode.named) and not self.completed:
+            want = f"a call to {self.choice.name!r}" if self.choice.name else "a tool call"
+            raise ModelOutputError(f"tool_choice requires {want}, and the model made none",
+                                   code="tool_call_required")
+
+
+class _Choice:
+    def __init__(self, index: int, request: Request, stream: OutputStream, parser: OutputParser | None,
+                 policy: _Policy | None):
+        self.index = index
+        self.request = request
+        self.stream = stream
+        self.parser = parser
+        self.policy = policy
+
+    async def next(self) -> Update:
+        chunk = await self.stream.next()
+        try:
+            events = self._parse(chunk.text)
+            if chunk.finish_reason is None:
+                return Update(self.index, events)
+            if chunk.finish_reason == FinishReason.error:
+                err = chunk.error if isinstance(chunk.error, FlareError) else FlareError(str(chunk.error))
+                return Update(self.index, events, Finish(FinishReason.error, error=err))
+            if chunk.finish_reason == FinishReason.cancelled:
+                # Not the client's doing (its own departure is never read): the server
+                # cancelled the request while draining for shutdown.
+                err = CapacityError("the server is shutting down; the request was cancelled",
+                                    code="server_shutdown")
+                return Update(self.index, events, Finish(FinishReason.error, error=err))
+            if self.parser is not None:
+                events += self._filter(self.parser.finish())
+            if self.policy is not None and chunk.finish_reason != FinishReason.cancelled:
+                self.policy.check_finish()
+            return Update(self.index, events, Finish(chunk.finish_reason, chunk.stop))
+        except ModelOutputError as e:
+            return Update(self.index, [], Finish(FinishReason.error, error=e))
+
+    def _parse(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        if self.parser is None:
+            return [Content(text)]
+        return self._filter(self.parser.feed(text))
+
+    def _filter(self, events: list[Event]) -> list[Event]:
+        return self.policy.filter(events) if self.policy is not None else events
+
+
+class Generation:
+    """The engine requests behind one response (one per choice)."""
+
+    def __init__(self, engine: Engine, request_id: str, prompt_tokens: int):
+        self.engine = engine
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.choices: list[_Choice] = []
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            self.engine.cancel(c.request)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.request.output) for c in self.choices)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """Updates of every choice as they come; a choice's last update carries its
+        finish. A failed choice cancels its own engine request."""
+        pending = {asyncio.ensure_future(c.next()): c for c in self.choices}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in sorted(done, key=lambda f: pending[f].index):
+                    c = pending.pop(fut)
+                    u = fut.result()
+                    if u.finish is None:
+                        pending[asyncio.ensure_future(c.next())] = c
+                    elif u.finish.error is not None:
+                        self.engine.cancel(c.request)
+                    yield u
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    async def results(self) -> list[ChoiceResult]:
+        outputs = {c.index: Assembled() for c in self.choices}
+        finishes: dict[int, Finish] = {}
+        async for u in self.updates():
+            outputs[u.index].add(u.events)
+            if u.finish is not None:
+                finishes[u.index] = u.finish
+                if u.finish.error is not None:
+                    self.cancel()  # the whole response fails: free the other choices now
+        return [ChoiceResult(i, outputs[i], finishes[i]) for i in sorted(outputs)]
+
+
+def _ids(prefix: str):
+    base = uuid.uuid4().hex[:16]
+    counter = itertools.count()
+    return lambda: f"{prefix}{base}{next(counter):04d}"
+
+
+def first_error(results: list[ChoiceResult]) -> FlareError | None:
+    return next((r.finish.error for r in results if r.finish.error is not None), None)
+
+
+async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *, limits: P.Limits,
+                call_prefix: str = "call_") -> Generation:
+    """Render, tokenize, compile and submit. Raises FlareError before anything runs."""
+    m = fe.manifest
+    if fe.template is None:
+        raise UnprocessableError("this core has no chat template; use /v1/completions", param="messages")
+    if not spec.messages:
+        raise FrontendError("messages must not be empty", param="messages", code="empty_messages")
+    if not 1 <= spec.n <= limits.max_n:
+        raise FrontendError(f"n must lie in [1, {limits.max_n}]", param="n")
+    tools = T.offered(list(spec.tools), spec.tool_choice)
+    tool_format = m.frontend.tool_parser
+    if tools and (tool_format == ToolParser.none or not fe.template.accepts_tools):
+        raise FrontendError("this model's core does not support tools (its chat template does not render them "
+                            "or it declares no tool-call parser)", param="tools", code="unsupported")
+    messages = spec.messages
+    if spec.tool_choice.mode == T.ChoiceMode.required:
+        messages = T.with_instruction(messages)
+    rendered_tools = [t.template_entry() for t in tools] or None
+    text = fe.template.render(messages, tools=rendered_tools, add_generation_prompt=spec.add_generation_prompt,
+                              **spec.template_kwargs)
+    prompt = fe.codec.encode(text, add_special_tokens=False)
+    think_start = None
+    if m.frontend.reasoning_parser == ReasoningParser.think:
+        think_start = ThinkStart.closed
+        if spec.add_generation_prompt:
+            bare = fe.template.render(messages, tools=rendered_tools, add_generation_prompt=False,
+                                      **spec.template_kwargs)
+            think_start = start_for(text[len(bare):] if text.startswith(bare) else text)
+    stops = P.stop_strings(spec.stop, limits)
+    gen = Generation(engine, request_id, len(prompt))
+    new_id = _ids(call_prefix)
+    # Everything cheap is checked before the grammar compiles: sampling values, and what
+    # the scheduler would refuse (context length, stop ids).
+    requests = []
+    for index in range(spec.n):
+        seed = None if spec.seed is None else spec.seed + index
+        params = P.resolve_sampling(m, prompt_len=len(prompt), fields=spec.sampling, max_tokens=spec.max_tokens,
+                                    seed=seed, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
+                                    limits=limits)
+        stream = OutputStream(fe.codec, prompt, stops)
+        req = Request(prompt, params, stream, request_id=f"{request_id}-{index}")
+        engine.scheduler.validate(req)
+        requests.append(req)
+    compiled: CompiledGrammar | None = None
+    if spec.answer is not None:
+        if spec.ignore_eos:
+            raise FrontendError("ignore_eos cannot be combined with an output grammar (the grammar ends the "
+                                "output with EOS)", param="ignore_eos")
+        # Composing walks and serialises every schema: off the event loop as well.
+        grammar = await asyncio.to_thread(compose, spec.answer, think_start=think_start,
+                                          tools=[ToolSpec(t.name, t.parameters) for t in tools] or None,
+                                          tool_format=tool_format, parallel=spec.parallel_tool_calls,
+                                          marker=fe.marker)
+        compiled = await fe.grammars.compile(grammar, param=spec.answer.param)
+    try:
+        for index, req in enumerate(requests):
+            parser = None
+            if tools or think_start is not None:
+                parser = OutputParser(m.frontend.reasoning_parser, tool_format if tools else None,
+                                      think_start=think_start or ThinkStart.closed, new_id=new_id)
+            policy = _Policy(spec.tool_choice, {t.name for t in tools}, spec.parallel_tool_calls) if tools else None
+            req.grammar = compiled.new() if compiled else None
+            _submit(gen, index, req, parser, policy)
+    except FlareError:
+        gen.cancel()
+        raise
+    return gen
+
+
+def submit(gen: Generation, index: int, prompt: list[int], params, stream: OutputStream) -> None:
+    """A plain text choice (text completions): no template, parser or grammar."""
+    _submit(gen, index, Request(prompt, params, stream, request_id=f"{gen.id}-{index}"))
+
+
+def _submit(gen: Generation, index: int, req: Request, parser: OutputParser | None = None,
+            policy: _Policy | None = None) -> None:
+    req.sink.request = req
+    gen.engine.submit(req)
+    gen.choices.append(_Choice(index, req, req.sink, parser, policy))
