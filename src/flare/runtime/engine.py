@@ -31,10 +31,10 @@ class EngineState(str, enum.Enum):
 
 
 class Engine:
-    def __init__(self, executor: Executor, *, max_waiting: int = 256):
+    def __init__(self, executor: Executor, *, max_waiting: int = 256, prefix_cache: bool = True):
         self.executor = executor
         self.manifest = executor.manifest
-        self.scheduler = Scheduler(self.manifest, max_waiting=max_waiting)
+        self.scheduler = Scheduler(self.manifest, max_waiting=max_waiting, prefix_cache=prefix_cache)
         self.state = EngineState.starting
         self.failure: Exception | None = None
         self.steps = 0
