@@ -43,9 +43,13 @@ if _no_cuda():
 # Options shared by the test cores: small context, small chunks so that chunking and
 # page boundaries are exercised with short prompts.
 SMOL_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-size", "128", "--kv-pages", "600",
-             "--page-size", "16", "--decode-capacities", "1,2,4"]
+             "--page-size", "16", "--decode-capacities", "1,2,4", "--snapshot-rows", "64"]
 TINY_OPTS = ["--device", "cpu", "--context-limit", "1024", "--prefill-chunk-size", "128", "--kv-pages", "256",
-             "--page-size", "16", "--decode-capacities", "1,2,4,8"]
+             "--page-size", "16", "--decode-capacities", "1,2,4,8", "--snapshot-rows", "32"]
+# The hybrid (Gated DeltaNet + attention) fixture: a context long enough for the
+# ten-turn agent conversation, snapshot rows for eight captures per slot.
+HYBRID_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-size", "128", "--kv-pages", "600",
+               "--page-size", "16", "--decode-capacities", "1,2,4", "--snapshot-rows", "64"]
 
 
 def _code_digest() -> str:
@@ -82,6 +86,11 @@ def smol_core() -> Path:
 @pytest.fixture(scope="session")
 def tiny_core() -> Path:
     return prepare_core("llama-tiny", TINY_OPTS)
+
+
+@pytest.fixture(scope="session")
+def hybrid_core() -> Path:
+    return prepare_core("qwen3_5-tiny", HYBRID_OPTS)
 
 
 def free_port() -> int:
@@ -142,6 +151,12 @@ def running_server(core: Path, *extra: str, env: dict | None = None):
 @pytest.fixture(scope="session")
 def smol_server(smol_core):
     with running_server(smol_core) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def hybrid_server(hybrid_core):
+    with running_server(hybrid_core) as srv:
         yield srv
 
 

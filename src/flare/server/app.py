@@ -27,6 +27,7 @@ from flare.core.errors import FlareError, FrontendError, NotFoundError, PayloadT
 from flare.runtime.engine import Engine
 from flare.runtime.request import FinishReason, Request
 from flare.server import params as P
+from flare.server.endpoints import message_marks, token_endpoints
 from flare.server.output import OutputStream
 from flare.server.protocol import ChatCompletionRequest, CompletionRequest, ImagePart, check_unsupported
 from flare.server.template import ChatTemplate
@@ -94,13 +95,15 @@ class _Choice:
 class _Generation:
     """The engine requests behind one HTTP response (one per choice)."""
 
-    def __init__(self, engine: Engine, request_id: str):
+    def __init__(self, engine: Engine, request_id: str, n: int):
         self.engine = engine
         self.id = request_id
+        self.n = n  # choices per prompt
         self.choices: list[_Choice] = []
 
-    def submit(self, index: int, prompt: list[int], params, stream: OutputStream) -> None:
-        req = Request(prompt, params, stream, request_id=f"{self.id}-{index}")
+    def submit(self, index: int, prompt: list[int], params, stream: OutputStream,
+               endpoints: tuple[int, ...] = ()) -> None:
+        req = Request(prompt, params, stream, request_id=f"{self.id}-{index}", endpoints=endpoints)
         stream.request = req
         self.engine.submit(req)
         self.choices.append(_Choice(index, req, stream))
@@ -112,6 +115,16 @@ class _Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.request.output) for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt like
+        ``prompt_tokens``: the least any of the prompt's choices reused."""
+        per_prompt: dict[int, int] = {}
+        for c in self.choices:
+            p = c.index // self.n
+            per_prompt[p] = min(per_prompt.get(p, 1 << 62), c.request.cached_tokens)
+        return sum(per_prompt.values())
 
 
 async def _until_disconnect(http: HTTPRequest) -> None:
@@ -156,16 +169,17 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
         if isinstance(body.n, bool) or not 1 <= body.n <= config.limits.max_n:
             raise FrontendError(f"n must lie in [1, {config.limits.max_n}]", param="n")
 
-    async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool) -> Response:
+    async def run(http: HTTPRequest, body, prompts: list[list[int]], chat: bool,
+                  endpoints: tuple[int, ...] = ()) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         stops = P.stop_strings(body.stop, config.limits)
-        gen = _Generation(engine, rid)
+        gen = _Generation(engine, rid, body.n)
         try:
             for p_i, prompt in enumerate(prompts):
                 for j in range(body.n):
                     index = p_i * body.n + j
                     params = sampling(body, len(prompt), index)
-                    gen.submit(index, prompt, params, OutputStream(frontend.codec, prompt, stops))
+                    gen.submit(index, prompt, params, OutputStream(frontend.codec, prompt, stops), endpoints)
         except FlareError as e:
             gen.cancel()
             log.warning("%s request %s failed at admission: %s %s", _gmt(), rid, e.code, e.message)
@@ -210,7 +224,7 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
             "created": created,
             "model": frontend.served_name,
             "choices": choices,
-            "usage": _usage(prompt_tokens, completion_tokens),
+            "usage": _usage(prompt_tokens, completion_tokens, gen.cached_tokens),
         }
         return Response(_json.encode(payload), media_type="application/json", headers={"x-request-id": rid})
 
@@ -258,7 +272,7 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
                     else:
                         pending[index] = asyncio.ensure_future(by_index[index].stream.next())
             if include_usage:
-                yield frame([], _usage(prompt_tokens, gen.completion_tokens))
+                yield frame([], _usage(prompt_tokens, gen.completion_tokens, gen.cached_tokens))
             yield b"data: [DONE]\n\n"
             completed = True
         finally:
@@ -276,10 +290,11 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
             if frontend.template is None:
                 raise UnprocessableError("this core has no chat template; use /v1/completions", param="messages")
             kwargs = dict(body.chat_template_kwargs or {})
-            text = frontend.template.render(_message_dicts(body), add_generation_prompt=body.add_generation_prompt,
-                                            **kwargs)
-            prompt = frontend.codec.encode(text, add_special_tokens=False)
-            return await run(http, body, [prompt], chat=True)
+            messages = _message_dicts(body)
+            text = frontend.template.render(messages, add_generation_prompt=body.add_generation_prompt, **kwargs)
+            prompt, offsets = frontend.codec.encode_with_offsets(text, add_special_tokens=False)
+            endpoints = token_endpoints(offsets, message_marks(frontend.template, messages, text, **kwargs))
+            return await run(http, body, [prompt], chat=True, endpoints=endpoints)
         except FlareError as e:
             return error_response(e)
 
@@ -311,15 +326,31 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
     async def metrics(http: HTTPRequest) -> Response:
         lines = []
         sched = engine.scheduler
+        free, used, cached = sched.page_usage()
+        ck = sched.checkpoints
+        cache = ck.cache
         gauges = {
             "flare_requests_running": len(sched.running),
             "flare_requests_waiting": len(sched.waiting),
             "flare_kv_pages_total": sched.pages.total,
-            "flare_kv_pages_free": sched.pages.free,
-            "flare_kv_pages_used": sched.pages.used,
+            "flare_kv_pages_free": free,
+            "flare_kv_pages_used": used,  # held by requests
+            "flare_kv_pages_cached": cached,  # held only by prefix-cache checkpoints
             "flare_engine_steps_total": engine.steps,
             "flare_prefill_tokens_total": sched.prefill_tokens_total,
             "flare_preemptions_total": sched.preemptions_total,
+            "flare_prefix_cache_enabled": int(ck.enabled),
+            "flare_prefix_cache_hit_tokens_total": ck.hit_tokens_total,
+            "flare_prefix_cache_checkpoints": len(cache) if cache else 0,
+            "flare_prefix_cache_published_total": cache.published if cache else 0,
+            "flare_prefix_cache_duplicates_total": cache.duplicates if cache else 0,
+            # Page pressure and snapshot pressure, separately.
+            "flare_prefix_cache_page_evictions_total": cache.evicted_for_pages if cache else 0,
+            "flare_prefix_cache_snapshot_rows_total": cache.rows.total if cache else 0,
+            "flare_prefix_cache_snapshot_rows_free": cache.rows.free if cache else 0,
+            "flare_prefix_cache_snapshot_evictions_total": cache.evicted_for_rows if cache else 0,
+            "flare_prefix_cache_thinned_total": cache.thinned if cache else 0,
+            "flare_prefix_cache_captures_skipped_total": ck.skipped_total,
         }
         for name, value in gauges.items():
             lines.append(f"{name} {value}")
@@ -373,9 +404,10 @@ def _finish(reason: FinishReason | None) -> str | None:
     return "length" if reason == FinishReason.length else "stop"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _gmt() -> str:
