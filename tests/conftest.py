@@ -23,6 +23,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("FLARE_TEST_CACHE", ROOT / ".cache" / "test-cores"))
+# Torch threads of the reference workers the tests start. Two match a dedicated 2-core CI
+# machine; on a shared, oversubscribed one, each OpenMP barrier waits for a descheduled
+# thread (the sampler's elementwise ops take ~10 ms instead of ~0.1 ms), and 1 is faster.
+TORCH_THREADS = int(os.environ.get("FLARE_TEST_TORCH_THREADS", "2"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -39,6 +43,12 @@ def _no_cuda() -> bool:
 # must be set here, before any test module imports flare.prepare.
 if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if "FLARE_TEST_TORCH_THREADS" in os.environ:  # also for in-process programs and preparation subprocesses
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
 
 # Options shared by the test cores: small context, small chunks so that chunking and
 # page boundaries are exercised with short prompts.
@@ -106,7 +116,7 @@ class ServerProcess:
         self.log = open(CACHE / f"server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flare.server.cli", str(core), "--port", str(self.port),
-             "--torch-threads", "2", *extra],
+             "--torch-threads", str(TORCH_THREADS), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
 
