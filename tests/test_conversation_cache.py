@@ -25,8 +25,9 @@ teacher-force the cache-off run's output and compare every generated
 position's logits with the cache-off run. ``delta`` is the largest difference
 seen. The cache-on run is one more draw from the same family of partitions,
 compared at five times as many positions (ten turns, not two); we allow its
-maximum to reach twice the measured one: ``bound = 2 * delta + 1e-6``. Generated tokens must be identical; a flip is
-reported with its logit margin in the cache-off run. Numbers are printed.
+maximum to reach twice the measured one: ``bound = 2 * delta + 1e-6``.
+Generated tokens must be identical; a flip is reported with its logit margin
+in the cache-off run. Numbers are printed.
 
 Decoding is greedy (top_k = 1; the seeds are fixed but unused). A *sampled*
 draw is not a property worth asserting here: the sampler's inverse CDF runs

@@ -77,6 +77,9 @@ class Checkpoints:
                                  manifest.identity.fingerprint.encode()) if on else None
         self.budget = capture_budget(caps.snapshot_rows, caps.slots) if on else 0
         self._tracks: dict[Request, _Track] = {}
+        # Block digests per request, kept while it waits (a blocked request is looked up
+        # at every admission pass) and across preemption (its history only grows).
+        self._digests: dict[Request, PrefixDigests] = {}
         self._programs = {k: manifest.programs_of(k)[0].name
                           for k in (ProgramKind.snapshot, ProgramKind.restore, ProgramKind.resume)}
         self.hit_tokens_total = 0
@@ -91,7 +94,7 @@ class Checkpoints:
     def lookup(self, req: Request) -> Reuse:
         if self.cache is None:
             return NO_REUSE
-        digests = self.cache.digests()
+        digests = self._digests.setdefault(req, self.cache.digests())
         hit = self.cache.match(req.target, digests)
         if hit is None:
             return Reuse(None, [], digests)
@@ -193,7 +196,9 @@ class Checkpoints:
             self._tracks[step.requests[0]].queued.remove(step.endpoint)
             self.cache.release_row(step.row)
 
-    def release(self, req: Request) -> None:
+    def release(self, req: Request, *, finished: bool = True) -> None:
+        if finished:
+            self._digests.pop(req, None)
         t = self._tracks.pop(req, None)
         if t is not None and t.anchor is not None:
             self.cache.unpin(t.anchor)
@@ -203,7 +208,7 @@ class Checkpoints:
     def cached_pages(self) -> set[PageId]:
         return self.cache.cached_pages() if self.cache else set()
 
-    def check_integrity(self, holders: list[Request]) -> None:
+    def check_integrity(self, holders: list[Request], waiting=()) -> None:
         """Cache invariants, plus: every request's pages extend its anchor's chain and
         are private beyond it; pins are exactly the anchors; owned snapshot rows are
         exactly the published ones plus the queued captures'."""
@@ -214,6 +219,8 @@ class Checkpoints:
         self.cache.check_integrity()
         if set(self._tracks) - set(holders):
             raise AssertionError("a tracked request holds no resources")
+        if set(self._digests) - set(holders) - set(waiting):
+            raise AssertionError("digests kept for a request that is gone")
         pins: dict[int, int] = {}
         rows = {c.row for c in self.cache.checkpoints()}
         cached = self.cache.cached_pages()

@@ -348,7 +348,7 @@ class Scheduler:
             self._maintenance = deque(s for s in self._maintenance if req not in s.requests)
             for s in dropped:
                 self.checkpoints.drop(s)
-        self.checkpoints.release(req)
+        self.checkpoints.release(req, finished=req.finished)
         if req.slot is not None:
             self.pages.release(req.pages)
             self.slots.release(req.slot)
@@ -413,7 +413,7 @@ class Scheduler:
         free, used, only_cached = self.page_usage()
         if free + used + only_cached != self.pages.total or used + only_cached != self.pages.used:
             raise AssertionError(f"pages: free {free} + used {used} + cached {only_cached} != {self.pages.total}")
-        self.checkpoints.check_integrity(holders)
+        self.checkpoints.check_integrity(holders, self.waiting)
         slots = [r.slot for r in holders]
         if None in slots or len(set(slots)) != len(slots) or len(slots) != self.slots.total - self.slots.free:
             raise AssertionError("slot ownership is inconsistent")
