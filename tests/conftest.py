@@ -73,7 +73,10 @@ def _code_digest() -> str:
 
 
 def prepare_core(model: str, opts: list[str], name: str | None = None) -> Path:
-    key = hashlib.sha256(("|".join([model, *opts, _code_digest()])).encode()).hexdigest()[:16]
+    # The thread count is part of the key: CPU golden replays (--qualify) reproduce bit
+    # for bit only with the reduction order, hence the thread count, they were recorded with.
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    key = hashlib.sha256(("|".join([model, *opts, _code_digest(), threads])).encode()).hexdigest()[:16]
     out = CACHE / f"{name or model}-{key}"
     if (out / "manifest.json").is_file():
         return out
