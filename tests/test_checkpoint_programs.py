@@ -137,3 +137,38 @@ def test_padded_and_finished_rows_keep_their_state(rig):
             assert torch.equal(v[n][row], before[n][row]), f"{n}[{row}] changed"
     for n in rig.m.continuation.state:
         assert not torch.equal(v[n][1], before[n][1]), n  # the live slot advanced
+
+
+def test_branches_share_immutable_pages_and_write_only_their_own(rig):
+    """Two branches restore one checkpoint (two shared complete pages, the tail copied
+    into each branch's own page), prefill different suffixes and decode side by side in
+    one batch. The shared pages stay bitwise unchanged, and each branch computes bitwise
+    what a request with the same history and partition in private pages computes."""
+    v = rig.v
+    P = prompt(45, salt=7)
+    S = len(P)
+    pages0 = rig.pages(4)
+    admit(rig, 1, P, pages0, seed=1)
+    prefill(rig, 1, P)
+    snapshot(rig, 1, 7, tail_page(rig, pages0, S), S)
+    shared = pages0[: S // 16]
+    shared_before = v["kv"][:, :, shared].clone()
+    suffixes = {2: prompt(11, salt=8), 3: prompt(19, salt=9)}
+    forced = [[21, 22, 23, 24], [31, 32, 33, 34]]
+
+    def run(slots_pages, restored: bool):
+        for (slot, pages), suffix in zip(slots_pages, suffixes.values()):
+            admit(rig, slot, P + suffix, pages, seed=slot)
+            if restored:
+                restore(rig, slot, 7, tail_page(rig, pages, S), S)
+            else:
+                prefill(rig, slot, P, sample=False)  # the same partition: the prompt, then the suffix
+            prefill(rig, slot, suffix)
+        slots = [s for s, _ in slots_pages]
+        return [decode(rig, slots, [f[k] for f in forced])[0] for k in range(4)]
+
+    branches = run([(2, shared + rig.pages(3)), (3, shared + rig.pages(3))], restored=True)
+    assert torch.equal(v["kv"][:, :, shared], shared_before)
+    private = run([(2, rig.pages(5)), (3, rig.pages(5))], restored=False)
+    for a, b in zip(branches, private):
+        assert torch.equal(a, b)
