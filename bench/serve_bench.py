@@ -56,8 +56,10 @@ async def main(a) -> None:
         await one(client, a.url, a.model, "warm up", 8, 0)
         for c in a.concurrency:
             t0 = time.perf_counter()
-            runs = await asyncio.gather(*(one(client, a.url, a.model, f"Story {i}: once upon a time", a.tokens, i)
-                                          for i in range(c)))
+            # Prompts differ across concurrency levels: a repeated prompt would be a prefix-cache
+            # hit (resume, no prefill) and change what TTFT measures.
+            runs = await asyncio.gather(*(one(client, a.url, a.model, f"Story {i} of {c}: once upon a time",
+                                              a.tokens, i) for i in range(c)))
             wall = time.perf_counter() - t0
             gaps = [g for r in runs for g in r["gaps_s"]]
             results["concurrency"][c] = {
@@ -70,7 +72,8 @@ async def main(a) -> None:
             print(c, {k: v for k, v in results["concurrency"][c].items() if k != "raw"}, flush=True)
         cold = {}
         for n in a.cold_prompts:
-            ids = [1000 + (i * 7919) % 30000 for i in range(n)]
+            # Salted by n: a shorter cold prompt must not be a cached prefix of a longer one.
+            ids = [1000 + (i * 7919 + n) % 30000 for i in range(n)]
             r = await one(client, a.url, a.model, ids, 1, 99)
             cold[n] = {"ttft_s": r["ttft_s"], "prefill_tokens_per_s": n / r["ttft_s"]}
             print("cold", n, cold[n], flush=True)

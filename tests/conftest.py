@@ -23,6 +23,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("FLARE_TEST_CACHE", ROOT / ".cache" / "test-cores"))
+# Torch threads of the reference workers the tests start. One: two spin against the
+# event loop and the client on a 2-core machine (each OpenMP barrier waits for a
+# descheduled thread; the sampler's elementwise ops take ~10 ms instead of ~0.1 ms).
+TORCH_THREADS = int(os.environ.get("FLARE_TEST_TORCH_THREADS", "1"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -40,12 +44,22 @@ def _no_cuda() -> bool:
 if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if "FLARE_TEST_TORCH_THREADS" in os.environ:  # also for in-process programs and preparation subprocesses
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
+
 # Options shared by the test cores: small context, small chunks so that chunking and
 # page boundaries are exercised with short prompts.
 SMOL_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-size", "128", "--kv-pages", "600",
-             "--page-size", "16", "--decode-capacities", "1,2,4"]
+             "--page-size", "16", "--decode-capacities", "1,2,4", "--snapshot-rows", "64"]
 TINY_OPTS = ["--device", "cpu", "--context-limit", "1024", "--prefill-chunk-size", "128", "--kv-pages", "256",
-             "--page-size", "16", "--decode-capacities", "1,2,4,8"]
+             "--page-size", "16", "--decode-capacities", "1,2,4,8", "--snapshot-rows", "32"]
+# The hybrid (Gated DeltaNet + attention) fixture: a context long enough for the
+# ten-turn agent conversation, snapshot rows for eight captures per slot.
+HYBRID_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-size", "128", "--kv-pages", "600",
+               "--page-size", "16", "--decode-capacities", "1,2,4", "--snapshot-rows", "64"]
 
 
 def _code_digest() -> str:
@@ -61,7 +75,10 @@ def _code_digest() -> str:
 
 
 def prepare_core(model: str, opts: list[str], name: str | None = None) -> Path:
-    key = hashlib.sha256(("|".join([model, *opts, _code_digest()])).encode()).hexdigest()[:16]
+    # The thread count is part of the key: CPU golden replays (--qualify) reproduce bit
+    # for bit only with the reduction order, hence the thread count, they were recorded with.
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    key = hashlib.sha256(("|".join([model, *opts, _code_digest(), threads])).encode()).hexdigest()[:16]
     out = CACHE / f"{name or model}-{key}"
     if (out / "manifest.json").is_file():
         return out
@@ -91,6 +108,11 @@ def qwen3_core() -> Path:
     return prepare_core("qwen3-tiny", TINY_OPTS)
 
 
+@pytest.fixture(scope="session")
+def hybrid_core() -> Path:
+    return prepare_core("qwen3_5-tiny", HYBRID_OPTS)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,7 +129,7 @@ class ServerProcess:
         self.log = open(CACHE / f"server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flare.server.cli", str(core), "--port", str(self.port),
-             "--torch-threads", "1", *extra],
+             "--torch-threads", str(TORCH_THREADS), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
 
@@ -152,6 +174,12 @@ def running_server(core: Path, *extra: str, env: dict | None = None):
 @pytest.fixture(scope="session")
 def smol_server(smol_core):
     with running_server(smol_core) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def hybrid_server(hybrid_core):
+    with running_server(hybrid_core) as srv:
         yield srv
 
 

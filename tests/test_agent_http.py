@@ -532,7 +532,7 @@ def test_messages_history_stop_sequences_and_errors(claude, qwen3_server, qwen3_
     chat_equiv = [ASK[0], {"role": "assistant", "content": "", "tool_calls": [{"id": "toolu_1", "type": "function",
                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
                   {"role": "tool", "tool_call_id": "toolu_1", "content": "21 C"}]
-    assert m.usage.input_tokens == rendered_len(qwen3_frontend, chat_equiv, [{"type": "function", "function": {
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == rendered_len(qwen3_frontend, chat_equiv, [{"type": "function", "function": {
         "name": "get_weather", "description": "Weather for a city", "parameters": WEATHER_PARAMS}}])
     # A stop sequence the (schema-constrained) answer must contain: stop_reason stop_sequence.
     m = claude.messages.create(model=QWEN, max_tokens=100, messages=[{"role": "user", "content": "Hi"}],

@@ -38,15 +38,22 @@ def _reject(d: dict, *, param: str | None, match: str, error=ManifestError) -> M
 def test_load_prepared_core(tiny_core, raw):
     m = mf.load_manifest(tiny_core)
     # Numbers come from TINY_OPTS in conftest.py.
-    assert m.abi == mf.ABI_VERSION == 1
+    assert m.abi == mf.ABI_VERSION == 3
     assert m.identity.device == "cpu" and m.identity.compute_capability is None
     c = m.capacities
     assert (c.context_limit, c.prefill_chunk, c.prefill_capacities) == (1024, 128, (128,))
     assert c.decode_capacities == (1, 2, 4, 8) and c.slots == 8
     assert c.max_pages_per_slot == 1024 // 16
     assert (m.pages.page_size, m.pages.num_pages, m.pages.null_page) == (16, 256, 0)
-    assert [p.name for p in m.programs] == ["admit.128", "prefill.128", "decode.1", "decode.2", "decode.4", "decode.8"]
+    assert [p.name for p in m.programs] == ["admit.128", "prefill.128", "decode.1", "decode.2", "decode.4", "decode.8",
+                                            "resume.1", "snapshot.1", "restore.1"]
     assert m.buffer("state.page_table").shape == (9, 64)
+    # Continuation: an attention-only model carries the hidden vector; snapshot rows + the null row.
+    assert c.snapshot_rows == 32
+    assert m.continuation == mf.Continuation(state=("state.hidden",), tail="snap.kv_tail")
+    assert m.buffer("snap.state.hidden").shape == (33, 64)
+    assert m.buffer("snap.kv_tail").shape == (33, 2, 2, 16, 2, 16)  # rows, layers, K|V, page, kv heads, dim
+    assert m.buffer("snap.kv_tail").nbytes // 33 == m.pages.bytes_per_page
     # The decoded struct re-encodes to the same document (no field lost or invented).
     assert json.loads(mf.encode_manifest(m)) == raw
 
@@ -77,12 +84,14 @@ def test_missing_field(raw):
 
 def test_abi_mismatch(raw):
     d = {**raw, "abi": mf.ABI_VERSION + 1}
-    err = _reject(d, param="abi", match="exported with ABI 2", error=CoreCompatibilityError)
+    err = _reject(d, param="abi", match="exported with ABI 3", error=CoreCompatibilityError)
     assert err.code == "abi_mismatch"
-    # The probe runs first: a future ABI is reported as such even if the rest of the
-    # document would not decode under this ABI's schema.
-    d = {"abi": 2, "something": "else"}
-    err = _reject(d, param="abi", match="exported with ABI 2", error=CoreCompatibilityError)
+    # The probe runs first: an older or future ABI is reported as such even if the rest of
+    # the document would not decode under this ABI's schema (ABI 1 cores have no checkpoints).
+    for abi in (1, 3):
+        d = {"abi": abi, "something": "else"}
+        err = _reject(d, param="abi", match=f"exported with ABI {abi}", error=CoreCompatibilityError)
+        assert err.code == "abi_mismatch"
     assert err.code == "abi_mismatch"
 
 
@@ -172,6 +181,67 @@ def test_program_refers_to_unknown_buffer(raw):
     d = json.loads(json.dumps(raw))
     d["programs"][2]["reads"] = [*d["programs"][2]["reads"], "in.nothing"]
     _reject(d, param="decode.1", match="refers to unknown buffer 'in.nothing'")
+
+
+def _resize_rows(b: dict, rows: int) -> None:
+    per_row = b["nbytes"] // b["shape"][0]
+    b["shape"][0] = rows
+    b["nbytes"] = per_row * rows
+
+
+def test_continuation_buffer_must_be_per_slot_state(raw):
+    d = json.loads(json.dumps(raw))
+    d["continuation"]["state"] = ["state.hidden", "state.len"]  # state.len has no snapshot twin
+    _reject(d, param="continuation.state", match="needs a snapshot twin 'snap.state.len'")
+    d = json.loads(json.dumps(raw))
+    d["continuation"]["state"] = ["state.hidden", "in.tokens"]
+    _reject(d, param="continuation.state", match="'in.tokens' must be a state buffer")
+    d = json.loads(json.dumps(raw))
+    d["continuation"]["state"] = []
+    _reject(d, param="continuation.state", match="must include state.hidden")
+
+
+def test_snapshot_twin_must_have_one_row_per_snapshot_row(raw):
+    d = json.loads(json.dumps(raw))
+    _resize_rows(_buffer(d, "snap.state.hidden"), 32)  # the null row missing
+    _reject(d, param="continuation.state", match=r"twin 'snap.state.hidden' of shape \(33, 64\)")
+
+
+def test_snapshot_twin_must_match_dtype(raw):
+    d = json.loads(json.dumps(raw))
+    b = _buffer(d, "snap.state.hidden")
+    b["dtype"] = "float16"
+    b["nbytes"] //= 2
+    _reject(d, param="continuation.state", match="needs a snapshot twin")
+
+
+def test_tail_must_hold_one_kv_page_per_row(raw):
+    d = json.loads(json.dumps(raw))
+    b = _buffer(d, "snap.kv_tail")
+    b["shape"] = [33, 2, 2, 8, 2, 16]  # half a page
+    b["nbytes"] //= 2
+    _reject(d, param="continuation.tail", match="one KV page per row")
+    d = json.loads(json.dumps(raw))
+    d["continuation"]["tail"] = "snap.nothing"
+    _reject(d, param="continuation.tail", match="one KV page per row")
+
+
+def test_unaccounted_snapshot_buffer(raw):
+    """A snapshot row is fully described by the continuation section: a snapshot buffer
+    it does not name is rejected (the runtime would never copy it)."""
+    d = json.loads(json.dumps(raw))
+    _buffer(d, "w.model.norm.weight")["role"] = "snapshot"
+    _reject(d, param="continuation", match=r"snapshot buffers outside the continuation section: \['w.model.norm.weight'\]")
+    d = json.loads(json.dumps(raw))
+    d["continuation"]["tail"] = "snap.state.hidden"
+    _reject(d, param="continuation.tail", match="one KV page per row")
+
+
+@pytest.mark.parametrize("kind", ["resume", "snapshot", "restore"])
+def test_state_programs_are_required(raw, kind):
+    d = json.loads(json.dumps(raw))
+    d["programs"] = [p for p in d["programs"] if p["kind"] != kind]
+    _reject(d, param="programs", match=f"exactly one {kind} program of capacity 1")
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,7 @@ def test_flare_paged_attention_triton_matches_reference():
     """The transformers entry point with impl='triton' (write + attend) against impl='reference'."""
     shape = SHAPES[1]
     step = prefill_step(shape, start=5, n=12, chunk=16, dtype=torch.float32, seed=8, device=DEVICE)
-    module = type("Attn", (), {"layer_idx": step.layer})()
+    module = type("Attn", (), {"kv_layer": step.layer})()  # the recipe sets kv_layer on attention modules
     query = step.q.transpose(0, 1)[None]
     key, value = step.k.transpose(0, 1)[None], step.v.transpose(0, 1)[None]
     outs = {}

@@ -10,6 +10,16 @@ counter)``, the same dependency the real sampler has, so a request's stream is
 known in advance. The fake also checks every KV position a program would write
 lies in a page the request owns: a page-growth bug fails here, not silently.
 
+It also models what the prefix cache must preserve. KV contents are token ids
+(``kv[page, offset]``), and each slot's continuation state is the tuple of
+tokens it has consumed (standing for the hidden vector and recurrent state).
+``snapshot`` / ``restore`` copy that tuple and the tail page between slots and
+snapshot rows exactly as the real programs copy rows. Before every prefill or
+decode the fake checks that the slot's state is exactly the request's consumed
+history and that its page table maps every consumed position to the token
+consumed there; writes into a page anybody else references (a shared,
+immutable page) fail.
+
 Page ids in the expectations are derived by hand from the policy in
 ``flare.runtime.scheduler`` (reservation = pages for min(history + one page,
 prompt + max_tokens); growth keeps one page ahead; FIFO free list).
@@ -155,11 +165,16 @@ class Sink:
 
 
 class FakeDevice:
-    def __init__(self, m: Manifest):
+    def __init__(self, m: Manifest, pool: PagePool | None = None):
         self.m = m
         self.caps = m.capacities
+        self.pool = pool
         self.a = {name: np.zeros(shape, np.dtype(dt.value)) for name, (_, dt, shape) in
                   runtime_buffer_shapes(self.caps).items()}
+        self.kv = np.full((m.pages.num_pages, PS), -1, np.int64)
+        self.state: dict[int, tuple[int, ...]] = {}  # slot -> consumed tokens (continuation)
+        self.snap: dict[int, tuple[int, ...]] = {}  # snapshot row -> consumed tokens
+        self.snap_tail: dict[int, np.ndarray] = {}
         self.log: list[tuple[str, list[str]]] = []
 
     def apply(self, w) -> None:  # as ReferenceExecutor._apply
@@ -179,18 +194,42 @@ class FakeDevice:
             toks = self.a["in.tokens"][:count]
             if clear:
                 self.a["state.hist"][slot] = 0
+                self.state[slot] = ()
             if mode == 0:
                 self.a["state.hist"][slot, np.unique(toks)] |= HIST_PROMPT_BIT
             else:
                 np.add.at(self.a["state.hist"][slot], toks, 1)
             return None
+        if step.kind in (ProgramKind.snapshot, ProgramKind.restore):
+            slot, row, page, count = (int(x) for x in self.a["in.state"])
+            assert row != 0 and slot != 0
+            if step.kind == ProgramKind.snapshot:
+                self.snap[row] = self.state[slot]
+                self.snap_tail[row] = self.kv[page].copy()
+                consumed = int(self.a["state.len"][slot])
+            else:
+                assert len(self.snap[row]) == count
+                if page != self.m.pages.null_page:
+                    self._check_private(step.requests[0], page)
+                self.state[slot] = self.snap[row]
+                self.kv[page] = self.snap_tail[row]
+                self.a["state.len"][slot] = consumed = count
+            return np.array([[slot, row, consumed, 0]], np.int32)
+        if step.kind == ProgramKind.resume:
+            slot, n, sample, _ = (int(x) for x in self.a["in.prefill"])
+            req = step.requests[0]
+            self._check_history(req, slot)
+            live = np.array([sample != 0 and self.a["state.done"][slot] == 0])
+            return self._sample_and_commit(np.array([slot]), live)
         if step.kind == ProgramKind.prefill:
             slot, n, sample, _ = (int(x) for x in self.a["in.prefill"])
             req = step.requests[0]
             start = int(self.a["state.len"][slot])
             assert list(self.a["in.tokens"][:n]) == req.target[start : start + n]
+            self._check_history(req, slot)
             for pos in range(start, start + n):
-                self._check_kv_write(req, slot, pos)
+                self._write_kv(req, slot, pos, req.target[pos])
+            self.state[slot] += tuple(req.target[start : start + n])
             self.a["state.len"][slot] = start + n
             live = np.array([sample != 0 and self.a["state.done"][slot] == 0])
             return self._sample_and_commit(np.array([slot]), live)
@@ -199,13 +238,31 @@ class FakeDevice:
         for i, s in enumerate(slots):
             if live[i]:
                 req = next(r for r in step.requests if r.slot == s)
-                self._check_kv_write(req, s, int(self.a["state.len"][s]))
+                self._check_history(req, s)
+                pending = int(self.a["state.pending"][s])
+                self._write_kv(req, s, int(self.a["state.len"][s]), pending)
+                self.state[int(s)] += (pending,)
                 self.a["state.len"][s] += 1
         return self._sample_and_commit(slots, live)
 
-    def _check_kv_write(self, req: Request, slot: int, pos: int) -> None:
+    def _check_history(self, req: Request, slot: int) -> None:
+        """The slot holds exactly the request's consumed history, state and KV alike."""
+        n = int(self.a["state.len"][slot])
+        history = tuple((req.prompt + req.output)[:n])
+        assert self.state[slot] == history, f"{req}: continuation state is not its history"
+        table = self.a["state.page_table"][slot]
+        kv = [int(self.kv[table[p // PS], p % PS]) for p in range(n)]
+        assert tuple(kv) == history, f"{req}: KV pages do not hold its history"
+
+    def _check_private(self, req: Request, page: int) -> None:
+        if self.pool is not None:
+            assert self.pool.refcount(page) == 1, f"{req} writes shared page {page}"
+
+    def _write_kv(self, req: Request, slot: int, pos: int, token: int) -> None:
         page = int(self.a["state.page_table"][slot, pos // PS])
         assert page != 0 and page in req.pages, f"{req} writes position {pos} into page {page} ({req.pages})"
+        self._check_private(req, page)
+        self.kv[page, pos % PS] = token
 
     def _sample_and_commit(self, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
         a = self.a
@@ -239,11 +296,14 @@ def step_capacity(step: Step) -> int:
     return int(step.program.split(".")[1])
 
 
-def small_manifest(core: Path, *, num_pages: int, slots: int) -> Manifest:
+def small_manifest(core: Path, *, num_pages: int, slots: int, snapshot_rows: int = 0) -> Manifest:
+    """The core's manifest with a smaller pool; ``snapshot_rows`` 0 (the default here)
+    leaves the prefix cache off, so these tests see the scheduler alone."""
     m = load_manifest(core)
     decode_caps = tuple(c for c in m.capacities.decode_capacities if c <= slots)
     assert decode_caps[-1] == slots  # cores always have slots == largest decode capacity
-    caps = msgspec.structs.replace(m.capacities, slots=slots, decode_capacities=decode_caps)
+    caps = msgspec.structs.replace(m.capacities, slots=slots, decode_capacities=decode_caps,
+                                   snapshot_rows=snapshot_rows)
     programs = tuple(p for p in m.programs if p.kind != ProgramKind.decode or p.capacity in decode_caps)
     return msgspec.structs.replace(m, capacities=caps, programs=programs,
                                    pages=msgspec.structs.replace(m.pages, num_pages=num_pages))
@@ -263,9 +323,9 @@ class Driver:
     """Runs the scheduler against the fake device, checking invariants after every step
     and logging every change of a request's page list as (consumed, pages)."""
 
-    def __init__(self, m: Manifest):
-        self.sched = Scheduler(m)
-        self.dev = FakeDevice(m)
+    def __init__(self, m: Manifest, *, prefix_cache: bool = True):
+        self.sched = Scheduler(m, prefix_cache=prefix_cache)
+        self.dev = FakeDevice(m, self.sched.pages)
         self.pages: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
         self.known: list[Request] = []
         self.steps: list[Step] = []
@@ -296,7 +356,7 @@ class Driver:
         self.sched.check_integrity()
         if step.kind != ProgramKind.admit:
             for r in step.requests:
-                if not r.finished and r.slot is not None:
+                if r.slot is not None:
                     assert int(self.dev.a["state.len"][r.slot]) == r.consumed
                     assert int(self.dev.a["state.generated"][r.slot]) == len(r.output)
         return step

@@ -94,7 +94,7 @@ def rig(smol_core) -> Rig:
     model = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
     specs = recipe.weights(model)
     recipe.bind(model, specs, views)
-    programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference")
+    programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference", m.continuation)
     run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
     template = ChatTemplate((smol_core / m.frontend.chat_template).read_text(), dict(m.frontend.special_tokens))
     r = Rig(m, arena, views, run, model, specs, TextCodec(str(smol_core / m.frontend.tokenizer)), template)

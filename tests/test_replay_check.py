@@ -10,11 +10,22 @@ import shutil
 import subprocess
 import sys
 
-from tests.conftest import TINY_OPTS, prepare_core
+import pytest
+
+from tests.conftest import HYBRID_OPTS, TINY_OPTS, prepare_core
+
+# Three input sets: the snapshot/restore sets cycle through a tail page of the slot, another
+# one, and the null page (a page-aligned endpoint); resume's third set is a finished request.
+QUALIFIED = {
+    "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"], name="llama-tiny-qualified"),
+    "qwen3_5-tiny": lambda: prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--qualify", "3"],
+                                         name="qwen3_5-tiny-qualified"),
+}
 
 
-def test_reference_executor_reproduces_golden_replays():
-    core = prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "2"], name="llama-tiny-qualified")
+@pytest.mark.parametrize("model", sorted(QUALIFIED))
+def test_reference_executor_reproduces_golden_replays(model):
+    core = QUALIFIED[model]()
     proc = subprocess.run([sys.executable, "-m", "flare.runtime.replay_check", str(core), "reference"],
                           capture_output=True, text=True, timeout=300)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -23,11 +34,27 @@ def test_reference_executor_reproduces_golden_replays():
     assert not report["torch_imported"]
     names = {p["name"] for p in json.loads((core / "manifest.json").read_text())["programs"]}
     assert set(report["programs"]) == names
-    assert all(v["sets"] == 2 for v in report["programs"].values())
+    assert {"resume.1", "snapshot.1", "restore.1"} <= names
+    assert all(v["sets"] == 3 for v in report["programs"].values())
+
+
+def test_golden_replays_see_the_checkpoint_copies():
+    """The digests cover the snapshot buffers: each snapshot set changes its row of every
+    continuation twin and of the tail buffer, and each restore set changes the slot's
+    continuation rows (a replay that copied nothing could not match)."""
+    core = QUALIFIED["qwen3_5-tiny"]()
+    golden = json.loads((core / "qualification.json").read_text())
+    base = golden["resume.1"][0]  # resume writes none of the buffers compared here
+    for s in golden["snapshot.1"]:
+        for name in ("snap.state.hidden", "snap.state.gdn.conv", "snap.state.gdn.recurrent", "snap.kv_tail"):
+            assert s[name] != base[name], name
+    for s in golden["restore.1"]:
+        for name in ("state.hidden", "state.gdn.conv", "state.gdn.recurrent", "state.len"):
+            assert s[name] != base[name], name
 
 
 def test_a_wrong_digest_is_a_mismatch(tmp_path):
-    core = prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "2"], name="llama-tiny-qualified")
+    core = QUALIFIED["llama-tiny"]()
     bad = tmp_path / "core"
     shutil.copytree(core, bad)
     golden = json.loads((bad / "qualification.json").read_text())

@@ -12,6 +12,7 @@ Arena map (offsets grow downward, every buffer aligned to ``arena.alignment``)::
     +--------------------------+
     | kv pages (role=kv)       |  runtime-owned, zero-filled at load
     | request state (state)    |  row 0 of every state buffer is the null slot
+    | snapshots (snapshot)     |  checkpoint rows; row 0 is the null row
     | inputs  (role=input)     |  written by the runtime before a launch
     | outputs (role=output)    |  completion records, logits, hidden rows
     | scratch (role=scratch)   |  torch's pool on CUDA cores: graph intermediates,
@@ -30,7 +31,7 @@ import msgspec
 
 from flare.core.errors import CoreCompatibilityError, ManifestError
 
-ABI_VERSION = 1
+ABI_VERSION = 3
 MANIFEST_FILE = "manifest.json"
 
 
@@ -88,9 +89,9 @@ class ProgramKind(str, enum.Enum):
     admit = "admit"  # initialise a slot's penalty histogram from prompt tokens
     prefill = "prefill"  # one request's chunk of up to C tokens
     decode = "decode"  # B running requests, one token each
-    resume = "resume"  # sample from a saved final hidden vector
-    snapshot = "snapshot"  # live state row -> immutable snapshot row
-    restore = "restore"  # snapshot row -> live state row
+    resume = "resume"  # sample from a saved final hidden vector (full-prompt cache hit)
+    snapshot = "snapshot"  # live continuation row (+ KV tail page) -> immutable snapshot row
+    restore = "restore"  # snapshot row -> live continuation row (+ private KV tail page)
 
 
 class Program(_Frozen):
@@ -128,7 +129,22 @@ class Capacities(_Frozen):
     vocab_size: int  # logits width
     sampling_vocab: int  # ids >= this are never sampled (padded vocabularies)
     hidden_size: int
-    snapshot_rows: int
+    snapshot_rows: int  # checkpoint rows; snapshot buffers have snapshot_rows + 1 rows (row 0 = null)
+
+
+class Continuation(_Frozen):
+    """What a resumable endpoint holds besides its complete KV pages.
+
+    ``state`` names the per-slot state buffers whose rows are continuation state
+    (the saved final hidden vector, and for recurrent models every recurrent and
+    convolution history). Each has a snapshot twin named ``snapshot_buffer(name)``
+    with the same dtype and row shape and ``snapshot_rows + 1`` rows. ``tail``
+    names the snapshot buffer holding one whole KV page per row: the partial tail
+    page of an endpoint that is not page-aligned. The ``snapshot`` and ``restore``
+    programs copy exactly these rows, so the runtime needs no model knowledge."""
+
+    state: tuple[str, ...]
+    tail: str
 
 
 class ToolParser(str, enum.Enum):
@@ -210,6 +226,7 @@ class Manifest(_Frozen):
     frontend: Frontend
     sampling: SamplingDefaults
     reference: Reference
+    continuation: Continuation
     kernels: str | None  # kernel table file (CUDA cores); None on reference cores
 
     def buffer(self, name: str) -> Buffer:
@@ -237,8 +254,16 @@ COMPLETION_FIELDS = ("slot", "token", "generated", "status")
 STATUS_CODES = {"inactive": -1, "running": 0, "stop": 1, "length": 2}
 SAMPLING_F_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 PREFILL_META_FIELDS = ("slot", "count", "sample", "reserved")
-ADMIT_META_FIELDS = ("slot", "count", "clear", "reserved")
-STATE_ROW_META_FIELDS = ("slot", "row", "reserved0", "reserved1")
+ADMIT_META_FIELDS = ("slot", "count", "clear", "mode")  # clear also resets the slot's continuation state
+# snapshot / restore: live slot, snapshot row, KV tail page (the null page when the
+# endpoint is page-aligned), consumed count of the endpoint.
+STATE_META_FIELDS = ("slot", "row", "page", "count")
+# Their completion record: the slot and row they copied between and the consumed count
+# the copied state describes (snapshot: the live row's own count; restore: the count set).
+STATE_COMPLETION_FIELDS = ("slot", "row", "consumed", "reserved")
+SNAPSHOT_PREFIX = "snap."
+# Capacity of the maintenance programs (one slot per launch).
+STATE_PROGRAM_CAPACITY = 1
 # Prompt tokens set this bit in the penalty histogram; output tokens count in the low bits.
 HIST_PROMPT_BIT = 1 << 24
 # Grammar masks: ``state.mask_on[slot]`` (written at admission) says whether the slot's
@@ -270,7 +295,9 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         "in.admit": (BufferRole.input, DType.int32, (len(ADMIT_META_FIELDS),)),
         "in.decode_slots": (BufferRole.input, DType.int32, (bmax,)),
         "in.token_mask": (BufferRole.input, DType.int32, (rows, mask_words(c.vocab_size))),
+        "in.state": (BufferRole.input, DType.int32, (len(STATE_META_FIELDS),)),
         "out.prefill_completion": (BufferRole.output, DType.int32, (1, ncomp)),
+        "out.state_completion": (BufferRole.output, DType.int32, (1, len(STATE_COMPLETION_FIELDS))),
         "out.decode_completion": (BufferRole.output, DType.int32, (bmax, ncomp)),
         "out.logits": (BufferRole.output, DType.float32, (bmax, c.vocab_size)),
     }
@@ -279,6 +306,11 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
 def mask_words(vocab_size: int) -> int:
     """int32 words per grammar mask row: bit j of word w allows token 32 * w + j."""
     return -(-vocab_size // 32)
+
+
+def snapshot_buffer(state: str) -> str:
+    """The snapshot twin of a continuation state buffer (the contract's naming rule)."""
+    return SNAPSHOT_PREFIX + state
 
 
 def prefill_capacities_for(chunk: int, context_limit: int) -> tuple[int, ...]:
@@ -427,6 +459,10 @@ def validate(m: Manifest) -> None:
         _fail("CUDA cores need a fixed arena base address", "arena.base_address")
     if caps[ProgramKind.admit] != (max(c.prefill_capacities),):
         _fail("core needs exactly one admit program at the prefill chunk capacity", "programs")
+    for kind in (ProgramKind.resume, ProgramKind.snapshot, ProgramKind.restore):
+        if caps[kind] != (STATE_PROGRAM_CAPACITY,):
+            _fail(f"core needs exactly one {kind.value} program of capacity {STATE_PROGRAM_CAPACITY}", "programs")
+    _validate_continuation(m)
 
     s = m.sampling
     if s.temperature <= 0:
@@ -442,6 +478,37 @@ def validate(m: Manifest) -> None:
         _fail("temperature range must be positive", "sampling.ranges.temperature")
     if any(not 0 <= t < c.vocab_size for t in m.frontend.eos_ids):
         _fail("EOS ids must lie inside the vocabulary", "frontend.eos_ids")
+
+
+def _validate_continuation(m: Manifest) -> None:
+    """Every continuation buffer is a per-slot state buffer with a snapshot twin of the
+    same dtype and row shape; the tail rows hold exactly one KV page; and nothing else
+    has the snapshot role (a snapshot row is fully described by this section)."""
+    c, cont = m.capacities, m.continuation
+    by_name = {b.name: b for b in m.buffers}
+    if "state.hidden" not in cont.state:
+        _fail("continuation state must include state.hidden (resume samples from it)", "continuation.state")
+    if len(set(cont.state)) != len(cont.state):
+        _fail("continuation state names a buffer twice", "continuation.state")
+    expected = {cont.tail}
+    for name in cont.state:
+        b = by_name.get(name)
+        if b is None or b.role != BufferRole.state or b.shape[0] != c.slots + 1:
+            _fail(f"continuation buffer {name!r} must be a state buffer with one row per slot", "continuation.state")
+        twin = by_name.get(snapshot_buffer(name))
+        if twin is None or twin.role != BufferRole.snapshot or twin.dtype != b.dtype \
+                or twin.shape != (c.snapshot_rows + 1, *b.shape[1:]):
+            _fail(f"continuation buffer {name!r} needs a snapshot twin {snapshot_buffer(name)!r} "
+                  f"of shape {(c.snapshot_rows + 1, *b.shape[1:])}", "continuation.state")
+        expected.add(twin.name)
+    tail = by_name.get(cont.tail)
+    kv = [b for b in m.buffers if b.role == BufferRole.kv]
+    if tail is None or tail.role != BufferRole.snapshot or tail.shape[0] != c.snapshot_rows + 1 \
+            or tail.nbytes // tail.shape[0] != m.pages.bytes_per_page or tail.dtype != kv[0].dtype:
+        _fail(f"continuation tail {cont.tail!r} must be a snapshot buffer of one KV page per row", "continuation.tail")
+    extra = sorted(b.name for b in m.buffers if b.role == BufferRole.snapshot and b.name not in expected)
+    if extra:
+        _fail(f"snapshot buffers outside the continuation section: {extra}", "continuation")
 
 
 SAMPLING_PARAMS = (

@@ -10,7 +10,7 @@ Tokens are packed: a program hands the model ``T`` tokens, each with its own
 request slot and position. Prefill packs one request's chunk; decode packs one
 token of each of ``B`` requests. The same function serves both.
 
-KV layout (one buffer for every layer)::
+KV layout (one buffer for every attention layer; ``module.kv_layer`` indexes it)::
 
     kv[layer, 0|1, page, offset_in_page, kv_head, head_dim]      0 = K, 1 = V
     slot_mapping = page * page_size + offset_in_page             (-1 = no write)
@@ -39,6 +39,9 @@ class PagedBatch:
     # Every valid row belongs to token_slot[0] (a prefill chunk): kernels may tile
     # query tokens. The Triton kernels stay correct when it is wrong; gather relies on it.
     single_slot: bool = False
+    # Per-slot recurrent state of the model (``manifest.continuation``), by buffer name:
+    # recurrent layers read and write their rows; attention never touches it.
+    state: dict[str, torch.Tensor] | None = None
 
     @property
     def page_size(self) -> int:
@@ -132,7 +135,7 @@ def flare_paged_attention(module, query, key, value, attention_mask, scaling=Non
     Shapes: query ``[1, H, T, D]``, key/value ``[1, KVH, T, D]``; returns ``([1, T, H, D], None)``."""
     if paged is None:
         raise RuntimeError("flare_paged attention needs the 'paged' batch argument")
-    layer = module.layer_idx
+    layer = module.kv_layer  # index into the kv buffer (set by the recipe: not every layer attends)
     q = query[0].transpose(0, 1)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if paged.impl == "triton":

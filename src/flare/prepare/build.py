@@ -48,6 +48,7 @@ class Options:
     page_size: int = 16
     kv_pages: int | None = None
     kv_memory_gib: float | None = None
+    snapshot_rows: int | None = None  # prefix-cache checkpoint rows (default: 4 per slot)
     attention: str | None = None  # reference | triton
     compile: bool = True
     scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
@@ -70,7 +71,7 @@ def _dtype_enum(t: torch.dtype) -> DType:
 def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_bytes: int | None) -> tuple[mf.Capacities, int]:
     """Capacities from the options; KV pages from --kv-pages, --kv-memory, or (CUDA)
     the device's free memory minus weights, scratch and the declared reserve."""
-    cfg = src.config
+    cfg = src.config.get_text_config()
     model_max = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
     context = opts.context_limit or min(model_max, 8192 if opts.device == "cpu" else 32768)
     if context > model_max:
@@ -87,7 +88,10 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         raise PrepareError(f"decode capacities must lie in [1, 256], got {opts.decode_capacities}")
     if opts.page_size < 1 or opts.page_size & (opts.page_size - 1):
         raise PrepareError(f"--page-size must be a power of two, got {opts.page_size}")
-    vocab = recipe.vocab_size(cfg)
+    vocab = recipe.vocab_size(src.config)
+    snapshot_rows = 4 * decode_caps[-1] if opts.snapshot_rows is None else opts.snapshot_rows
+    if snapshot_rows < 0:
+        raise PrepareError(f"--snapshot-rows must not be negative, got {snapshot_rows}")
     caps = mf.Capacities(
         context_limit=context,
         prefill_chunk=chunk,
@@ -98,10 +102,10 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         stop_ids=STOP_IDS_CAPACITY,
         vocab_size=vocab,
         sampling_vocab=min(vocab, src.frontend.tokenizer_vocab),
-        hidden_size=recipe.hidden_size(cfg),
-        snapshot_rows=0,
+        hidden_size=recipe.hidden_size(src.config),
+        snapshot_rows=snapshot_rows,
     )
-    geo = recipe.kv_geometry(cfg)
+    geo = recipe.kv_geometry(src.config)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
     bytes_per_page = geo.layers * 2 * opts.page_size * geo.kv_heads * geo.head_dim * itemsize
     if opts.kv_pages is not None:
@@ -111,7 +115,11 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         pages = int(budget // bytes_per_page)
     else:
         weights = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
-        budget = free_bytes - weights - (opts.scratch_memory_gib + opts.reserve_gib) * GiB
+        # Checkpoint rows: one KV tail page plus one copy of every continuation row each.
+        rows = sum(math.prod(shape) * dt.itemsize for _, dt, shape in
+                   continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype())))
+        snapshots = (caps.snapshot_rows + 1) * (bytes_per_page + rows)
+        budget = free_bytes - weights - snapshots - (opts.scratch_memory_gib + opts.reserve_gib) * GiB
         pages = int(budget // bytes_per_page)
     # One request at full context must fit, plus the null page.
     if pages < caps.max_pages_per_slot + 1:
@@ -123,25 +131,40 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
     return caps, pages
 
 
+KV_TAIL = "snap.kv_tail"
+
+
+def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType) -> list[tuple[str, DType, tuple[int, ...]]]:
+    """Continuation state, one row per slot: the saved final hidden vector, then whatever
+    the recipe declares (recurrent matrices, convolution histories). (name, dtype, row shape)."""
+    return [("state.hidden", dtype, (caps.hidden_size,)), *recipe.state_buffers(config, dtype)]
+
+
 def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: Options, specs) -> list[BufferRequest]:
     dtype = DType(opts.resolved_dtype())
     reqs = [BufferRequest(s.buffer, BufferRole.weight, _dtype_enum(s.dtype), s.shape) for s in specs]
     geo = recipe.kv_geometry(src.config)
+    page_shape = (geo.layers, 2, opts.page_size, geo.kv_heads, geo.head_dim)
     reqs.append(BufferRequest("kv", BufferRole.kv, dtype, (geo.layers, 2, pages, opts.page_size, geo.kv_heads, geo.head_dim)))
     for name, (role, dt, shape) in mf.runtime_buffer_shapes(caps).items():
         reqs.append(BufferRequest(name, role, dt, shape))
-    reqs.append(BufferRequest("state.hidden", BufferRole.state, dtype, (caps.slots + 1, caps.hidden_size)))
+    for name, dt, row in continuation_rows(recipe, src.config, caps, dtype):
+        reqs.append(BufferRequest(name, BufferRole.state, dt, (caps.slots + 1, *row)))
+        reqs.append(BufferRequest(mf.snapshot_buffer(name), BufferRole.snapshot, dt, (caps.snapshot_rows + 1, *row)))
+    reqs.append(BufferRequest(KV_TAIL, BufferRole.snapshot, dtype, (caps.snapshot_rows + 1, *page_shape)))
     reqs.append(
         BufferRequest("out.prefill_hidden", BufferRole.output, dtype, (max(caps.prefill_capacities), caps.hidden_size))
     )
     return reqs
 
 
-def program_table(caps: mf.Capacities, graphs: dict[str, str] | None) -> tuple[mf.Program, ...]:
+def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
+                  continuation: mf.Continuation) -> tuple[mf.Program, ...]:
     state = ("state.len", "state.pending", "state.generated", "state.max_new", "state.done", "state.seed",
              "state.counter", "state.top_k", "state.sampling", "state.stop_ids", "state.page_table",
-             "state.hist", "state.hidden")
+             "state.hist", *continuation.state)
     mask = ("state.mask_on", "in.token_mask")  # grammar masks: read by every sampling program
+    snaps = (*(mf.snapshot_buffer(n) for n in continuation.state), continuation.tail)
     progs = []
 
     def add(kind, cap, reads, writes, completion):
@@ -150,13 +173,20 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None) -> tuple[m
                                 completion=completion, graph=(graphs or {}).get(name)))
 
     cmax = max(caps.prefill_capacities)
-    add(ProgramKind.admit, cmax, ("in.admit", "in.tokens", "state.hist"), ("state.hist",), None)
+    add(ProgramKind.admit, cmax, ("in.admit", "in.tokens", "state.hist"), ("state.hist", *continuation.state), None)
     for c in caps.prefill_capacities:
         add(ProgramKind.prefill, c, ("in.prefill", "in.tokens", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.prefill_hidden", "out.prefill_completion"), "out.prefill_completion")
     for b in caps.decode_capacities:
         add(ProgramKind.decode, b, ("in.decode_slots", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.decode_completion"), "out.decode_completion")
+    one = mf.STATE_PROGRAM_CAPACITY
+    add(ProgramKind.resume, one, ("in.prefill", *state, *mask), (*state, "out.logits", "out.prefill_completion"),
+        "out.prefill_completion")
+    add(ProgramKind.snapshot, one, ("in.state", "kv", "state.len", *continuation.state),
+        (*snaps, "out.state_completion"), "out.state_completion")
+    add(ProgramKind.restore, one, ("in.state", *snaps), ("kv", "state.len", *continuation.state, "out.state_completion"),
+        "out.state_completion")
     return tuple(progs)
 
 
@@ -181,11 +211,16 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     free = session.free_at_start if cuda else None
     caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=free)
     buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
+    continuation = mf.Continuation(
+        state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype()))),
+        tail=KV_TAIL)
     weight_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.weight)
     kv_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.kv)
     state_bytes = sum(b.nbytes for b in buffers if b.role in (BufferRole.state, BufferRole.input, BufferRole.output))
+    snapshot_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.snapshot)
     progress(f"plan: weights {weight_bytes / GiB:.2f} GiB, kv {pages} pages x {opts.page_size} tokens "
-             f"({kv_bytes / GiB:.2f} GiB), state and io {state_bytes / 2**20:.1f} MiB")
+             f"({kv_bytes / GiB:.2f} GiB), state and io {state_bytes / 2**20:.1f} MiB, "
+             f"{caps.snapshot_rows} snapshot rows ({snapshot_bytes / 2**20:.1f} MiB)")
     if cuda:
         pool_offset = align(planned, 2 << 20)
         session.map(pool_offset + int(opts.scratch_memory_gib * GiB))
@@ -203,9 +238,10 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         progress("building programs")
         if cuda and opts.compile:
             _compile_layers(recipe, model)
-        programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention)
-        table = program_table(caps, {p.name: f"graphs/{p.name}.json" for p in program_table(caps, None)} if cuda else None)
-        partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table,
+        programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention, continuation)
+        names = {p.name: f"graphs/{p.name}.json" for p in program_table(caps, None, continuation)}
+        table = program_table(caps, names if cuda else None, continuation)
+        partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
                                     base=session.base if cuda else 0, device=session.device if cuda else None)
         out.mkdir(parents=True, exist_ok=True)
         if not cuda:
@@ -245,6 +281,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     final = msgspec.structs.replace(partial, identity=identity)
     (out / mf.MANIFEST_FILE).write_bytes(mf.encode_manifest(final))
     report = {"weights_bytes": weight_bytes, "kv_bytes": kv_bytes, "kv_pages": pages, "state_io_bytes": state_bytes,
+              "snapshot_rows": caps.snapshot_rows, "snapshot_bytes": snapshot_bytes,
               "arena_bytes": nbytes, "seconds": round(time.time() - t0, 2), **extra.get("report", {})}
     (out / "prepare_report.json").write_text(json.dumps(report, indent=1))
     progress(f"done in {time.time() - t0:.1f} s")
@@ -267,7 +304,8 @@ def _compile_layers(recipe, model) -> None:
         layer.compile(dynamic=False)
 
 
-def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, *, base, device) -> mf.Manifest:
+def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,
+                      device) -> mf.Manifest:
     import transformers
 
     from flare import __version__
@@ -325,5 +363,6 @@ def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, *,
             ranges=ranges,
         ),
         reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
+        continuation=continuation,
         kernels="kernels.json" if device else None,
     )

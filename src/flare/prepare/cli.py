@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-pages", type=int, default=None, help="number of KV pages")
     kv.add_argument("--kv-memory", type=float, default=None, help="KV page budget in GiB")
+    p.add_argument("--snapshot-rows", type=int, default=None,
+                   help="prefix-cache checkpoint rows (default: 4 per request slot; 0 disables the cache)")
     p.add_argument("--attention", choices=("reference", "gather", "triton"), default=None)
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
     p.add_argument("--scratch-memory", type=float, default=4.0,
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_size": a.page_size,
         "kv_pages": a.kv_pages,
         "kv_memory_gib": a.kv_memory,
+        "snapshot_rows": a.snapshot_rows,
         "attention": a.attention,
         "compile": not a.no_compile,
         "served_name": a.served_name,

@@ -7,7 +7,13 @@ device), so the same callables are captured into CUDA graphs on the GPU and
 run eagerly by the reference worker on the CPU.
 
 Request slot 0 is the null slot and page 0 the null page: padded rows read and
-write only there, so they never touch another request's state.
+write only there, so they never touch another request's state. Snapshot row 0
+is the null row: the maintenance programs never target it.
+
+Continuation state (``manifest.continuation``): the rows that, with the
+complete KV pages and one partial tail page, define a resumable endpoint.
+``admit`` resets them (first chunk), ``snapshot`` / ``restore`` copy them
+row-exactly, ``resume`` samples from the saved hidden vector.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from flare.core.manifest import HIST_PROMPT_BIT, Capacities, ProgramKind
+from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
 from flare.prepare.attention import PagedBatch
 from flare.prepare.sampling import apply_token_mask, sample
 
@@ -49,6 +55,7 @@ class ProgramSet:
         caps: Capacities,
         page_size: int,
         attention: str,
+        continuation: Continuation,
     ):
         self.recipe = recipe
         self.model = model
@@ -56,12 +63,18 @@ class ProgramSet:
         self.caps = caps
         self.page_size = page_size
         self.attention = attention
+        self.continuation = continuation
+        # Recipe state other than the hidden vector, handed to the model through the batch.
+        self.model_state = {n: views[n] for n in continuation.state if n != "state.hidden"}
 
     def callable(self, kind: ProgramKind, capacity: int, *, eager: bool = False) -> Callable[[], None]:
         fn = {
             ProgramKind.admit: self.admit,
             ProgramKind.prefill: self.prefill,
             ProgramKind.decode: self.decode,
+            ProgramKind.resume: self.resume,
+            ProgramKind.snapshot: self.snapshot,
+            ProgramKind.restore: self.restore,
         }[kind]
 
         def run() -> None:
@@ -82,7 +95,10 @@ class ProgramSet:
         """Initialise or extend a slot's penalty histogram from up to C tokens.
 
         mode 0 sets the prompt bit of each token once; mode 1 adds one count per
-        occurrence (output tokens restored at readmission)."""
+        occurrence (output tokens restored at readmission). ``clear`` (the first
+        chunk of an admission) also resets the slot's continuation state to the
+        initial state of an empty history (zeros: no recurrence, no convolution
+        history), so a recurrent model never continues another request's state."""
         v = self.v
         meta = v["in.admit"]
         slot = meta[0:1].long()
@@ -99,6 +115,54 @@ class ProgramSet:
         row = torch.where(clear, torch.zeros_like(row), row)
         row = torch.where(mode == 0, row | (marks * HIST_PROMPT_BIT), row + counts)
         v["state.hist"].index_copy_(0, slot, row[None])
+        for name in self.continuation.state:
+            buf = v[name]
+            old = buf.index_select(0, slot)
+            buf.index_copy_(0, slot, torch.where(clear, torch.zeros_like(old), old))
+
+    def resume(self, B: int) -> None:
+        """Sample the first output token of a full-prompt cache hit from the restored
+        hidden vector: the same head and sampler as the last prefill chunk, no token
+        recomputed. Reads ``in.prefill`` (slot, -, sample)."""
+        v = self.v
+        meta = v["in.prefill"]
+        slot = meta[0:1].long()
+        sample_flag = meta[2:3] != 0
+        last = v["state.hidden"].index_select(0, slot)
+        logits = self.recipe.lm_head(self.model, last).float()
+        v["out.logits"][:1].copy_(logits)
+        live = sample_flag & (v["state.done"].index_select(0, slot) == 0)
+        self._sample_and_commit(slot, logits, live, v["out.prefill_completion"])
+
+    def _state_meta(self):
+        meta = self.v["in.state"]
+        return meta[0:1].long(), meta[1:2].long(), meta[2:3].long(), meta[3:4]
+
+    def snapshot(self, B: int) -> None:
+        """Freeze a live slot's continuation rows and its KV tail page (``page``: the
+        null page at a page-aligned endpoint) into snapshot row ``row``. Exact copies.
+        The completion record carries the consumed count the copied state describes,
+        so the host publishes only the endpoint it asked for."""
+        v = self.v
+        slot, row, page, _ = self._state_meta()
+        for name in self.continuation.state:
+            v[snapshot_buffer(name)].index_copy_(0, row, v[name].index_select(0, slot))
+        tail = v[self.continuation.tail]
+        tail.index_copy_(0, row, v["kv"].index_select(2, page).movedim(2, 0))
+        consumed = v["state.len"].index_select(0, slot)
+        v["out.state_completion"].copy_(torch.stack([slot.int(), row.int(), consumed, torch.zeros_like(consumed)], -1))
+
+    def restore(self, B: int) -> None:
+        """Install snapshot row ``row`` into a live slot: continuation rows, the tail
+        page into the slot's private page ``page`` (never a shared one: the host
+        passes the null page at a page-aligned endpoint), and the consumed count."""
+        v = self.v
+        slot, row, page, count = self._state_meta()
+        for name in self.continuation.state:
+            v[name].index_copy_(0, slot, v[snapshot_buffer(name)].index_select(0, row))
+        v["kv"].index_copy_(2, page, v[self.continuation.tail].index_select(0, row).movedim(0, 2))
+        v["state.len"].index_copy_(0, slot, count)
+        v["out.state_completion"].copy_(torch.stack([slot.int(), row.int(), count, torch.zeros_like(count)], -1))
 
     def prefill(self, C: int) -> None:
         v = self.v
@@ -161,6 +225,7 @@ class ProgramSet:
             valid=valid,
             impl=self.attention,
             single_slot=single_slot,
+            state=self.model_state,
         )
 
     def _sample_and_commit(

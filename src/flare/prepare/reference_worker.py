@@ -39,7 +39,7 @@ def main() -> int:
         if missing:
             raise RuntimeError(f"core lacks weight buffers the recipe needs: {missing[:5]}")
         recipe.bind(model, specs, views)
-        programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference")
+        programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference", m.continuation)
         table = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
     except Exception:
         traceback.print_exc()

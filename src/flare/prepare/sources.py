@@ -198,7 +198,7 @@ def _frontend_from_tokenizer(tok: Any, config: Any, extra_eos: tuple[int, ...] =
                 eos.append(int(i))
 
     add(tok.eos_token_id)
-    add(getattr(config, "eos_token_id", None))
+    add(getattr(config.get_text_config(), "eos_token_id", None))
     for i in extra_eos:
         add(i)
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
@@ -285,7 +285,7 @@ def _random(name: str, spec: dict, progress: Callable[[str], None]) -> ModelSour
     fe = spec.get("frontend", {})
 
     def load_weights(dest: dict[str, Any]) -> None:
-        fill_random(dest, seed=seed, std=float(getattr(config, "initializer_range", 0.02)))
+        fill_random(dest, seed=seed, std=float(getattr(config.get_text_config(), "initializer_range", 0.02)))
 
     return ModelSource(
         name=name,

@@ -32,11 +32,12 @@ class EngineState(str, enum.Enum):
 
 
 class Engine:
-    def __init__(self, executor: Executor, *, max_waiting: int = 256):
+    def __init__(self, executor: Executor, *, max_waiting: int = 256, prefix_cache: bool = True):
         self.executor = executor
         self.manifest = executor.manifest
         self.metrics = ServingMetrics()
-        self.scheduler = Scheduler(self.manifest, max_waiting=max_waiting, metrics=self.metrics)
+        self.scheduler = Scheduler(self.manifest, max_waiting=max_waiting, metrics=self.metrics,
+                                   prefix_cache=prefix_cache)
         self.state = EngineState.starting
         self.failure: Exception | None = None
         self.steps = 0
@@ -131,13 +132,28 @@ class Engine:
 
     def gauges(self) -> dict[str, float]:
         sched = self.scheduler
+        free, used, cached = sched.page_usage()
+        ck = sched.checkpoints
+        cache = ck.cache
         return {
             "flare_requests_running": len(sched.running),
             "flare_requests_waiting": len(sched.waiting),
             "flare_kv_pages_total": sched.pages.total,
-            "flare_kv_pages_free": sched.pages.free,
-            "flare_kv_pages_used": sched.pages.used,
-            "flare_kv_pages_cached": 0,
+            "flare_kv_pages_free": free,
+            "flare_kv_pages_used": used,  # held by requests
+            "flare_kv_pages_cached": cached,  # held only by prefix-cache checkpoints
+            "flare_prefix_cache_enabled": int(ck.enabled),
+            "flare_prefix_cache_hit_tokens_total": ck.hit_tokens_total,
+            "flare_prefix_cache_checkpoints": len(cache) if cache else 0,
+            "flare_prefix_cache_published_total": cache.published if cache else 0,
+            "flare_prefix_cache_duplicates_total": cache.duplicates if cache else 0,
+            # Page pressure and snapshot pressure, separately.
+            "flare_prefix_cache_page_evictions_total": cache.evicted_for_pages if cache else 0,
+            "flare_prefix_cache_snapshot_rows_total": cache.rows.total if cache else 0,
+            "flare_prefix_cache_snapshot_rows_free": cache.rows.free if cache else 0,
+            "flare_prefix_cache_snapshot_evictions_total": cache.evicted_for_rows if cache else 0,
+            "flare_prefix_cache_thinned_total": cache.thinned if cache else 0,
+            "flare_prefix_cache_captures_skipped_total": ck.skipped_total,
             "flare_engine_steps_total": self.steps,
             "flare_prefill_tokens_total": sched.prefill_tokens_total,
             "flare_preemptions_total": sched.preemptions_total,

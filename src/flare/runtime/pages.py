@@ -1,12 +1,20 @@
-"""KV page and request-slot ownership.
+"""KV page, request-slot and snapshot-row ownership.
 
 Pages are reference-counted so the prefix cache and several requests can
 share immutable pages; a page returns to the free list when its last
-reference is dropped. Page 0 is the null page and slot 0 the null slot: they
-are never handed out (padded rows of every program read and write only there).
+reference is dropped. Page 0 is the null page, slot 0 the null slot and
+snapshot row 0 the null row: they are never handed out (padded rows of every
+program read and write only there).
 
 Free pages are kept in a FIFO: allocation takes the oldest freed page, so page
 ids are deterministic for a given sequence of operations (tests assert them).
+
+Snapshot rows separate the logical owner (a checkpoint, or a capture that is
+not published yet) from outstanding device use (submitted or queued programs
+that read or write the row): a row becomes reusable only when both have ended
+(seed: "Track logical references separately from outstanding GPU use"). Pages
+need no such count today because the scheduler changes page ownership only at
+submission boundaries, when nothing that reads a page is in flight or queued.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import NewType
 
 PageId = NewType("PageId", int)
 SlotId = NewType("SlotId", int)
+RowId = NewType("RowId", int)
 
 
 class PoolExhausted(Exception):
@@ -115,3 +124,66 @@ class SlotPool:
             raise AssertionError("slot accounting is inconsistent")
         if 0 in self._used or 0 in self._free:
             raise AssertionError("the null slot was handed out")
+
+
+class RowPool:
+    """Snapshot rows 1..n (0 is the null row), FIFO like the page pool."""
+
+    def __init__(self, rows: int):
+        if rows < 0:
+            raise ValueError("a row pool cannot have a negative size")
+        self.total = rows
+        self._free: deque[RowId] = deque(RowId(r) for r in range(1, rows + 1))
+        self._owned: set[RowId] = set()  # held by a logical owner
+        self._uses: dict[RowId, int] = {}  # outstanding device uses (owned or retired)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> RowId | None:
+        if not self._free:
+            return None
+        r = self._free.popleft()
+        self._owned.add(r)
+        return r
+
+    def retire(self, row: RowId) -> None:
+        """The logical owner is gone; the row is free once no device use remains."""
+        if row not in self._owned:
+            raise ValueError(f"retire of unowned snapshot row {row}")
+        self._owned.remove(row)
+        if not self._uses.get(row):
+            self._free.append(row)
+
+    def begin_use(self, row: RowId) -> None:
+        if row not in self._owned:
+            raise ValueError(f"device use of unowned snapshot row {row}")
+        self._uses[row] = self._uses.get(row, 0) + 1
+
+    def end_use(self, row: RowId) -> None:
+        n = self._uses.get(row, 0)
+        if n <= 0:
+            raise ValueError(f"end of device use of idle snapshot row {row}")
+        if n == 1:
+            del self._uses[row]
+            if row not in self._owned:
+                self._free.append(row)
+        else:
+            self._uses[row] = n - 1
+
+    def in_use(self, row: RowId) -> bool:
+        return bool(self._uses.get(row))
+
+    def is_owned(self, row: RowId) -> bool:
+        return row in self._owned
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a snapshot row is on the free list twice")
+        if 0 in free or 0 in self._owned or 0 in self._uses:
+            raise AssertionError("the null snapshot row was handed out")
+        busy = self._owned | set(self._uses)
+        if free & busy or len(free) + len(busy) != self.total:
+            raise AssertionError("snapshot row accounting is inconsistent")

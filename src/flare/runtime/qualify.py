@@ -93,6 +93,7 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     state["in.prefill"][:] = 0
     state["in.admit"][:] = 0
     state["in.decode_slots"][:] = 0
+    state["in.state"][:] = 0
     for name in [n for n in state if n.startswith("out.")]:
         state[name][...] = 0
     return BaseState(state, per * m.pages.page_size)
@@ -124,6 +125,22 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         out["state.done"] = done
         out["in.prefill"] = np.array([slot, n, int(index != 1), 0], np.int32)
         out["in.tokens"] = rng.integers(0, c.sampling_vocab, base["in.tokens"].shape).astype(np.int32)
+    elif p.kind == ProgramKind.resume:
+        slot = int(rng.integers(1, c.slots + 1))
+        out["in.prefill"] = np.array([slot, 0, int(index != 1), 0], np.int32)
+        if index == 2:  # a finished request: nothing may change but the record
+            done = base["state.done"].copy()
+            done[slot] = 1
+            out["state.done"] = done
+    elif p.kind in (ProgramKind.snapshot, ProgramKind.restore):
+        # A live slot and a checkpoint row; the tail page is one of the slot's pages,
+        # or the null page (a page-aligned endpoint) in every third set.
+        slot = int(rng.integers(1, c.slots + 1))
+        row = int(rng.integers(1, c.snapshot_rows + 1)) if c.snapshot_rows else 0
+        count = int(rng.integers(1, per_slot_tokens))
+        table = base["state.page_table"][slot]
+        page = m.pages.null_page if index % 3 == 2 else int(table[count // m.pages.page_size])
+        out["in.state"] = np.array([slot, row, page, count], np.int32)
     elif p.kind == ProgramKind.decode:
         live = int(rng.integers(1, p.capacity + 1))
         slots = rng.permutation(np.arange(1, c.slots + 1))[:live]

@@ -91,9 +91,13 @@ _ids = itertools.count(1)
 
 class Request:
     def __init__(self, prompt: list[int], params: SamplingParams, sink: RequestSink | None = None,
-                 request_id: str | None = None, grammar: Grammar | None = None):
+                 request_id: str | None = None, grammar: Grammar | None = None,
+                 endpoints: tuple[int, ...] = ()):
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt = list(prompt)
+        # Token counts at which a complete rendered message ends (checkpoint candidates),
+        # ascending and strictly inside the prompt; the prompt boundary is implied.
+        self.endpoints = tuple(endpoints)
         self.params = params
         self.sink: RequestSink = sink or NullSink()
         self.grammar = grammar
@@ -108,6 +112,7 @@ class Request:
         self.cancel_requested = False
         self.admission_seq = -1  # admission order, for preemption
         self.preemptions = 0
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache at first admission
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None

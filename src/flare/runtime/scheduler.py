@@ -20,21 +20,30 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
   grammar; it is correct because the engine runs one step at a time (schedule,
   launch, wait, complete), so a constrained request always has exactly one step
   in flight. A pipelined engine must keep that property for constrained slots.
+* Prefix cache (``flare.runtime.checkpoints``): admission restores the deepest
+  checkpoint that prefixes the history and shares its pages; unused
+  checkpoints are evicted before admission waits or a decoder is preempted;
+  maintenance steps (admit, restore, resume, snapshot) run before any other.
+  A finished request keeps its slot and pages ("retiring") until its terminal
+  capture has completed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from flare.core.errors import AdmissionError, CapacityError, ExecutionError, FrontendError, ModelOutputError
 from flare.core.manifest import STATUS_CODES, Manifest, ProgramKind, mask_words
+from flare.runtime.checkpoints import Checkpoints
 from flare.runtime.metrics import ServingMetrics
 from flare.runtime.pages import PagePool, SlotPool
 from flare.runtime.request import FinishReason, Request, Status
+from flare.runtime.steps import Step, Write
+
+__all__ = ["Scheduler", "Step", "Write", "derive_seed"]
 
 _U64 = (1 << 64) - 1
 
@@ -49,35 +58,20 @@ def derive_seed(seed: int, generated: int) -> int:
     return z - (1 << 64) if z >= 1 << 63 else z
 
 
-@dataclass
-class Write:
-    buffer: str
-    value: np.ndarray
-    row: int | slice | None = None
-
-
-@dataclass
-class Step:
-    kind: ProgramKind
-    program: str
-    writes: list[Write] = field(default_factory=list)
-    requests: list[Request] = field(default_factory=list)
-    completion: str | None = None
-    count: int = 0  # prefill: tokens in this chunk
-    sample: bool = False  # prefill: samples the first output token
-
-
 class Scheduler:
-    def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None):
+    def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None,
+                 prefix_cache: bool = True):
         self.m = manifest
         self.metrics = metrics or ServingMetrics()
         self.caps = manifest.capacities
         self.page_size = manifest.pages.page_size
         self.pages = PagePool(manifest.pages.num_pages, manifest.pages.null_page)
         self.slots = SlotPool(self.caps.slots)
+        self.checkpoints = Checkpoints(manifest, self.pages, enabled=prefix_cache)
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.retiring: list[Request] = []  # finished, holding resources until their captures complete
         self._maintenance: deque[Step] = deque()
         self._admissions = 0
         self._last_kind: ProgramKind | None = None
@@ -117,6 +111,9 @@ class Scheduler:
                                 param="stop_token_ids")
         if any(not 0 <= t < self.caps.vocab_size for t in req.prompt):
             raise FrontendError("prompt token id outside the vocabulary", param="prompt")
+        e = req.endpoints
+        if list(e) != sorted(set(e)) or (e and not 0 < e[0] <= e[-1] < n):
+            raise FrontendError("message endpoints must be ascending and inside the prompt", param="endpoints")
 
     def add(self, req: Request) -> None:
         self.validate(req)
@@ -135,12 +132,17 @@ class Scheduler:
     def schedule(self) -> Step | None:
         """The next step to run. Call only when no submitted work is in flight."""
         self._retire_cancelled()
+        if not self._maintenance:
+            self._admit()
         if self._maintenance:
-            return self._maintenance.popleft()
-        self._admit()
-        if self._maintenance:
-            return self._maintenance.popleft()
-        prefilling = [r for r in self.running if r.status == Status.PREFILLING]
+            step = self._maintenance.popleft()
+            if step.kind == ProgramKind.resume and step.requests[0].grammar is not None:
+                # resume samples the first output token: it carries the mask like prefill.
+                self._mask_write(step.requests[0], step.writes)
+                if step.requests[0].finished:
+                    return self.schedule()
+            return step
+        prefilling = [r for r in self.running if r.status == Status.PREFILLING and r.consumed < len(r.target)]
         decoding = [r for r in self.running if r.status == Status.DECODING]
         if prefilling and (not decoding or self._last_kind == ProgramKind.decode):
             step = self._prefill_step(prefilling[0])
@@ -163,23 +165,32 @@ class Scheduler:
             self._finish(req, FinishReason.cancelled)
 
     def _admit(self) -> None:
+        ck = self.checkpoints
         for req in list(self.waiting):
             if not self.slots.free:
                 return
-            need = self._reservation(req)
+            reuse = ck.lookup(req)  # pinned: eviction below cannot take it
+            need = self._reservation(req) - len(reuse.pages)
             if not self.pages.can_allocate(need):
+                ck.evict_pages(need)
+            if not self.pages.can_allocate(need):
+                ck.abandon(reuse)
                 continue  # a blocked request does not stop smaller ones behind it
             self.waiting.remove(req)
             req.slot = self.slots.allocate()
-            req.pages = self.pages.allocate(need)
+            self.pages.retain(reuse.pages)
+            req.pages = reuse.pages + self.pages.allocate(need)
             req.status = Status.PREFILLING
-            req.consumed = 0
+            req.consumed = reuse.length
+            if req.preemptions == 0:
+                req.cached_tokens = reuse.length
             req.admission_seq = self._admissions
             self._admissions += 1
             self.running.append(req)
             if not req.output:  # readmissions were counted when first admitted
                 self.metrics.on_admitted(len(req.prompt))
             self._queue_admission(req)
+            self._maintenance.extend(ck.start(req, reuse))
 
     def _reservation(self, req: Request) -> int:
         tokens = min(len(req.target) + self.page_size, req.max_len)
@@ -226,7 +237,11 @@ class Scheduler:
 
     def _prefill_step(self, req: Request) -> Step | None:
         start = req.consumed
-        tokens = req.target[start : start + self.caps.prefill_chunk]
+        end = min(start + self.caps.prefill_chunk, len(req.target))
+        stop = self.checkpoints.next_stop(req)
+        if stop is not None:
+            end = min(end, stop)  # a selected endpoint interrupts prefill for its snapshot
+        tokens = req.target[start:end]
         n = len(tokens)
         cap = next(c for c in self._prefill_caps if c >= n)
         last = start + n == len(req.target)
@@ -277,7 +292,7 @@ class Scheduler:
         must = self.pages_for(req.consumed + 1)
         want = min(must + 1, self.pages_for(req.max_len), self.caps.max_pages_per_slot)
         while len(req.pages) < must:
-            if self.pages.can_allocate(1):
+            if self.pages.can_allocate(1) or self.checkpoints.evict_pages(1):
                 self._add_pages(req, 1, writes)
                 continue
             victim = self._preemption_victim()
@@ -321,17 +336,28 @@ class Scheduler:
             return
         if records is None:
             raise ExecutionError(f"{step.program} returned no completion records")
+        if step.kind in (ProgramKind.snapshot, ProgramKind.restore):
+            req = step.requests[0]
+            self.checkpoints.complete(step, records)
+            if req.finished and not self.checkpoints.busy(req):
+                self._release(req)  # its terminal capture is published
+            elif step.kind == ProgramKind.restore and req.consumed == len(req.target) and req.output:
+                req.status = Status.DECODING  # a readmission whose whole history was cached
+            return
         rows = records[: len(step.requests)]
         for req, row in zip(step.requests, rows):
             if int(row[0]) != req.slot:
                 raise ExecutionError(f"{step.program}: completion for slot {int(row[0])}, expected {req.slot}",
                                      code="bad_completion")
-        if step.kind == ProgramKind.prefill:
+        if step.kind in (ProgramKind.prefill, ProgramKind.resume):
             req = step.requests[0]
             req.consumed += step.count
             self.prefill_tokens_total += step.count
             if req.consumed == len(req.target) and not req.finished:
                 req.status = Status.DECODING
+            snap = self.checkpoints.after_prefill(req)
+            if snap is not None:
+                self._maintenance.append(snap)
             if step.sample:
                 self._accept(req, rows[0])
             return
@@ -364,6 +390,14 @@ class Scheduler:
             self._finish(req, FinishReason.length)
 
     def _release(self, req: Request) -> None:
+        # Queued steps of this request will never run (cancelled right after admission,
+        # preempted); their snapshot rows are given back.
+        dropped = [s for s in self._maintenance if req in s.requests]
+        if dropped:
+            self._maintenance = deque(s for s in self._maintenance if req not in s.requests)
+            for s in dropped:
+                self.checkpoints.drop(s)
+        self.checkpoints.release(req, finished=req.finished)
         if req.slot is not None:
             self.pages.release(req.pages)
             self.slots.release(req.slot)
@@ -371,37 +405,71 @@ class Scheduler:
             req.slot = None
         if req in self.running:
             self.running.remove(req)
+        if req in self.retiring:
+            self.retiring.remove(req)
 
     def _finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> None:
         if req.finished:
             return
-        self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
         self.metrics.on_finished(reason.value)
-        # A finished request may still have admit steps queued (cancelled right after admission).
-        self._maintenance = deque(s for s in self._maintenance if req not in s.requests)
+        if reason in (FinishReason.stop, FinishReason.length) and req.slot is not None:
+            terminal = self.checkpoints.on_finish(req)
+            if terminal is not None:
+                self._maintenance.append(terminal)
+        if self.checkpoints.busy(req):
+            # Keep the slot and pages until the queued captures have copied them.
+            self.running.remove(req)
+            self.retiring.append(req)
+        else:
+            self._release(req)
         req.sink.on_finish(req)
 
     def fail_all(self, error: Exception) -> None:
         for req in list(self.running) + list(self.waiting):
             self._finish(req, FinishReason.error, error)
+        for req in list(self.retiring):
+            self._release(req)
         self.waiting.clear()
+
+    # -- reporting -----------------------------------------------------------
+
+    def page_usage(self) -> tuple[int, int, int]:
+        """(free, used by requests, held only by the prefix cache): they sum to the total."""
+        held = {p for r in self.running + self.retiring for p in r.pages}
+        cached = self.checkpoints.cached_pages() - held
+        return self.pages.free, len(held), len(cached)
 
     # -- invariants --------------------------------------------------------
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()
         self.slots.check_integrity()
-        held = [p for r in self.running for p in r.pages]
-        if len(held) != len(set(held)):
-            raise AssertionError("two running requests hold the same page")
-        if len(held) != self.pages.used:
-            raise AssertionError(f"running requests hold {len(held)} pages, pool says {self.pages.used} used")
-        slots = [r.slot for r in self.running]
+        holders = self.running + self.retiring
+        cached = self.checkpoints.cached_pages()
+        refs: dict[int, int] = {}
+        for r in holders:
+            if len(set(r.pages)) != len(r.pages):
+                raise AssertionError(f"{r} holds a page twice")
+            for p in r.pages:
+                refs[p] = refs.get(p, 0) + 1
+        for p in set(refs) | cached:
+            expected = refs.get(p, 0) + (p in cached)
+            if self.pages.refcount(p) != expected:
+                raise AssertionError(f"page {p}: refcount {self.pages.refcount(p)}, "
+                                     f"{refs.get(p, 0)} requests + {int(p in cached)} checkpoint")
+        free, used, only_cached = self.page_usage()
+        if free + used + only_cached != self.pages.total or used + only_cached != self.pages.used:
+            raise AssertionError(f"pages: free {free} + used {used} + cached {only_cached} != {self.pages.total}")
+        self.checkpoints.check_integrity(holders, self.waiting)
+        slots = [r.slot for r in holders]
         if None in slots or len(set(slots)) != len(slots) or len(slots) != self.slots.total - self.slots.free:
             raise AssertionError("slot ownership is inconsistent")
+        for r in self.retiring:
+            if r.status != Status.FINISHED or not self.checkpoints.busy(r):
+                raise AssertionError(f"{r} is retiring without a pending capture")
         for r in self.running:
             if r.status not in (Status.PREFILLING, Status.DECODING):
                 raise AssertionError(f"{r} is running with status {r.status}")

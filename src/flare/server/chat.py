@@ -144,9 +144,10 @@ def finish_reason(r: FinishReason | None, tool_calls: bool = False) -> str | Non
     return "tool_calls" if tool_calls else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
 def _message(r: ChoiceResult, reasoning: bool) -> dict:
@@ -188,7 +189,7 @@ class ChatApi:
                 raise FrontendError(f"n must lie in [1, {ctx.config.limits.max_n}]", param="n")
             prompts = _prompts(body.prompt, ctx.frontend.codec)
             stops = P.stop_strings(body.stop, ctx.config.limits)
-            gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts))
+            gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
             try:
                 for p_i, prompt in enumerate(prompts):
                     for j in range(body.n):
@@ -229,7 +230,7 @@ class ChatApi:
         return json_response({
             "id": gen.id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": self.ctx.frontend.served_name, "choices": choices,
-            "usage": usage(gen.prompt_tokens, gen.completion_tokens),
+            "usage": usage(gen),
         }, gen.id)
 
     async def _sse(self, gen: Generation, chat: bool, reasoning: bool, created: int,
@@ -275,7 +276,7 @@ class ChatApi:
                 if u.finish is not None:
                     yield frame([choice(u.index, finish=finish_reason(u.finish.reason, u.index in called))])
             if include_usage:
-                yield frame([], usage(gen.prompt_tokens, gen.completion_tokens))
+                yield frame([], usage(gen))
             yield b"data: [DONE]\n\n"
             completed = True
         finally:

@@ -31,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: cuda for CUDA cores, reference for CPU cores")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-waiting", type=int, default=256, help="bounded admission queue length")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="disable checkpoint reuse and capture (every prompt is prefilled in full)")
     p.add_argument("--torch-threads", type=int, default=None, help="reference executor: torch threads")
     p.add_argument("--api-key", default=os.environ.get("FLARE_API_KEY"),
                    help="require this key on /v1/* (Authorization: Bearer or x-api-key); default $FLARE_API_KEY")
@@ -69,7 +71,8 @@ async def serve(a: argparse.Namespace) -> int:
     core = Path(a.core)
     try:
         manifest = load_manifest(core)
-        engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting)
+        engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting,
+                        prefix_cache=not a.no_prefix_cache)
         await engine.start()
         frontend = Frontend(str(core), engine, a.served_model_name, grammar_timeout_s=a.grammar_compile_timeout)
     except FlareError as e:

@@ -306,7 +306,10 @@ class MessagesApi:
                 "stop_sequence": None if finish is None else finish.stop}
 
     def _usage(self, gen: Generation) -> dict:
-        return {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}
+        # Anthropic's accounting: input_tokens excludes what was read from the cache.
+        cached = gen.cached_tokens
+        return {"input_tokens": gen.prompt_tokens - cached, "cache_read_input_tokens": cached,
+                "output_tokens": gen.completion_tokens}
 
     async def _sse(self, gen: Generation) -> AsyncIterator[bytes]:
         blocks = _Blocks()
@@ -331,7 +334,7 @@ class MessagesApi:
                 yield sse(e)
             yield sse({"type": "message_delta",
                        "delta": {"stop_reason": stop_reason(finish, blocks.blocks), "stop_sequence": finish.stop},
-                       "usage": {"output_tokens": gen.completion_tokens}})
+                       "usage": self._usage(gen)})
             yield sse({"type": "message_stop"})
             completed = True
         finally:

@@ -23,6 +23,7 @@ from flare.runtime.engine import Engine
 from flare.runtime.request import FinishReason, Request
 from flare.server import params as P
 from flare.server import tools as T
+from flare.server.endpoints import message_marks, token_endpoints
 from flare.server.grammar import AnswerFormat, CompiledGrammar, GrammarCompiler, ToolSpec, compose
 from flare.server.output import OutputStream
 from flare.server.parsers import Assembled, Content, Event, OutputParser, ThinkStart, ToolEnd, ToolStart
@@ -176,10 +177,11 @@ class _Choice:
 class Generation:
     """The engine requests behind one response (one per choice)."""
 
-    def __init__(self, engine: Engine, request_id: str, prompt_tokens: int):
+    def __init__(self, engine: Engine, request_id: str, prompt_tokens: int, n: int = 1):
         self.engine = engine
         self.id = request_id
         self.prompt_tokens = prompt_tokens
+        self.n = n  # choices per prompt: choice i continues prompt i // n
         self.choices: list[_Choice] = []
 
     def cancel(self) -> None:
@@ -189,6 +191,16 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.request.output) for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt like
+        ``prompt_tokens``: the least any of the prompt's choices reused."""
+        per_prompt: dict[int, int] = {}
+        for c in self.choices:
+            p = c.index // self.n
+            per_prompt[p] = min(per_prompt.get(p, 1 << 62), c.request.cached_tokens)
+        return sum(per_prompt.values())
 
     async def updates(self) -> AsyncIterator[Update]:
         """Updates of every choice as they come; a choice's last update carries its
@@ -252,7 +264,10 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
     rendered_tools = [t.template_entry() for t in tools] or None
     text = fe.template.render(messages, tools=rendered_tools, add_generation_prompt=spec.add_generation_prompt,
                               **spec.template_kwargs)
-    prompt = fe.codec.encode(text, add_special_tokens=False)
+    prompt, offsets = fe.codec.encode_with_offsets(text, add_special_tokens=False)
+    # Checkpoint candidates: token counts where complete messages end in this rendering.
+    endpoints = token_endpoints(offsets, message_marks(fe.template, messages, text, tools=rendered_tools,
+                                                       **spec.template_kwargs))
     think_start = None
     if m.frontend.reasoning_parser == ReasoningParser.think:
         think_start = ThinkStart.closed
@@ -261,7 +276,7 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
                                       **spec.template_kwargs)
             think_start = start_for(text[len(bare):] if text.startswith(bare) else text)
     stops = P.stop_strings(spec.stop, limits)
-    gen = Generation(engine, request_id, len(prompt))
+    gen = Generation(engine, request_id, len(prompt), spec.n)
     new_id = _ids(call_prefix)
     # Everything cheap is checked before the grammar compiles: sampling values, and what
     # the scheduler would refuse (context length, stop ids).
@@ -272,7 +287,7 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
                                     seed=seed, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
                                     limits=limits)
         stream = OutputStream(fe.codec, prompt, stops)
-        req = Request(prompt, params, stream, request_id=f"{request_id}-{index}")
+        req = Request(prompt, params, stream, request_id=f"{request_id}-{index}", endpoints=endpoints)
         engine.scheduler.validate(req)
         requests.append(req)
     compiled: CompiledGrammar | None = None

@@ -371,7 +371,7 @@ class ResponsesApi:
             "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
             "tools": body.tools or [], "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
             "usage": None if finish is None else {
-                "input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": gen.cached_tokens},
                 "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": gen.prompt_tokens + out_tokens},
         }

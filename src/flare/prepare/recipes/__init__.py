@@ -7,8 +7,9 @@ behaviour from the manifest.
 from __future__ import annotations
 
 from flare.prepare.recipes.decoder import DecoderRecipe
+from flare.prepare.recipes.qwen3_5 import Qwen35Recipe
 
-_RECIPES = {r.name: r for r in (DecoderRecipe(),)}
+_RECIPES = {r.name: r for r in (DecoderRecipe(), Qwen35Recipe())}
 
 
 class UnsupportedArchitecture(ValueError):

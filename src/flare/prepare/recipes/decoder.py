@@ -5,7 +5,9 @@ The canonical Transformers model is instantiated on the meta device; its
 parameters and constant buffers are then re-bound to views of the prepared
 arena, so the module tree (names, config, forward) stays Transformers' own.
 Only the attention function is replaced (``flare_paged``), and the model is
-called on packed tokens with explicit positions.
+called on packed tokens with explicit positions. Every layer attends, so layer
+``i`` owns KV layer ``i``, and the model carries no continuation state beyond
+the final hidden vector.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class DecoderRecipe:
         model.config._attn_implementation = _attention.ATTENTION_NAME
         model.eval()
         model.requires_grad_(False)
+        for i, layer in enumerate(self.decoder_layers(model)):
+            layer.self_attn.kv_layer = i
         return model
 
     def weights(self, model: nn.Module) -> list[WeightSpec]:
@@ -92,14 +96,20 @@ class DecoderRecipe:
             views[spec.buffer].copy_(getattr(twin, attr))
 
     def kv_geometry(self, config) -> KVGeometry:
+        config = config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return KVGeometry(config.num_hidden_layers, config.num_key_value_heads, head_dim)
 
     def hidden_size(self, config) -> int:
-        return config.hidden_size
+        return config.get_text_config().hidden_size
 
     def vocab_size(self, config) -> int:
-        return config.vocab_size
+        return config.get_text_config().vocab_size
+
+    def state_buffers(self, config, dtype) -> list[tuple[str, object, tuple[int, ...]]]:
+        """Per-slot continuation state besides the hidden vector: (buffer name, DType,
+        row shape). Attention-only models carry none."""
+        return []
 
     def forward_tokens(self, model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, batch: PagedBatch):
         """Final-normed hidden states ``[T, H]`` for packed tokens."""

@@ -1,0 +1,147 @@
+"""A prepared core's programs run in-process, as the reference worker runs them.
+
+The arena is one anonymous shared mapping filled from the core's image (only
+the pages a program touches are ever backed), the recipe's model is bound to
+views of it, and programs are driven with the writes the scheduler stages
+(``Scheduler._queue_admission`` / ``_prefill_step`` / ``_decode_step`` and the
+checkpoint steps). Shared by the program, hybrid-recipe and snapshot tests.
+"""
+
+from __future__ import annotations
+
+import mmap
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flare.core.image import iter_image
+from flare.core.manifest import Manifest, ProgramKind, load_manifest
+from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
+from flare.prepare.recipes import by_name
+
+
+@dataclass
+class Rig:
+    core: Path
+    m: Manifest
+    arena: torch.Tensor
+    v: dict[str, torch.Tensor]
+    run: dict
+    model: torch.nn.Module
+    specs: list
+    free_pages: list[int] = field(default_factory=list)
+
+    def pages(self, n: int) -> list[int]:
+        out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        assert len(out) == n
+        return out
+
+
+def load_rig(core: Path, seed: int = 0) -> Rig:
+    m = load_manifest(core)
+    mapping = mmap.mmap(-1, m.arena.nbytes)
+    arena = torch.frombuffer(mapping, dtype=torch.uint8)
+    host = memoryview(mapping)
+    image = core / m.arena.image
+    with image.open("rb") as f:
+        for b, off, n in iter_image(image, m):
+            f.seek(off)
+            assert f.readinto(host[b.offset : b.offset + n]) == n
+    views = arena_views(arena, m.buffers)
+    recipe = by_name(m.reference.recipe)
+    model = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
+    specs = recipe.weights(model)
+    recipe.bind(model, specs, views)
+    programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference", m.continuation)
+    run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
+    r = Rig(core, m, arena, views, run, model, specs)
+    # Pages in a scrambled order: page tables are never the identity or contiguous.
+    r.free_pages = random.Random(seed).sample(range(1, m.pages.num_pages), m.pages.num_pages - 1)
+    return r
+
+
+def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int, *, top_k: int = 1) -> None:
+    v, c = r.v, r.m.capacities
+    v["state.len"][slot] = 0
+    v["state.pending"][slot] = 0
+    v["state.generated"][slot] = 0
+    v["state.max_new"][slot] = 4096
+    v["state.done"][slot] = 0
+    v["state.seed"][slot] = seed
+    v["state.counter"][slot] = 0
+    v["state.top_k"][slot] = top_k  # 1 = greedy: the sampled token is the argmax of out.logits
+    v["state.sampling"][slot] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    stops = torch.full((c.stop_ids,), -1, dtype=torch.int32)
+    stops[: len(r.m.frontend.eos_ids)] = torch.tensor(r.m.frontend.eos_ids)
+    v["state.stop_ids"][slot] = stops
+    table = torch.zeros(c.max_pages_per_slot, dtype=torch.int32)
+    table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    v["state.page_table"][slot] = table
+    C = r.m.programs_of(ProgramKind.admit)[0].capacity
+    for i in range(0, max(len(prompt), 1), C):
+        chunk = prompt[i : i + C]
+        v["in.tokens"][: len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
+        v["in.admit"][:] = torch.tensor([slot, len(chunk), int(i == 0), 0], dtype=torch.int32)
+        r.run[f"admit.{C}"]()
+
+
+def prefill(r: Rig, slot: int, tokens: list[int], *, sample: bool = True, splits: tuple[int, ...] = ()):
+    """Prefill ``tokens`` after whatever the slot already holds, in chunks of at most
+    the prefill chunk, also cut at the (relative) positions in ``splits``. Returns
+    (hidden rows [L, H], out.logits row of the last token, completion record)."""
+    v, C = r.v, r.m.capacities.prefill_chunk
+    cuts = sorted({0, len(tokens), *[s for s in splits if 0 < s < len(tokens)]})
+    bounds = []
+    for a, b in zip(cuts, cuts[1:]):
+        bounds += [(s, min(s + C, b)) for s in range(a, b, C)]
+    start_len = int(v["state.len"][slot])
+    rows = []
+    for a, b in bounds:
+        n = b - a
+        cap = next(c for c in r.m.capacities.prefill_capacities if c >= n)
+        v["in.tokens"][:n] = torch.tensor(tokens[a:b], dtype=torch.int32)
+        v["in.prefill"][:] = torch.tensor([slot, n, int(sample and b == len(tokens)), 0], dtype=torch.int32)
+        r.run[f"prefill.{cap}"]()
+        rows.append(v["out.prefill_hidden"][:n].clone())
+        assert int(v["state.len"][slot]) == start_len + b
+    return torch.cat(rows), v["out.logits"][0].clone(), v["out.prefill_completion"][0].clone()
+
+
+def decode(r: Rig, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teacher-forced decode step: each slot consumes the given token."""
+    v = r.v
+    cap = next(c for c in r.m.capacities.decode_capacities if c >= len(slots))
+    batch = torch.zeros(max(r.m.capacities.decode_capacities), dtype=torch.int32)
+    batch[: len(slots)] = torch.tensor(slots, dtype=torch.int32)
+    for s, t in zip(slots, tokens):
+        v["state.pending"][s] = t
+        v["state.done"][s] = 0
+    v["in.decode_slots"][:] = batch
+    r.run[f"decode.{cap}"]()
+    return v["out.logits"][: len(slots)].clone(), v["out.decode_completion"][: len(slots)].clone()
+
+
+def snapshot(r: Rig, slot: int, row: int, page: int, count: int) -> torch.Tensor:
+    r.v["in.state"][:] = torch.tensor([slot, row, page, count], dtype=torch.int32)
+    r.run["snapshot.1"]()
+    return r.v["out.state_completion"][0].clone()
+
+
+def restore(r: Rig, slot: int, row: int, page: int, count: int) -> torch.Tensor:
+    r.v["in.state"][:] = torch.tensor([slot, row, page, count], dtype=torch.int32)
+    r.run["restore.1"]()
+    return r.v["out.state_completion"][0].clone()
+
+
+def resume(r: Rig, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r.v["in.prefill"][:] = torch.tensor([slot, 0, 1, 0], dtype=torch.int32)
+    r.run["resume.1"]()
+    return r.v["out.logits"][0].clone(), r.v["out.prefill_completion"][0].clone()
+
+
+def tail_page(r: Rig, pages: list[int], count: int) -> int:
+    """The page holding an endpoint's partial tail, or the null page when aligned."""
+    ps = r.m.pages.page_size
+    return pages[count // ps] if count % ps else r.m.pages.null_page

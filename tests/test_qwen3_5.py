@@ -1,0 +1,189 @@
+"""Numerical acceptance of the hybrid recipe: the qwen3_5-tiny core's programs
+(paged attention layers, Gated DeltaNet over per-slot state rows) against
+Transformers' own ``Qwen3_5ForCausalLM`` on the same weights, teacher-forced.
+
+Bound (derived as in ``test_programs.py``): the float64 model stands for the
+exact logits z; ``err32 = max |hf32 - hf64|`` is the rounding error of one valid
+float32 evaluation of this network on these inputs. Flare evaluates the same
+function in float32 in another order (paged KV, prefill chunks of 128 relative
+to each call, the chunked delta rule for prefill but its per-token recurrent
+form for decode, batched decode rows), so its own error is a sum of rounding
+terms of the same sizes; allowing up to 3 * err32 for it, the triangle
+inequality gives ``|flare - hf32| <= 4 * err32`` (+ 1e-6). For hf64 to be a
+float64 evaluation, the reference's float32 islands are lifted: Transformers
+runs the delta rule and both RMS norms in float32 whatever the model dtype, so
+the float64 model uses an independent float64 delta rule (the per-token
+definition, not the chunked algorithm under test) and float64 norms. Measured
+numbers are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.rig import admit, decode, load_rig, prefill
+
+LENGTHS = (15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 290)  # pages of 16, delta-rule chunks of 64, prefill 128
+DECODE_STEPS = 8
+GROUPS = ((0, 1, 2, 3), (4, 5, 6), (7, 8), (9,), (10,))
+
+
+def exact_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule by its per-token definition, in float64."""
+    dt = torch.float64
+    hk, hv = key.shape[2], value.shape[2]
+    if hk != hv:
+        query = query.repeat_interleave(hv // hk, dim=2)
+        key = key.repeat_interleave(hv // hk, dim=2)
+    q, k, v, b, gg = (x.transpose(1, 2).to(dt) for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    B, H, T, Dk = k.shape
+    S = torch.zeros(B, H, Dk, v.shape[-1], dtype=dt) if initial_state is None else initial_state.to(dt)
+    out = torch.zeros_like(v)
+    for t in range(T):
+        S = S * gg[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (S * k[:, :, t, :, None]).sum(-2)) * b[:, :, t, None]
+        S = S + k[:, :, t, :, None] * delta[:, :, None, :]
+        out[:, :, t] = (S * q[:, :, t, :, None]).sum(-2)
+    return out.transpose(1, 2).to(query.dtype), (S if output_final_state else None)
+
+
+def _norm64(self, x):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * (1.0 + self.weight)
+
+
+def _gated_norm64(self, x, gate):
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x * F.silu(gate)
+
+
+@contextlib.contextmanager
+def float64_islands(model):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+
+    saved = q.torch_chunk_gated_delta_rule
+    q.torch_chunk_gated_delta_rule = exact_delta_rule
+    for mod in model.modules():
+        if isinstance(mod, q.Qwen3_5RMSNorm):
+            mod.forward = types.MethodType(_norm64, mod)
+        elif isinstance(mod, q.Qwen3_5RMSNormGated):
+            mod.forward = types.MethodType(_gated_norm64, mod)
+    try:
+        yield
+    finally:
+        q.torch_chunk_gated_delta_rule = saved
+
+
+@pytest.fixture(scope="module")
+def rig(hybrid_core):
+    return load_rig(hybrid_core)
+
+
+@pytest.fixture(scope="module")
+def hf_models(rig):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from flare.prepare.recipes import by_name
+
+    weights = load_file(str(rig.core / rig.m.arena.image))
+    config = by_name(rig.m.reference.recipe).config_from_json(rig.m.reference.config)
+    config._attn_implementation = "eager"
+    config.get_text_config()._attn_implementation = "eager"
+    models = []
+    for dtype in (torch.float32, torch.float64):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        state = {}
+        for spec in rig.specs:
+            if spec.from_checkpoint:
+                t = weights[spec.buffer].to(dtype)
+                state.update({name: t for name in spec.names})
+        model.load_state_dict(state, strict=True, assign=True)
+        model.model.rotary_emb = Qwen3_5TextRotaryEmbedding(config=config.get_text_config())
+        models.append(model.to(dtype).eval())
+    return models
+
+
+@pytest.fixture(scope="module")
+def stream() -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, 40000, (max(LENGTHS) + DECODE_STEPS,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def comparison(rig, hf_models, stream):
+    hf32, hf64 = hf_models
+    with torch.inference_mode():
+        x = torch.tensor([stream])
+        l32 = hf32(input_ids=x).logits[0].double()
+        with float64_islands(hf64):
+            l64 = hf64(input_ids=x).logits[0]
+    head = rig.model.lm_head.weight.detach().double()
+    pre_d, dec_d, err32, mism = 0.0, 0.0, float((l32 - l64).abs().max()), []
+    rows = {"prefill": 0, "decode": 0}
+    for group in GROUPS:
+        slots = list(range(1, len(group) + 1))
+        for slot, i in zip(slots, group):
+            L = LENGTHS[i]
+            admit(rig, slot, stream[:L], rig.pages(-(-(L + DECODE_STEPS) // 16)), seed=i)
+            hidden, _, _ = prefill(rig, slot, stream[:L])
+            lf = hidden.double() @ head.T
+            pre_d = max(pre_d, float((lf - l32[:L]).abs().max()))
+            rows["prefill"] += L
+        for step in range(DECODE_STEPS):
+            logits, _ = decode(rig, slots, [stream[LENGTHS[i] + step] for i in group])
+            for k, i in enumerate(group):
+                pos = LENGTHS[i] + step
+                dec_d = max(dec_d, float((logits[k].double() - l32[pos]).abs().max()))
+                a, b = int(logits[k].argmax()), int(l64[pos].argmax())
+                if a != b:
+                    mism.append((LENGTHS[i], pos, a, b, float(l64[pos, b] - l64[pos, a])))
+                rows["decode"] += 1
+    bound = 4 * err32 + 1e-6
+    report = {"err_hf32": err32, "bound": bound, "max|flare-hf32| prefill": pre_d, "max|flare-hf32| decode": dec_d,
+              "rows": rows, "argmax_mismatches": mism, "logit_scale": float(l64.abs().max())}
+    print("\nqwen3_5 acceptance:", json.dumps(report, indent=1))
+    return report
+
+
+def test_reference_error_is_measured(comparison):
+    assert 1e-8 < comparison["err_hf32"] < 1e-2
+
+
+def test_prefill_and_decode_logits_match_transformers(comparison):
+    c = comparison
+    assert c["rows"] == {"prefill": sum(LENGTHS), "decode": DECODE_STEPS * len(LENGTHS)}
+    assert c["max|flare-hf32| prefill"] <= c["bound"], c
+    assert c["max|flare-hf32| decode"] <= c["bound"], c
+
+
+def test_argmax_agrees_except_proven_near_ties(comparison):
+    bad = [x for x in comparison["argmax_mismatches"] if x[4] > comparison["bound"]]
+    assert not bad, bad
+
+
+def test_recurrent_state_shapes_the_logits(rig, stream):
+    """The test could not fail if the recurrence did not matter: zeroing one slot's
+    recurrent state before a decode step must move its logits far beyond the bound."""
+    L = 40
+    admit(rig, 1, stream[:L], rig.pages(4), seed=0)
+    prefill(rig, 1, stream[:L])
+    saved = {n: rig.v[n][1].clone() for n in ("state.gdn.recurrent", "state.gdn.conv", "state.len")}
+    a, _ = decode(rig, [1], [stream[L]])
+    for n, t in saved.items():
+        rig.v[n][1] = t
+    rig.v["state.gdn.recurrent"][1] = 0
+    b, _ = decode(rig, [1], [stream[L]])
+    assert float((a - b).abs().max()) > 1e-2
