@@ -10,7 +10,8 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH
-export FLARE_CACHE_DIR=/tmp/flare-cache FLARE_TEST_CACHE=/tmp/flare-test-cores FLARE_RESULTS_DIR=$OUT
+# Caches inside the (git-ignored) .cache/ of the checkout: a warm device keeps them between calls.
+export FLARE_CACHE_DIR=$PWD/.cache/flare FLARE_TEST_CACHE=$PWD/.cache/device-cores FLARE_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers, cuda.bindings as cb; print('versions', torch.__version__, triton.__version__, transformers.__version__, cb.__version__)"
-python3 -m pytest -v -rA -p no:cacheprovider ${@:-tests/gpu/test_load_errors.py tests/gpu/test_paged_attention_cuda.py tests/gpu/test_replay.py tests/gpu/test_numerics.py tests/gpu/test_serve.py} 2>&1 | tee "$OUT/pytest.log"
+python3 -m pytest -v -rA -p no:cacheprovider ${@:-tests/gpu/test_load_errors.py tests/gpu/test_paged_attention_cuda.py tests/gpu/test_replay.py tests/gpu/test_numerics.py tests/gpu/test_generation.py tests/gpu/test_serve.py} 2>&1 | tee "$OUT/pytest.log"

@@ -1,0 +1,174 @@
+"""Greedy generations through the real engine and scheduler on one core.
+
+usage: python -m tests.gpu.drive_generate CORE EXECUTOR CACHE PROMPTS.json OUT.json [--roundtrip]
+
+EXECUTOR is ``cuda`` (the torch-free graph runtime) or ``reference`` (eager
+torch programs on the CPU); CACHE is ``on`` or ``off`` (the prefix cache).
+
+Phase 1 runs every prompt concurrently (the engine batches them) for
+``TOKENS`` greedy tokens. Phase 2 runs, one at a time, follow-up turns of the
+first ``FOLLOW_UPS`` prompts (prompt + its output + an 11-token tail: a tool
+result appended to a conversation) and an exact repeat of prompt 0 (a
+full-prompt hit), recording cached tokens and the prefill work each did.
+
+``--roundtrip`` then drives the snapshot and restore programs
+directly: random bytes in one slot's continuation rows and KV tail page are
+snapshotted, another slot is filled with other random bytes and restored, and
+every byte is compared. The script checks that torch was never imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import numpy as np
+
+from flare.core.manifest import load_manifest, snapshot_buffer
+from flare.runtime.engine import Engine
+from flare.runtime.executor import NUMPY_DTYPES
+from flare.runtime.request import Request, SamplingParams
+
+TOKENS = int(__import__("os").environ.get("FLARE_DRIVE_TOKENS", "64"))
+FOLLOW_UPS = int(__import__("os").environ.get("FLARE_DRIVE_FOLLOW_UPS", "10"))
+TAIL = 11
+
+
+class _Done:
+    def __init__(self):
+        self.event = asyncio.Event()
+
+    def on_tokens(self, request, ids):
+        return False
+
+    def on_finish(self, request):
+        self.event.set()
+
+
+def _params(seed: int, max_tokens: int) -> SamplingParams:
+    # top_k = 1: the sampled token is the argmax of the (penalty-free) logits.
+    return SamplingParams(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                          presence_penalty=0.0, frequency_penalty=0.0, seed=seed, max_tokens=max_tokens,
+                          ignore_eos=True)
+
+
+async def _generate(engine: Engine, prompts: list[list[int]], tokens: int, seeds: list[int]) -> list[Request]:
+    reqs = []
+    for p, s in zip(prompts, seeds):
+        sink = _Done()
+        req = Request(p, _params(s, tokens), sink)
+        engine.submit(req)
+        reqs.append((req, sink))
+    for req, sink in reqs:
+        await asyncio.wait_for(sink.event.wait(), 600)
+        if req.error is not None:
+            raise req.error
+    return [r for r, _ in reqs]
+
+
+def _executor(kind: str, core: str, m):
+    if kind == "cuda":
+        from flare.runtime.cuda_executor import CudaExecutor
+
+        return CudaExecutor(core, m)
+    from flare.runtime.reference import ReferenceExecutor
+
+    return ReferenceExecutor(core, m, torch_threads=8)
+
+
+async def _roundtrip(ex, m) -> dict:
+    """Snapshot slot 1 into row 1, restore row 1 into slot 2: exact bytes everywhere."""
+    rng = np.random.default_rng(5)
+    buffers = {b.name: b for b in m.buffers}
+    cont, tail = m.continuation.state, m.continuation.tail
+    ps = m.pages.page_size
+    s1, s2, row, count = 1, 2, 1, 3 * ps + 5  # a partial tail page
+    p1, p2 = 7, 11  # slot 1's tail page, slot 2's private page
+
+    def random_row(name: str) -> np.ndarray:
+        b = buffers[name]
+        n = int(np.prod(b.shape[1:])) * np.dtype(NUMPY_DTYPES[b.dtype]).itemsize
+        return rng.integers(0, 256, n, dtype=np.uint8).view(NUMPY_DTYPES[b.dtype]).reshape(b.shape[1:])
+
+    def read_bytes(name: str) -> bytes:
+        if hasattr(ex, "read_bytes"):  # the CUDA executor: a synchronous device copy
+            return ex.read_bytes(name)
+        return ex.view(name).tobytes()  # the reference executor's shared arena
+
+    def row_bytes(name: str, r: int) -> bytes:
+        b = buffers[name]
+        raw = read_bytes(name)
+        stride = len(raw) // b.shape[0]
+        return raw[r * stride : (r + 1) * stride]
+
+    def kv_page(page: int) -> np.ndarray:
+        b = buffers["kv"]
+        return np.frombuffer(read_bytes("kv"), NUMPY_DTYPES[b.dtype]).reshape(b.shape)[:, :, page].copy()
+
+    originals = {}
+    ex.write("state.len", np.int32(count), s1)  # the snapshot's record reports the live count
+    for name in cont:
+        originals[name] = random_row(name)
+        ex.write(name, originals[name], s1)
+        ex.write(name, random_row(name), s2)
+    kv = buffers["kv"]
+    ex.write("kv", rng.integers(0, 256, kv.nbytes, dtype=np.uint8).view(NUMPY_DTYPES[kv.dtype]).reshape(kv.shape))
+    page_before = kv_page(p1)
+    ex.write("in.state", np.array([s1, row, p1, count], np.int32))
+    ex.submit("snapshot.1")
+    await ex.wait()
+    snap_record = ex.read("out.state_completion")[0].tolist()
+    checks = {}
+    for name in cont:
+        checks[f"snapshot {name}"] = row_bytes(snapshot_buffer(name), row) == originals[name].tobytes()
+    checks["snapshot tail page"] = row_bytes(tail, row) == page_before.tobytes()
+    snaps_before = {n: read_bytes(snapshot_buffer(n)) for n in cont}
+    tail_before = read_bytes(tail)
+    ex.write("in.state", np.array([s2, row, p2, count], np.int32))
+    ex.submit("restore.1")
+    await ex.wait()
+    restore_record = ex.read("out.state_completion")[0].tolist()
+    for name in cont:
+        checks[f"restore {name}"] = row_bytes(name, s2) == originals[name].tobytes()
+        checks[f"source row immutable {name}"] = read_bytes(snapshot_buffer(name)) == snaps_before[name]
+    checks["restore tail page"] = kv_page(p2).tobytes() == page_before.tobytes()
+    checks["source tail immutable"] = read_bytes(tail) == tail_before
+    lens = np.frombuffer(read_bytes("state.len"), np.int32)
+    checks["restored length"] = int(lens[s2]) == count
+    return {"checks": checks, "snapshot_record": snap_record, "restore_record": restore_record,
+            "expected_records": [[s1, row, count, 0], [s2, row, count, 0]]}
+
+
+async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, roundtrip: bool) -> None:
+    m = load_manifest(core)
+    ex = _executor(kind, core, m)
+    engine = Engine(ex, prefix_cache=cache == "on")
+    await engine.start()
+    prompts = json.load(open(prompts_path))
+    sched = engine.scheduler
+    phase1 = await _generate(engine, prompts, TOKENS, list(range(len(prompts))))
+    follow, rng = [], np.random.default_rng(3)
+    turns = [(prompts[i] + phase1[i].output + rng.integers(100, 1000, TAIL).tolist(), i) for i in range(FOLLOW_UPS)]
+    turns.append((prompts[0], 0))  # an exact repeat: the whole prompt is cached
+    for prompt, i in turns:
+        before = sched.prefill_tokens_total
+        (r,) = await _generate(engine, [prompt], TOKENS, [i])
+        follow.append({"source": i, "prompt_tokens": len(prompt), "previous_prompt_tokens": len(prompts[i]),
+                       "cached_tokens": r.cached_tokens, "prefill_tokens": sched.prefill_tokens_total - before,
+                       "output": r.output})
+    result = {"executor": kind, "cache": cache, "phase1": [r.output for r in phase1], "follow_ups": follow,
+              "stats": ex.stats()}
+    while sched.has_work():  # terminal captures still running: the engine owns the executor
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    if roundtrip:
+        result["roundtrip"] = await _roundtrip(ex, m)
+    await engine.shutdown()
+    result["torch_imported"] = "torch" in sys.modules
+    json.dump(result, open(out, "w"))
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    asyncio.run(main(a[0], a[1], a[2], a[3], a[4], "--roundtrip" in a))
