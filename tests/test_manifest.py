@@ -84,11 +84,11 @@ def test_missing_field(raw):
 
 def test_abi_mismatch(raw):
     d = {**raw, "abi": mf.ABI_VERSION + 1}
-    err = _reject(d, param="abi", match="exported with ABI 3", error=CoreCompatibilityError)
+    err = _reject(d, param="abi", match="exported with ABI 4", error=CoreCompatibilityError)
     assert err.code == "abi_mismatch"
     # The probe runs first: an older or future ABI is reported as such even if the rest of
-    # the document would not decode under this ABI's schema (ABI 1 cores have no checkpoints).
-    for abi in (1, 3):
+    # the document would not decode under this ABI's schema (ABI 1 cores have no checkpoints, ABI 2 cores no grammar masks).
+    for abi in (1, 2, 4):
         d = {"abi": abi, "something": "else"}
         err = _reject(d, param="abi", match=f"exported with ABI {abi}", error=CoreCompatibilityError)
         assert err.code == "abi_mismatch"

@@ -15,7 +15,7 @@ import numpy as np
 
 from flare.core.manifest import ProgramKind
 from flare.runtime.request import FinishReason, Request, Status
-from tests.test_pages_scheduler import PS, Driver, Sink, params, small_manifest, token_fn
+from tests.test_pages_scheduler import Driver, Sink, params, small_manifest, token_fn
 
 CONV = [200 + (13 * i) % 701 for i in range(400)]  # a conversation's token stream
 
@@ -76,7 +76,7 @@ def test_captures_at_endpoints_publish_after_the_copy(tiny_core):
 
 def test_next_turn_restores_and_prefills_only_the_suffix(tiny_core):
     d = Driver(small_manifest(tiny_core, num_pages=40, slots=2, snapshot_rows=8))
-    a = turn1(d)
+    turn1(d)
     # Turn 2: the prompt continues A's prompt with a scripted assistant message (ends at 46)
     # and a user message (ends at 56's header). A's terminal (44) holds A's own output, not
     # this message: the deepest usable checkpoint is A's prompt endpoint, 40.
