@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _svg(records: list[dict]) -> str:
     series = [("flare-serve", "decode_tokens_per_s", "#d9480f"), ("replay floor", "floor_decode_tokens_per_s", "#868e96"),
               ("Transformers", "baseline_decode_tokens_per_s", "#1971c2"), ("roofline", "roofline_tokens_per_s", "#dee2e6")]
-    top = max(r[k] for r in records for _, k, _ in series)
+    top = max(r[k] or 0 for r in records for _, k, _ in series)
     w, h, pad, bar = 640, 300, 50, 22
     group = len(series) * bar + 30
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
@@ -23,6 +23,8 @@ def _svg(records: list[dict]) -> str:
         x0 = pad + gi * group
         for si, (_, key, color) in enumerate(series):
             v = r[key]
+            if v is None:  # no baseline in this run
+                continue
             bh = (h - 2 * pad) * v / top
             x = x0 + si * bar
             out.append(f'<rect x="{x}" y="{h - pad - bh:.1f}" width="{bar - 4}" height="{bh:.1f}" fill="{color}"/>')
@@ -33,6 +35,44 @@ def _svg(records: list[dict]) -> str:
                    f'<text x="{w - 115}" y="{39 + si * 16}">{name}</text>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _num(v, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def scenario_sections(sc: dict) -> list[str]:
+    """Tables for the scenarios after decode (bench/scenarios.py), where the run has them."""
+    out = []
+    if "prefill" in sc:
+        out += ["", "Prefill throughput (one prompt, one output token):", "",
+                "| prompt tokens | TTFT ms | prefill tok/s |", "|---|---|---|"]
+        for n, v in sc["prefill"].items():
+            out.append(f"| {n} | skipped: {v['reason']} | |" if v.get("skipped") else
+                       f"| {n} | {v['ttft_s'] * 1e3:.1f} | {v['prefill_tokens_per_s']:.0f} |")
+    p = sc.get("prefix")
+    if p:
+        cached = "unreported" if None in p.get("cached_tokens", [None]) else f"{min(p['cached_tokens'])}+"
+        out += [""] + ([f"Prefix-hit TTFT: skipped ({p['reason']})."] if p.get("skipped") else [
+            f"Prefix-hit TTFT: {p['hit_ttft_s'] * 1e3:.1f} ms with {cached} cached tokens, against "
+            f"{p['cold_short_ttft_s'] * 1e3:.1f} ms for a cold short prompt: ratio {p['ratio']:.2f} "
+            f"(target ≤ {p['target_ratio']})."])
+    if "agent" in sc:
+        out += ["", "Agent conversation (chat, tool definitions in the system prompt, one tool call and "
+                "result appended per turn):", "", "| turn | prompt tokens | cached tokens | TTFT ms |",
+                "|---|---|---|---|"]
+        for t in sc["agent"]["turns"]:
+            out.append(f"| skipped | {t['reason']} | | |" if t.get("skipped") else
+                       f"| {t['turn']} | {t['prompt_tokens']} | {t['cached_tokens']} | {t['ttft_s'] * 1e3:.1f} |")
+    i = sc.get("interference")
+    if i:
+        out += [""] + ([f"ITL under an admitted prefill: skipped ({i['reason']})."] if i.get("skipped") else [
+            f"ITL of {i.get('decoders', '?')} running decodes while a long prompt is prefilled "
+            f"({i['prefill_window_s'] * 1e3:.1f} ms window):", "",
+            "| window | ITL p50 ms | p99 ms | max ms | gaps |", "|---|---|---|---|---|"] + [
+            f"| {name} | {w['p50_ms']:.2f} | {w['p99_ms']:.2f} | {w['max_ms']:.2f} | {w['count']} |"
+            for name, w in (("before", i["itl_before"]), ("during prefill", i["itl_during"]))])
+    return out
 
 
 def main() -> None:
@@ -55,11 +95,14 @@ def main() -> None:
             lines.append(f"| {r['concurrency']} | {r['decode_tokens_per_s']:.0f} | {r['itl_ms_p50']:.2f} / "
                          f"{r['itl_ms_p99']:.2f} | {r['ttft_ms_median']:.1f} | {r['floor_decode_tokens_per_s']:.0f} | "
                          f"{r['runtime_over_floor'] * 100:+.1f} % | {r['roofline_fraction'] * 100:.0f} % | "
-                         f"{r['baseline_decode_tokens_per_s']:.0f} | {r['baseline_ratio']:.2f} |")
+                         f"{_num(r['baseline_decode_tokens_per_s'], '.0f')} | {_num(r['baseline_ratio'], '.2f')} |")
         cold = res.get("cold_ttft", {})
         if cold:
             lines += ["", "Cold TTFT: " + ", ".join(f"{n}-token prompt {v['ttft_s'] * 1e3:.1f} ms "
-                                                     f"({v['prefill_tokens_per_s']:.0f} tok/s)" for n, v in cold.items())]
+                                                     f"({v['prefill_tokens_per_s']:.0f} tok/s)" if not v.get("skipped")
+                                                     else f"{n}-token prompt skipped ({v['reason']})"
+                                                     for n, v in cold.items())]
+        lines += scenario_sections(res.get("scenarios", {}))
         svg = ROOT / "docs" / f"performance-{res['model']}.svg"
         svg.write_text(_svg(recs))
         lines += ["", f"![decode throughput]({svg.name})", ""]
@@ -82,9 +125,50 @@ NOTES = """
   ran at about 3.2 ms per step; its batch-1 run logged CUDA-graph re-recording
   warnings, so its batch-1 figure likely includes recompilation and overstates
   Flare's lead at concurrency 1.
-* Not measured yet: the Llama-3.1-8B shape (the targets' model), prefix-hit
-  TTFT, the agent workload, ITL under an admitted long prefill, startup of a
-  large core, and host gaps with two steps in flight.
+* Not measured yet: the Llama-3.1-8B shape (the targets' model), startup of a
+  large core, and host gaps with two steps in flight. Prefix-hit TTFT, the
+  agent workload, prefill throughput and ITL under an admitted long prefill
+  have a client (below) but no GPU figures yet.
+
+## Method
+
+`bench/run_gpu.sh MODEL [prepare options]` prepares one core (context limit
+8,192 unless `CONTEXT_LIMIT` or `--context-limit` says otherwise), measures
+the replay floor, starts `flare-serve` on it, runs the serving client, then
+the Transformers baseline, and joins the outputs with `bench/collect.py`
+into `serving-MODEL-DATE.json` (machine, versions, core configuration and
+client options in every record; raw samples under `raw`). The client,
+`python -m bench.serve_bench URL MODEL OUT.json --scenarios ...`, speaks only
+the OpenAI protocol (streamed `/v1/completions` and `/v1/chat/completions`
+with `stream_options.include_usage`; `top_k` and `ignore_eos` as in vLLM), so
+the same command measures any OpenAI-compatible server. Sampling is
+temperature 1, top-k 20, top-p 0.95. Prompts are token ids (or text) salted
+with a per-run salt, so nothing is a prefix-cache hit unless the scenario
+makes it one, even on a server that has run the benchmark before; every
+request's `usage.prompt_tokens_details.cached_tokens` is recorded, so a cold
+measurement that was not cold shows in the JSON. TTFT is the time from
+sending the request to the first chunk carrying text; ITL is the gap between
+text chunks. Cold, prefill and prefix measurements are repeated (`--repeats`,
+default 3, each with a fresh salt) and reported as medians.
+
+| scenario | what it sends | what it reports |
+|---|---|---|
+| `decode` | c concurrent prompts, 256 generated tokens each, c = 1, 2, 4 | completed tokens/s, TTFT median, ITL p50/p99/mean |
+| `cold` | one 512- and one 4,096-token prompt, one output token | cold TTFT and prompt tokens/s |
+| `prefill` | one 4,096- and one 65,536-token prompt, one output token | prefill tokens/s; a size over the context limit is recorded as skipped with the reason |
+| `prefix` | a 4,096-token prefix (two output tokens, which captures it), then prefix + an 11-token tail; a cold 16-token prompt | hit TTFT, cold short TTFT, their ratio (target ≤ 1.2), cached tokens of the hit |
+| `agent` | a chat: system prompt with four tool definitions, a task, then 8 turns each appending the agent's tool call (assistant message) and the tool's result (about 300 tokens); 64 output tokens per turn | per turn: prompt tokens, cached tokens, TTFT |
+| `interference` | 3 decoders of 512 tokens; when each has streamed 64, one 4,096-token prompt | decoders' ITL p50/p99/max before the prompt was sent and over the gaps overlapping its prefill window (sent → its first token) |
+
+The context limit is read from `/v1/models` (`max_model_len`), or given with
+`--context-limit`; a server that advertises none is sent the prompt and a 400
+marks the size skipped. Three decoders, not four: with the usual largest
+decode batch of four, a fifth request would queue behind the decoders instead
+of being admitted next to them. The agent's assistant messages are scripted
+(the tool calls an agent made), not the sampled text, so every server sees the
+same conversation; tool definitions are text in the system prompt, which
+every chat template accepts. The 64K prompt needs `LONG_PROMPT=1` (a
+66,560-token context); without it that size is recorded as skipped.
 """
 
 
