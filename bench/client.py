@@ -140,7 +140,7 @@ def token_prompt(salt: str, n: int) -> list[int]:
 
 def pct(xs, p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else float("nan")
 
 
 def spread(xs) -> dict:

@@ -35,7 +35,7 @@ def gpu_machine() -> dict:
         name, driver, mib = (x.strip() for x in q.split(","))
         out = {"gpu": name, "driver": driver, "memory_mib": int(mib)}
     except (OSError, subprocess.CalledProcessError, IndexError, ValueError) as e:
-        out = {"gpu": "unknown", "gpu_error": str(e)}
+        out = {"gpu": "unknown", "driver": None, "memory_mib": None, "gpu_error": str(e)}
     for pkg in ("torch", "triton", "transformers", "cuda-bindings", "httpx", "flare"):
         try:
             out[pkg.replace("-", "_")] = metadata.version(pkg)

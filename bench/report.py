@@ -54,12 +54,12 @@ def scenario_sections(sc: dict) -> list[str]:
     if p:
         cached = "unreported" if None in p.get("cached_tokens", [None]) else f"{min(p['cached_tokens'])}+"
         out += [""] + ([f"Prefix-hit TTFT: skipped ({p['reason']})."] if p.get("skipped") else [
-            f"Prefix-hit TTFT: {p['hit_ttft_s'] * 1e3:.1f} ms with {cached} cached tokens, against "
-            f"{p['cold_short_ttft_s'] * 1e3:.1f} ms for a cold short prompt: ratio {p['ratio']:.2f} "
-            f"(target ≤ {p['target_ratio']})."])
+            (f"Prefix-hit TTFT: {p['hit_ttft_s'] * 1e3:.1f} ms with {cached} cached tokens, against "
+             f"{p['cold_short_ttft_s'] * 1e3:.1f} ms for a cold short prompt: ratio {p['ratio']:.2f} "
+             f"(target ≤ {p['target_ratio']}).")])
     if "agent" in sc:
-        out += ["", "Agent conversation (chat, tool definitions in the system prompt, one tool call and "
-                "result appended per turn):", "", "| turn | prompt tokens | cached tokens | TTFT ms |",
+        out += ["", ("Agent conversation (chat, tool definitions in the system prompt, one tool call and "
+                     "result appended per turn):"), "", "| turn | prompt tokens | cached tokens | TTFT ms |",
                 "|---|---|---|---|"]
         for t in sc["agent"]["turns"]:
             out.append(f"| skipped | {t['reason']} | | |" if t.get("skipped") else
@@ -67,8 +67,8 @@ def scenario_sections(sc: dict) -> list[str]:
     i = sc.get("interference")
     if i:
         out += [""] + ([f"ITL under an admitted prefill: skipped ({i['reason']})."] if i.get("skipped") else [
-            f"ITL of {i.get('decoders', '?')} running decodes while a long prompt is prefilled "
-            f"({i['prefill_window_s'] * 1e3:.1f} ms window):", "",
+            (f"ITL of {i.get('decoders', '?')} running decodes while a long prompt is prefilled "
+             f"({i['prefill_window_s'] * 1e3:.1f} ms window):"), "",
             "| window | ITL p50 ms | p99 ms | max ms | gaps |", "|---|---|---|---|---|"] + [
             f"| {name} | {w['p50_ms']:.2f} | {w['p99_ms']:.2f} | {w['max_ms']:.2f} | {w['count']} |"
             for name, w in (("before", i["itl_before"]), ("during prefill", i["itl_during"]))])
@@ -83,13 +83,13 @@ def main() -> None:
         recs = res["records"]
         m = res["machine"]
         lines += [f"## {res['model']} ({path.name})", "",
-                  f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}, triton {m['triton']}, "
+                  (f"{m['gpu']}, driver {m['driver']}, torch {m['torch']}, triton {m['triton']}, "
                   f"transformers {m['transformers']}. Sampling {res['configuration']['sampling']}, "
                   f"{res['configuration']['generated_tokens']} generated tokens per request. Roofline: "
                   f"{res['configuration']['weights_bytes_per_token'] / 1e9:.2f} GB of weights per decode step over "
-                  f"{res['configuration']['copy_bandwidth_Bps'] / 1e12:.2f} TB/s measured copy bandwidth.", "",
-                  "| concurrency | flare-serve tok/s | ITL p50 / p99 ms | TTFT ms | floor tok/s | runtime over floor "
-                  "| roofline fraction | Transformers tok/s | Flare / Transformers |",
+                  f"{res['configuration']['copy_bandwidth_Bps'] / 1e12:.2f} TB/s measured copy bandwidth."), "",
+                  ("| concurrency | flare-serve tok/s | ITL p50 / p99 ms | TTFT ms | floor tok/s | runtime over floor "
+                  "| roofline fraction | Transformers tok/s | Flare / Transformers |"),
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in recs:
             lines.append(f"| {r['concurrency']} | {r['decode_tokens_per_s']:.0f} | {r['itl_ms_p50']:.2f} / "

@@ -16,7 +16,16 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from bench.client import Refused, Stream, Target, chat, complete, pct, spread, token_prompt
+from bench.client import (
+    Refused,
+    Stream,
+    Target,
+    chat,
+    complete,
+    pct,
+    spread,
+    token_prompt,
+)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import secrets
 from dataclasses import replace
 
@@ -54,14 +55,15 @@ async def run(a: argparse.Namespace) -> dict:
                    interference_decoders=a.interference_decoders, interference_tokens=a.interference_tokens,
                    interference_prompt=a.interference_prompt, interference_after=a.interference_after,
                    repeats=a.repeats, salt=a.salt or secrets.token_hex(4))
-    async with httpx.AsyncClient(timeout=a.timeout) as client:
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    async with httpx.AsyncClient(timeout=a.timeout, headers=headers) as client:
         if a.context_limit is not None:
             opts = replace(opts, context_limit=a.context_limit, limit_source="--context-limit")
         else:
             limit, source = await context_limit(client, target)
             opts = replace(opts, context_limit=limit, limit_source=source)
         models = (await client.get(a.url + "/v1/models")).json()
-        results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                    "url": a.url, "model": a.model, "sampling": SAMPLING, "tokens": a.tokens,
                    "machine": machine(), "server_models": models, "options": options_record(opts),
                    "scenarios": list(a.scenarios)}
@@ -101,6 +103,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats, help="repeats of cold, prefill and prefix (median)")
     p.add_argument("--context-limit", type=int, default=None, help="override the limit read from /v1/models")
     p.add_argument("--salt", default=None, help="prompt salt (default: random, so every run is cold)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default $OPENAI_API_KEY")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     return p
 

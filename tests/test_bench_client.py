@@ -7,6 +7,7 @@ skipped with the reason.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
     turns = r["agent"]["turns"]
     assert [t["turn"] for t in turns] == [0, 1, 2, 3]
     assert turns[0]["cached_tokens"] == 0
-    for prev, t in zip(turns, turns[1:]):
+    for prev, t in itertools.pairwise(turns):
         # Each turn's prompt extends the last one, whose prompt endpoint was captured.
         assert prev["prompt_tokens"] <= t["cached_tokens"] < t["prompt_tokens"], (prev, t)
     assert all(t["ttft_s"] > 0 and t["completion_tokens"] == 8 for t in turns)
