@@ -157,7 +157,7 @@ default 3, each with a fresh salt) and reported as medians.
 | `cold` | one 512- and one 4,096-token prompt, one output token | cold TTFT and prompt tokens/s |
 | `prefill` | one 4,096- and one 65,536-token prompt, one output token | prefill tokens/s; a size over the context limit is recorded as skipped with the reason |
 | `prefix` | a 4,096-token prefix (two output tokens, which captures it), then prefix + an 11-token tail; a cold 16-token prompt | hit TTFT, cold short TTFT, their ratio (target ≤ 1.2), cached tokens of the hit |
-| `agent` | a chat: system prompt with four tool definitions, a task, then 8 turns each appending the agent's tool call (assistant message) and the tool's result (about 300 tokens); 64 output tokens per turn | per turn: prompt tokens, cached tokens, TTFT |
+| `agent` | a chat: system prompt with four tool definitions, a task, then 8 turns each appending the agent's tool call (assistant message) and the tool's result (12 search matches, about 600 tokens; turn 8 is about 6,000 tokens); 64 output tokens per turn | per turn: prompt tokens, cached tokens, TTFT |
 | `interference` | 3 decoders of 512 tokens; when each has streamed 64, one 4,096-token prompt | decoders' ITL p50/p99/max before the prompt was sent and over the gaps overlapping its prefill window (sent → its first token) |
 
 The context limit is read from `/v1/models` (`max_model_len`), or given with

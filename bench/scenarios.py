@@ -39,7 +39,7 @@ class Options:
     short_prompt: int = 16  # the cold prompt a prefix hit is compared with
     agent_turns: int = 8
     agent_tokens: int = 64
-    agent_result_items: int = 12  # entries per tool result (about 25 tokens each)
+    agent_result_items: int = 12  # entries per tool result (about 50 tokens each with the SmolLM2 tokenizer)
     # One slot fewer than the usual largest decode batch (4): the long prompt is admitted
     # next to running decodes instead of queueing behind them.
     interference_decoders: int = 3

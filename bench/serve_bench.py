@@ -94,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--agent-turns", type=int, default=d.agent_turns, help="tool calls appended after the first turn")
     p.add_argument("--agent-tokens", type=int, default=d.agent_tokens)
     p.add_argument("--agent-result-items", type=int, default=d.agent_result_items,
-                   help="entries per tool result (about 25 tokens each)")
+                   help="entries per tool result (about 50 tokens each with the SmolLM2 tokenizer)")
     p.add_argument("--interference-decoders", type=int, default=d.interference_decoders)
     p.add_argument("--interference-tokens", type=int, default=d.interference_tokens)
     p.add_argument("--interference-prompt", type=int, default=d.interference_prompt)
