@@ -1,26 +1,39 @@
 #!/bin/bash
-# Benchmarks on a CUDA machine: replay floor, flare-serve, Transformers baseline,
-# all on the same core in one run. Results (JSON) land in $OUT.
+# Benchmarks on a CUDA machine: replay floor, flare-serve (every serving scenario),
+# Transformers baseline, all on the same core in one run. Results (JSON) land in $OUT;
+# $OUT/serving-MODEL-DATE.json joins them (bench/collect.py) for bench/report.py.
 #   usage: bench/run_gpu.sh MODEL [prepare options]
+#   env:   CONTEXT_LIMIT (default 8192: a 4,096-token prompt plus a cached-prefix tail and output)
+#          LONG_PROMPT=1  also prefill a 64K-token prompt (context limit 66560 unless CONTEXT_LIMIT
+#                         is set); without it the 64K size is recorded as skipped (over the limit)
+#          SCENARIOS      serve_bench scenarios (default: all)
+# A --context-limit among the prepare options overrides CONTEXT_LIMIT (it comes last).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/flare-bench}; mkdir -p "$OUT"
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD FLARE_CACHE_DIR=${FLARE_CACHE_DIR:-/tmp/flare-cache}
 MODEL=$1; shift
-CORE=/tmp/bench-core-$MODEL
+if [ "${LONG_PROMPT:-0}" = 1 ]; then CONTEXT_LIMIT=${CONTEXT_LIMIT:-66560}; else CONTEXT_LIMIT=${CONTEXT_LIMIT:-8192}; fi
+PREP=(--context-limit "$CONTEXT_LIMIT" "$@")
+# One core per option set: a core prepared with another context limit is never reused.
+CORE=/tmp/bench-core-$MODEL-$(echo "${PREP[*]}" | md5sum | cut -c1-8)
 if [ ! -f $CORE/manifest.json ]; then
   t0=$SECONDS
-  python3 -m flare.prepare.cli $MODEL --out $CORE --device cuda "$@" 2>&1 | grep -v "^  " | tail -12
+  python3 -m flare.prepare.cli $MODEL --out $CORE --device cuda "${PREP[@]}" 2>&1 | grep -v "^  " | tail -12
   echo "prepare_s $((SECONDS - t0))" | tee $OUT/prepare_time-$MODEL.txt
   cp $CORE/prepare_report.json $OUT/prepare_report-$MODEL.json
 fi
 python3 -m bench.floor $CORE $OUT/floor-$MODEL.json 200
 PORT=8391
-python3 -m flare.server.cli $CORE --port $PORT > $OUT/serve-$MODEL.log 2>&1 &
+python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL > $OUT/serve-$MODEL.log 2>&1 &
 SRV=$!
 for i in $(seq 1 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.25; done
 curl -s localhost:$PORT/metrics | grep startup > $OUT/startup-$MODEL.txt
-python3 -m bench.serve_bench http://127.0.0.1:$PORT $(basename $CORE | sed 's/bench-core-//') $OUT/serve-$MODEL.json
+python3 -m bench.serve_bench http://127.0.0.1:$PORT $MODEL $OUT/serve-$MODEL.json \
+  --scenarios ${SCENARIOS:-decode,cold,prefill,prefix,agent,interference} \
+  --cold-prompts 512,4096 --prefill-prompts 4096,65536 --prefix-tokens 4096 --tail-tokens 11
+curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens" > $OUT/metrics-$MODEL.txt
 kill $SRV; wait $SRV
 timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json
+python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json

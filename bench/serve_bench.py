@@ -1,92 +1,119 @@
 """Serving benchmark against any OpenAI-compatible server (asyncio + httpx, SSE).
 
 usage: python -m bench.serve_bench URL MODEL OUT.json [--tokens 256] [--concurrency 1,2,4]
+           [--scenarios decode,cold,prefill,prefix,agent,interference] [sizes, see --help]
 
-Measures, with temperature 1, top-k 20, top-p 0.95 (the primary sampling):
-time to first token, inter-token latency (p50/p99 of chunk gaps, and the mean
-from token counts), completed tokens/s at each concurrency, and cold TTFT for
-long prompts. Raw samples are kept in the JSON.
+Primary sampling: temperature 1, top-k 20, top-p 0.95. Scenarios (docs/performance.md):
+
+  decode        TTFT, ITL p50/p99 and completed tokens/s at each concurrency
+  cold          cold TTFT of long prompts (--cold-prompts)
+  prefill       prefill throughput of single prompts (--prefill-prompts); sizes over
+                the server's context limit are recorded as skipped with the reason
+  prefix        TTFT of a cached prefix plus a short tail against a cold short prompt
+  agent         multi-turn chat with tools in the system prompt: per-turn TTFT and cached_tokens
+  interference  ITL of running decodes before and while a long prompt is prefilled
+
+The context limit comes from --context-limit, else /v1/models, else a 400. The
+JSON keeps every raw sample, the client machine, the options and the server's
+/v1/models entry.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
-import statistics
-import time
+import os
+import secrets
+from dataclasses import replace
 
 import httpx
 
-SAMPLING = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+from bench.client import SAMPLING, Target, complete, context_limit, machine
+from bench.scenarios import SCENARIOS, Env, Options, options_record
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt, tokens: int, seed: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
-            "seed": seed, "stream_options": {"include_usage": True}, **SAMPLING}
-    t0 = time.perf_counter()
-    arrivals, usage = [], None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            if any(c.get("text") for c in ev["choices"]):
-                arrivals.append(time.perf_counter())
-    end = time.perf_counter()
-    n = usage["completion_tokens"] if usage else len(arrivals)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    ttft = arrivals[0] - t0 if arrivals else float("nan")
-    return {"ttft_s": ttft, "total_s": end - t0, "tokens": n, "gaps_s": gaps,
-            "mean_itl_s": (end - arrivals[0]) / max(n - 1, 1) if arrivals else float("nan")}
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
 
 
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+def _scenarios(s: str) -> tuple[str, ...]:
+    names = tuple(x for x in s.split(",") if x)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
+    return names
 
 
-async def main(a) -> None:
-    results = {"url": a.url, "model": a.model, "sampling": SAMPLING, "tokens": a.tokens, "concurrency": {}}
-    async with httpx.AsyncClient(timeout=600) as client:
-        await one(client, a.url, a.model, "warm up", 8, 0)
-        for c in a.concurrency:
-            t0 = time.perf_counter()
-            # Prompts differ across concurrency levels: a repeated prompt would be a prefix-cache
-            # hit (resume, no prefill) and change what TTFT measures.
-            runs = await asyncio.gather(*(one(client, a.url, a.model, f"Story {i} of {c}: once upon a time",
-                                              a.tokens, i) for i in range(c)))
-            wall = time.perf_counter() - t0
-            gaps = [g for r in runs for g in r["gaps_s"]]
-            results["concurrency"][c] = {
-                "decode_tokens_per_s": sum(r["tokens"] for r in runs) / wall,
-                "ttft_s_median": statistics.median(r["ttft_s"] for r in runs),
-                "itl_s_p50": pct(gaps, 50), "itl_s_p99": pct(gaps, 99),
-                "itl_s_mean": statistics.mean(r["mean_itl_s"] for r in runs),
-                "wall_s": wall, "raw": runs,
-            }
-            print(c, {k: v for k, v in results["concurrency"][c].items() if k != "raw"}, flush=True)
-        cold = {}
-        for n in a.cold_prompts:
-            # Salted by n: a shorter cold prompt must not be a cached prefix of a longer one.
-            ids = [1000 + (i * 7919 + n) % 30000 for i in range(n)]
-            r = await one(client, a.url, a.model, ids, 1, 99)
-            cold[n] = {"ttft_s": r["ttft_s"], "prefill_tokens_per_s": n / r["ttft_s"]}
-            print("cold", n, cold[n], flush=True)
-        results["cold_ttft"] = cold
-    json.dump(results, open(a.out, "w"), indent=1)
+async def run(a: argparse.Namespace) -> dict:
+    target = Target(a.url, a.model)
+    opts = Options(tokens=a.tokens, concurrency=a.concurrency, cold_prompts=a.cold_prompts,
+                   prefill_prompts=a.prefill_prompts, prefix_tokens=a.prefix_tokens, tail_tokens=a.tail_tokens,
+                   short_prompt=a.short_prompt, agent_turns=a.agent_turns, agent_tokens=a.agent_tokens,
+                   agent_result_items=a.agent_result_items,
+                   interference_decoders=a.interference_decoders, interference_tokens=a.interference_tokens,
+                   interference_prompt=a.interference_prompt, interference_after=a.interference_after,
+                   repeats=a.repeats, salt=a.salt or secrets.token_hex(4))
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    async with httpx.AsyncClient(timeout=a.timeout, headers=headers) as client:
+        if a.context_limit is not None:
+            opts = replace(opts, context_limit=a.context_limit, limit_source="--context-limit")
+        else:
+            limit, source = await context_limit(client, target)
+            opts = replace(opts, context_limit=limit, limit_source=source)
+        models = (await client.get(a.url + "/v1/models")).json()
+        results = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                   "url": a.url, "model": a.model, "sampling": SAMPLING, "tokens": a.tokens,
+                   "machine": machine(), "server_models": models, "options": options_record(opts),
+                   "scenarios": list(a.scenarios)}
+        await complete(client, target, "warm up", 8, 0)
+        env = Env(client, target, opts)
+        for name in a.scenarios:
+            # The keys of the first two predate the scenario list (bench/report.py reads them).
+            key = {"decode": "concurrency", "cold": "cold_ttft"}.get(name, name)
+            results[key] = await SCENARIOS[name](env)
+    return results
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url")
     p.add_argument("model")
     p.add_argument("out")
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
-    p.add_argument("--cold-prompts", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048])
-    asyncio.run(main(p.parse_args()))
+    d = Options()
+    p.add_argument("--scenarios", type=_scenarios, default=("decode", "cold"),
+                   help=f"comma-separated, of {','.join(SCENARIOS)} (default decode,cold)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="generated tokens per decode request")
+    p.add_argument("--concurrency", type=_ints, default=d.concurrency)
+    p.add_argument("--cold-prompts", type=_ints, default=d.cold_prompts)
+    p.add_argument("--prefill-prompts", type=_ints, default=d.prefill_prompts)
+    p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
+    p.add_argument("--tail-tokens", type=int, default=d.tail_tokens)
+    p.add_argument("--short-prompt", type=int, default=d.short_prompt, help="cold prompt the prefix hit is compared with")
+    p.add_argument("--agent-turns", type=int, default=d.agent_turns, help="tool calls appended after the first turn")
+    p.add_argument("--agent-tokens", type=int, default=d.agent_tokens)
+    p.add_argument("--agent-result-items", type=int, default=d.agent_result_items,
+                   help="entries per tool result (about 50 tokens each with the SmolLM2 tokenizer)")
+    p.add_argument("--interference-decoders", type=int, default=d.interference_decoders)
+    p.add_argument("--interference-tokens", type=int, default=d.interference_tokens)
+    p.add_argument("--interference-prompt", type=int, default=d.interference_prompt)
+    p.add_argument("--interference-after", type=int, default=d.interference_after,
+                   help="tokens each decoder streams before the long prompt is sent")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="repeats of cold, prefill and prefix (median)")
+    p.add_argument("--context-limit", type=int, default=None, help="override the limit read from /v1/models")
+    p.add_argument("--salt", default=None, help="prompt salt (default: random, so every run is cold)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default $OPENAI_API_KEY")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    results = asyncio.run(run(a))
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

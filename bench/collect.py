@@ -1,0 +1,101 @@
+"""Join one GPU run's raw outputs into bench/results/serving-MODEL-DATE.json.
+
+usage: python -m bench.collect CORE OUT_DIR MODEL RESULT.json
+
+Reads OUT_DIR/{floor,serve,hf}-MODEL.json (the baseline may be missing: its
+fields are then null), describes the machine (nvidia-smi, package versions) and
+derives, per concurrency c:
+
+  roofline_tokens_per_s = c * copy bandwidth / weight bytes (one weight read per step)
+  roofline_fraction     = replay floor tokens/s / roofline tokens/s
+  runtime_over_floor    = server ITL p50 / floor GPU time per step - 1
+  baseline_ratio        = server tokens/s / Transformers tokens/s
+
+Every record carries the machine and the configuration it was measured under.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from flare.core.manifest import BufferRole, load_manifest
+
+
+def gpu_machine() -> dict:
+    out = {}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, check=True).stdout.splitlines()[0]
+        name, driver, mib = (x.strip() for x in q.split(","))
+        out = {"gpu": name, "driver": driver, "memory_mib": int(mib)}
+    except (OSError, subprocess.CalledProcessError, IndexError, ValueError) as e:
+        out = {"gpu": "unknown", "driver": None, "memory_mib": None, "gpu_error": str(e)}
+    for pkg in ("torch", "triton", "transformers", "cuda-bindings", "httpx", "flare"):
+        try:
+            out[pkg.replace("-", "_")] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg.replace("-", "_")] = None
+    out["python"] = platform.python_version()
+    return out
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def collect(core: str, out_dir: Path, model: str) -> dict:
+    m = load_manifest(core)
+    floor, serve, hf = (_load(out_dir / f"{k}-{model}.json") for k in ("floor", "serve", "hf"))
+    if floor is None or serve is None:
+        raise SystemExit(f"missing floor-{model}.json or serve-{model}.json in {out_dir}")
+    weight_bytes = sum(b.nbytes for b in m.buffers if b.role == BufferRole.weight)
+    machine = gpu_machine()
+    config = {"weights_bytes_per_token": weight_bytes, "copy_bandwidth_Bps": floor["copy_bandwidth_Bps"],
+              "generated_tokens": serve["tokens"], "sampling": serve["sampling"],
+              "context_limit": m.capacities.context_limit, "prefill_chunk": m.capacities.prefill_chunk,
+              "kv_pages": m.pages.num_pages, "page_size": m.pages.page_size,
+              "decode_capacities": list(m.capacities.decode_capacities), "snapshot_rows": m.capacities.snapshot_rows,
+              "baseline": "transformers generate, static cache, built-in torch.compile",
+              "client": serve.get("options", {})}
+    records = []
+    for c, s in serve.get("concurrency", {}).items():
+        f = floor["decode"].get(c)
+        if f is None:
+            continue
+        roofline = int(c) * floor["copy_bandwidth_Bps"] / weight_bytes
+        base = (hf or {}).get("batches", {}).get(c, {}).get("decode_tokens_per_s")
+        records.append({
+            "gpu": machine["gpu"], "model": model, "dtype": m.reference.dtype, "concurrency": int(c),
+            "decode_tokens_per_s": s["decode_tokens_per_s"], "itl_ms_p50": s["itl_s_p50"] * 1e3,
+            "itl_ms_p99": s["itl_s_p99"] * 1e3, "ttft_ms_median": s["ttft_s_median"] * 1e3,
+            "floor_decode_tokens_per_s": f["tokens_per_s_gpu"], "floor_gpu_ms_per_step": f["gpu_ms_per_step"],
+            "floor_wall_ms_per_step_one_in_flight": f["wall_ms_per_step_one_in_flight"],
+            "roofline_tokens_per_s": roofline, "roofline_fraction": f["tokens_per_s_gpu"] / roofline,
+            "runtime_over_floor": s["itl_s_p50"] * 1e3 / f["gpu_ms_per_step"] - 1,
+            "baseline_decode_tokens_per_s": base,
+            "baseline_ratio": s["decode_tokens_per_s"] / base if base else None,
+            "machine": machine, "configuration": config})
+    scenarios = {k: serve[k] for k in ("prefill", "prefix", "agent", "interference") if k in serve}
+    return {"date": datetime.date.today().isoformat(), "machine": machine, "model": model, "configuration": config,
+            "records": records, "cold_ttft": {n: {k: v for k, v in r.items() if k != "raw"}
+                                              for n, r in serve.get("cold_ttft", {}).items()},
+            "scenarios": {k: _strip(v) for k, v in scenarios.items()},
+            "commands": [" ".join(sys.argv)], "raw": {"floor": floor, "serve": serve, "baseline": hf}}
+
+
+def _strip(v):
+    """A scenario's summary without its raw samples (those stay under raw.serve)."""
+    if isinstance(v, dict):
+        return {k: _strip(x) for k, x in v.items() if not k.startswith("raw")}
+    return v
+
+
+if __name__ == "__main__":
+    core, out_dir, model, result = sys.argv[1:5]
+    Path(result).write_text(json.dumps(collect(core, Path(out_dir), model), indent=1))

@@ -1,0 +1,250 @@
+"""The serving workloads of the benchmark, one coroutine each (see docs/performance.md).
+
+Every prompt is salted with the run's salt: a prompt is a prefix-cache hit only
+where the scenario means it to be (prefix-hit, agent), also when the benchmark
+is run twice against one server. Every request's ``cached_tokens`` is recorded,
+so a cold measurement that was not cold shows in the JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from bench.client import (
+    Refused,
+    Stream,
+    Target,
+    chat,
+    complete,
+    pct,
+    spread,
+    token_prompt,
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    tokens: int = 256
+    concurrency: tuple[int, ...] = (1, 2, 4)
+    cold_prompts: tuple[int, ...] = (512, 4096)
+    prefill_prompts: tuple[int, ...] = (4096, 65536)
+    prefix_tokens: int = 4096
+    tail_tokens: int = 11
+    short_prompt: int = 16  # the cold prompt a prefix hit is compared with
+    agent_turns: int = 8
+    agent_tokens: int = 64
+    agent_result_items: int = 12  # entries per tool result (about 50 tokens each with the SmolLM2 tokenizer)
+    # One slot fewer than the usual largest decode batch (4): the long prompt is admitted
+    # next to running decodes instead of queueing behind them.
+    interference_decoders: int = 3
+    interference_tokens: int = 512
+    interference_prompt: int = 4096
+    interference_after: int = 64  # tokens every decoder has streamed before the long prompt is sent
+    repeats: int = 3
+    salt: str = "0"
+    context_limit: int | None = None
+    limit_source: str = "unknown"
+
+    def __post_init__(self):
+        for name in ("tokens", "tail_tokens", "short_prompt", "agent_turns", "agent_tokens", "repeats",
+                     "interference_decoders", "interference_tokens", "interference_prompt", "prefix_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not 1 <= self.interference_after < self.interference_tokens:
+            raise ValueError("interference_after must be in [1, interference_tokens)")
+
+    def over_limit(self, prompt: int, out: int) -> str | None:
+        if self.context_limit is not None and prompt + out > self.context_limit:
+            return (f"{prompt} prompt + {out} output tokens exceed the server's context limit of "
+                    f"{self.context_limit} ({self.limit_source})")
+        return None
+
+
+@dataclass(frozen=True)
+class Env:
+    client: httpx.AsyncClient
+    target: Target
+    opts: Options
+
+
+def _skipped(reason: str) -> dict:
+    return {"skipped": True, "reason": reason}
+
+
+async def decode(env: Env) -> dict:
+    """TTFT, ITL p50/p99 and completed tokens/s at each concurrency."""
+    out = {}
+    for c in env.opts.concurrency:
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(complete(env.client, env.target, f"Story {i} of {c} ({env.opts.salt}): once "
+                                               "upon a time", env.opts.tokens, i) for i in range(c)))
+        wall = time.perf_counter() - t0
+        gaps = [g for r in runs for g in r.gaps_s]
+        out[c] = {"decode_tokens_per_s": sum(r.tokens for r in runs) / wall,
+                  "ttft_s_median": statistics.median(r.ttft_s for r in runs),
+                  "itl_s_p50": pct(gaps, 50), "itl_s_p99": pct(gaps, 99),
+                  "itl_s_mean": statistics.mean(r.summary()["mean_itl_s"] for r in runs),
+                  "wall_s": wall, "raw": [r.summary() for r in runs]}
+        print("decode", c, {k: v for k, v in out[c].items() if k != "raw"}, flush=True)
+    return out
+
+
+async def _one_token(env: Env, salt: str, n: int) -> dict:
+    """A cold n-token prompt, one output token: TTFT is the prefill."""
+    reason = env.opts.over_limit(n, 1)
+    if reason:
+        return _skipped(reason)
+    runs = []
+    for k in range(env.opts.repeats):
+        try:
+            s = await complete(env.client, env.target, token_prompt(f"{env.opts.salt}:{salt}:{k}", n), 1, 99)
+        except Refused as e:
+            if e.status == 400:  # the limit the server did not advertise
+                return _skipped(f"server refused a {n}-token prompt: {e.message}")
+            raise
+        runs.append(s.summary())
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    return {"ttft_s": ttft, "prefill_tokens_per_s": n / ttft, "cached_tokens": [r["cached_tokens"] for r in runs],
+            "raw": runs}
+
+
+async def _sizes(env: Env, kind: str, sizes: tuple[int, ...]) -> dict:
+    out = {}
+    for n in sizes:
+        out[n] = await _one_token(env, kind, n)
+        print(kind, n, {k: v for k, v in out[n].items() if k != "raw"}, flush=True)
+    return out
+
+
+async def cold_ttft(env: Env) -> dict:
+    return await _sizes(env, "cold", env.opts.cold_prompts)
+
+
+async def prefill(env: Env) -> dict:
+    """Prefill throughput of single long prompts (sizes over the context limit are skipped)."""
+    return await _sizes(env, "prefill", env.opts.prefill_prompts)
+
+
+async def prefix_hit(env: Env) -> dict:
+    """TTFT of prefix + tail after the prefix was sent once, against a cold short prompt."""
+    o = env.opts
+    reason = o.over_limit(o.prefix_tokens + o.tail_tokens, 1)
+    if reason:
+        return _skipped(reason)
+    hits, colds = [], []
+    for k in range(o.repeats):
+        prefix = token_prompt(f"{o.salt}:prefix:{k}", o.prefix_tokens)
+        # Two output tokens: the prompt endpoint is captured before the first is sampled
+        # (docs/prefix-cache.md); the stream ending then guarantees the prefix is cached.
+        await complete(env.client, env.target, prefix, 2, k)
+        tail = token_prompt(f"{o.salt}:tail:{k}", o.tail_tokens)
+        hits.append((await complete(env.client, env.target, prefix + tail, 1, k)).summary())
+        colds.append((await complete(env.client, env.target, token_prompt(f"{o.salt}:short:{k}", o.short_prompt),
+                                     1, k)).summary())
+    hit = statistics.median(r["ttft_s"] for r in hits)
+    cold = statistics.median(r["ttft_s"] for r in colds)
+    out = {"hit_ttft_s": hit, "cold_short_ttft_s": cold, "ratio": hit / cold, "target_ratio": 1.2,
+           "cached_tokens": [r["cached_tokens"] for r in hits], "raw_hit": hits, "raw_cold_short": colds}
+    print("prefix-hit", {k: v for k, v in out.items() if not k.startswith("raw")}, flush=True)
+    return out
+
+
+def agent_messages(salt: str, turns: int, items: int) -> tuple[list[dict], list[list[dict]]]:
+    """The opening (system prompt with tool definitions, the user's task) and, per turn,
+    the two messages the agent appends: its tool call and the tool's result. Scripted, so
+    every server sees the same conversation; the salt keeps the first turn cold."""
+    tools = [{"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": {p: {"type": "string"} for p in params}, "required": list(params)}}}
+        for name, desc, params in (("search_code", "Search the repository for a pattern.", ("pattern", "path")),
+                                   ("read_file", "Read lines of a file.", ("path", "start", "end")),
+                                   ("run_tests", "Run a test selection and report failures.", ("selection",)),
+                                   ("edit_file", "Replace a unique string in a file.", ("path", "old", "new")))]
+    system = (f"Session {salt}. You are a coding agent. Call a tool by writing <tool_call>{{\"name\": ..., "
+              "\"arguments\": {...}}</tool_call> and wait for its result.\nTools:\n"
+              + "\n".join(json.dumps(t) for t in tools))
+    opening = [{"role": "system", "content": system},
+               {"role": "user", "content": "The scheduler drops a request when a prefill chunk ends exactly on a "
+                                           "page boundary. Find the cause and fix it."}]
+    appended = []
+    for t in range(turns):
+        call = {"name": "search_code", "arguments": {"pattern": f"page_boundary_{t}", "path": "src/"}}
+        result = {"matches": [{"path": f"src/flare/runtime/module_{t}_{i}.py", "line": 17 * i + t,
+                               "text": f"if start % page_size == 0: chunk = pages[{i}]"} for i in range(items)]}
+        appended.append([{"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+                         {"role": "tool", "content": json.dumps(result)}])
+    return opening, appended
+
+
+async def agent(env: Env) -> dict:
+    """A multi-turn chat: per turn TTFT, prompt tokens and cached_tokens."""
+    o = env.opts
+    messages, appended = agent_messages(o.salt, o.agent_turns, o.agent_result_items)
+    turns = []
+    for t in range(o.agent_turns + 1):
+        try:
+            s = await chat(env.client, env.target, messages, o.agent_tokens, t)
+        except Refused as e:
+            if e.status == 400 and turns:  # the conversation outgrew the context
+                turns.append(_skipped(f"turn {t}: {e.message}"))
+                break
+            raise
+        r = s.summary()
+        turns.append({"turn": t, "ttft_s": r["ttft_s"], "prompt_tokens": r["prompt_tokens"],
+                      "cached_tokens": r["cached_tokens"], "completion_tokens": r["tokens"], "total_s": r["total_s"]})
+        print("agent", turns[-1], flush=True)
+        if t < o.agent_turns:
+            messages = messages + appended[t]
+    return {"turns": turns}
+
+
+async def interference(env: Env) -> dict:
+    """ITL of running decodes before and while a long prompt is prefilled."""
+    o = env.opts
+    reason = o.over_limit(o.interference_prompt, 1) or o.over_limit(64, o.interference_tokens)
+    if reason:
+        return _skipped(reason)
+    ready = asyncio.Event()
+    started: set[int] = set()
+
+    def progress(i: int):
+        def on_text(s: Stream) -> None:
+            if len(s.arrivals) >= o.interference_after:
+                started.add(i)
+                if len(started) == o.interference_decoders:
+                    ready.set()
+        return on_text
+
+    decoders = [asyncio.create_task(complete(env.client, env.target, f"Decoder {i} ({o.salt}): the history of",
+                                             o.interference_tokens, i, progress(i)))
+                for i in range(o.interference_decoders)]
+    await ready.wait()
+    submitted = time.perf_counter()
+    long = await complete(env.client, env.target, token_prompt(f"{o.salt}:interference", o.interference_prompt), 1, 7)
+    first = long.arrivals[0]
+    runs = await asyncio.gather(*decoders)
+    if not all(r.arrivals[-1] > first for r in runs):
+        raise RuntimeError("a decoder finished during the prefill window; raise --interference-tokens")
+    # A gap belongs to the prefill window when it overlaps it: the gap a decoder stalls
+    # through while the prefill runs closes with the first token after the window.
+    gaps = [(a, b) for r in runs for a, b in zip(r.arrivals, r.arrivals[1:])]
+    before = [b - a for a, b in gaps if b <= submitted]
+    during = [b - a for a, b in gaps if b > submitted and a < first]
+    out = {"prefill_window_s": first - submitted, "long_ttft_s": long.ttft_s, "long_cached_tokens": long.cached_tokens,
+           "decoders": o.interference_decoders, "itl_before": spread(before), "itl_during": spread(during),
+           "raw": [r.summary() for r in runs]}
+    print("interference", {k: v for k, v in out.items() if k != "raw"}, flush=True)
+    return out
+
+
+SCENARIOS = {"decode": decode, "cold": cold_ttft, "prefill": prefill, "prefix": prefix_hit, "agent": agent,
+             "interference": interference}
+
+
+def options_record(o: Options) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(o).items()}

@@ -1,0 +1,71 @@
+"""The serving benchmark client, every scenario at tiny sizes, against a live CPU flare-serve.
+
+It checks what the JSON says, not how fast: fields present, counts exact, cold
+prompts cold, cached prefixes reported cached, sizes over the context limit
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import httpx
+
+from tests.conftest import ROOT
+
+PREFIX = 32
+
+
+def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
+    model = httpx.get(smol_server.url + "/v1/models").json()["data"][0]["id"]
+    out = tmp_path / "serve.json"
+    subprocess.run([sys.executable, "-m", "bench.serve_bench", smol_server.url, model, str(out),
+                    "--scenarios", "decode,cold,prefill,prefix,agent,interference", "--tokens", "8",
+                    "--concurrency", "1,2", "--cold-prompts", "32", "--prefill-prompts", "32,4096",
+                    "--prefix-tokens", str(PREFIX), "--short-prompt", "16", "--agent-turns", "3",
+                    "--agent-tokens", "8", "--agent-result-items", "2", "--interference-decoders", "1",
+                    "--interference-tokens", "24", "--interference-after", "4", "--interference-prompt", "96",
+                    "--repeats", "1"], cwd=ROOT, check=True, timeout=240)
+    r = json.loads(out.read_text())
+
+    assert r["model"] == model and r["sampling"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    assert r["machine"]["versions"]["httpx"] and r["machine"]["python"]
+    assert (r["options"]["context_limit"], r["options"]["limit_source"]) == (2048, "/v1/models max_model_len")
+    assert r["server_models"]["data"][0]["max_model_len"] == 2048
+
+    for c in (1, 2):
+        d = r["concurrency"][str(c)]
+        assert [run["tokens"] for run in d["raw"]] == [8] * c
+        assert all(len(run["gaps_s"]) == 7 and run["ttft_s"] > 0 for run in d["raw"])
+        assert d["decode_tokens_per_s"] > 0 and 0 < d["itl_s_p50"] <= d["itl_s_p99"]
+
+    cold = r["cold_ttft"]["32"]
+    assert cold["ttft_s"] > 0 and cold["cached_tokens"] == [0]
+
+    assert r["prefill"]["32"]["cached_tokens"] == [0] and r["prefill"]["32"]["prefill_tokens_per_s"] > 0
+    assert r["prefill"]["4096"]["skipped"] is True
+    assert "context limit of 2048" in r["prefill"]["4096"]["reason"]
+
+    # Checkpoints sit at exact endpoints (docs/prefix-cache.md): the prompt endpoint of
+    # the warming request is the whole prefix.
+    p = r["prefix"]
+    assert all(n >= PREFIX for n in p["cached_tokens"]), p["cached_tokens"]
+    assert [run["prompt_tokens"] for run in p["raw_hit"]] == [PREFIX + 11]
+    assert [run["cached_tokens"] for run in p["raw_cold_short"]] == [0]
+    assert p["hit_ttft_s"] > 0 and p["ratio"] == p["hit_ttft_s"] / p["cold_short_ttft_s"]
+
+    turns = r["agent"]["turns"]
+    assert [t["turn"] for t in turns] == [0, 1, 2, 3]
+    assert turns[0]["cached_tokens"] == 0
+    for prev, t in itertools.pairwise(turns):
+        # Each turn's prompt extends the last one, whose prompt endpoint was captured.
+        assert prev["prompt_tokens"] <= t["cached_tokens"] < t["prompt_tokens"], (prev, t)
+    assert all(t["ttft_s"] > 0 and t["completion_tokens"] == 8 for t in turns)
+
+    i = r["interference"]
+    assert i["long_cached_tokens"] == 0 and i["prefill_window_s"] > 0
+    assert i["itl_before"]["count"] >= 3 and i["itl_during"]["count"] >= 1
+    assert i["itl_during"]["max_ms"] >= i["itl_during"]["p50_ms"] > 0
