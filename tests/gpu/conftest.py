@@ -39,10 +39,7 @@ def pytest_collection_modifyitems(config, items):
 ATTENTION = os.environ.get("FLARE_GPU_ATTENTION", "triton")
 COMPILE = [] if os.environ.get("FLARE_GPU_COMPILE", "1") == "1" else ["--no-compile"]
 SHAPES = {
-    # Snapshot rows for every checkpoint of test_generation's 50 prompts and follow-ups (2 each):
-    # with fewer, LRU eviction under snapshot pressure drops the early prompts' checkpoints.
-    "smollm2-135m-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
-                           "--snapshot-rows", "160"],
+    "smollm2-135m-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024"],
 }
 

@@ -7,8 +7,8 @@ torch programs on the CPU); CACHE is ``on`` or ``off`` (the prefix cache).
 
 Phase 1 runs every prompt concurrently (the engine batches them) for
 ``TOKENS`` greedy tokens. Phase 2 runs, one at a time, follow-up turns of the
-first ``FOLLOW_UPS`` prompts (prompt + its output + an 11-token tail: a tool
-result appended to a conversation) and an exact repeat of prompt 0 (a
+last ``FOLLOW_UPS`` prompts (prompt + its output + an 11-token tail: a tool
+result appended to a conversation) and an exact repeat of the last prompt (a
 full-prompt hit), recording cached tokens and the prefill work each did.
 
 ``--roundtrip`` then drives the snapshot and restore programs
@@ -149,8 +149,11 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
     sched = engine.scheduler
     phase1 = await _generate(engine, prompts, TOKENS, list(range(len(prompts))))
     follow, rng = [], np.random.default_rng(3)
-    turns = [(prompts[i] + phase1[i].output + rng.integers(100, 1000, TAIL).tolist(), i) for i in range(FOLLOW_UPS)]
-    turns.append((prompts[0], 0))  # an exact repeat: the whole prompt is cached
+    # The most recent conversations, newest first: checkpoints are evicted least recently
+    # used under page and snapshot pressure, and phase 1 left more than the pool holds.
+    sources = list(range(len(prompts) - 1, len(prompts) - 1 - FOLLOW_UPS, -1))
+    turns = [(prompts[i] + phase1[i].output + rng.integers(100, 1000, TAIL).tolist(), i) for i in sources]
+    turns.append((prompts[sources[0]], sources[0]))  # an exact repeat: the whole prompt is cached
     for prompt, i in turns:
         before = sched.prefill_tokens_total
         (r,) = await _generate(engine, [prompt], TOKENS, [i])

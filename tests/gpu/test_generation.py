@@ -85,7 +85,7 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
         assert f["prefill_tokens"] == f["prompt_tokens"] - f["cached_tokens"], f
     repeat = follow_on[-1]  # the exact repeat: resume, no prefill program ran
     assert repeat["cached_tokens"] == repeat["prompt_tokens"] and repeat["prefill_tokens"] == 0, repeat
-    assert repeat["output"] == on["phase1"][0]
+    assert repeat["output"] == on["phase1"][repeat["source"]]
     for f in follow_off:
         assert f["cached_tokens"] == 0 and f["prefill_tokens"] == f["prompt_tokens"], f
     agree = [_common_prefix(a["output"], b["output"]) for a, b in zip(follow_on, follow_off)]
