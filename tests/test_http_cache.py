@@ -11,7 +11,6 @@ executor with token ids in hand (``test_conversation_cache``)."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
@@ -21,11 +20,7 @@ from flare.server.text import TextCodec
 from tests.agent_conversation import (TURNS, complete_messages_length, deepest_published,
                                       oracle_message_endpoints, turn_messages)
 from tests.conftest import running_server
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if line)}
+from tests.conftest import scrape_metrics as metrics
 
 
 def frontend(core):
