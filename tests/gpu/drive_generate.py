@@ -152,8 +152,8 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
     # The most recent conversations, newest first: checkpoints are evicted least recently
     # used under page and snapshot pressure, and phase 1 left more than the pool holds.
     sources = list(range(len(prompts) - 1, len(prompts) - 1 - FOLLOW_UPS, -1))
-    turns = [(prompts[i] + phase1[i].output + rng.integers(100, 1000, TAIL).tolist(), i) for i in sources]
-    turns.append((prompts[sources[0]], sources[0]))  # an exact repeat: the whole prompt is cached
+    turns = [(prompts[sources[0]], sources[0])]  # an exact repeat: the whole prompt is cached
+    turns += [(prompts[i] + phase1[i].output + rng.integers(100, 1000, TAIL).tolist(), i) for i in sources]
     for prompt, i in turns:
         before = sched.prefill_tokens_total
         (r,) = await _generate(engine, [prompt], TOKENS, [i])

@@ -80,10 +80,10 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
     # Phase 1 has no hits (distinct random prompts): the cache changes nothing.
     assert on["phase1"] == off["phase1"]
     follow_on, follow_off = on["follow_ups"], off["follow_ups"]
-    for f in follow_on[:-1]:  # follow-up turns: the previous prompt at least is cached
+    for f in follow_on[1:]:  # follow-up turns: the previous prompt at least is cached
         assert f["cached_tokens"] >= f["previous_prompt_tokens"], f
         assert f["prefill_tokens"] == f["prompt_tokens"] - f["cached_tokens"], f
-    repeat = follow_on[-1]  # the exact repeat: resume, no prefill program ran
+    repeat = follow_on[0]  # the exact repeat: resume, no prefill program ran
     assert repeat["cached_tokens"] == repeat["prompt_tokens"] and repeat["prefill_tokens"] == 0, repeat
     assert repeat["output"] == on["phase1"][repeat["source"]]
     for f in follow_off:
