@@ -10,7 +10,10 @@
 # A --context-limit among the prepare options overrides CONTEXT_LIMIT (it comes last).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/flare-bench}; mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/flare-bench}; mkdir -p "$FINAL"
+# Everything is written to a work folder; $OUT receives the joined serving JSON and one
+# archive of the raw files (the device returns at most 8 files per call).
+OUT=$(mktemp -d /tmp/flare-bench-work.XXXX)
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD FLARE_CACHE_DIR=${FLARE_CACHE_DIR:-/tmp/flare-cache}
 MODEL=$1; shift
@@ -37,3 +40,5 @@ curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens" > $OUT/m
 kill $SRV; wait $SRV
 timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json
 python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json
+cp $OUT/serving-$MODEL-*.json "$FINAL"/ 2>/dev/null
+tar czf "$FINAL/bench-raw-$MODEL.tgz" -C $OUT .
