@@ -63,11 +63,13 @@ HYBRID_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-si
 
 
 def _code_digest() -> str:
-    """What a core depends on: the preparation code, the contract and the configs (the
-    runtime and server never change a core, so editing them does not re-prepare)."""
+    """What a core depends on: the preparation code, the contract, the configs and the
+    qualification inputs its golden replays record (the rest of the runtime and the
+    server never change a core, so editing them does not re-prepare)."""
     h = hashlib.sha256()
-    for base in (ROOT / "src" / "flare" / "prepare", ROOT / "src" / "flare" / "core", ROOT / "configs"):
-        for p in sorted(base.rglob("*")):
+    for base in (ROOT / "src" / "flare" / "prepare", ROOT / "src" / "flare" / "core", ROOT / "configs",
+                 ROOT / "src" / "flare" / "runtime" / "qualify.py"):
+        for p in sorted(base.rglob("*")) if base.is_dir() else [base]:
             if p.is_file() and p.suffix in (".py", ".toml", ".c", ".jinja"):
                 h.update(str(p.relative_to(ROOT)).encode())
                 h.update(p.read_bytes())

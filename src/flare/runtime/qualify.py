@@ -89,6 +89,11 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
         idx = rng.integers(0, c.sampling_vocab, 64)
         hist[s, idx] = rng.integers(0, 3, 64) + (rng.integers(0, 2, 64) << 24)
     state["state.hist"][:] = hist
+    # Grammar masks on about half the rows, each allowing a random half of the vocabulary:
+    # the sampler's mask path is qualified with real bitmasks, not only switched off.
+    state["state.mask_on"][:] = rng.integers(0, 2, rows)
+    words = state["in.token_mask"]
+    words[:] = rng.integers(0, 1 << 32, words.shape, dtype=np.uint64).astype(np.uint32).view(np.int32)
     state["in.tokens"][:] = rng.integers(0, c.sampling_vocab, state["in.tokens"].shape)
     state["in.prefill"][:] = 0
     state["in.admit"][:] = 0
