@@ -289,6 +289,18 @@ def test_missing_rank_image_rejects_the_core(tp2_core, tmp_path):
     assert e.value.param == "parallel.ranks"
 
 
+def test_cuda_executor_refuses_a_tp_core(tp2_core):
+    """The CUDA executor drives one rank; a TP core is refused with a typed error before
+    any device work (the multi-GPU path is not built)."""
+    pytest.importorskip("cuda.bindings")
+    from flare.core.errors import CoreCompatibilityError
+    from flare.runtime.cuda_executor import CudaExecutor
+
+    with pytest.raises(CoreCompatibilityError, match="tensor-parallel") as e:
+        CudaExecutor(tp2_core, mf.load_manifest(tp2_core))
+    assert (e.value.param, e.value.code) == ("parallel.tp_size", "tensor_parallel_unsupported")
+
+
 @pytest.mark.parametrize("tp,dim,n", [(3, "num_attention_heads", 4), (4, "num_key_value_heads", 2),
                                       (8, "num_attention_heads", 4)])
 def test_sharding_must_divide(tp, dim, n):
