@@ -69,16 +69,17 @@ class _Rank:
         return self.proc is not None and self.proc.returncode is None
 
     async def stop(self, *, kill: bool) -> None:
-        if self.alive:
+        """Ask the worker to exit (or kill it at once) and reap it."""
+        if self.alive and not kill:
             try:
-                if kill:
-                    raise BrokenPipeError
                 self.proc.stdin.write(b"exit\n")
                 await self.proc.stdin.drain()
                 await asyncio.wait_for(self.proc.wait(), 10)
             except (BrokenPipeError, ConnectionResetError, asyncio.TimeoutError):
-                self.proc.kill()
-                await self.proc.wait()
+                pass
+        if self.alive:
+            self.proc.kill()
+            await self.proc.wait()
         self.proc = None
 
     def release(self) -> None:
