@@ -11,7 +11,6 @@ executor with token ids in hand (``test_conversation_cache``)."""
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
@@ -20,12 +19,9 @@ from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec
 from tests.agent_conversation import (TURNS, complete_messages_length, deepest_published,
                                       oracle_message_endpoints, turn_messages)
-from tests.conftest import running_server
+from tests.conftest import running_server, scrape_metrics
 
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {k: float(v) for k, v in (line.split() for line in text.splitlines() if line)}
+metrics = scrape_metrics  # the exposition has # HELP / # TYPE lines: skip them
 
 
 def frontend(core):

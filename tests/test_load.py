@@ -122,7 +122,8 @@ def test_sixty_four_clients_under_load(tiny_core):
             time.sleep(0.2)
         assert metrics["flare_requests_running"] == 0 and metrics["flare_requests_waiting"] == 0
         assert metrics["flare_kv_pages_used"] == 0
-        assert metrics["flare_kv_pages_free"] == metrics["flare_kv_pages_total"]
+        # Every page is free or held only by prefix-cache checkpoints (none leaked by a request).
+        assert metrics["flare_kv_pages_free"] + metrics["flare_kv_pages_cached"] == metrics["flare_kv_pages_total"]
         assert httpx.get(srv.url + "/health").status_code == 200
         r = httpx.post(srv.url + "/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 5,
