@@ -194,7 +194,7 @@ def tiny_server(tiny_core):
 def scrape_metrics(url: str) -> dict[str, float]:
     """The server's /metrics as {name (with labels): value}."""
     out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)

@@ -38,7 +38,7 @@ def _reject(d: dict, *, param: str | None, match: str, error=ManifestError) -> M
 def test_load_prepared_core(tiny_core, raw):
     m = mf.load_manifest(tiny_core)
     # Numbers come from TINY_OPTS in conftest.py.
-    assert m.abi == mf.ABI_VERSION == 3
+    assert m.abi == mf.ABI_VERSION == 4
     assert m.identity.device == "cpu" and m.identity.compute_capability is None
     c = m.capacities
     assert (c.context_limit, c.prefill_chunk, c.prefill_capacities) == (1024, 128, (128,))
@@ -54,6 +54,8 @@ def test_load_prepared_core(tiny_core, raw):
     assert m.buffer("snap.state.hidden").shape == (33, 64)
     assert m.buffer("snap.kv_tail").shape == (33, 2, 2, 16, 2, 16)  # rows, layers, K|V, page, kv heads, dim
     assert m.buffer("snap.kv_tail").nbytes // 33 == m.pages.bytes_per_page
+    # One rank, files at the top level (docs/tensor-parallel.md).
+    assert m.parallel == mf.Parallel(tp_size=1, ranks=(mf.RankCore(dir=".", base_address=0),))
     # The decoded struct re-encodes to the same document (no field lost or invented).
     assert json.loads(mf.encode_manifest(m)) == raw
 
@@ -84,11 +86,12 @@ def test_missing_field(raw):
 
 def test_abi_mismatch(raw):
     d = {**raw, "abi": mf.ABI_VERSION + 1}
-    err = _reject(d, param="abi", match="exported with ABI 4", error=CoreCompatibilityError)
+    err = _reject(d, param="abi", match=f"exported with ABI {mf.ABI_VERSION + 1}", error=CoreCompatibilityError)
     assert err.code == "abi_mismatch"
     # The probe runs first: an older or future ABI is reported as such even if the rest of
-    # the document would not decode under this ABI's schema (ABI 1 cores have no checkpoints, ABI 2 cores no grammar masks).
-    for abi in (1, 2, 4):
+    # the document would not decode under this ABI's schema (ABI 1 cores have no checkpoints,
+    # ABI 2 cores no grammar masks, ABI 3 cores no parallel section).
+    for abi in (1, 2, 3, 5):
         d = {"abi": abi, "something": "else"}
         err = _reject(d, param="abi", match=f"exported with ABI {abi}", error=CoreCompatibilityError)
         assert err.code == "abi_mismatch"
@@ -242,6 +245,51 @@ def test_state_programs_are_required(raw, kind):
     d = json.loads(json.dumps(raw))
     d["programs"] = [p for p in d["programs"] if p["kind"] != kind]
     _reject(d, param="programs", match=f"exactly one {kind} program of capacity 1")
+
+
+def test_parallel_section(raw):
+    """TP size, rank list and rank directories must agree; reference rank arenas have
+    no address; CUDA rank arenas start at the arena's address and do not overlap."""
+    def edit(**parallel):
+        d = json.loads(json.dumps(raw))
+        d["parallel"].update(parallel)
+        return d
+
+    one = raw["parallel"]["ranks"][0]
+    _reject(edit(tp_size=0, ranks=[]), param="parallel.tp_size", match="at least 1, got 0")
+    _reject(edit(tp_size=2), param="parallel.ranks", match="lists 1 ranks for tp_size 2")
+    _reject(edit(ranks=[{**one, "dir": "rank0"}]), param="parallel.ranks[0].dir", match="must be '.'")
+    _reject(edit(tp_size=2, ranks=[{**one, "dir": "rank0"}, {**one, "dir": "../elsewhere"}]),
+            param="parallel.ranks[1].dir", match="must be 'rank1'")
+    _reject(edit(ranks=[{**one, "base_address": 1 << 40}]), param="parallel.ranks",
+            match="reference cores have no arena addresses")
+    d = edit()
+    del d["parallel"]
+    _reject(d, param=None, match="missing required field `parallel`")
+    # A CUDA core's rank arenas: rank 0 at the arena's address, ranges disjoint.
+    base, n = 0x7F0000000000, raw["arena"]["nbytes"]
+    d = edit(tp_size=2, ranks=[{"dir": "rank0", "base_address": base}, {"dir": "rank1", "base_address": base + n - 256}])
+    d["identity"].update(device="cuda", compute_capability="9.0")
+    d["arena"]["base_address"] = base
+    d["kernels"] = "kernels.json"
+    for prog in d["programs"]:
+        prog["graph"] = f"graphs/{prog['name']}.json"
+    _reject(d, param="parallel.ranks[1].base_address", match="rank arenas 0 and 1 overlap")
+    d["parallel"]["ranks"][1]["base_address"] = base + n
+    _decode(d)
+    d["parallel"]["ranks"][0]["base_address"] = base + 2 * n
+    _reject(d, param="parallel.ranks[0].base_address", match="rank 0's arena address must be the arena's")
+
+
+def test_missing_rank_image_rejects_the_core(tiny_core, tmp_path):
+    import shutil
+
+    core = tmp_path / "core"
+    shutil.copytree(tiny_core, core)
+    (core / "weights.safetensors").unlink()
+    with pytest.raises(ManifestError, match=r"lacks rank 0's arena image \./weights\.safetensors") as e:
+        mf.load_manifest(core)
+    assert e.value.param == "parallel.ranks[0]"
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ import msgspec
 
 from flare.core.errors import CoreCompatibilityError, ManifestError
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 MANIFEST_FILE = "manifest.json"
 
 
@@ -214,6 +214,27 @@ class Reference(_Frozen):
     dtype: str
 
 
+class RankCore(_Frozen):
+    """Where one tensor-parallel rank's files live and where its arena sits."""
+
+    dir: str  # relative to the core; "." for TP=1, "rank<r>" otherwise
+    base_address: int  # this rank's arena address (CUDA); 0 on reference cores
+
+
+class Parallel(_Frozen):
+    """Tensor parallelism over the GPUs of one host (ABI 4). Every rank's arena has
+    the manifest's buffer layout; per-rank files (``arena.image``, program graphs, the
+    kernel table) are named relative to ``ranks[r].dir``. See docs/tensor-parallel.md."""
+
+    tp_size: int
+    ranks: tuple[RankCore, ...]
+
+
+def rank_dir(rank: int, tp_size: int) -> str:
+    """The contract's naming rule for a rank's directory inside the core."""
+    return "." if tp_size == 1 else f"rank{rank}"
+
+
 class Manifest(_Frozen):
     abi: int
     identity: Identity
@@ -228,6 +249,7 @@ class Manifest(_Frozen):
     reference: Reference
     continuation: Continuation
     kernels: str | None  # kernel table file (CUDA cores); None on reference cores
+    parallel: Parallel
 
     def buffer(self, name: str) -> Buffer:
         for b in self.buffers:
@@ -341,7 +363,21 @@ def load_manifest(core_dir: str | Path) -> Manifest:
         raw = path.read_bytes()
     except OSError as e:
         raise ManifestError(f"cannot read runtime core manifest {path}: {e.strerror}", param=str(path)) from e
-    return decode_manifest(raw)
+    m = decode_manifest(raw)
+    rank_images(core_dir, m)
+    return m
+
+
+def rank_images(core_dir: str | Path, m: Manifest) -> list[Path]:
+    """Each rank's arena image, in rank order; a missing one rejects the core."""
+    paths = []
+    for r, rank in enumerate(m.parallel.ranks):
+        path = Path(core_dir) / rank.dir / m.arena.image
+        if not path.is_file():
+            raise ManifestError(f"core lacks rank {r}'s arena image {rank.dir}/{m.arena.image}",
+                                param=f"parallel.ranks[{r}]")
+        paths.append(path)
+    return paths
 
 
 def decode_manifest(raw: bytes) -> Manifest:
@@ -463,6 +499,7 @@ def validate(m: Manifest) -> None:
         if caps[kind] != (STATE_PROGRAM_CAPACITY,):
             _fail(f"core needs exactly one {kind.value} program of capacity {STATE_PROGRAM_CAPACITY}", "programs")
     _validate_continuation(m)
+    _validate_parallel(m)
 
     s = m.sampling
     if s.temperature <= 0:
@@ -509,6 +546,31 @@ def _validate_continuation(m: Manifest) -> None:
     extra = sorted(b.name for b in m.buffers if b.role == BufferRole.snapshot and b.name not in expected)
     if extra:
         _fail(f"snapshot buffers outside the continuation section: {extra}", "continuation")
+
+
+def _validate_parallel(m: Manifest) -> None:
+    """Ranks are named by the contract's rule, one per TP rank; reference arenas have
+    no address, CUDA rank arenas are disjoint fixed ranges with rank 0's the arena's."""
+    par = m.parallel
+    if par.tp_size < 1:
+        _fail(f"parallel.tp_size must be at least 1, got {par.tp_size}", "parallel.tp_size")
+    if len(par.ranks) != par.tp_size:
+        _fail(f"parallel.ranks lists {len(par.ranks)} ranks for tp_size {par.tp_size}", "parallel.ranks")
+    for r, rank in enumerate(par.ranks):
+        if rank.dir != rank_dir(r, par.tp_size):
+            _fail(f"rank {r}'s directory must be {rank_dir(r, par.tp_size)!r}, got {rank.dir!r}",
+                  f"parallel.ranks[{r}].dir")
+    bases = [rank.base_address for rank in par.ranks]
+    if m.identity.device == "cpu":
+        if any(bases):
+            _fail("reference cores have no arena addresses", "parallel.ranks")
+        return
+    if bases[0] != m.arena.base_address:
+        _fail("rank 0's arena address must be the arena's", "parallel.ranks[0].base_address")
+    spans = sorted((b, r) for r, b in enumerate(bases))
+    for (b0, r0), (b1, r1) in zip(spans, spans[1:]):
+        if b1 < b0 + m.arena.nbytes:
+            _fail(f"rank arenas {r0} and {r1} overlap", f"parallel.ranks[{r1}].base_address")
 
 
 SAMPLING_PARAMS = (

@@ -27,6 +27,7 @@ from flare.core.image import persistent_buffers, write_image
 from flare.core.manifest import BufferRole, DType, ProgramKind
 from flare.prepare import recipes
 from flare.prepare.layout import BufferRequest, align, plan
+from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
 from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
 from flare.prepare.sources import ModelSource
 
@@ -54,6 +55,9 @@ class Options:
     scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
     reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
     qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce
+    tp_size: int = 1  # tensor-parallel ranks; this process prepares rank tp_rank
+    tp_rank: int = 0
+    tp_addr: str | None = None  # host:port of rank 0's gloo store (TP > 1)
     served_name: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -105,7 +109,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         hidden_size=recipe.hidden_size(src.config),
         snapshot_rows=snapshot_rows,
     )
-    geo = recipe.kv_geometry(src.config)
+    geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
     bytes_per_page = geo.layers * 2 * opts.page_size * geo.kv_heads * geo.head_dim * itemsize
     if opts.kv_pages is not None:
@@ -143,7 +147,7 @@ def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType) -> list
 def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: Options, specs) -> list[BufferRequest]:
     dtype = DType(opts.resolved_dtype())
     reqs = [BufferRequest(s.buffer, BufferRole.weight, _dtype_enum(s.dtype), s.shape) for s in specs]
-    geo = recipe.kv_geometry(src.config)
+    geo = recipe.kv_geometry(src.config, opts.tp_size)
     page_shape = (geo.layers, 2, opts.page_size, geo.kv_heads, geo.head_dim)
     reqs.append(BufferRequest("kv", BufferRole.kv, dtype, (geo.layers, 2, pages, opts.page_size, geo.kv_heads, geo.head_dim)))
     for name, (role, dt, shape) in mf.runtime_buffer_shapes(caps).items():
@@ -190,9 +194,12 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
     return tuple(progs)
 
 
-def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str], None], session=None) -> mf.Manifest:
+def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str], None], session=None,
+            tp: TensorParallel = SINGLE) -> mf.Manifest | None:
     """Prepare and export a core. ``session`` is a CudaSession for --device cuda
-    (begun before torch initialised CUDA), None for the CPU reference path."""
+    (begun before torch initialised CUDA), None for the CPU reference path. With
+    tensor parallelism every rank calls this with its group; each writes its rank's
+    image, rank 0 the manifest and the shared files (other ranks return None)."""
     t0 = time.time()
     model_type = src.config.model_type
     try:
@@ -202,11 +209,21 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     cuda = opts.device == "cuda"
     if cuda and session is None:
         raise PrepareError("--device cuda requested but no CUDA session is available")
+    if tp.size != opts.tp_size or tp.rank != opts.tp_rank:
+        raise PrepareError(f"rank {tp.rank} of {tp.size} was asked to prepare rank {opts.tp_rank} of {opts.tp_size}")
+    if tp.active and cuda:
+        raise PrepareError("tensor-parallel preparation on CUDA is not built yet (docs/tensor-parallel.md)")
+    if tp.active and opts.qualify:
+        raise PrepareError("--qualify records golden replays of one rank; it is not supported with --tp > 1")
     attention = opts.attention or ("triton" if cuda else "reference")
     dtype = TORCH_DTYPES[opts.resolved_dtype()]
 
-    progress(f"building {model_type} ({recipe.name} recipe) on the meta device")
-    model = recipe.build(src.config, dtype)
+    progress(f"building {model_type} ({recipe.name} recipe) on the meta device"
+             + (f", rank {tp.rank} of {tp.size}" if tp.active else ""))
+    try:
+        model = recipe.build(src.config, dtype, tp=tp)
+    except ShardingError as e:
+        raise PrepareError(str(e)) from None
     specs = recipe.weights(model)
     free = session.free_at_start if cuda else None
     caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=free)
@@ -233,7 +250,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     with (torch.cuda.use_mem_pool(session.pool) if cuda else contextlib.nullcontext()):
         recipe.bind(model, specs, views)
         progress("loading weights into the arena")
-        src.load_weights({name: views[s.buffer] for s in specs if s.from_checkpoint for name in s.names[:1]})
+        _load_weights(src, specs, views)
         recipe.compute_constants(model, specs, views)
         progress("building programs")
         if cuda and opts.compile:
@@ -265,17 +282,28 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     nbytes = partial.arena.nbytes
 
     progress(f"writing runtime core to {out}")
+    rank_out = out / mf.rank_dir(tp.rank, tp.size)
+    rank_out.mkdir(parents=True, exist_ok=True)
     if cuda:
         read = lambda b: arena[b.offset : b.offset + b.nbytes].cpu().numpy().tobytes()  # noqa: E731
     else:
         arena_np = arena.numpy()
         read = lambda b: memoryview(arena_np[b.offset : b.offset + b.nbytes])  # noqa: E731
-    digest = write_image(out / "weights.safetensors", persistent_buffers(partial), read)
+    digest = write_image(rank_out / partial.arena.image, persistent_buffers(partial), read)
+    # Every rank must have planned the same layout (one buffer list describes all ranks).
+    layout = hashlib.sha256(msgspec.json.encode(partial.buffers)).hexdigest()
+    digests = tp.gather_strings(f"{layout} {digest}")
+    if len({d.split()[0] for d in digests}) != 1:
+        raise PrepareError("tensor-parallel ranks planned different arena layouts")
+    if tp.rank != 0:
+        progress(f"rank {tp.rank}: image written in {time.time() - t0:.1f} s")
+        return None
     (out / "tokenizer.json").write_text(src.frontend.tokenizer_json)
     if src.frontend.chat_template is not None:
         (out / "chat_template.jinja").write_text(src.frontend.chat_template)
     fp = hashlib.sha256()
-    for part in (recipe.config_json(src.config), digest, src.frontend.tokenizer_json, src.frontend.chat_template or ""):
+    for part in (recipe.config_json(src.config), *(d.split()[1] for d in digests), src.frontend.tokenizer_json,
+                 src.frontend.chat_template or ""):
         fp.update(part.encode())
     identity = msgspec.structs.replace(partial.identity, fingerprint=fp.hexdigest())
     final = msgspec.structs.replace(partial, identity=identity)
@@ -286,6 +314,18 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     (out / "prepare_report.json").write_text(json.dumps(report, indent=1))
     progress(f"done in {time.time() - t0:.1f} s")
     return final
+
+
+def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> None:
+    """Checkpoint tensors into their arena views. A sharded weight is read whole into
+    a host tensor and this rank's slice copied in (the random source then gives every
+    rank exactly its slice of the TP=1 weights)."""
+    whole = {s.buffer: torch.empty(s.shard.full(s.shape), dtype=s.dtype) for s in specs
+             if s.from_checkpoint and s.shard is not None}
+    src.load_weights({s.names[0]: whole.get(s.buffer, views[s.buffer]) for s in specs if s.from_checkpoint})
+    for s in specs:
+        if s.buffer in whole:
+            views[s.buffer].copy_(s.shard.of(whole.pop(s.buffer)))
 
 
 def _compile_layers(recipe, model) -> None:
@@ -365,4 +405,7 @@ def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, co
         reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
         continuation=continuation,
         kernels="kernels.json" if device else None,
+        parallel=mf.Parallel(tp_size=opts.tp_size, ranks=tuple(
+            mf.RankCore(dir=mf.rank_dir(r, opts.tp_size), base_address=base if r == 0 else 0)
+            for r in range(opts.tp_size))),
     )

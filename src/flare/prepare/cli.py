@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
+import time
 
 
 def _capacities(text: str) -> list[int]:
@@ -58,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
                    help="CUDA: GiB of device memory left free when sizing KV pages from free memory")
     p.add_argument("--qualify", type=int, default=0,
                    help="record N golden replays per program for replay qualification (flare.runtime.replay_check)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: one preparation process per rank (CPU reference path; "
+                        "see docs/tensor-parallel.md)")
     p.add_argument("--served-name", default=None, help="model id the server reports (default: config or dir name)")
     return p
 
@@ -82,9 +87,39 @@ def main(argv: list[str] | None = None) -> int:
         "scratch_memory_gib": a.scratch_memory,
         "reserve_gib": a.gpu_reserve,
         "qualify": a.qualify,
+        "tp_size": a.tp,
     }
-    proc = subprocess.run([sys.executable, "-m", "flare.prepare.worker", json.dumps(args)])
-    return proc.returncode
+    if a.tp < 1:
+        print(f"flare-prepare: error: --tp must be at least 1, got {a.tp}", file=sys.stderr)
+        return 2
+    if a.tp == 1:
+        return subprocess.run([sys.executable, "-m", "flare.prepare.worker", json.dumps(args)]).returncode
+    return _run_ranks(args, a.tp)
+
+
+def _run_ranks(args: dict, size: int) -> int:
+    """One preparation process per rank, joined in a gloo group on a free local port.
+    The first rank to fail stops the others (a peer waiting in a collective would
+    otherwise wait for the collective timeout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = [subprocess.Popen([sys.executable, "-m", "flare.prepare.worker",
+                               json.dumps({**args, "tp_rank": r, "tp_addr": addr})]) for r in range(size)]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 if __name__ == "__main__":

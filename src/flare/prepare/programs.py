@@ -64,6 +64,8 @@ class ProgramSet:
         self.page_size = page_size
         self.attention = attention
         self.continuation = continuation
+        # Tensor parallelism: rank zero's sample decides every rank's state update.
+        self.tp = recipe.parallel(model)
         # Recipe state other than the hidden vector, handed to the model through the batch.
         self.model_state = {n: views[n] for n in continuation.state if n != "state.hidden"}
 
@@ -257,6 +259,9 @@ class ProgramSet:
             counter=counter,
             sampling_vocab=self.caps.sampling_vocab,
         )
+        # Every rank sampled the same gathered logits from replicated state; committing
+        # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
+        tok = self.tp.from_rank_zero(tok)
         li = live.long()
         generated = v["state.generated"].index_select(0, slots).long() + li
         stop_hit = (v["state.stop_ids"].index_select(0, slots).long() == tok[:, None]).any(dim=-1)

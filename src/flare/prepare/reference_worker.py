@@ -1,10 +1,12 @@
 """The torch side of the reference executor (see ``flare.runtime.reference``).
 
-``python -m flare.prepare.reference_worker CORE_DIR ARENA_FILE``
+``python -m flare.prepare.reference_worker CORE_DIR ARENA_FILE [RANK GROUP_ADDR]``
 
 Maps the arena file the serving process created, rebuilds the recipe's model
 over it (parameters are views of the arena: no copy) and runs programs when
-asked. Reports ``ready`` once every program is bound.
+asked. Reports ``ready`` once every program is bound. On a tensor-parallel core
+it is rank RANK of the core's TP size, joined in the gloo group at GROUP_ADDR;
+its arena file holds that rank's image.
 """
 
 from __future__ import annotations
@@ -19,21 +21,24 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     core_dir, arena_path = sys.argv[1], sys.argv[2]
+    rank, addr = (int(sys.argv[3]), sys.argv[4]) if len(sys.argv) > 4 else (0, None)
     try:
         import torch
 
         from flare.core.manifest import load_manifest
+        from flare.prepare.parallel import join_group
         from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
         from flare.prepare.recipes import by_name
 
         m = load_manifest(core_dir)
+        tp = join_group(rank, m.parallel.tp_size, addr)
         with open(arena_path, "r+b") as f:
             mm = mmap.mmap(f.fileno(), m.arena.nbytes)
         arena = torch.frombuffer(mm, dtype=torch.uint8)
         views = arena_views(arena, m.buffers)
         recipe = by_name(m.reference.recipe)
         config = recipe.config_from_json(m.reference.config)
-        model = recipe.build(config, TORCH_DTYPES[m.reference.dtype])
+        model = recipe.build(config, TORCH_DTYPES[m.reference.dtype], tp=tp)
         specs = recipe.weights(model)
         missing = [s.buffer for s in specs if s.buffer not in views]
         if missing:

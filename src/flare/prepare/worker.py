@@ -37,17 +37,21 @@ def main() -> int:
         progress(f"CUDA session: {session.device.name} (sm {session.device.compute_capability}), "
                  f"arena address {session.base:#x}, {session.free_at_start / 2**30:.1f} GiB free")
     from flare.prepare.build import Options, PrepareError, prepare
+    from flare.prepare.parallel import join_group, leave_group
     from flare.prepare.recipes import UnsupportedArchitecture
     from flare.prepare.sources import SourceError, resolve
 
     opts = Options(**{**args, "decode_capacities": tuple(args["decode_capacities"])})
+    tp = join_group(opts.tp_rank, opts.tp_size, opts.tp_addr)
     try:
         progress(f"loading {model}")
         src = resolve(model, progress=progress)
-        prepare(src, opts, out, progress, session=session)
+        prepare(src, opts, out, progress, session=session, tp=tp)
     except (PrepareError, SourceError, UnsupportedArchitecture) as e:
         print(f"flare-prepare: error: {e}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        leave_group(tp)
     return 0
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from cuda.bindings import driver as d
 
 from flare.core import graph as G
-from flare.core.errors import ExecutionError, ManifestError
+from flare.core.errors import CoreCompatibilityError, ExecutionError, ManifestError
 from flare.core.image import iter_image
 from flare.core.manifest import BufferRole, Manifest, check_device
 from flare.runtime.cuda_driver import SUCCESS, Arena, ck, free_memory, open_device
@@ -64,6 +64,13 @@ class _Pinned:
 
 class CudaExecutor:
     def __init__(self, core_dir: str | Path, manifest: Manifest, *, device: int = 0):
+        if manifest.parallel.tp_size > 1:
+            # One device, one rank: driving every rank's graphs (one execution thread per
+            # rank, peer-mapped arenas) is designed in docs/tensor-parallel.md, not built.
+            raise CoreCompatibilityError(
+                f"the core is tensor-parallel (tp_size {manifest.parallel.tp_size}); the CUDA executor drives "
+                f"one rank only so far: serve it with --executor reference",
+                param="parallel.tp_size", code="tensor_parallel_unsupported")
         self.core_dir = Path(core_dir)
         self.manifest = manifest
         self.ordinal = device

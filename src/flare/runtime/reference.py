@@ -12,6 +12,12 @@ torch; it talks to the worker over a line protocol on stdin/stdout::
 Writes are applied to the shared arena directly when nothing is in flight;
 otherwise they are queued with the launches that follow them, so the
 executor contract (writes ordered between launches) holds.
+
+Tensor-parallel cores (docs/tensor-parallel.md): one arena and one worker per
+rank, the workers joined in a gloo group. Every write goes to every rank's
+arena and every launch to every rank, in the same order, so admission is
+identical on every rank; reads return rank 0's outputs. A rank that exits or
+fails stops every rank (its peers would otherwise wait inside a collective).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -29,7 +36,7 @@ import numpy as np
 
 from flare.core.errors import ExecutionError, ManifestError
 from flare.core.image import iter_image
-from flare.core.manifest import Manifest
+from flare.core.manifest import Manifest, rank_images
 from flare.runtime.executor import NUMPY_DTYPES
 
 READY_TIMEOUT_S = 300.0
@@ -48,76 +55,111 @@ def _arena_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
+class _Rank:
+    """One rank's shared arena file, its host views and its worker process."""
+
+    def __init__(self, path: str, mm: mmap.mmap, views: dict[str, np.ndarray]):
+        self.path = path
+        self.mm = mm
+        self.views = views
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def stop(self, *, kill: bool) -> None:
+        """Ask the worker to exit (or kill it at once) and reap it."""
+        if self.alive and not kill:
+            try:
+                self.proc.stdin.write(b"exit\n")
+                await self.proc.stdin.drain()
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except (BrokenPipeError, ConnectionResetError, asyncio.TimeoutError):
+                pass
+        if self.alive:
+            self.proc.kill()
+            await self.proc.wait()
+        self.proc = None
+
+    def release(self) -> None:
+        self.views.clear()
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
 class ReferenceExecutor:
     def __init__(self, core_dir: str | Path, manifest: Manifest, *, torch_threads: int | None = None):
         self.core_dir = Path(core_dir)
         self.manifest = manifest
         self.torch_threads = torch_threads
-        self._path: str | None = None
-        self._mm: mmap.mmap | None = None
-        self._views: dict[str, np.ndarray] = {}
-        self._proc: asyncio.subprocess.Process | None = None
+        self._ranks: list[_Rank] = []
         self._inflight = 0
         self._queue: deque[tuple] = deque()  # ops waiting for in-flight programs
-        self._stats = {"programs": 0, "startup_ms": 0}
+        self._stats = {"programs": 0, "startup_ms": 0, "tp_size": manifest.parallel.tp_size}
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
         t0 = time.perf_counter()
         m = self.manifest
-        fd, self._path = tempfile.mkstemp(prefix="flare-arena-", dir=_arena_dir(m.arena.nbytes))
+        try:
+            for image in rank_images(self.core_dir, m):
+                self._ranks.append(self._map_arena(image))
+            await self._start_workers()
+        except BaseException:
+            await self.close()
+            raise
+        self._stats["startup_ms"] = int((time.perf_counter() - t0) * 1000)
+
+    def _map_arena(self, image: Path) -> _Rank:
+        m = self.manifest
+        fd, path = tempfile.mkstemp(prefix="flare-arena-", dir=_arena_dir(m.arena.nbytes))
         try:
             os.ftruncate(fd, m.arena.nbytes)
-            self._mm = mmap.mmap(fd, m.arena.nbytes)
+            mm = mmap.mmap(fd, m.arena.nbytes)
         finally:
             os.close(fd)
-        arena = np.frombuffer(self._mm, dtype=np.uint8)
+        rank = _Rank(path, mm, {})
+        arena = np.frombuffer(mm, dtype=np.uint8)
         for b in m.buffers:
-            self._views[b.name] = arena[b.offset : b.offset + b.nbytes].view(NUMPY_DTYPES[b.dtype]).reshape(b.shape)
-        image = self.core_dir / m.arena.image
+            rank.views[b.name] = arena[b.offset : b.offset + b.nbytes].view(NUMPY_DTYPES[b.dtype]).reshape(b.shape)
         with image.open("rb") as f:
             for b, off, n in iter_image(image, m):
                 f.seek(off)
-                if f.readinto(memoryview(self._mm)[b.offset : b.offset + n]) != n:
+                if f.readinto(memoryview(mm)[b.offset : b.offset + n]) != n:
                     raise ManifestError(f"arena image is truncated at {b.name}", param="arena.image")
+        return rank
+
+    async def _start_workers(self) -> None:
         env = dict(os.environ)
         if self.torch_threads:
             env["OMP_NUM_THREADS"] = str(self.torch_threads)
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "flare.prepare.reference_worker", str(self.core_dir), self._path,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-        )
-        try:
-            line = await asyncio.wait_for(self._proc.stdout.readline(), READY_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            line = b""
-        if line.strip() != b"ready":
-            await self.close()
-            raise ExecutionError(f"reference worker failed to start: {line.decode(errors='replace').strip()!r}",
-                                 code="worker_start_failed")
-        self._stats["startup_ms"] = int((time.perf_counter() - t0) * 1000)
+        group = []
+        if len(self._ranks) > 1:
+            with socket.socket() as s:  # rank 0's gloo store
+                s.bind(("127.0.0.1", 0))
+                addr = f"127.0.0.1:{s.getsockname()[1]}"
+        for r, rank in enumerate(self._ranks):
+            if len(self._ranks) > 1:
+                group = [str(r), addr]
+            rank.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "flare.prepare.reference_worker", str(self.core_dir), rank.path, *group,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            )
+
+        await self._collect(b"ready", starting=True)
 
     async def close(self) -> None:
-        if self._proc is not None and self._proc.returncode is None:
-            try:
-                self._proc.stdin.write(b"exit\n")
-                await self._proc.stdin.drain()
-                await asyncio.wait_for(self._proc.wait(), 10)
-            except (BrokenPipeError, ConnectionResetError, asyncio.TimeoutError):
-                self._proc.kill()
-                await self._proc.wait()
-        self._proc = None
-        self._views.clear()
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-                pass
-            self._mm = None
-        if self._path and os.path.exists(self._path):
-            os.unlink(self._path)
-        self._path = None
+        for rank in self._ranks:
+            await rank.stop(kill=False)
+        for rank in self._ranks:
+            rank.release()
+        self._ranks.clear()
 
     # -- executor interface ------------------------------------------------
 
@@ -135,12 +177,8 @@ class ReferenceExecutor:
 
     async def wait(self) -> None:
         while self._inflight:
-            line = await self._proc.stdout.readline()
+            await self._collect(b"ok")
             self._inflight -= 1
-            if not line:
-                raise ExecutionError("reference worker exited", code="worker_died")
-            if line.startswith(b"error"):
-                raise ExecutionError(f"program failed in the reference worker: {line[6:].decode().strip()}")
             while self._queue and not self._inflight:
                 op = self._queue.popleft()
                 if op[0] == "write":
@@ -149,28 +187,79 @@ class ReferenceExecutor:
                     self._send(op[1])
 
     def read(self, buffer: str) -> np.ndarray:
-        return self._views[buffer].copy()
+        return self._ranks[0].views[buffer].copy()
 
-    def view(self, buffer: str) -> np.ndarray:
+    def view(self, buffer: str, rank: int = 0) -> np.ndarray:
         """Direct host view (reference arena only; tests and diagnostics)."""
-        return self._views[buffer]
+        return self._ranks[rank].views[buffer]
+
+    def worker_pids(self) -> list[int]:
+        """Each rank's worker process id, in rank order (tests and diagnostics)."""
+        return [rank.proc.pid for rank in self._ranks if rank.proc is not None]
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
 
     # -- internals ---------------------------------------------------------
 
+    async def _collect(self, expected: bytes, *, starting: bool = False) -> None:
+        """One line from every rank, which must be ``expected``. The first rank that
+        exits, reports an error or fails to start stops every rank: a peer blocked in a
+        collective (or in joining the group) would never answer."""
+        pending = {asyncio.ensure_future(rank.proc.stdout.readline()): r for r, rank in enumerate(self._ranks)}
+        failure: ExecutionError | None = None
+        try:
+            while pending and failure is None:
+                done, _ = await asyncio.wait(pending, timeout=READY_TIMEOUT_S if starting else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    failure = ExecutionError("reference workers did not start in time", code="worker_start_failed")
+                for task in done:
+                    r = pending.pop(task)
+                    line = task.result()
+                    if line.strip() == expected or failure is not None:
+                        continue
+                    which = f" (rank {r})" if len(self._ranks) > 1 else ""
+                    if starting:
+                        failure = ExecutionError(f"reference worker{which} failed to start: "
+                                                 f"{line.decode(errors='replace').strip()!r}", code="worker_start_failed")
+                    elif not line:
+                        failure = ExecutionError(f"reference worker exited{which}", code="worker_died")
+                    else:
+                        failure = ExecutionError(
+                            f"program failed in the reference worker{which}: {line[6:].decode().strip()}")
+        finally:
+            for task in pending:
+                task.cancel()
+        if failure is not None:
+            self._kill_all()
+            for rank in self._ranks:
+                await rank.stop(kill=True)
+            raise failure
+
+    def _kill_all(self) -> None:
+        """Stop every rank now (the executor is broken from here on; close() reaps)."""
+        self._inflight = 0
+        self._queue.clear()
+        for rank in self._ranks:
+            if rank.alive:
+                rank.proc.kill()
+
     def _apply(self, buffer: str, value: np.ndarray, row: int | slice | None) -> None:
-        view = self._views[buffer]
-        if row is None:
-            flat = np.asarray(value, dtype=view.dtype).reshape(-1)
-            view.reshape(-1)[: flat.size] = flat
-        else:
-            view[row] = value
+        for rank in self._ranks:
+            view = rank.views[buffer]
+            if row is None:
+                flat = np.asarray(value, dtype=view.dtype).reshape(-1)
+                view.reshape(-1)[: flat.size] = flat
+            else:
+                view[row] = value
 
     def _send(self, program: str) -> None:
-        if self._proc is None or self._proc.returncode is not None:
-            raise ExecutionError("reference worker is not running", code="worker_died")
-        self._proc.stdin.write(f"run {program}\n".encode())
+        for r, rank in enumerate(self._ranks):
+            if not rank.alive:
+                self._kill_all()
+                raise ExecutionError(f"reference worker (rank {r}) is not running", code="worker_died")
+        for rank in self._ranks:
+            rank.proc.stdin.write(f"run {program}\n".encode())
         self._inflight += 1
         self._stats["programs"] += 1

@@ -8,6 +8,12 @@ Only the attention function is replaced (``flare_paged``), and the model is
 called on packed tokens with explicit positions. Every layer attends, so layer
 ``i`` owns KV layer ``i``, and the model carries no continuation state beyond
 the final hidden vector.
+
+Tensor parallelism (``SHARDING``, docs/tensor-parallel.md): with a TP size N > 1
+each rank's weights are its slice of the declared dimension (heads, MLP
+intermediates, vocabulary), everything else is replicated; row-parallel layers
+all-reduce their output, the embedding looks up only its own vocabulary rows and
+all-reduces, and ``lm_head`` all-gathers the logits before the sampler.
 """
 
 from __future__ import annotations
@@ -17,9 +23,32 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from flare.prepare import attention as _attention  # registers flare_paged
 from flare.prepare.attention import PagedBatch
+from flare.prepare.parallel import SINGLE, Shard, ShardingError, TensorParallel
+
+# Tensor-parallel partition of the decoder family, by owning module (path suffix):
+# the sharded dimension of its weight. Column-parallel layers (dim 0 of a Linear)
+# keep whole heads / intermediate rows and need nothing after them; row-parallel
+# layers (dim 1) produce partial sums that are all-reduced; the embedding (dim 0,
+# vocabulary rows) is a masked lookup plus all-reduce, and lm_head (the same rows,
+# tied or not) is all-gathered. Everything not listed is replicated.
+SHARDING = {
+    "self_attn.q_proj": 0,
+    "self_attn.k_proj": 0,
+    "self_attn.v_proj": 0,
+    "self_attn.o_proj": 1,
+    "mlp.gate_proj": 0,
+    "mlp.up_proj": 0,
+    "mlp.down_proj": 1,
+    "embed_tokens": 0,
+    "lm_head": 0,
+}
+ROW_PARALLEL = tuple(k for k, d in SHARDING.items() if d == 1 and k not in ("embed_tokens", "lm_head"))
+# Config dimensions the TP size must divide for the partition above to be even.
+DIVIDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -29,6 +58,7 @@ class WeightSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     from_checkpoint: bool  # False for constants computed at preparation (rotary tables)
+    shard: Shard | None = None  # this rank's slice of the checkpoint tensor; None: replicated
 
 
 @dataclass(frozen=True)
@@ -42,10 +72,13 @@ class DecoderRecipe:
     name = "decoder"
     model_types = ("llama", "qwen3", "qwen2", "mistral")
 
-    def build(self, config, dtype: torch.dtype) -> nn.Module:
-        """The canonical model on the meta device, attention replaced."""
+    def build(self, config, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> nn.Module:
+        """The canonical model on the meta device, attention replaced; with TP the
+        collectives of ``SHARDING`` are attached (the weights are bound later)."""
         from transformers import AutoModelForCausalLM
 
+        if tp.active:
+            self.check_divisible(config, tp.size)
         config._attn_implementation = _attention.ATTENTION_NAME
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -54,18 +87,35 @@ class DecoderRecipe:
         model.requires_grad_(False)
         for i, layer in enumerate(self.decoder_layers(model)):
             layer.self_attn.kv_layer = i
+        model.flare_tp = tp
+        if tp.active:
+            _attach_collectives(model, tp)
         return model
 
+    def check_divisible(self, config, tp_size: int) -> None:
+        cfg = config.get_text_config()
+        for dim in DIVIDED_DIMS:
+            n = getattr(cfg, dim)
+            if n % tp_size:
+                raise ShardingError(f"--tp {tp_size} does not divide {dim} ({n}): the {self.name} recipe "
+                                    f"shards it evenly over ranks")
+
+    def parallel(self, model: nn.Module) -> TensorParallel:
+        return model.flare_tp
+
     def weights(self, model: nn.Module) -> list[WeightSpec]:
+        tp = self.parallel(model)
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(p), []).append(name)
             tensors[id(p)] = p
-        specs = [
-            WeightSpec("w." + names[0], tuple(names), tuple(tensors[k].shape), tensors[k].dtype, True)
-            for k, names in groups.items()
-        ]
+        specs = []
+        for k, names in groups.items():
+            shard = _shard_of(names, tp)
+            full = tuple(tensors[k].shape)
+            specs.append(WeightSpec("w." + names[0], tuple(names), shard.shape(full) if shard else full,
+                                    tensors[k].dtype, True, shard))
         for name, b in model.named_buffers():
             specs.append(WeightSpec("c." + name, (name,), tuple(b.shape), b.dtype, False))
         return specs
@@ -95,10 +145,11 @@ class DecoderRecipe:
                 twin = type(owner)(owner.config)
             views[spec.buffer].copy_(getattr(twin, attr))
 
-    def kv_geometry(self, config) -> KVGeometry:
+    def kv_geometry(self, config, tp_size: int = 1) -> KVGeometry:
+        """One rank's KV geometry: its kv_heads / tp_size heads."""
         config = config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return KVGeometry(config.num_hidden_layers, config.num_key_value_heads, head_dim)
+        return KVGeometry(config.num_hidden_layers, config.num_key_value_heads // tp_size, head_dim)
 
     def hidden_size(self, config) -> int:
         return config.get_text_config().hidden_size
@@ -120,7 +171,8 @@ class DecoderRecipe:
         return list(model.model.layers)
 
     def lm_head(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return model.lm_head(hidden)
+        """Full-vocabulary logits on every rank (gathered from the vocabulary shards)."""
+        return self.parallel(model).all_gather(model.lm_head(hidden), dim=-1)
 
     def config_json(self, config) -> str:
         d = config.to_dict()
@@ -134,3 +186,46 @@ class DecoderRecipe:
         d = json.loads(text)
         model_type = d.pop("model_type")
         return AutoConfig.for_model(model_type, **d)
+
+
+def _shard_of(names: tuple[str, ...] | list[str], tp: TensorParallel) -> Shard | None:
+    """The declared partition of a parameter (tied parameters share theirs)."""
+    if not tp.active:
+        return None
+    dims = set()
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        dim = next((d for suffix, d in SHARDING.items() if owner == suffix or owner.endswith("." + suffix)), None)
+        if dim is not None and attr == "bias":
+            if dim == 1:
+                raise ShardingError(f"{name}: a row-parallel layer with a bias would add it on every rank")
+            dim = 0
+        dims.add(dim)
+    if len(dims) != 1:
+        raise ShardingError(f"tied parameters {list(names)} are declared with different partitions {dims}")
+    dim = dims.pop()
+    return None if dim is None else Shard(dim, tp.rank, tp.size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding of a vocabulary-sharded rank: ids outside this rank's rows look up
+    zeros, and the all-reduce assembles every id's row from its owning rank."""
+
+    def __init__(self, weight: nn.Parameter, tp: TensorParallel):
+        super().__init__()
+        self.weight = weight
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        local = ids - self.tp.rank * rows
+        inside = (local >= 0) & (local < rows)
+        out = F.embedding(torch.where(inside, local, 0), self.weight) * inside[..., None].to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+def _attach_collectives(model: nn.Module, tp: TensorParallel) -> None:
+    model.set_input_embeddings(VocabParallelEmbedding(model.get_input_embeddings().weight, tp))
+    for name, module in model.named_modules():
+        if any(name.endswith("." + suffix) for suffix in ROW_PARALLEL):
+            module.register_forward_hook(lambda _m, _args, out: tp.all_reduce(out))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
+from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
 from flare.prepare.recipes.decoder import DecoderRecipe, KVGeometry
 
 CONV_STATE = "state.gdn.conv"
@@ -114,7 +115,9 @@ class Qwen35Recipe(DecoderRecipe):
     name = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_text")
 
-    def build(self, config, dtype: torch.dtype):
+    def build(self, config, dtype: torch.dtype, tp: TensorParallel = SINGLE):
+        if tp.active:
+            raise ShardingError(f"the {self.name} recipe declares no tensor-parallel sharding yet (--tp {tp.size})")
         text = config.get_text_config()
         text._attn_implementation = config._attn_implementation = "flare_paged"
         with torch.device("meta"):
@@ -134,9 +137,10 @@ class Qwen35Recipe(DecoderRecipe):
             else:
                 layer.self_attn.kv_layer = kv_layer
                 kv_layer += 1
+        model.flare_tp = tp
         return model
 
-    def kv_geometry(self, config) -> KVGeometry:
+    def kv_geometry(self, config, tp_size: int = 1) -> KVGeometry:
         t = config.get_text_config()
         attn = sum(1 for kind in t.layer_types if kind != LINEAR)
         return KVGeometry(attn, t.num_key_value_heads, t.head_dim)
