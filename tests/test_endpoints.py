@@ -86,3 +86,33 @@ def test_templates_that_rewrite_or_merge_turns_yield_no_wrong_marks(codec):
     marks = message_marks(concat2, msgs, text)
     _, offsets = codec.encode_with_offsets(text, add_special_tokens=False)
     assert marks == [5, 10] and token_endpoints(offsets, marks) == (3,)  # 5 lies inside "low"
+
+
+def test_prefixes_the_template_refuses_give_no_mark():
+    # Qwen3.5-style guard: a conversation without a user message is an error. The full
+    # conversation renders; its system-only prefix does not, and yields no mark.
+    guarded = ChatTemplate(
+        "{% if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}", SPECIAL)
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}]
+    text = guarded.render(msgs, add_generation_prompt=False)
+    assert message_marks(guarded, msgs, text) == [len("<system>sys</system><user>hi</user>"), len(text)]
+
+
+def test_marks_come_from_the_most_recent_messages_only(chatml):
+    from flare.server.endpoints import RECENT_MESSAGES
+
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(40)]
+    text = chatml.render(msgs, add_generation_prompt=True)
+    marks = message_marks(chatml, msgs, text)
+    expected = [len(chatml.render(msgs[:j], add_generation_prompt=False)) for j in range(41 - RECENT_MESSAGES, 41)]
+    assert marks == expected
+
+
+def test_template_variables_named_like_the_parameters_are_plain_variables(chatml):
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = {"rendered": "x", "template": "y"}  # message_marks' own parameter names
+    text = chatml.render(msgs, add_generation_prompt=False, **kw)
+    assert message_marks(chatml, msgs, text, **kw) == [len(text)]

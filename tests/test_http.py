@@ -298,6 +298,8 @@ def assert_error(r: httpx.Response, status: int, *, code: str | None = None, par
         ("token_outside_vocab", "/v1/completions", {"model": MODEL, "prompt": [5, 49152], "max_tokens": 2}, None,
          400, None, "prompt"),
         ("unknown_route", "/v1/embeddings", {"model": MODEL, "input": "x"}, None, 404, "route_not_found", None),
+        ("reserved_template_variable", "/v1/chat/completions",
+         good(chat_template_kwargs={"messages": []}), None, 400, None, "chat_template_kwargs"),
     ],
 )
 def test_bad_requests(smol_server, case, path, body, raw, status, code, param):
@@ -332,3 +334,9 @@ def test_out_of_range_values_clamp(client, smol_server):
 def test_good_request_after_errors(client):
     r = chat(client, FRANCE, seed=0, max_tokens=32)
     assert "Paris" in r.choices[0].message.content
+
+
+def test_template_variables_the_server_does_not_reserve_are_passed(smol_server):
+    # Names that are parameters of the server's own helpers are ordinary template variables.
+    r = post(smol_server.url, "/v1/chat/completions", good(chat_template_kwargs={"rendered": 1, "template": 2}))
+    assert r.status_code == 200, r.text

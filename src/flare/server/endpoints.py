@@ -20,15 +20,27 @@ from __future__ import annotations
 import bisect
 from typing import Any, Sequence
 
+from flare.core.errors import FlareError
 from flare.server.template import ChatTemplate
 
 
-def message_marks(template: ChatTemplate, messages: list[dict[str, Any]], rendered: str,
+# Marks are looked for among the last this many messages only: each costs a render of
+# the conversation up to it (quadratic in its length), and captures go to the uncached
+# suffix, which in an agent conversation is the last turn or two.
+RECENT_MESSAGES = 16
+
+
+def message_marks(template: ChatTemplate, messages: list[dict[str, Any]], rendered: str, /,
                   **kwargs: Any) -> list[int]:
-    """Character offsets in ``rendered`` at which complete messages end."""
+    """Character offsets in ``rendered`` at which complete messages end, among the last
+    ``RECENT_MESSAGES`` messages. Endpoints only steer caching: a prefix the template
+    refuses to render (e.g. "no user query yet") yields no mark, not an error."""
     marks = []
-    for j in range(1, len(messages) + 1):
-        prefix = template.render(messages[:j], add_generation_prompt=False, **kwargs)
+    for j in range(max(1, len(messages) - RECENT_MESSAGES + 1), len(messages) + 1):
+        try:
+            prefix = template.render(messages[:j], add_generation_prompt=False, **kwargs)
+        except FlareError:
+            continue
         if rendered.startswith(prefix):
             marks.append(len(prefix))
     return marks

@@ -243,6 +243,25 @@ def first_error(results: list[ChoiceResult]) -> FlareError | None:
     return next((r.finish.error for r in results if r.finish.error is not None), None)
 
 
+# Variables the server passes to every chat template itself.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def _render(fe: Frontend, spec: ChatSpec, messages: list[dict], tools: list[dict] | None,
+            bare: bool) -> tuple[str, list[int], tuple[int, ...], str]:
+    """The prompt text and tokens, the checkpoint endpoints (token counts where complete
+    messages end in this rendering), and, when ``bare``, the rendering without the
+    generation prompt."""
+    kw = spec.template_kwargs
+    text = fe.template.render(messages, tools=tools, add_generation_prompt=spec.add_generation_prompt, **kw)
+    prompt, offsets = fe.codec.encode_with_offsets(text, add_special_tokens=False)
+    endpoints = token_endpoints(offsets, message_marks(fe.template, messages, text, tools=tools, **kw))
+    without = text
+    if bare and spec.add_generation_prompt:
+        without = fe.template.render(messages, tools=tools, add_generation_prompt=False, **kw)
+    return text, prompt, endpoints, without
+
+
 async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *, limits: P.Limits,
                 call_prefix: str = "call_") -> Generation:
     """Render, tokenize, compile and submit. Raises FlareError before anything runs."""
@@ -261,19 +280,18 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
     messages = spec.messages
     if spec.tool_choice.mode == T.ChoiceMode.required:
         messages = T.with_instruction(messages)
+    reserved = RESERVED_TEMPLATE_VARIABLES.intersection(spec.template_kwargs)
+    if reserved:
+        raise FrontendError(f"chat_template_kwargs may not set {sorted(reserved)} (the server sets them)",
+                            param="chat_template_kwargs")
     rendered_tools = [t.template_entry() for t in tools] or None
-    text = fe.template.render(messages, tools=rendered_tools, add_generation_prompt=spec.add_generation_prompt,
-                              **spec.template_kwargs)
-    prompt, offsets = fe.codec.encode_with_offsets(text, add_special_tokens=False)
-    # Checkpoint candidates: token counts where complete messages end in this rendering.
-    endpoints = token_endpoints(offsets, message_marks(fe.template, messages, text, tools=rendered_tools,
-                                                       **spec.template_kwargs))
+    think = m.frontend.reasoning_parser == ReasoningParser.think
+    # Rendering, tokenizing and finding message ends grow with the conversation: off the loop.
+    text, prompt, endpoints, bare = await asyncio.to_thread(_render, fe, spec, messages, rendered_tools, think)
     think_start = None
-    if m.frontend.reasoning_parser == ReasoningParser.think:
+    if think:
         think_start = ThinkStart.closed
         if spec.add_generation_prompt:
-            bare = fe.template.render(messages, tools=rendered_tools, add_generation_prompt=False,
-                                      **spec.template_kwargs)
             think_start = start_for(text[len(bare):] if text.startswith(bare) else text)
     stops = P.stop_strings(spec.stop, limits)
     gen = Generation(engine, request_id, len(prompt), spec.n)
