@@ -279,3 +279,24 @@ def test_no_prefix_cache_flag(tiny_core):
     assert c.cached_tokens == 0 and d.sched.prefill_tokens_total == 80
     assert [s.program for s in d.steps].count("prefill.128") == 2
     assert np.array_equal(d.sched.page_usage(), (39, 0, 0))
+
+
+def test_choices_of_one_prompt_capture_its_endpoint_once(tiny_core):
+    # Two choices of one prompt are admitted together: neither can reuse the other's
+    # prefill, but the prompt endpoint is captured once (the second choice takes no
+    # snapshot row for it); each choice still captures its own terminal endpoint.
+    d = Driver(small_manifest(tiny_core, num_pages=40, slots=2, snapshot_rows=8))
+    c0, c1 = req("C0", CONV[:40], 3, seed=1), req("C1", CONV[:40], 3, seed=2)
+    d.add(c0)
+    d.add(c1)
+    d.run()
+    snaps = [(s.requests[0].id, s.endpoint) for s in d.steps if s.kind == ProgramKind.snapshot]
+    assert sorted(snaps) == [("C0", 40), ("C0", 42), ("C1", 42)], snaps
+    ck = d.sched.checkpoints
+    assert ck.duplicates_avoided_total == 1 and ck.cache.duplicates == 0
+    assert sorted(c[0] for c in ckpts(d)) == [40, 42, 42]
+    # A later request with the same prompt restores the single prompt checkpoint.
+    again = req("C2", CONV[:40] + [7, 8, 9], 2, seed=3)
+    d.add(again)
+    d.run()
+    assert again.cached_tokens == 40

@@ -35,7 +35,7 @@ from flare.core.errors import ExecutionError
 from flare.core.manifest import Manifest, ProgramKind
 from flare.runtime.capture import CapturePlan, capture_budget, plan_captures
 from flare.runtime.pages import PageId, PagePool
-from flare.runtime.prefix_cache import Checkpoint, PrefixCache, PrefixDigests
+from flare.runtime.prefix_cache import Checkpoint, Key, PrefixCache, PrefixDigests
 from flare.runtime.request import Request
 from flare.runtime.steps import Step, Write
 
@@ -84,6 +84,11 @@ class Checkpoints:
                           for k in (ProgramKind.snapshot, ProgramKind.restore, ProgramKind.resume)}
         self.hit_tokens_total = 0
         self.skipped_total = 0  # selected endpoints not captured: every snapshot row pinned
+        # Keys of queued captures: an endpoint published or being captured by another
+        # request (n > 1 choices of one prompt, identical concurrent prompts) is not
+        # captured twice, so a duplicate never takes a row or thins another chain.
+        self._capturing: dict[Key, int] = {}
+        self.duplicates_avoided_total = 0
 
     @property
     def enabled(self) -> bool:
@@ -176,7 +181,7 @@ class Checkpoints:
         if step.kind == ProgramKind.restore:
             return
         t = self._tracks[req]
-        t.queued.remove(step.endpoint)
+        self._captured(req, t, step.endpoint)
         history = req.prompt + req.output  # consumed tokens are a prefix of it
         c = self.cache.insert(history, t.digests, step.endpoint, step.row, t.anchor, req.pages)
         if c is None:  # an equal endpoint is published already: keep ours private
@@ -193,7 +198,8 @@ class Checkpoints:
             return
         self.cache.rows.end_use(step.row)
         if step.kind == ProgramKind.snapshot:
-            self._tracks[step.requests[0]].queued.remove(step.endpoint)
+            req = step.requests[0]
+            self._captured(req, self._tracks[req], step.endpoint)
             self.cache.release_row(step.row)
 
     def release(self, req: Request, *, finished: bool = True) -> None:
@@ -238,6 +244,8 @@ class Checkpoints:
             if c.pins != pins.get(c.id, 0):
                 raise AssertionError(f"{c}: {c.pins} pins, {pins.get(c.id, 0)} anchoring requests")
         queued = sum(len(t.queued) for t in self._tracks.values())
+        if sum(self._capturing.values()) != queued:
+            raise AssertionError(f"{sum(self._capturing.values())} capture keys for {queued} queued captures")
         owned = sum(1 for r in range(1, self.cache.rows.total + 1) if self.cache.rows.is_owned(r))
         if owned != len(rows) + queued:
             raise AssertionError(f"{owned} snapshot rows owned: {len(rows)} checkpoints + {queued} queued captures")
@@ -245,13 +253,30 @@ class Checkpoints:
     # -- internals -------------------------------------------------------------
 
     def _snapshot(self, req: Request, t: _Track) -> Step | None:
+        key = self._key(req, t, req.consumed)
+        if key in self.cache or key in self._capturing:
+            self.duplicates_avoided_total += 1
+            return None
         row = self.cache.acquire_row()
         if row is None:
             self.skipped_total += 1
             return None
         self.cache.rows.begin_use(row)
         t.queued.append(req.consumed)
+        self._capturing[key] = self._capturing.get(key, 0) + 1
         return self._state_step(ProgramKind.snapshot, req, row, req.consumed)
+
+    @staticmethod
+    def _key(req: Request, t: _Track, endpoint: int) -> Key:
+        return t.digests.key(req.prompt + req.output, endpoint)  # consumed tokens prefix the history
+
+    def _captured(self, req: Request, t: _Track, endpoint: int) -> None:
+        """A queued capture completed or was dropped."""
+        t.queued.remove(endpoint)
+        key = self._key(req, t, endpoint)
+        self._capturing[key] -= 1
+        if not self._capturing[key]:
+            del self._capturing[key]
 
     def _state_step(self, kind: ProgramKind, req: Request, row, count: int) -> Step:
         # The tail page: the request's own page holding position `count` (private: it lies

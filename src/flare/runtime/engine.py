@@ -154,6 +154,7 @@ class Engine:
             "flare_prefix_cache_snapshot_evictions_total": cache.evicted_for_rows if cache else 0,
             "flare_prefix_cache_thinned_total": cache.thinned if cache else 0,
             "flare_prefix_cache_captures_skipped_total": ck.skipped_total,
+            "flare_prefix_cache_duplicate_captures_avoided_total": ck.duplicates_avoided_total,
             "flare_engine_steps_total": self.steps,
             "flare_prefill_tokens_total": sched.prefill_tokens_total,
             "flare_preemptions_total": sched.preemptions_total,

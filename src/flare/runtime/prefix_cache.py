@@ -155,6 +155,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def __contains__(self, key: Key) -> bool:
+        """An endpoint with this key is published."""
+        return key in self._by_key
+
     def cached_pages(self) -> set[PageId]:
         return {p for c in self._by_key.values() for p in c.segment}
 
