@@ -13,6 +13,7 @@ import mmap
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ class Rig:
     model: torch.nn.Module
     specs: list
     free_pages: list[int] = field(default_factory=list)
+    # Frontend pieces, set by tests that build prompts from text (TextCodec, ChatTemplate).
+    codec: Any = None
+    template: Any = None
 
     def pages(self, n: int) -> list[int]:
         out, self.free_pages = self.free_pages[:n], self.free_pages[n:]

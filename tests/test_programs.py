@@ -38,68 +38,28 @@ resolve differences smaller than float32 noise); anything else fails.
 from __future__ import annotations
 
 import json
-import mmap
-import random
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from flare.core.image import iter_image
-from flare.core.manifest import HIST_PROMPT_BIT, Manifest, ProgramKind, load_manifest
-from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
+from flare.core.manifest import HIST_PROMPT_BIT
 from flare.prepare.recipes import by_name
 from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec
+from tests.rig import Rig, admit, decode, load_rig, prefill
 
 DECODE_STEPS = 10
 BASE_LENGTHS = (15, 16, 17, 31, 32, 33, 127, 128, 129, 257, 290)  # page size 16, prefill chunk 128
 
 
-@dataclass
-class Rig:
-    m: Manifest
-    arena: torch.Tensor
-    v: dict[str, torch.Tensor]
-    run: dict
-    model: torch.nn.Module
-    specs: list  # the recipe's weight specs (buffer <- module paths), taken before binding
-    codec: TextCodec
-    template: ChatTemplate
-    free_pages: list[int] = field(default_factory=list)
-
-    def pages(self, n: int) -> list[int]:
-        out, self.free_pages = self.free_pages[:n], self.free_pages[n:]
-        assert len(out) == n
-        return out
-
-
 @pytest.fixture(scope="module")
 def rig(smol_core) -> Rig:
-    m = load_manifest(smol_core)
-    c = m.capacities
+    r = load_rig(smol_core)
+    m, c = r.m, r.m.capacities
     assert (c.prefill_capacities, c.decode_capacities, m.pages.page_size) == ((128,), (1, 2, 4), 16)
-    # An anonymous shared mapping, as the reference worker maps the arena file: zero-filled,
-    # and only the pages a program touches are ever backed (the kv pool is 442 MB).
-    mapping = mmap.mmap(-1, m.arena.nbytes)
-    arena = torch.frombuffer(mapping, dtype=torch.uint8)
-    host = memoryview(mapping)
-    image = smol_core / m.arena.image
-    with image.open("rb") as f:
-        for b, off, n in iter_image(image, m):
-            f.seek(off)
-            assert f.readinto(host[b.offset : b.offset + n]) == n
-    views = arena_views(arena, m.buffers)
-    recipe = by_name(m.reference.recipe)
-    model = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
-    specs = recipe.weights(model)
-    recipe.bind(model, specs, views)
-    programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference", m.continuation)
-    run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
-    template = ChatTemplate((smol_core / m.frontend.chat_template).read_text(), dict(m.frontend.special_tokens))
-    r = Rig(m, arena, views, run, model, specs, TextCodec(str(smol_core / m.frontend.tokenizer)), template)
-    # Pages in a scrambled order: page tables are never the identity or contiguous.
-    r.free_pages = random.Random(0).sample(range(1, m.pages.num_pages), m.pages.num_pages - 1)
+    r.codec = TextCodec(str(smol_core / m.frontend.tokenizer))
+    r.template = ChatTemplate((smol_core / m.frontend.chat_template).read_text(), dict(m.frontend.special_tokens))
     return r
 
 
@@ -136,66 +96,6 @@ def hf_models(rig, image_weights):
         models.append(model.to(dtype).eval())
     assert models[0].lm_head.weight.data_ptr() == models[0].model.embed_tokens.weight.data_ptr()
     return models
-
-
-# ---------------------------------------------------------------------------
-# Driving the programs (the scheduler's writes, applied to torch views)
-
-
-def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int) -> None:
-    v, c = r.v, r.m.capacities
-    v["state.len"][slot] = 0
-    v["state.pending"][slot] = 0
-    v["state.generated"][slot] = 0
-    v["state.max_new"][slot] = 4096
-    v["state.done"][slot] = 0
-    v["state.seed"][slot] = seed
-    v["state.counter"][slot] = 0
-    v["state.top_k"][slot] = 1  # greedy: the sampled token must be the argmax of out.logits
-    v["state.sampling"][slot] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
-    stops = torch.full((c.stop_ids,), -1, dtype=torch.int32)
-    stops[: len(r.m.frontend.eos_ids)] = torch.tensor(r.m.frontend.eos_ids)
-    v["state.stop_ids"][slot] = stops
-    table = torch.zeros(c.max_pages_per_slot, dtype=torch.int32)
-    table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
-    v["state.page_table"][slot] = table
-    C = r.m.programs_of(ProgramKind.admit)[0].capacity
-    for i in range(0, len(prompt), C):
-        chunk = prompt[i : i + C]
-        v["in.tokens"][: len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
-        v["in.admit"][:] = torch.tensor([slot, len(chunk), int(i == 0), 0], dtype=torch.int32)
-        r.run[f"admit.{C}"]()
-
-
-def prefill(r: Rig, slot: int, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All chunks of one prompt. Returns (hidden rows [L, H], out.logits row of the last
-    token, the completion record)."""
-    v, C = r.v, r.m.capacities.prefill_chunk
-    rows = []
-    for start in range(0, len(prompt), C):
-        chunk = prompt[start : start + C]
-        n = len(chunk)
-        cap = next(c for c in r.m.capacities.prefill_capacities if c >= n)
-        v["in.tokens"][:n] = torch.tensor(chunk, dtype=torch.int32)
-        v["in.prefill"][:] = torch.tensor([slot, n, int(start + n == len(prompt)), 0], dtype=torch.int32)
-        r.run[f"prefill.{cap}"]()
-        rows.append(v["out.prefill_hidden"][:n].clone())
-        assert int(v["state.len"][slot]) == start + n
-    return torch.cat(rows), v["out.logits"][0].clone(), v["out.prefill_completion"][0].clone()
-
-
-def decode(r: Rig, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One teacher-forced decode step: each slot consumes the given token."""
-    v = r.v
-    cap = next(c for c in r.m.capacities.decode_capacities if c >= len(slots))
-    batch = torch.zeros(max(r.m.capacities.decode_capacities), dtype=torch.int32)
-    batch[: len(slots)] = torch.tensor(slots, dtype=torch.int32)
-    for s, t in zip(slots, tokens):
-        v["state.pending"][s] = t
-        v["state.done"][s] = 0
-    v["in.decode_slots"][:] = batch
-    r.run[f"decode.{cap}"]()
-    return v["out.logits"][: len(slots)].clone(), v["out.decode_completion"][: len(slots)].clone()
 
 
 # ---------------------------------------------------------------------------
