@@ -137,6 +137,11 @@ async def until_disconnect(http: HTTPRequest) -> None:
             return
 
 
+def event_frame(event: dict) -> bytes:
+    """One SSE frame named by the event's ``type`` (the Responses and Messages streams)."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + json_encoder.encode(event) + b"\n\n"
+
+
 async def unless_disconnected(http: HTTPRequest, work: Awaitable, on_leave: Callable[[], None]):
     """Await ``work``; if the client leaves first, call ``on_leave`` and return None."""
     watcher = asyncio.ensure_future(until_disconnect(http))

@@ -31,7 +31,8 @@ from flare.runtime.request import FinishReason
 from flare.server import pipeline
 from flare.server import tools as T
 from flare.server.grammar import AnswerFormat
-from flare.server.http import Context, decode_body, fail, json_encoder, json_response, stage_of, unless_disconnected
+from flare.server.http import (Context, decode_body, event_frame, fail, json_response, stage_of,
+                               unless_disconnected)
 from flare.server.parsers import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
 from flare.server.pipeline import ChatSpec, Finish, Generation
 
@@ -284,16 +285,7 @@ class MessagesApi:
             return StreamingResponse(self._sse(gen), media_type="text/event-stream",
                                      headers={"x-request-id": rid, "cache-control": "no-cache"})
         blocks = _Blocks()
-
-        async def run() -> Finish:
-            finish = None
-            async for u in gen.updates():
-                blocks.feed(u.events)
-                finish = u.finish or finish
-            blocks.finish()
-            return finish
-
-        finish = await unless_disconnected(http, run(), gen.cancel)
+        finish = await unless_disconnected(http, gen.assemble(blocks), gen.cancel)
         if finish is None:
             return Response(status_code=499)
         if finish.error is not None:
@@ -314,28 +306,25 @@ class MessagesApi:
     async def _sse(self, gen: Generation) -> AsyncIterator[bytes]:
         blocks = _Blocks()
 
-        def sse(e: dict) -> bytes:
-            return b"event: " + e["type"].encode() + b"\ndata: " + json_encoder.encode(e) + b"\n\n"
-
         completed = False
         try:
             start = {**self._message(gen, [], None), "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}
-            yield sse({"type": "message_start", "message": start})
+            yield event_frame({"type": "message_start", "message": start})
             finish = None
             async for u in gen.updates():
                 if u.finish is not None and u.finish.error is not None:
                     self.ctx.report_failure(gen.id, "streaming", u.finish.error)
-                    yield sse(anthropic_error(u.finish.error))
+                    yield event_frame(anthropic_error(u.finish.error))
                     return
                 for e in blocks.feed(u.events):
-                    yield sse(e)
+                    yield event_frame(e)
                 finish = u.finish or finish
             for e in blocks.finish():
-                yield sse(e)
-            yield sse({"type": "message_delta",
+                yield event_frame(e)
+            yield event_frame({"type": "message_delta",
                        "delta": {"stop_reason": stop_reason(finish, blocks.blocks), "stop_sequence": finish.stop},
                        "usage": self._usage(gen)})
-            yield sse({"type": "message_stop"})
+            yield event_frame({"type": "message_stop"})
             completed = True
         finally:
             if not completed:

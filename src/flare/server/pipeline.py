@@ -221,6 +221,16 @@ class Generation:
             for fut in pending:
                 fut.cancel()
 
+    async def assemble(self, into) -> Finish | None:
+        """Feed every update's events to ``into`` (an object with ``feed(events)`` and
+        ``finish()``, as the Responses and Messages assemblers are); the last finish."""
+        finish = None
+        async for u in self.updates():
+            into.feed(u.events)
+            finish = u.finish or finish
+        into.finish()
+        return finish
+
     async def results(self) -> list[ChoiceResult]:
         outputs = {c.index: Assembled() for c in self.choices}
         finishes: dict[int, Finish] = {}

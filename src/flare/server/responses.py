@@ -30,7 +30,8 @@ from flare.runtime.request import FinishReason
 from flare.server import pipeline
 from flare.server import tools as T
 from flare.server.chat import SAMPLING_FIELDS, answer_format, thinking_kwargs
-from flare.server.http import Context, decode_body, fail, json_encoder, json_response, stage_of, unless_disconnected
+from flare.server.http import (Context, decode_body, event_frame, fail, json_response, stage_of,
+                               unless_disconnected)
 from flare.server.parsers import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
 from flare.server.pipeline import ChatSpec, Finish, Generation
 
@@ -328,16 +329,7 @@ class ResponsesApi:
             return StreamingResponse(self._sse(body, gen, created), media_type="text/event-stream",
                                      headers={"x-request-id": rid, "cache-control": "no-cache"})
         items = _Items(rid)
-
-        async def run() -> Finish:
-            finish = None
-            async for u in gen.updates():
-                items.feed(u.events)
-                finish = u.finish or finish
-            items.finish()
-            return finish
-
-        finish = await unless_disconnected(http, run(), gen.cancel)
+        finish = await unless_disconnected(http, gen.assemble(items), gen.cancel)
         if finish is None:
             return Response(status_code=499)
         if finish.error is not None:
@@ -379,29 +371,26 @@ class ResponsesApi:
     async def _sse(self, body: ResponsesRequest, gen: Generation, created: int) -> AsyncIterator[bytes]:
         items = _Items(gen.id)
 
-        def sse(e: dict) -> bytes:
-            return b"event: " + e["type"].encode() + b"\ndata: " + json_encoder.encode(e) + b"\n\n"
-
         completed = False
         try:
             snapshot = self._object(body, gen, created, [], None)
-            yield sse(items.event("response.created", response=snapshot))
-            yield sse(items.event("response.in_progress", response=snapshot))
+            yield event_frame(items.event("response.created", response=snapshot))
+            yield event_frame(items.event("response.in_progress", response=snapshot))
             finish = None
             async for u in gen.updates():
                 if u.finish is not None and u.finish.error is not None:
                     self.ctx.report_failure(gen.id, "streaming", u.finish.error)
                     failed = self._object(body, gen, created, items.items, u.finish)
-                    yield sse(items.event("response.failed", response=failed))
+                    yield event_frame(items.event("response.failed", response=failed))
                     return
                 for e in items.feed(u.events):
-                    yield sse(e)
+                    yield event_frame(e)
                 finish = u.finish or finish
             for e in items.finish():
-                yield sse(e)
+                yield event_frame(e)
             final = self._object(body, gen, created, items.items, finish)
             kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-            yield sse(items.event(kind, response=final))
+            yield event_frame(items.event(kind, response=final))
             completed = True
         finally:
             if not completed:
