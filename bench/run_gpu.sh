@@ -28,6 +28,7 @@ if [ ! -f $CORE/manifest.json ]; then
   cp $CORE/prepare_report.json $OUT/prepare_report-$MODEL.json
 fi
 python3 -m bench.floor $CORE $OUT/floor-$MODEL.json 200
+python3 -m bench.timeline $CORE $OUT/timeline-$MODEL.json --batches 1,4 2>&1 | tee $OUT/timeline-$MODEL.txt
 PORT=8391
 python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL > $OUT/serve-$MODEL.log 2>&1 &
 SRV=$!
@@ -40,5 +41,5 @@ curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens" > $OUT/m
 kill $SRV; wait $SRV
 timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json
 python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json
-cp $OUT/serving-$MODEL-*.json "$FINAL"/ 2>/dev/null
+cp $OUT/serving-$MODEL-*.json $OUT/timeline-$MODEL.txt "$FINAL"/ 2>/dev/null
 tar czf "$FINAL/bench-raw-$MODEL.tgz" -C $OUT .

@@ -127,11 +127,11 @@ class CudaExecutor:
         mark("reserve_map")
         self._upload_image()
         mark("arena_upload")
-        functions = self._load_kernels()
+        self.functions = self._load_kernels()
         mark("module_load")
         for p in m.programs:
             spec = G.load_graph(self.core_dir / p.graph)
-            self._execs[p.name] = self._build(spec, functions)
+            self._execs[p.name] = self._build(spec, self.functions)
         ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
         mark("graph_build")
         self._free_at_ready = free_memory()[0]

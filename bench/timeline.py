@@ -1,0 +1,287 @@
+"""Per-kernel GPU timeline of one decode step, attributed to operators and layers.
+
+usage: python -m bench.timeline CORE OUT.json [--batches 1,4] [--launches 20]
+
+For each requested decode capacity B the slots are set up as in bench.floor and
+decode.B is timed with events around ``launches`` back-to-back launches (graph_ms,
+the graph's own time). Then a *timed* copy of the same program is built from its
+exported GraphSpec: the nodes in a topological order (spec order among ready
+nodes) as one serial chain, an event-record node before the first node and after
+every node. It is launched ``launches`` times; each node's time is the median of
+the elapsed time between its two events. Serializing removes the overlap the real
+graph may have and adds one event per node, so timed_sum_ms is expected to be a
+little above graph_ms: the difference is what the breakdown cannot see.
+
+Kernels are attributed by name (operator) and by the arena buffers their pointer
+parameters fall in (weights, hence layer). Torch-free: runs in the serving env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import heapq
+import itertools
+import json
+import re
+import sys
+
+import numpy as np
+from cuda.bindings import driver as d
+
+from bench.floor import _setup_slots, copy_bandwidth
+from flare.core import graph as G
+from flare.core.manifest import load_manifest
+from flare.runtime.cuda_driver import ck
+from flare.runtime.cuda_executor import CudaExecutor
+
+_OPS = (("attention", ("attention",)), ("kv_write", ("kv_write",)),
+        ("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "sm90")),
+        ("norm", ("rsqrt", "mean", "pow")), ("mlp_act", ("silu",)), ("embedding", ("embedding",)))
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _order(spec: G.GraphSpec) -> list[int]:
+    n = len(spec.nodes)
+    indeg, succ = [0] * n, [[] for _ in range(n)]
+    for e in spec.edges:
+        succ[e.src].append(e.dst)
+        indeg[e.dst] += 1
+    ready = [i for i in range(n) if indeg[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in succ[i]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                heapq.heappush(ready, j)
+    if len(order) != n:
+        raise ValueError(f"graph {spec.program} has a cycle")
+    return order
+
+
+def _copy_node(ex: CudaExecutor, graph, node):
+    """Memset / memcpy node, parameters built exactly as CudaExecutor._build does."""
+    if isinstance(node, G.MemsetNode):
+        p = d.CUDA_MEMSET_NODE_PARAMS()
+        p.dst = d.CUdeviceptr(node.dst)
+        p.pitch, p.value, p.elementSize = node.pitch, node.value, node.element_size
+        p.width, p.height = node.width, node.height
+        return ck(d.cuGraphAddMemsetNode(graph, None, 0, p, ex.device.context), "memset node")
+    p = d.CUDA_MEMCPY3D()
+    p.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    p.srcDevice, p.dstDevice = d.CUdeviceptr(node.src), d.CUdeviceptr(node.dst)
+    p.srcPitch, p.dstPitch = node.src_pitch, node.dst_pitch
+    p.srcHeight, p.dstHeight = node.src_height, node.dst_height
+    p.WidthInBytes, p.Height, p.Depth = node.width, node.height, node.depth
+    return ck(d.cuGraphAddMemcpyNode(graph, None, 0, p, ex.device.context), "memcpy node")
+
+
+def _timed_graph(ex: CudaExecutor, spec: G.GraphSpec, functions: list):
+    """The program as one serial chain with an event after every node (empty nodes,
+    pure joins, are dropped). Returns (graph, exec, events, spec indices in order)."""
+    order = [i for i in _order(spec) if not isinstance(spec.nodes[i], G.EmptyNode)]
+    smem: dict[int, int] = {}
+    for node in spec.nodes:
+        if isinstance(node, G.KernelNode):
+            smem[node.function] = max(smem.get(node.function, 0), node.shared_bytes)
+    for fidx, s in smem.items():
+        ex._apply_function_attributes(fidx, functions[fidx], s)
+    graph = ck(d.cuGraphCreate(0), "cuGraphCreate")
+    events = [ck(d.cuEventCreate(0), "cuEventCreate") for _ in range(len(order) + 1)]
+    chain = [ck(d.cuGraphAddEventRecordNode(graph, None, 0, events[0]), "event node")]
+    for k, i in enumerate(order):
+        node = spec.nodes[i]
+        chain.append(ex._kernel_node(graph, node, functions) if isinstance(node, G.KernelNode)
+                     else _copy_node(ex, graph, node))
+        chain.append(ck(d.cuGraphAddEventRecordNode(graph, None, 0, events[k + 1]), "event node"))
+    ck(d.cuGraphAddDependencies(graph, chain[:-1], chain[1:], None, len(chain) - 1), "cuGraphAddDependencies")
+    gexec = ck(d.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate timed {spec.program}")
+    ck(d.cuGraphUpload(gexec, ex.stream), "cuGraphUpload")
+    return graph, gexec, events, order
+
+
+def _fresh_slots(ex: CudaExecutor, m, batch: int) -> None:
+    _setup_slots(ex, m, batch)
+    ck(d.cuStreamSynchronize(ex.stream), "cuStreamSynchronize")
+    ex.sync()  # staging cursor back to 0
+
+
+def _graph_ms(ex: CudaExecutor, m, batch: int, launches: int) -> float:
+    prog = f"decode.{batch}"
+    _fresh_slots(ex, m, batch)
+    for _ in range(3):
+        ex.submit(prog)
+    ex.sync()
+    e0, e1 = ck(d.cuEventCreate(0), "event"), ck(d.cuEventCreate(0), "event")
+    ck(d.cuEventRecord(e0, ex.stream), "record")
+    for _ in range(launches):
+        ex.submit(prog)
+    ck(d.cuEventRecord(e1, ex.stream), "record")
+    ck(d.cuEventSynchronize(e1), "sync")
+    ms = ck(d.cuEventElapsedTime(e0, e1), "elapsed") / launches
+    d.cuEventDestroy(e0)
+    d.cuEventDestroy(e1)
+    return ms
+
+
+def _node_ms(ex: CudaExecutor, m, batch: int, gexec, events: list, launches: int) -> np.ndarray:
+    _fresh_slots(ex, m, batch)
+    for _ in range(3):
+        ck(d.cuGraphLaunch(gexec, ex.stream), "cuGraphLaunch timed")
+    samples = []
+    for _ in range(launches):
+        ck(d.cuGraphLaunch(gexec, ex.stream), "cuGraphLaunch timed")
+        ck(d.cuStreamSynchronize(ex.stream), "cuStreamSynchronize")
+        samples.append([ck(d.cuEventElapsedTime(a, b), "elapsed") for a, b in itertools.pairwise(events)])
+    return np.median(np.array(samples, dtype=np.float64), axis=0)
+
+
+def _spans(m, base: int) -> list[tuple[int, int, str]]:
+    return sorted((base + b.offset, base + b.offset + b.nbytes, b.name) for b in m.buffers)
+
+
+def _touched(node: G.KernelNode, spans: list, starts: list) -> list[str]:
+    """Buffers that 8-byte-aligned words of the parameters point into. Words inside
+    larger by-value parameters are read too: library GEMMs pass pointers in a struct."""
+    names: list[str] = []
+    for off, size in node.param_layout:
+        for k in range(off + (-off % 8), off + size - 7, 8):
+            v = int.from_bytes(node.params[k : k + 8], "little")
+            j = bisect.bisect_right(starts, v) - 1
+            if j >= 0 and v < spans[j][1] and spans[j][2] not in names:
+                names.append(spans[j][2])
+    return names
+
+
+def _op(name: str) -> str:
+    low = name.lower()
+    return next((op for op, keys in _OPS if any(k in low for k in keys)), "other")
+
+
+def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarray, spans: list) -> list[dict]:
+    starts = [s for s, _, _ in spans]
+    rows = []
+    for k, i in enumerate(order):
+        node = spec.nodes[i]
+        t = float(ms[k])
+        row = {"i": k, "node": i, "ms": round(t, 5), "bytes": None, "GBps": None}
+        if isinstance(node, G.KernelNode):
+            name = ex._kernel_table.functions[node.function].name
+            touched = _touched(node, spans, starts)
+            weights = [t for t in touched if t.startswith("w.")]
+            layer = next((int(g.group(1)) for t in touched if (g := _LAYER.search(t))), None)
+            row.update(function=node.function, name=name if len(name) <= 96 else name[:93] + "...", op=_op(name),
+                       layer=layer, weights=[w[2:] for w in weights])
+            if row["op"] == "matmul" and len(weights) == 1 and t > 0:
+                row["bytes"] = m.buffer(weights[0]).nbytes
+                row["GBps"] = round(row["bytes"] / (t / 1e3) / 1e9, 1)
+        else:
+            kind = type(node).__name__.removesuffix("Node").lower()
+            row.update(function=None, name=kind, op=kind, layer=None, weights=[])
+        rows.append(row)
+    # Kernels without a layer weight: head before the first layer, tail after the last,
+    # otherwise the layer of the previous kernel (a residual add ends its layer's work).
+    known = [k for k, r in enumerate(rows) if r["layer"] is not None]
+    for k, r in enumerate(rows):
+        if r["layer"] is None:
+            j = bisect.bisect_left(known, k)
+            r["layer"] = "head" if j == 0 else "tail" if j == len(known) else rows[known[j - 1]]["layer"]
+    return rows
+
+
+def _summary(rows: list[dict]) -> dict:
+    total = sum(r["ms"] for r in rows)
+    ops: dict[str, dict] = {}
+    layers: dict[object, dict] = {}
+    for r in rows:
+        o = ops.setdefault(r["op"], {"ms": 0.0, "count": 0})
+        o["ms"] += r["ms"]
+        o["count"] += 1
+        lay = layers.setdefault(r["layer"], {"ms": 0.0, "count": 0, "ops": {}})
+        lay["ms"] += r["ms"]
+        lay["count"] += 1
+        lay["ops"][r["op"]] = lay["ops"].get(r["op"], 0.0) + r["ms"]
+    for o in ops.values():
+        o["fraction_of_sum"] = o["ms"] / total if total else 0.0
+    ops = dict(sorted(ops.items(), key=lambda kv: -kv[1]["ms"]))
+    body_idx = sorted((k for k in layers if isinstance(k, int)), key=lambda k: layers[k]["ms"])
+    body = None
+    if body_idx:
+        med = body_idx[len(body_idx) // 2]
+        body = {"layers": len(body_idx), "median_layer": med, "median_ms": layers[med]["ms"],
+                "min_ms": layers[body_idx[0]]["ms"], "max_ms": layers[body_idx[-1]]["ms"],
+                "kernels": layers[med]["count"], "ops_ms": layers[med]["ops"]}
+    keys = sorted(layers, key=lambda k: (k == "tail", k != "head", k if isinstance(k, int) else 0))
+    return {"timed_sum_ms": total, "ops": ops, "layers": {str(k): layers[k] for k in keys}, "layer_body": body}
+
+
+def profile(ex: CudaExecutor, m, batch: int, launches: int, functions: list, spans: list) -> dict:
+    program = m.program(f"decode.{batch}")
+    spec = G.load_graph(ex.core_dir / program.graph)
+    graph_ms = _graph_ms(ex, m, batch, launches)
+    graph, gexec, events, order = _timed_graph(ex, spec, functions)
+    try:
+        ms = _node_ms(ex, m, batch, gexec, events, launches)
+    finally:
+        ck(d.cuStreamSynchronize(ex.stream), "cuStreamSynchronize")
+        d.cuGraphExecDestroy(gexec)
+        d.cuGraphDestroy(graph)
+        for e in events:
+            d.cuEventDestroy(e)
+    rows = _rows(ex, m, spec, order, ms, spans)
+    return {"program": program.name, "batch": batch, "graph_ms": graph_ms,
+            "kernel_count": sum(isinstance(spec.nodes[i], G.KernelNode) for i in order),
+            **_summary(rows), "nodes": rows}
+
+
+def _print(r: dict, roofline_ms: float) -> None:
+    print(f"\n{r['program']}: graph {r['graph_ms']:.3f} ms/step, serialized sum {r['timed_sum_ms']:.3f} ms "
+          f"({r['kernel_count']} kernels), weight roofline {roofline_ms:.3f} ms")
+    for n in sorted(r["nodes"], key=lambda n: -n["ms"])[:15]:
+        gb = f"{n['GBps']:.0f} GB/s" if n["GBps"] else ""
+        print(f"  {n['ms'] * 1e3:8.1f} us  {n['op']:<10} {n['layer']!s:>5} {gb:>10}  {n['name'][:70]}")
+    for op, o in r["ops"].items():
+        print(f"  {op:<10} {o['ms']:8.3f} ms  {o['count']:4d} nodes  {o['fraction_of_sum']:6.1%}")
+    if b := r["layer_body"]:
+        print(f"  layer body: median {b['median_ms']:.3f} ms (layer {b['median_layer']}, {b['kernels']} kernels), "
+              f"min {b['min_ms']:.3f}, max {b['max_ms']:.3f} over {b['layers']} layers")
+
+
+async def main(core: str, batches: list[int], launches: int) -> dict:
+    m = load_manifest(core)
+    ex = CudaExecutor(core, m)
+    await ex.start()
+    bw = copy_bandwidth(ex, m)
+    weight_bytes = sum(b.nbytes for b in m.buffers if b.name.startswith("w."))
+    roofline_ms = weight_bytes / bw * 1e3
+    results = {"core": core, "launches": launches, "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes,
+               "roofline_ms": roofline_ms, "batches": {}}
+    functions = ex.functions
+    spans = _spans(m, ex.arena.base)
+    for b in batches:
+        if b not in m.capacities.decode_capacities:
+            print(f"batch {b}: no decode.{b} in this core (capacities {m.capacities.decode_capacities}), skipped")
+            continue
+        results["batches"][str(b)] = r = profile(ex, m, b, launches, functions, spans)
+        _print(r, roofline_ms)
+    results["executor_stats"] = ex.stats()
+    await ex.close()
+    assert "torch" not in sys.modules
+    return results
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("core")
+    ap.add_argument("out")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--launches", type=int, default=20)
+    a = ap.parse_args()
+    res = asyncio.run(main(a.core, [int(x) for x in a.batches.split(",")], a.launches))
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
