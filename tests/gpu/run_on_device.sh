@@ -14,4 +14,6 @@ export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH
 export FLARE_CACHE_DIR=$PWD/.cache/flare FLARE_TEST_CACHE=$PWD/.cache/device-cores FLARE_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers, cuda.bindings as cb; print('versions', torch.__version__, triton.__version__, transformers.__version__, cb.__version__)"
-python3 -m pytest -v -rA -p no:cacheprovider ${@:-tests/gpu/test_load_errors.py tests/gpu/test_paged_attention_cuda.py tests/gpu/test_replay.py tests/gpu/test_numerics.py tests/gpu/test_generation.py tests/gpu/test_serve.py} 2>&1 | tee "$OUT/pytest.log"
+[ $# -gt 0 ] || set -- tests/gpu/test_load_errors.py tests/gpu/test_paged_attention_cuda.py tests/gpu/test_replay.py \
+  tests/gpu/test_numerics.py tests/gpu/test_generation.py tests/gpu/test_serve.py
+python3 -m pytest -v -rA -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log"
