@@ -3,7 +3,7 @@
 usage: python -m bench.collect CORE OUT_DIR MODEL RESULT.json
 
 Reads OUT_DIR/{floor,serve,hf}-MODEL.json (the baseline may be missing: its
-fields are then null), describes the machine (nvidia-smi, package versions) and
+fields are then null) and the startup figures (serve log, /metrics, prepare time), describes the machine (nvidia-smi, package versions) and
 derives, per concurrency c:
 
   roofline_tokens_per_s = c * copy bandwidth / weight bytes (one weight read per step)
@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -85,8 +86,28 @@ def collect(core: str, out_dir: Path, model: str) -> dict:
     return {"date": datetime.date.today().isoformat(), "machine": machine, "model": model, "configuration": config,
             "records": records, "cold_ttft": {n: {k: v for k, v in r.items() if k != "raw"}
                                               for n, r in serve.get("cold_ttft", {}).items()},
-            "scenarios": {k: _strip(v) for k, v in scenarios.items()},
+            "scenarios": {k: _strip(v) for k, v in scenarios.items()}, "startup": startup(out_dir, model),
             "commands": [" ".join(sys.argv)], "raw": {"floor": floor, "serve": serve, "baseline": hf}}
+
+
+def startup(out_dir: Path, model: str) -> dict:
+    """flare-serve's ready time (its log), the executor's startup split (its /metrics
+    gauges, milliseconds) and flare-prepare's time, where the run left them."""
+    out: dict = {}
+    log = out_dir / f"serve-{model}.log"
+    if log.is_file():
+        found = re.search(r"ready in ([0-9.]+) s", log.read_text())
+        out["ready_s"] = float(found.group(1)) if found else None
+    metrics = out_dir / f"startup-{model}.txt"
+    if metrics.is_file():
+        for name, value in re.findall(r"^flare_executor_startup_(\w+)_ms ([0-9.]+)$", metrics.read_text(), re.MULTILINE):
+            out[f"{name}_ms"] = float(value)
+    prep = out_dir / f"prepare_time-{model}.txt"
+    if prep.is_file():
+        out["prepare_s"] = float(prep.read_text().split()[-1])
+    if "ready_s" in out and out.get("ready_s") and "arena_upload_ms" in out:
+        out["ready_minus_upload_s"] = out["ready_s"] - out["arena_upload_ms"] / 1e3
+    return out
 
 
 def _strip(v):

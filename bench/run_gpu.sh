@@ -41,5 +41,5 @@ curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens" > $OUT/m
 kill $SRV; wait $SRV
 timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json
 python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json
-cp $OUT/serving-$MODEL-*.json $OUT/timeline-$MODEL.txt "$FINAL"/ 2>/dev/null
+cp $OUT/serving-$MODEL-*.json $OUT/timeline-$MODEL.json $OUT/timeline-$MODEL.txt "$FINAL"/ 2>/dev/null
 tar czf "$FINAL/bench-raw-$MODEL.tgz" -C $OUT .

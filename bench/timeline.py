@@ -31,14 +31,12 @@ import numpy as np
 from cuda.bindings import driver as d
 
 from bench.floor import _setup_slots, copy_bandwidth
+from bench.kernels import op_of
 from flare.core import graph as G
 from flare.core.manifest import load_manifest
 from flare.runtime.cuda_driver import ck
 from flare.runtime.cuda_executor import CudaExecutor
 
-_OPS = (("attention", ("attention",)), ("kv_write", ("kv_write",)),
-        ("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "sm90")),
-        ("norm", ("rsqrt", "mean", "pow")), ("mlp_act", ("silu",)), ("embedding", ("embedding",)))
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -158,11 +156,6 @@ def _touched(node: G.KernelNode, spans: list, starts: list) -> list[str]:
     return names
 
 
-def _op(name: str) -> str:
-    low = name.lower()
-    return next((op for op, keys in _OPS if any(k in low for k in keys)), "other")
-
-
 def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarray, spans: list) -> list[dict]:
     starts = [s for s, _, _ in spans]
     rows = []
@@ -175,7 +168,7 @@ def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarr
             touched = _touched(node, spans, starts)
             weights = [t for t in touched if t.startswith("w.")]
             layer = next((int(g.group(1)) for t in touched if (g := _LAYER.search(t))), None)
-            row.update(function=node.function, name=name if len(name) <= 96 else name[:93] + "...", op=_op(name),
+            row.update(function=node.function, name=name if len(name) <= 96 else name[:93] + "...", op=op_of(name),
                        layer=layer, weights=[w[2:] for w in weights])
             if row["op"] == "matmul" and len(weights) == 1 and t > 0:
                 row["bytes"] = m.buffer(weights[0]).nbytes
@@ -184,14 +177,18 @@ def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarr
             kind = type(node).__name__.removesuffix("Node").lower()
             row.update(function=None, name=kind, op=kind, layer=None, weights=[])
         rows.append(row)
-    # Kernels without a layer weight: head before the first layer, tail after the last,
-    # otherwise the layer of the previous kernel (a residual add ends its layer's work).
+    fill_layers(rows)
+    return rows
+
+
+def fill_layers(rows: list[dict]) -> None:
+    """Kernels without a layer weight: head before the first layer, tail after the last,
+    otherwise the layer of the previous kernel (a residual add ends its layer's work)."""
     known = [k for k, r in enumerate(rows) if r["layer"] is not None]
     for k, r in enumerate(rows):
         if r["layer"] is None:
             j = bisect.bisect_left(known, k)
             r["layer"] = "head" if j == 0 else "tail" if j == len(known) else rows[known[j - 1]]["layer"]
-    return rows
 
 
 def _summary(rows: list[dict]) -> dict:

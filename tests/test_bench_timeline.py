@@ -1,0 +1,94 @@
+"""The timeline's graph handling and attribution, and the report built from it.
+
+bench/timeline.py runs on the GPU; its pure parts are checked here: node order
+from edges, pointer attribution from kernel parameters (including pointers
+inside a by-value struct, as library GEMMs pass them), the per-layer rule for
+kernels without weights, operator classes, and the startup figures collect.py
+reads from a run's files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.bindings")
+
+from bench import timeline as T
+from bench.collect import startup
+from bench.kernels import op_of
+from bench.report import timeline_section
+from flare.core import graph as G
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def _kernel(params: bytes, layout) -> G.KernelNode:
+    return G.KernelNode(function=0, grid=(1, 1, 1), block=(32, 1, 1), shared_bytes=0, params=params,
+                        param_layout=tuple(layout), attributes=())
+
+
+def test_order_follows_edges_and_keeps_spec_order_among_ready_nodes():
+    nodes = tuple(G.EmptyNode() for _ in range(5))
+    spec = G.GraphSpec(program="p", nodes=nodes, edges=(G.Edge(src=3, dst=0), G.Edge(src=0, dst=1),
+                                                         G.Edge(src=4, dst=2)))
+    assert T._order(spec) == [3, 0, 1, 4, 2]
+    with pytest.raises(ValueError, match="cycle"):
+        T._order(G.GraphSpec(program="p", nodes=nodes[:2], edges=(G.Edge(src=0, dst=1), G.Edge(src=1, dst=0))))
+
+
+def test_pointers_are_found_in_scalars_and_inside_structs():
+    base = 0x6000_0000_0000
+    spans = [(base, base + 4096, "w.model.layers.3.mlp.up_proj.weight"), (base + 4096, base + 8192, "kv")]
+    starts = [s for s, _, _ in spans]
+    # A scalar pointer into kv, an int that points nowhere, and a 24-byte struct whose
+    # second word points into the weight.
+    params = ((base + 5000).to_bytes(8, "little") + (7).to_bytes(8, "little")
+              + (1).to_bytes(8, "little") + (base + 16).to_bytes(8, "little") + bytes(8))
+    node = _kernel(params, [(0, 8), (8, 8), (16, 24)])
+    assert T._touched(node, spans, starts) == ["kv", "w.model.layers.3.mlp.up_proj.weight"]
+
+
+def test_kernels_without_weights_take_the_layer_around_them():
+    rows = [{"layer": None}, {"layer": 0}, {"layer": None}, {"layer": 1}, {"layer": None}]
+    T.fill_layers(rows)
+    assert [r["layer"] for r in rows] == ["head", 0, 0, 1, "tail"]
+
+
+def test_operator_classes():
+    assert op_of("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_splitK_TNT") == "matmul"
+    assert op_of("_ZN8cublasLt19splitKreduce_kernelILi32ELi16Eif13__nv_bfloat16") == "splitk_reduce"
+    assert op_of("_attend_kernel") == op_of("_combine_kernel") == "attention"
+    assert op_of("_write_kv_kernel") == "kv_write"
+    assert op_of("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "norm"
+    assert op_of("triton_poi_fused__unsafe_view_mul_silu_1") == "mlp_act"
+    assert op_of("triton_poi_fused__unsafe_view_add_2") == "compiled_other"
+    assert op_of("_ZN2at6native29vectorized_elementwise_kernelILi2ENS0_13BinaryFunctorIlll") == "eager_other"
+
+
+def test_committed_timeline_renders_and_adds_up():
+    path = RESULTS / "timeline-llama-3.1-8b-shape-2026-11-29.json"
+    t = json.loads(path.read_text())
+    text = "\n".join(timeline_section(t, path.name))
+    for b, r in t["batches"].items():
+        s = T._summary(r["nodes"])
+        assert s["timed_sum_ms"] == pytest.approx(r["timed_sum_ms"])
+        assert sum(o["count"] for o in s["ops"].values()) == len(r["nodes"])
+        assert sum(v["count"] for v in s["layers"].values()) == len(r["nodes"])
+        assert f"**decode.{b}**: graph {r['graph_ms']:.3f} ms" in text
+        for op, o in r["ops"].items():
+            assert f"| {op} | {o['count']} | {o['ms']:.3f} |" in text
+    assert "| lm_head | 1 |" in text
+
+
+def test_startup_figures_from_a_runs_files(tmp_path):
+    (tmp_path / "serve-m.log").write_text("x INFO flare.serve: ready in 5.07 s: serving m on http://h\n")
+    (tmp_path / "startup-m.txt").write_text("# HELP a\nflare_executor_startup_arena_upload_ms 3008\n"
+                                           "flare_executor_startup_graph_build_ms 400\n")
+    (tmp_path / "prepare_time-m.txt").write_text("prepare_s 120\n")
+    st = startup(tmp_path, "m")
+    assert st == {"ready_s": 5.07, "arena_upload_ms": 3008.0, "graph_build_ms": 400.0, "prepare_s": 120.0,
+                  "ready_minus_upload_s": pytest.approx(2.062)}
+    assert startup(tmp_path / "missing", "m") == {}
