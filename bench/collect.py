@@ -53,6 +53,7 @@ def _load(path: Path) -> dict | None:
 def collect(core: str, out_dir: Path, model: str) -> dict:
     m = load_manifest(core)
     floor, serve, hf = (_load(out_dir / f"{k}-{model}.json") for k in ("floor", "serve", "hf"))
+    depth1 = _load(out_dir / f"serve-{model}-depth1.json") or {}
     if floor is None or serve is None:
         raise SystemExit(f"missing floor-{model}.json or serve-{model}.json in {out_dir}")
     weight_bytes = sum(b.nbytes for b in m.buffers if b.role == BufferRole.weight)
@@ -71,12 +72,18 @@ def collect(core: str, out_dir: Path, model: str) -> dict:
             continue
         roofline = int(c) * floor["copy_bandwidth_Bps"] / weight_bytes
         base = (hf or {}).get("batches", {}).get(c, {}).get("decode_tokens_per_s")
+        one = depth1.get("concurrency", {}).get(c)
         records.append({
             "gpu": machine["gpu"], "model": model, "dtype": m.reference.dtype, "concurrency": int(c),
             "decode_tokens_per_s": s["decode_tokens_per_s"], "itl_ms_p50": s["itl_s_p50"] * 1e3,
             "itl_ms_p99": s["itl_s_p99"] * 1e3, "ttft_ms_median": s["ttft_s_median"] * 1e3,
             "floor_decode_tokens_per_s": f["tokens_per_s_gpu"], "floor_gpu_ms_per_step": f["gpu_ms_per_step"],
             "floor_wall_ms_per_step_one_in_flight": f["wall_ms_per_step_one_in_flight"],
+            "floor_wall_ms_per_step_two_in_flight": f.get("wall_ms_per_step_two_in_flight"),
+            # The same server with --steps-in-flight 1 (one step at a time), same run.
+            "one_step_decode_tokens_per_s": one["decode_tokens_per_s"] if one else None,
+            "one_step_itl_ms_p50": one["itl_s_p50"] * 1e3 if one else None,
+            "one_step_runtime_over_floor": one["itl_s_p50"] * 1e3 / f["gpu_ms_per_step"] - 1 if one else None,
             "roofline_tokens_per_s": roofline, "roofline_fraction": f["tokens_per_s_gpu"] / roofline,
             "runtime_over_floor": s["itl_s_p50"] * 1e3 / f["gpu_ms_per_step"] - 1,
             "baseline_decode_tokens_per_s": base,
@@ -87,7 +94,21 @@ def collect(core: str, out_dir: Path, model: str) -> dict:
             "records": records, "cold_ttft": {n: {k: v for k, v in r.items() if k != "raw"}
                                               for n, r in serve.get("cold_ttft", {}).items()},
             "scenarios": {k: _strip(v) for k, v in scenarios.items()}, "startup": startup(out_dir, model),
-            "commands": [" ".join(sys.argv)], "raw": {"floor": floor, "serve": serve, "baseline": hf}}
+            "host_gaps": {name: host_gaps(out_dir / f"metrics-{model}{suffix}.txt")
+                          for name, suffix in (("two_steps_in_flight", ""), ("one_step", "-depth1"))},
+            "commands": [" ".join(sys.argv)],
+            "raw": {"floor": floor, "serve": serve, "baseline": hf, "serve_one_step": depth1 or None}}
+
+
+def host_gaps(path: Path) -> dict | None:
+    """The engine's host-gap counters over a whole server run (its /metrics at the end):
+    gaps where the device waited on the host between steps, and steps run ahead."""
+    if not path.is_file():
+        return None
+    v = {k: float(x) for k, x in re.findall(r"^flare_engine_(\w+) ([0-9.e+-]+)$", path.read_text(), re.MULTILINE)}
+    gaps, total = v.get("host_gaps_total", 0.0), v.get("host_gap_seconds_total", 0.0)
+    return {"gaps": int(gaps), "seconds_total": total, "mean_ms": total / gaps * 1e3 if gaps else None,
+            "steps": int(v.get("steps_total", 0)), "steps_ahead": int(v.get("steps_ahead_total", 0))}
 
 
 def startup(out_dir: Path, model: str) -> dict:

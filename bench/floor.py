@@ -4,10 +4,10 @@ usage: python -m bench.floor CORE OUT.json [steps]
 
 No scheduler, no HTTP: B slots are set up as endless requests (no stop ids,
 huge max_new), then decode.B is launched ``steps`` times; the pending token
-stays on the device between steps. Reports GPU time per step (events) and
-wall time per step with one step in flight (launch, wait) -- the floor the
-full server is measured against -- plus the device copy bandwidth for the
-roofline.
+stays on the device between steps. Reports GPU time per step (events), wall
+time per step with one step in flight (launch, wait) and with two (launch N+1,
+wait for N) -- the floor the full server is measured against -- plus the
+device copy bandwidth for the roofline.
 """
 
 from __future__ import annotations
@@ -89,7 +89,20 @@ async def main(core: str, out: str, steps: int) -> None:
             ex.read("out.decode_completion")
             walls.append(time.perf_counter() - t)
         wall_ms = float(np.median(walls) * 1e3)
+        # Two in flight, as the engine runs a steady batch: launch N+1, then wait for N
+        # and read its records.
+        walls2 = []
+        ticket = ex.submit(prog)
+        for _ in range(steps):
+            t = time.perf_counter()
+            ticket = ex.submit(prog)
+            await ex.wait(ticket - 1)
+            ex.completion(ticket - 1)
+            walls2.append(time.perf_counter() - t)
+        await ex.wait()
+        wall2_ms = float(np.median(walls2) * 1e3)
         results["decode"][b] = {"gpu_ms_per_step": gpu_ms, "wall_ms_per_step_one_in_flight": wall_ms,
+                                "wall_ms_per_step_two_in_flight": wall2_ms,
                                 "tokens_per_s_gpu": b / gpu_ms * 1e3, "tokens_per_s_wall": b / wall_ms * 1e3}
     results["executor_stats"] = ex.stats()
     await ex.close()

@@ -75,6 +75,30 @@ def scenario_sections(sc: dict) -> list[str]:
     return out
 
 
+def pipeline_lines(res: dict) -> list[str]:
+    """Two steps in flight against one step at a time (same run), where measured."""
+    recs = [r for r in res["records"] if r.get("one_step_itl_ms_p50") is not None]
+    out = []
+    if recs:
+        out += ["", "Two decode steps in flight (the default) against `--steps-in-flight 1`, same core and run:", "",
+                "| concurrency | ITL p50 ms, two / one | tok/s, two / one | over floor, two / one | "
+                "floor wall ms per step, two / one in flight |", "|---|---|---|---|---|"]
+        for r in recs:
+            out.append(f"| {r['concurrency']} | {r['itl_ms_p50']:.2f} / {r['one_step_itl_ms_p50']:.2f} | "
+                       f"{r['decode_tokens_per_s']:.0f} / {r['one_step_decode_tokens_per_s']:.0f} | "
+                       f"{r['runtime_over_floor'] * 100:+.1f} % / {r['one_step_runtime_over_floor'] * 100:+.1f} % | "
+                       f"{_num(r.get('floor_wall_ms_per_step_two_in_flight'), '.3f')} / "
+                       f"{r['floor_wall_ms_per_step_one_in_flight']:.3f} |")
+    gaps = res.get("host_gaps") or {}
+    described = [f"{name.replace('_', ' ')}: {g['gaps']} gaps over {g['steps']} steps, mean "
+                 f"{_num(g['mean_ms'], '.3f')} ms ({g['steps_ahead']} steps ahead)"
+                 for name, g in gaps.items() if g]
+    if described:
+        out += ["", "Host gaps (the device waiting on the host between steps, whole server run): "
+                + "; ".join(described) + "."]
+    return out
+
+
 def _weight_kind(name: str) -> str:
     """``model.layers.5.mlp.up_proj.weight`` -> ``up_proj``; ``lm_head.weight`` -> ``lm_head``."""
     parts = name.split(".")
@@ -145,6 +169,7 @@ def main() -> None:
                                                      f"({v['prefill_tokens_per_s']:.0f} tok/s)" if not v.get("skipped")
                                                      else f"{n}-token prompt skipped ({v['reason']})"
                                                      for n, v in cold.items())]
+        lines += pipeline_lines(res)
         st = res.get("startup") or {}
         if st.get("ready_s"):
             parts = ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} {v / 1e3:.2f} s" for k, v in st.items()
@@ -168,8 +193,11 @@ NOTES = """
   the GPU time of one decode step replayed back to back by `bench/floor.py`.
   The floor's *wall* time with one step in flight (launch, wait, read the
   completion) is 0.34 ms above its GPU time per step on the 8B shape: that is
-  the host gap a second step in flight would hide. The runtime does not keep
-  two steps in flight yet.
+  the host gap a second step in flight hides. The runs above were made with one
+  step at a time; the engine now keeps two decode steps in flight
+  (`architecture.md`), and `run_gpu.sh` measures both settings in one run (the
+  server with `--steps-in-flight 1` for the decode scenario, the floor with one
+  and two in flight), but that has not been run on a GPU yet.
 * *Roofline fraction* is the replay floor's decode rate over the rate at which
   the measured copy bandwidth could stream the weights once per step. On the
   Llama-3.1-8B shape it is 63-65 % (target 90 %). The decode timeline above

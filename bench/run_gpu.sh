@@ -37,7 +37,15 @@ curl -s localhost:$PORT/metrics | grep startup > $OUT/startup-$MODEL.txt
 python3 -m bench.serve_bench http://127.0.0.1:$PORT $MODEL $OUT/serve-$MODEL.json \
   --scenarios ${SCENARIOS:-decode,cold,prefill,prefix,agent,interference} \
   --cold-prompts 512,4096 --prefill-prompts 4096,65536 --prefix-tokens 4096 --tail-tokens 11
-curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens" > $OUT/metrics-$MODEL.txt
+curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens|engine_" > $OUT/metrics-$MODEL.txt
+kill $SRV; wait $SRV
+# The same decode scenario with one step at a time: the host gap that two steps in flight hide.
+python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL --steps-in-flight 1 \
+  > $OUT/serve-$MODEL-depth1.log 2>&1 &
+SRV=$!
+for i in $(seq 1 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.25; done
+python3 -m bench.serve_bench http://127.0.0.1:$PORT $MODEL $OUT/serve-$MODEL-depth1.json --scenarios decode
+curl -s localhost:$PORT/metrics | grep -E "engine_" > $OUT/metrics-$MODEL-depth1.txt
 kill $SRV; wait $SRV
 timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json
 python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json

@@ -66,7 +66,10 @@ def load_rig(core: Path, seed: int = 0) -> Rig:
     return r
 
 
-def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int, *, top_k: int = 1) -> None:
+def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int, *, top_k: int = 1,
+          chunks: int | None = None) -> None:
+    """Write the slot's state rows and run the admit programs over the prompt (only its
+    first ``chunks`` admit chunks when given)."""
     v, c = r.v, r.m.capacities
     v["state.len"][slot] = 0
     v["state.pending"][slot] = 0
@@ -84,7 +87,7 @@ def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int, *, 
     table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
     v["state.page_table"][slot] = table
     C = r.m.programs_of(ProgramKind.admit)[0].capacity
-    for i in range(0, max(len(prompt), 1), C):
+    for i in range(0, max(len(prompt), 1), C)[:chunks]:
         chunk = prompt[i : i + C]
         v["in.tokens"][: len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
         v["in.admit"][:] = torch.tensor([slot, len(chunk), int(i == 0), 0], dtype=torch.int32)

@@ -92,3 +92,14 @@ def test_startup_figures_from_a_runs_files(tmp_path):
     assert st == {"ready_s": 5.07, "arena_upload_ms": 3008.0, "graph_build_ms": 400.0, "prepare_s": 120.0,
                   "ready_minus_upload_s": pytest.approx(2.062)}
     assert startup(tmp_path / "missing", "m") == {}
+
+
+def test_host_gaps_from_a_servers_metrics(tmp_path):
+    from bench.collect import host_gaps
+
+    (tmp_path / "m.txt").write_text("# TYPE flare_engine_steps_total counter\nflare_engine_steps_total 400\n"
+                                    "flare_engine_steps_ahead_total 380\nflare_engine_host_gap_seconds_total 0.02\n"
+                                    "flare_engine_host_gaps_total 20\nflare_engine_ready 1\n")
+    assert host_gaps(tmp_path / "m.txt") == {"gaps": 20, "seconds_total": 0.02, "mean_ms": pytest.approx(1.0),
+                                             "steps": 400, "steps_ahead": 380}
+    assert host_gaps(tmp_path / "missing.txt") is None

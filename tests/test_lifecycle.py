@@ -74,6 +74,9 @@ def test_metrics_exposition(tiny_core):
     assert values["flare_inter_token_latency_seconds_count"] == 15
     assert values['flare_request_errors_total{code="model_not_found"}'] == 1
     assert values["flare_prompt_tokens_total"] > 0
+    # Two decode steps in flight by default: some of the 15 decode steps ran ahead.
+    assert values["flare_engine_steps_in_flight_max"] == 2 and values["flare_engine_steps_ahead_total"] > 0
+    assert values["flare_engine_host_gaps_total"] >= 0 and values["flare_engine_host_gap_seconds_total"] >= 0
     total = values["flare_kv_pages_total"]
     assert values["flare_kv_pages_free"] + values["flare_kv_pages_used"] + values["flare_kv_pages_cached"] == total
 

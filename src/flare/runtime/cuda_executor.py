@@ -26,7 +26,7 @@ from flare.core.errors import CoreCompatibilityError, ExecutionError, ManifestEr
 from flare.core.image import iter_image
 from flare.core.manifest import BufferRole, Manifest, check_device
 from flare.runtime.cuda_driver import SUCCESS, Arena, ck, free_memory, open_device
-from flare.runtime.executor import NUMPY_DTYPES
+from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES
 
 ATTR_RAW_SIZE = 64
 STAGING_BYTES = 16 << 20
@@ -84,8 +84,12 @@ class CudaExecutor:
         self._graphs: list = []
         self._modules: list = []
         self._keep: list = []
-        self._completion_copies: dict[str, _Pinned] = {}
+        # Per completion buffer, one pinned host copy per in-flight position (ticket % depth).
+        self._completion_copies: dict[str, list[_Pinned]] = {}
         self._pending_completion: str | None = None
+        self._tickets = 0  # programs submitted
+        self._done = 0  # programs known complete (they complete in ticket order)
+        self._ring: list[tuple[int, str | None]] = [(-1, None)] * MAX_IN_FLIGHT
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-cuda")
         self.arena: Arena | None = None
         self._free_at_ready = 0
@@ -116,13 +120,15 @@ class CudaExecutor:
         self.arena = Arena.reserve(m.arena.nbytes, at=m.arena.base_address, ordinal=self.ordinal)
         self._counts["allocations"] += 1
         self.stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
-        self.event = ck(d.cuEventCreate(int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)), "cuEventCreate")
+        flags = int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
+        self.events = [ck(d.cuEventCreate(flags), "cuEventCreate") for _ in range(MAX_IN_FLIGHT)]
         self.staging = _Pinned(STAGING_BYTES)
         self.readback = _Pinned(max(b.nbytes for b in m.buffers if b.role == BufferRole.output))
         for p in m.programs:
             if p.completion and p.completion not in self._completion_copies:
-                self._completion_copies[p.completion] = _Pinned(self._buffers[p.completion].nbytes)
-        self._counts["allocations"] += 3 + len(self._completion_copies)
+                n = self._buffers[p.completion].nbytes
+                self._completion_copies[p.completion] = [_Pinned(n) for _ in range(MAX_IN_FLIGHT)]
+        self._counts["allocations"] += 3 + MAX_IN_FLIGHT * len(self._completion_copies)
         self._cursor = 0
         mark("reserve_map")
         self._upload_image()
@@ -313,32 +319,53 @@ class CudaExecutor:
         ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), self.staging.ptr + self._cursor, n, self.stream), "HtoD")
         self._cursor += (n + 255) // 256 * 256
 
-    def submit(self, program: str) -> None:
+    def submit(self, program: str) -> int:
         p = self.manifest.program(program)
+        ticket = self._tickets
+        pos = ticket % MAX_IN_FLIGHT
         ck(d.cuGraphLaunch(self._execs[program], self.stream), f"cuGraphLaunch {program}")
         self._launches += 1
+        self._tickets += 1
         if p.completion:
-            host = self._completion_copies[p.completion]
+            host = self._completion_copies[p.completion][pos]
             b = self._buffers[p.completion]
             ck(d.cuMemcpyDtoHAsync(host.ptr, d.CUdeviceptr(self.arena.base + b.offset), b.nbytes, self.stream),
                "DtoH")
-            self._pending_completion = p.completion
-        ck(d.cuEventRecord(self.event, self.stream), "cuEventRecord")
+        self._pending_completion = p.completion
+        self._ring[pos] = (ticket, p.completion)
+        ck(d.cuEventRecord(self.events[pos], self.stream), "cuEventRecord")
+        return ticket
 
-    async def wait(self) -> None:
-        err = await asyncio.get_running_loop().run_in_executor(self._thread, d.cuEventSynchronize, self.event)
-        if err[0] != SUCCESS:
-            raise ExecutionError(f"program failed on the device: {err[0].name}", code="device_error")
-        self._cursor = 0
+    async def wait(self, ticket: int | None = None) -> None:
+        t = self._tickets - 1 if ticket is None else ticket
+        if t >= self._done:
+            event = self.events[t % MAX_IN_FLIGHT]
+            err = await asyncio.get_running_loop().run_in_executor(self._thread, d.cuEventSynchronize, event)
+            if err[0] != SUCCESS:
+                raise ExecutionError(f"program failed on the device: {err[0].name}", code="device_error")
+            self._done = t + 1
+        if self._done == self._tickets:
+            self._cursor = 0  # every staged write has been consumed
 
     def sync(self) -> None:
-        ck(d.cuEventSynchronize(self.event), "cuEventSynchronize")
+        """Everything submitted and written so far has completed (the whole stream)."""
+        ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        self._done = self._tickets
         self._cursor = 0
+
+    def completion(self, ticket: int) -> np.ndarray:
+        pos = ticket % MAX_IN_FLIGHT
+        owner, name = self._ring[pos]
+        if owner != ticket or name is None or ticket >= self._done:
+            raise ExecutionError(f"no completion record for ticket {ticket}", code="bad_completion")
+        b = self._buffers[name]
+        raw = self._completion_copies[name][pos].array[: b.nbytes]
+        return np.frombuffer(bytes(raw), NUMPY_DTYPES[b.dtype]).reshape(b.shape).copy()
 
     def read(self, buffer: str) -> np.ndarray:
         b = self._buffers[buffer]
-        if buffer in self._completion_copies and buffer == self._pending_completion:
-            raw = self._completion_copies[buffer].array[: b.nbytes]
+        if buffer == self._pending_completion and self._done == self._tickets:
+            raw = self._completion_copies[buffer][(self._tickets - 1) % MAX_IN_FLIGHT].array[: b.nbytes]
         else:
             ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
             raw = self.read_bytes(buffer)
@@ -380,7 +407,7 @@ class CudaExecutor:
                 d.cuGraphDestroy(g)
             for mod in self._modules:
                 d.cuModuleUnload(mod)
-            for pinned in [self.staging, self.readback, *self._completion_copies.values()]:
+            for pinned in [self.staging, self.readback, *(c for cs in self._completion_copies.values() for c in cs)]:
                 pinned.free()
             self.arena.release()
             self.arena = None

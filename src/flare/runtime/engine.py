@@ -15,7 +15,7 @@ import logging
 import time
 
 from flare.core.errors import CapacityError, ExecutionError, FlareError
-from flare.runtime.executor import Executor
+from flare.runtime.executor import MAX_IN_FLIGHT, Executor
 from flare.runtime.metrics import ServingMetrics
 from flare.runtime.request import Request
 from flare.runtime.scheduler import Scheduler
@@ -32,7 +32,10 @@ class EngineState(str, enum.Enum):
 
 
 class Engine:
-    def __init__(self, executor: Executor, *, max_waiting: int = 256, prefix_cache: bool = True):
+    def __init__(self, executor: Executor, *, max_waiting: int = 256, prefix_cache: bool = True,
+                 steps_in_flight: int = MAX_IN_FLIGHT):
+        if steps_in_flight not in (1, 2) or steps_in_flight > MAX_IN_FLIGHT:
+            raise ValueError(f"steps_in_flight must be 1 or 2, not {steps_in_flight}")
         self.executor = executor
         self.manifest = executor.manifest
         self.metrics = ServingMetrics()
@@ -41,6 +44,11 @@ class Engine:
         self.state = EngineState.starting
         self.failure: Exception | None = None
         self.steps = 0
+        self.steps_in_flight = steps_in_flight
+        # Host gap: time from a step's completion being seen with nothing left in flight
+        # to the next launch, when that next step was ready (the device idled on the host).
+        self.host_gap_s_total = 0.0
+        self.host_gaps = 0
         self.started_wall = time.time()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -69,25 +77,36 @@ class Engine:
             self._wake.set()
 
     async def _run(self) -> None:
-        sched, ex = self.scheduler, self.executor
+        sched = self.scheduler
+        idle_since: float | None = None  # the device ran out of work at this time
         try:
             while True:
                 step = sched.schedule()
                 if step is None:
+                    idle_since = None
                     if self.state != EngineState.ready and not sched.has_work():
                         return
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                for w in step.writes:
-                    ex.write(w.buffer, w.value, w.row)
-                ex.submit(step.program)
-                await ex.wait()
-                records = ex.read(step.completion) if step.completion else None
-                sched.complete(step, records)
-                self.steps += 1
-                # Let HTTP handlers run between steps even when the executor answers instantly.
-                await asyncio.sleep(0)
+                if idle_since is not None:
+                    self.host_gap_s_total += time.perf_counter() - idle_since
+                    self.host_gaps += 1
+                ticket = self._launch(step)
+                while step is not None:
+                    # Two steps in flight: the next decode is queued behind this one, so the
+                    # host's completion handling and HTTP delivery overlap the device's work.
+                    ahead = sched.schedule_ahead(step) if self.steps_in_flight > 1 else None
+                    ahead_ticket = self._launch(ahead) if ahead is not None else None
+                    await self.executor.wait(ticket)
+                    if ahead is None:
+                        idle_since = time.perf_counter()
+                    records = self.executor.completion(ticket) if step.completion else None
+                    sched.complete(step, records)
+                    self.steps += 1
+                    # Let HTTP handlers run between steps even when the executor answers instantly.
+                    await asyncio.sleep(0)
+                    step, ticket = ahead, ahead_ticket
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -96,6 +115,12 @@ class Engine:
             self.failure = err
             self.state = EngineState.failed
             sched.fail_all(err)
+
+    def _launch(self, step) -> int:
+        ex = self.executor
+        for w in step.writes:
+            ex.write(w.buffer, w.value, w.row)
+        return ex.submit(step.program)
 
     def stop_admission(self) -> None:
         """New requests get 503 from now on; admitted and queued ones keep running."""
@@ -156,6 +181,10 @@ class Engine:
             "flare_prefix_cache_captures_skipped_total": ck.skipped_total,
             "flare_prefix_cache_duplicate_captures_avoided_total": ck.duplicates_avoided_total,
             "flare_engine_steps_total": self.steps,
+            "flare_engine_steps_ahead_total": sched.steps_ahead_total,
+            "flare_engine_steps_in_flight_max": self.steps_in_flight,
+            "flare_engine_host_gap_seconds_total": round(self.host_gap_s_total, 6),
+            "flare_engine_host_gaps_total": self.host_gaps,
             "flare_prefill_tokens_total": sched.prefill_tokens_total,
             "flare_preemptions_total": sched.preemptions_total,
             "flare_engine_ready": int(self.ready),

@@ -7,6 +7,13 @@ replay of exported graphs). The scheduler and server never know which one runs.
 Ordering contract: ``write`` is ordered after every previously submitted
 program and before every later one; ``read`` returns what the last completed
 program left in an output buffer. Programs execute in submission order.
+
+``submit`` returns a ticket, ``wait(ticket)`` waits for that program (and every
+earlier one), and ``completion(ticket)`` is the host copy of the completion
+buffer (the manifest's ``completion`` of its program) as that very program left
+it, even when a later program has already overwritten the buffer on the device,
+for the last ``MAX_IN_FLIGHT`` submissions (the engine keeps at most that many
+in flight; a benchmark may queue more and read none).
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ NUMPY_DTYPES = {
 }
 
 
+MAX_IN_FLIGHT = 2
+
+
 class Executor(Protocol):
     manifest: Manifest
 
@@ -39,11 +49,17 @@ class Executor(Protocol):
     def write(self, buffer: str, value: np.ndarray, row: int | slice | None = None) -> None:
         """Stage ``value`` into ``buffer`` (or one of its rows)."""
 
-    def submit(self, program: str) -> None:
-        """Launch a program; its inputs are what was written before."""
+    def submit(self, program: str) -> int:
+        """Launch a program; its inputs are what was written before. Returns its ticket
+        (tickets count submissions from 0)."""
 
-    async def wait(self) -> None:
-        """Wait until every submitted program has completed; raises ExecutionError."""
+    async def wait(self, ticket: int | None = None) -> None:
+        """Wait until the program with ``ticket`` (default: every submitted program) and
+        every earlier one have completed; raises ExecutionError."""
+
+    def completion(self, ticket: int) -> np.ndarray:
+        """The completion record the program with ``ticket`` wrote, after ``wait(ticket)``,
+        while it is among the last MAX_IN_FLIGHT submissions."""
 
     def read(self, buffer: str) -> np.ndarray:
         """A host copy of an output buffer after wait()."""

@@ -37,7 +37,7 @@ import numpy as np
 from flare.core.errors import ExecutionError, ManifestError
 from flare.core.image import iter_image
 from flare.core.manifest import Manifest, rank_images
-from flare.runtime.executor import NUMPY_DTYPES
+from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES
 
 READY_TIMEOUT_S = 300.0
 
@@ -98,8 +98,12 @@ class ReferenceExecutor:
         self.manifest = manifest
         self.torch_threads = torch_threads
         self._ranks: list[_Rank] = []
-        self._inflight = 0
+        self._sent: deque[tuple[int, str]] = deque()  # (ticket, program) sent to the workers
         self._queue: deque[tuple] = deque()  # ops waiting for in-flight programs
+        self._tickets = 0  # programs submitted
+        self._done = 0  # programs completed (they complete in ticket order)
+        self._completions: dict[int, np.ndarray] = {}
+        self._completion_of = {p.name: p.completion for p in manifest.programs}
         self._stats = {"programs": 0, "startup_ms": 0, "tp_size": manifest.parallel.tp_size}
 
     # -- lifecycle ---------------------------------------------------------
@@ -164,27 +168,43 @@ class ReferenceExecutor:
     # -- executor interface ------------------------------------------------
 
     def write(self, buffer: str, value: np.ndarray, row: int | slice | None = None) -> None:
-        if self._inflight or self._queue:
+        if self._sent or self._queue:
             self._queue.append(("write", buffer, np.array(value, copy=True), row))
         else:
             self._apply(buffer, value, row)
 
-    def submit(self, program: str) -> None:
-        if self._inflight or self._queue:
-            self._queue.append(("run", program))
+    def submit(self, program: str) -> int:
+        ticket = self._tickets
+        self._tickets += 1
+        if self._sent or self._queue:
+            self._queue.append(("run", program, ticket))
         else:
-            self._send(program)
+            self._send(program, ticket)
+        return ticket
 
-    async def wait(self) -> None:
-        while self._inflight:
+    async def wait(self, ticket: int | None = None) -> None:
+        target = self._tickets if ticket is None else ticket + 1
+        while self._done < target and self._sent:
             await self._collect(b"ok")
-            self._inflight -= 1
-            while self._queue and not self._inflight:
+            t, program = self._sent.popleft()
+            self._done = t + 1
+            # The workers run one program at a time and the next one is sent only now,
+            # so the completion buffer still holds what this program wrote.
+            name = self._completion_of.get(program)
+            if name:
+                self._completions[t] = self._ranks[0].views[name].copy()
+                self._completions.pop(t - MAX_IN_FLIGHT, None)
+            while self._queue and not self._sent:
                 op = self._queue.popleft()
                 if op[0] == "write":
                     self._apply(op[1], op[2], op[3])
                 else:
-                    self._send(op[1])
+                    self._send(op[1], op[2])
+
+    def completion(self, ticket: int) -> np.ndarray:
+        if ticket not in self._completions:
+            raise ExecutionError(f"no completion record for ticket {ticket}", code="bad_completion")
+        return self._completions[ticket].copy()
 
     def read(self, buffer: str) -> np.ndarray:
         return self._ranks[0].views[buffer].copy()
@@ -239,7 +259,7 @@ class ReferenceExecutor:
 
     def _kill_all(self) -> None:
         """Stop every rank now (the executor is broken from here on; close() reaps)."""
-        self._inflight = 0
+        self._sent.clear()
         self._queue.clear()
         for rank in self._ranks:
             if rank.alive:
@@ -254,12 +274,12 @@ class ReferenceExecutor:
             else:
                 view[row] = value
 
-    def _send(self, program: str) -> None:
+    def _send(self, program: str, ticket: int) -> None:
         for r, rank in enumerate(self._ranks):
             if not rank.alive:
                 self._kill_all()
                 raise ExecutionError(f"reference worker (rank {r}) is not running", code="worker_died")
         for rank in self._ranks:
             rank.proc.stdin.write(f"run {program}\n".encode())
-        self._inflight += 1
+        self._sent.append((ticket, program))
         self._stats["programs"] += 1

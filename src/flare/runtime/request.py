@@ -48,6 +48,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether any penalty reads the slot's token histogram (repetition, presence,
+        frequency): at 1, 0, 0 the sampler's penalty step leaves every logit unchanged."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 class RequestSink(Protocol):
     """Receives a request's output. Called from the engine loop: must not block."""

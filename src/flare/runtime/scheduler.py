@@ -14,12 +14,22 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
   between decode batches.
 * Cancellation and completion take effect at submission boundaries: the
   engine calls ``schedule`` only when nothing it submitted is in flight.
+* Two decode steps in flight (``schedule_ahead``): while decode step N runs, the
+  engine may already submit N+1 for the same batch, because each decode reads its
+  input token from the slot's device state, where N leaves it. The step ahead is
+  only built when nothing else could be scheduled in between (no admission,
+  prefill, maintenance or cancellation pending, no request at its token limit,
+  its pages available without preemption). A request that N finishes on the
+  device (stop id, length) is a dead row in N+1: the device sees its done flag
+  and changes nothing. A request the host finishes after N (a stop string) runs
+  one more live row in N+1, which only writes its own slot and private tail
+  page; its terminal capture is skipped, since the slot no longer holds the
+  endpoint.
 * Grammar-constrained requests: the step that samples for such a request carries
   its next-token mask row, computed here from the request's grammar. That mask
   depends on the token the previous step sampled, which ``complete`` fed to the
-  grammar; it is correct because the engine runs one step at a time (schedule,
-  launch, wait, complete), so a constrained request always has exactly one step
-  in flight. A pipelined engine must keep that property for constrained slots.
+  grammar, so a batch with a constrained request is never scheduled ahead: such a
+  request always has exactly one step in flight.
 * Prefix cache (``flare.runtime.checkpoints``): admission restores the deepest
   checkpoint that prefixes the history and shares its pages; unused
   checkpoints are evicted before admission waits or a decoder is preempted;
@@ -75,6 +85,8 @@ class Scheduler:
         self._maintenance: deque[Step] = deque()
         self._admissions = 0
         self._last_kind: ProgramKind | None = None
+        self._ahead: Step | None = None  # a decode step submitted before its predecessor completed
+        self.steps_ahead_total = 0
         self.prefill_tokens_total = 0
         self.preemptions_total = 0
         self._prefill_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.prefill))
@@ -197,7 +209,8 @@ class Scheduler:
         return min(self.pages_for(tokens), self.caps.max_pages_per_slot)
 
     def _queue_admission(self, req: Request) -> None:
-        """State row writes and the admit programs that build the penalty histogram."""
+        """State row writes and the admit programs that build the penalty histogram
+        (one program of the first chunk only when the request has no penalty)."""
         p = req.params
         slot = req.slot
         resumed = bool(req.output)
@@ -227,6 +240,10 @@ class Scheduler:
                   for i in range(0, len(req.prompt), self._admit_program.capacity)]
         chunks += [(req.output[i : i + self._admit_program.capacity], 1)
                    for i in range(0, len(req.output), self._admit_program.capacity)]
+        if not p.penalizes:
+            # The histogram is read only by penalties; neutral ones leave every logit as it
+            # is whatever it holds. The first chunk still runs: it clears the slot's state.
+            chunks = chunks[:1]
         for i, (tokens, mode) in enumerate(chunks):
             step = Step(ProgramKind.admit, self._admit_program.name, writes if i == 0 else [], [req])
             step.writes = step.writes + [
@@ -275,6 +292,36 @@ class Scheduler:
         slots[: len(batch)] = [r.slot for r in batch]
         writes.append(Write("in.decode_slots", slots))
         return Step(ProgramKind.decode, f"decode.{cap}", writes, batch, "out.decode_completion")
+
+    def schedule_ahead(self, step: Step) -> Step | None:
+        """The decode step to submit right after ``step`` while ``step`` is still in
+        flight, or None when the step after it must be chosen by ``schedule`` once it
+        has completed. See the module docstring for the conditions. ``step`` may itself
+        be the previous step ahead: a steady decode batch always has two in flight, and
+        ``_ahead`` is the later of them until it completes."""
+        if (step.kind != ProgramKind.decode or self._ahead not in (None, step) or self._maintenance or self.waiting
+                or any(r.status != Status.DECODING for r in self.running)
+                or len(step.requests) != len(self.running)):
+            return None
+        batch = step.requests
+        for r in batch:
+            if (r.finished or r.cancel_requested or r.grammar is not None
+                    or len(r.output) + 1 >= r.params.max_tokens or r.consumed + 2 > r.max_len):
+                return None
+        # Step N writes position consumed, the step ahead consumed + 1.
+        short = [r for r in batch if len(r.pages) < self.pages_for(r.consumed + 2)]
+        if any(self.pages_for(r.consumed + 2) > self.caps.max_pages_per_slot for r in short):
+            return None
+        if short and not self.pages.can_allocate(len(short)):
+            if not self.checkpoints.evict_pages(len(short) - self.pages.free):
+                return None
+        writes: list[Write] = []
+        for r in short:
+            self._add_pages(r, 1, writes)
+        writes += [w for w in step.writes if w.buffer == "in.decode_slots"]
+        self._ahead = Step(ProgramKind.decode, step.program, writes, list(batch), step.completion)
+        self.steps_ahead_total += 1
+        return self._ahead
 
     def _mask_write(self, req: Request, writes: list[Write]) -> None:
         """Stage the request's next-token mask; a grammar that cannot give one ends the
@@ -345,7 +392,11 @@ class Scheduler:
                 req.status = Status.DECODING  # a readmission whose whole history was cached
             return
         rows = records[: len(step.requests)]
+        if step is self._ahead:
+            self._ahead = None
         for req, row in zip(step.requests, rows):
+            if req.finished and req.slot is None:
+                continue  # finished and released while this step was in flight
             if int(row[0]) != req.slot:
                 raise ExecutionError(f"{step.program}: completion for slot {int(row[0])}, expected {req.slot}",
                                      code="bad_completion")
@@ -362,6 +413,8 @@ class Scheduler:
                 self._accept(req, rows[0])
             return
         for req, row in zip(step.requests, rows):
+            if req.finished:
+                continue  # finished after the step ahead was submitted: nothing of its row is kept
             if int(row[1]) >= 0:
                 req.consumed += 1  # the pending token was consumed by this decode
             self._accept(req, row)
@@ -385,9 +438,9 @@ class Scheduler:
         visible = [token] if status != STATUS_CODES["stop"] else []
         stop_matched = req.sink.on_tokens(req, visible) if visible else False
         if status == STATUS_CODES["stop"] or stop_matched:
-            self._finish(req, FinishReason.stop)
+            self._finish(req, FinishReason.stop, device_done=status == STATUS_CODES["stop"])
         elif status == STATUS_CODES["length"]:
-            self._finish(req, FinishReason.length)
+            self._finish(req, FinishReason.length, device_done=True)
 
     def _release(self, req: Request) -> None:
         # Queued steps of this request will never run (cancelled right after admission,
@@ -408,14 +461,18 @@ class Scheduler:
         if req in self.retiring:
             self.retiring.remove(req)
 
-    def _finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> None:
+    def _finish(self, req: Request, reason: FinishReason, error: Exception | None = None, *,
+                device_done: bool = False) -> None:
         if req.finished:
             return
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
         self.metrics.on_finished(reason.value)
-        if reason in (FinishReason.stop, FinishReason.length) and req.slot is not None:
+        # A step ahead that still runs this request's row live (the host, not the device,
+        # decided the finish) moves its slot past the endpoint: no terminal capture.
+        live_ahead = self._ahead is not None and req in self._ahead.requests and not device_done
+        if reason in (FinishReason.stop, FinishReason.length) and req.slot is not None and not live_ahead:
             terminal = self.checkpoints.on_finish(req)
             if terminal is not None:
                 self._maintenance.append(terminal)

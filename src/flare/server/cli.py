@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="bounded admission queue length")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="disable checkpoint reuse and capture (every prompt is prefilled in full)")
+    p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=2,
+                   help="decode steps kept in flight: 2 queues the next decode before the current one "
+                        "completes (host work overlaps the device); 1 runs one step at a time")
     p.add_argument("--torch-threads", type=int, default=None, help="reference executor: torch threads")
     p.add_argument("--api-key", default=os.environ.get("FLARE_API_KEY"),
                    help="require this key on /v1/* (Authorization: Bearer or x-api-key); default $FLARE_API_KEY")
@@ -72,7 +75,7 @@ async def serve(a: argparse.Namespace) -> int:
     try:
         manifest = load_manifest(core)
         engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting,
-                        prefix_cache=not a.no_prefix_cache)
+                        prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight)
         await engine.start()
         frontend = Frontend(str(core), engine, a.served_model_name, grammar_timeout_s=a.grammar_compile_timeout)
     except FlareError as e:

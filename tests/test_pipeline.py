@@ -1,0 +1,157 @@
+"""Two decode steps in flight (``Scheduler.schedule_ahead``), on the real engine,
+reference executor and model.
+
+With ``steps_in_flight=2`` the engine submits decode N+1 before N completes.
+Every request must come out exactly as with one step at a time: the same
+tokens (sampled, seeded), the same finish reasons, the same prefix-cache
+endpoints, and the pools back to their totals. The finishes that race the
+step ahead are exercised: a host-side stop (a stop string: the row ahead still
+runs live, and the terminal capture is skipped) and a device-side stop id (the
+row ahead is dead; the terminal capture is kept and a follow-up hits it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flare.core.manifest import load_manifest
+from flare.runtime.engine import Engine
+from flare.runtime.reference import ReferenceExecutor
+from flare.runtime.request import FinishReason, Request, SamplingParams
+
+
+class Sink:
+    """Collects a request's visible tokens; ``stop_on`` plays a stop string that the
+    host detects in the text when that token arrives (as the server's text sink does)."""
+
+    def __init__(self, stop_on: int | None = None):
+        self.visible: list[int] = []
+        self.stop_on = stop_on
+        self.done = asyncio.Event()
+
+    def on_tokens(self, request, ids):
+        self.visible.extend(ids)
+        return self.stop_on is not None and self.stop_on in ids
+
+    def on_finish(self, request):
+        self.done.set()
+
+
+def _params(seed: int, max_tokens: int, **kw) -> SamplingParams:
+    base = dict(temperature=1.0, top_k=20, top_p=0.95, min_p=0.0, repetition_penalty=1.1, presence_penalty=0.0,
+                frequency_penalty=0.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(**{**base, **kw})
+
+
+async def _run(core, steps_in_flight: int, batches: list[list[tuple[list[int], SamplingParams, Sink]]]):
+    """Each batch is submitted together and awaited before the next one starts."""
+    engine = Engine(ReferenceExecutor(core, load_manifest(core)), steps_in_flight=steps_in_flight)
+    await engine.start()
+    out = []
+    try:
+        for batch in batches:
+            reqs = [Request(list(p), params, sink, request_id=f"r{len(out)}-{i}")
+                    for i, (p, params, sink) in enumerate(batch)]
+            for r in reqs:
+                engine.submit(r)
+            for r in reqs:
+                await asyncio.wait_for(r.sink.done.wait(), 300)
+                assert r.error is None, r.error
+            out.append(reqs)
+            await _idle(engine)  # terminal captures run after the finish is reported
+        sched = engine.scheduler
+        sched.check_integrity()
+        free, used, cached = sched.page_usage()
+        assert used == 0 and free + cached == sched.pages.total and not sched.running and not sched.retiring
+        gauges = engine.gauges()
+    finally:
+        await engine.shutdown(1.0)
+    assert engine.failure is None
+    return out, gauges
+
+
+async def _idle(engine: Engine) -> None:
+    for _ in range(3000):
+        if not engine.scheduler.has_work() and not engine.scheduler.retiring:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine did not go idle")
+
+
+def _prompts(vocab: int, n: int, base: int = 11) -> list[list[int]]:
+    return [[(base + 37 * i + 101 * k) % vocab for k in range(9 + 13 * i)] for i in range(n)]
+
+
+def test_two_steps_in_flight_give_the_same_requests(tiny_core):
+    vocab = load_manifest(tiny_core).capacities.vocab_size
+    prompts = _prompts(vocab, 4)
+
+    def batches():
+        # Four concurrent sampled requests of different lengths (the batch shrinks as they
+        # finish), then one alone that crosses several page boundaries.
+        return [[(p, _params(100 + i, 12 + 7 * i), Sink()) for i, p in enumerate(prompts)],
+                [(prompts[0][:5], _params(7, 70), Sink())]]
+
+    one, g1 = asyncio.run(_run(tiny_core, 1, batches()))
+    two, g2 = asyncio.run(_run(tiny_core, 2, batches()))
+    for a, b in zip(sum(one, []), sum(two, [])):
+        assert a.output == b.output, (a, b)
+        assert a.finish_reason == b.finish_reason == FinishReason.length
+        assert len(b.output) == b.params.max_tokens
+    assert g1["flare_engine_steps_ahead_total"] == 0
+    # Most decode steps ran ahead: every step except those right after a change of batch.
+    assert g2["flare_engine_steps_ahead_total"] >= 0.7 * (70 + sum(12 + 7 * i for i in range(4)) - 40) / 2
+    assert g2["flare_engine_steps_total"] == g1["flare_engine_steps_total"]
+    assert g2["flare_engine_host_gaps_total"] < g1["flare_engine_host_gaps_total"]
+
+
+def _stop_runs(core, base: int, seed: int, *, on_device: bool):
+    """A free run picks the stop token (the first new token from index 10 on). Then, with
+    one and with two steps in flight: the request stopped there, by a stop id on the
+    device or by a stop string on the host, and a follow-up continuing its conversation.
+    Returns (prompt, stop index, {depth: (follow-up output, its cached tokens, gauges)})."""
+    prompt = _prompts(load_manifest(core).capacities.vocab_size, 1, base=base)[0]
+    free_run, _ = asyncio.run(_run(core, 1, [[(prompt, _params(seed, 40), Sink())]]))
+    tokens = free_run[0][0].output
+    k = next(i for i in range(10, 30) if tokens[i] not in tokens[:i])
+    stop = tokens[k]
+    out = {}
+    for depth in (1, 2):
+        first = ((_params(seed, 40, stop_token_ids=(stop,)), Sink()) if on_device
+                 else (_params(seed, 40), Sink(stop_on=stop)))
+        runs, gauges = asyncio.run(_run(core, depth, [
+            [(prompt, *first)],
+            # The same conversation again: prompt plus everything the first one kept.
+            [(prompt + tokens[: k + 1] + [7, 8], _params(4, 4), Sink())]]))
+        stopped, follow = runs[0][0], runs[1][0]
+        assert stopped.finish_reason == FinishReason.stop and stopped.output == tokens[: k + 1]
+        out[depth] = (follow.output, follow.cached_tokens, gauges)
+    assert out[1][0] == out[2][0]
+    assert out[2][2]["flare_engine_steps_ahead_total"] > 0
+    return prompt, k, out
+
+
+def test_host_stop_while_a_step_is_ahead(tiny_core):
+    """A stop string ends the request after step N while N+1 already runs its row live:
+    the output ends at the stop, nothing of N+1 is kept, no terminal capture is taken
+    (it would describe an endpoint the slot has moved past), and the engine goes on."""
+    prompt, _, out = _stop_runs(tiny_core, 5, 3, on_device=False)
+    # Without the terminal capture the follow-up still reuses the prompt's endpoint.
+    assert len(prompt) - 16 <= out[2][1] <= out[1][1]
+
+
+def test_device_stop_with_a_dead_row_ahead_keeps_the_terminal_capture(tiny_core):
+    """A stop id ends the request on the device in step N; its row in N+1 is dead (the
+    device sees its done flag), so the slot still holds the endpoint and the terminal
+    capture is taken exactly as with one step at a time."""
+    prompt, k, out = _stop_runs(tiny_core, 29, 9, on_device=True)
+    # The terminal endpoint: the prompt and every output token but the last (still pending).
+    assert out[1][1] == out[2][1] == len(prompt) + k
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_steps_in_flight_is_one_or_two(tiny_core, depth):
+    with pytest.raises(ValueError, match="1 or 2"):
+        Engine(ReferenceExecutor(tiny_core, load_manifest(tiny_core)), steps_in_flight=depth)
