@@ -43,7 +43,7 @@ class Rig:
         return out
 
 
-def load_rig(core: Path, seed: int = 0) -> Rig:
+def load_rig(core: Path, seed: int = 0, *, compiled: bool = False) -> Rig:
     m = load_manifest(core)
     mapping = mmap.mmap(-1, m.arena.nbytes)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -59,6 +59,8 @@ def load_rig(core: Path, seed: int = 0) -> Rig:
     specs = recipe.weights(model)
     recipe.bind(model, specs, views)
     programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference", m.continuation)
+    if compiled:
+        programs.compile_glue()
     run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
     r = Rig(core, m, arena, views, run, model, specs)
     # Pages in a scrambled order: page tables are never the identity or contiguous.

@@ -256,6 +256,8 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         if cuda and opts.compile:
             _compile_layers(recipe, model)
         programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention, continuation)
+        if cuda and opts.compile:
+            programs.compile_glue()
         names = {p.name: f"graphs/{p.name}.json" for p in program_table(caps, None, continuation)}
         table = program_table(caps, names if cuda else None, continuation)
         partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
@@ -342,6 +344,11 @@ def _compile_layers(recipe, model) -> None:
     ic.use_static_cuda_launcher = False
     for layer in recipe.decoder_layers(model):
         layer.compile(dynamic=False)
+    # The rotary table lookup runs once per step before the layers (eager: a float32
+    # GEMM, cos, sin, cat and casts, ~10 kernels).
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if isinstance(rotary, torch.nn.Module):
+        rotary.compile(dynamic=False)
 
 
 def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,

@@ -25,7 +25,7 @@ import torch
 
 from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
 from flare.prepare.attention import PagedBatch
-from flare.prepare.sampling import apply_token_mask, sample
+from flare.prepare.sampling import apply_token_mask, choose, scores, uniform
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -68,6 +68,25 @@ class ProgramSet:
         self.tp = recipe.parallel(model)
         # Recipe state other than the hidden vector, handed to the model through the batch.
         self.model_state = {n: views[n] for n in continuation.state if n != "state.hidden"}
+        # The pure computations around the model (no buffer is written in them); torch.compile
+        # replaces them on CUDA (compile_glue), eager they run as they are.
+        self._decode_inputs = self._decode_inputs_eager
+        self._select = self._select_eager
+        self._commit_rows = self._commit_rows_eager
+
+    def compile_glue(self) -> None:
+        """torch.compile (Inductor) the pure elementwise and integer pieces of the sampling
+        programs: the decode step's inputs, mask + penalties + temperature + the uniform
+        draw, and the committed rows. Eager they are some 200 kernels of a few
+        microseconds each per step (bench/timeline.py: the integer hash alone is ~100);
+        compiled, a handful. Reductions (softmax, sort, scans: ``choose``) stay eager,
+        whose per-row results do not depend on the batch size, so batch composition still
+        never changes a request's tokens. Only pure functions are compiled, so no buffer
+        mutation goes through functionalization (which could copy a whole state buffer);
+        the writes stay eager index_copy_ / index_add_."""
+        self._decode_inputs = torch.compile(self._decode_inputs_eager, dynamic=False)
+        self._select = torch.compile(self._select_eager, dynamic=False)
+        self._commit_rows = torch.compile(self._commit_rows_eager, dynamic=False)
 
     def callable(self, kind: ProgramKind, capacity: int, *, eager: bool = False) -> Callable[[], None]:
         fn = {
@@ -191,7 +210,7 @@ class ProgramSet:
         live = sample_flag & (v["state.done"].index_select(0, slot) == 0)
         self._sample_and_commit(slot, logits, live, v["out.prefill_completion"])
 
-    def decode(self, B: int) -> None:
+    def _decode_inputs_eager(self, B: int):
         v = self.v
         slots = v["in.decode_slots"][:B].long()
         live = (slots > 0) & (v["state.done"].index_select(0, slots) == 0)
@@ -199,7 +218,11 @@ class ProgramSet:
         length = v["state.len"].index_select(0, slots).long()
         pos = torch.where(live, length, 0)
         pt = v["state.page_table"].index_select(0, slots).long()
-        slot_mapping = self._slot_mapping(pt, pos, live)
+        return slots, live, tokens, length, pos, self._slot_mapping(pt, pos, live)
+
+    def decode(self, B: int) -> None:
+        v = self.v
+        slots, live, tokens, length, pos, slot_mapping = self._decode_inputs(B)
         batch = self._batch(slots, pos, slot_mapping, live)
         hidden = self._forward(tokens, pos, batch)
         old_hidden = v["state.hidden"].index_select(0, slots)
@@ -230,38 +253,25 @@ class ProgramSet:
             state=self.model_state,
         )
 
-    def _sample_and_commit(
-        self, slots: torch.Tensor, logits: torch.Tensor, live: torch.Tensor, completion: torch.Tensor
-    ) -> None:
-        """Sample one token per row and commit it to live rows' request state:
-        pending token, generated count, RNG counter, penalty histogram, done flag.
-        Rows that are not live keep their state; their completion says inactive."""
+    def _select_eager(self, slots: torch.Tensor, logits: torch.Tensor):
+        """Mask, penalties and temperature for each row's slot, and its uniform draw:
+        elementwise and integer work only (compiled on CUDA). Returns (scores, draw)."""
         v = self.v
-        V = self.caps.vocab_size
         # Grammar masks first, before penalties and filters: a masked token is never a
         # candidate, whatever its penalised probability. The host wrote the slot's row of
         # in.token_mask for this very step (one step in flight for constrained slots).
         logits = apply_token_mask(logits, v["in.token_mask"].index_select(0, slots),
                                   v["state.mask_on"].index_select(0, slots))
         samp = v["state.sampling"].index_select(0, slots)
-        counter = v["state.counter"].index_select(0, slots)
-        tok = sample(
-            logits,
-            v["state.hist"].index_select(0, slots),
-            temperature=samp[:, 0],
-            top_k=v["state.top_k"].index_select(0, slots),
-            top_p=samp[:, 1],
-            min_p=samp[:, 2],
-            repetition=samp[:, 3],
-            presence=samp[:, 4],
-            frequency=samp[:, 5],
-            seed=v["state.seed"].index_select(0, slots),
-            counter=counter,
-            sampling_vocab=self.caps.sampling_vocab,
-        )
-        # Every rank sampled the same gathered logits from replicated state; committing
-        # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
-        tok = self.tp.from_rank_zero(tok)
+        x = scores(logits, v["state.hist"].index_select(0, slots), temperature=samp[:, 0],
+                   repetition=samp[:, 3], presence=samp[:, 4], frequency=samp[:, 5],
+                   sampling_vocab=self.caps.sampling_vocab)
+        return x, uniform(v["state.seed"].index_select(0, slots), v["state.counter"].index_select(0, slots))
+
+    def _commit_rows_eager(self, slots: torch.Tensor, live: torch.Tensor, tok: torch.Tensor):
+        """The state rows a sampled token leaves behind (not written here) and the
+        completion record."""
+        v = self.v
         li = live.long()
         generated = v["state.generated"].index_select(0, slots).long() + li
         stop_hit = (v["state.stop_ids"].index_select(0, slots).long() == tok[:, None]).any(dim=-1)
@@ -269,12 +279,30 @@ class ProgramSet:
         status = torch.where(stop_hit, 1, torch.where(at_limit, 2, 0))
         pending = torch.where(live, tok, v["state.pending"].index_select(0, slots).long())
         done = torch.where(live, status, v["state.done"].index_select(0, slots).long())
-        v["state.pending"].index_copy_(0, slots, pending.int())
-        v["state.generated"].index_copy_(0, slots, generated.int())
-        v["state.counter"].index_copy_(0, slots, counter + li)
-        v["state.done"].index_copy_(0, slots, done.int())
-        v["state.hist"].view(-1).index_add_(0, slots * V + tok, li.int())
+        counter = v["state.counter"].index_select(0, slots) + li
         record = torch.stack(
             [slots, torch.where(live, tok, -1), generated, torch.where(live, status, -1)], dim=-1
         )
-        completion.copy_(record.int())
+        return pending.int(), generated.int(), counter, done.int(), slots * self.caps.vocab_size + tok, \
+            li.int(), record.int()
+
+    def _sample_and_commit(
+        self, slots: torch.Tensor, logits: torch.Tensor, live: torch.Tensor, completion: torch.Tensor
+    ) -> None:
+        """Sample one token per row and commit it to live rows' request state:
+        pending token, generated count, RNG counter, penalty histogram, done flag.
+        Rows that are not live keep their state; their completion says inactive."""
+        v = self.v
+        x, u = self._select(slots, logits)
+        samp = v["state.sampling"].index_select(0, slots)
+        tok = choose(x, v["state.top_k"].index_select(0, slots), samp[:, 1], samp[:, 2], u)
+        # Every rank sampled the same gathered logits from replicated state; committing
+        # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
+        tok = self.tp.from_rank_zero(tok)
+        pending, generated, counter, done, hist_at, count, record = self._commit_rows(slots, live, tok)
+        v["state.pending"].index_copy_(0, slots, pending)
+        v["state.generated"].index_copy_(0, slots, generated)
+        v["state.counter"].index_copy_(0, slots, counter)
+        v["state.done"].index_copy_(0, slots, done)
+        v["state.hist"].view(-1).index_add_(0, hist_at, count)
+        completion.copy_(record)

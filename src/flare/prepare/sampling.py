@@ -81,6 +81,55 @@ def apply_penalties(
     return x - presence[:, None] * (out_count > 0).to(logits.dtype) - frequency[:, None] * out_count
 
 
+def scores(
+    logits: torch.Tensor,  # [B, V] float32
+    hist: torch.Tensor,  # [B, V] int32
+    temperature: torch.Tensor,  # [B]
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    sampling_vocab: int,
+) -> torch.Tensor:
+    """Penalised, temperature-scaled logits over the sampling vocabulary: elementwise
+    only, so a row's values never depend on the other rows or on how the work is
+    split (compiled or not, any batch size)."""
+    x = logits[:, :sampling_vocab].float()
+    x = apply_penalties(x, hist[:, :sampling_vocab], repetition, presence, frequency)
+    # Padded rows carry the null slot's parameters; keep their arithmetic finite.
+    return x / temperature.clamp(min=1e-5)[:, None]
+
+
+def choose(
+    x: torch.Tensor,  # [B, V] scores
+    top_k: torch.Tensor,  # [B] int, <= 0 disables
+    top_p: torch.Tensor,  # [B]
+    min_p: torch.Tensor,  # [B]
+    u: torch.Tensor,  # [B] uniform draws in [0, 1)
+) -> torch.Tensor:
+    """Filters and the inverse-CDF draw: the sampled token ids, int64 ``[B]``.
+
+    Filters keep a prefix of the tokens sorted by probability; the kept prefix is
+    then widened to every token tied with its last member, so a threshold tie is
+    never cut at an arbitrary candidate count. Its reductions (softmax, sort, scans)
+    stay eager ATen kernels, whose per-row results do not depend on the batch size.
+    """
+    probs = torch.softmax(x, dim=-1)
+    sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
+    v = sp.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).long()
+    kth = sp.gather(1, (k - 1)[:, None])
+    before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each token
+    keep = (sp >= kth) & (before < top_p[:, None]) & (sp >= min_p[:, None] * sp[:, :1])
+    n_keep = keep.sum(dim=-1).clamp(min=1)
+    threshold = sp.gather(1, (n_keep - 1)[:, None])
+    kept = torch.where(sp >= threshold, sp, torch.zeros_like(sp))
+    n_keep = (sp >= threshold).sum(dim=-1).clamp(min=1)
+    cdf = torch.cumsum(kept, dim=-1)
+    target = u * cdf[:, -1]
+    idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), n_keep - 1)
+    return si.gather(1, idx[:, None])[:, 0]
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float32
     hist: torch.Tensor,  # [B, V] int32
@@ -95,28 +144,7 @@ def sample(
     counter: torch.Tensor,  # [B] int64
     sampling_vocab: int,
 ) -> torch.Tensor:
-    """Returns the sampled token ids, int64 ``[B]``.
-
-    Filters keep a prefix of the tokens sorted by probability; the kept prefix is
-    then widened to every token tied with its last member, so a threshold tie is
-    never cut at an arbitrary candidate count.
-    """
-    x = logits[:, :sampling_vocab].float()
-    x = apply_penalties(x, hist[:, :sampling_vocab], repetition, presence, frequency)
-    # Padded rows carry the null slot's parameters; keep their arithmetic finite.
-    x = x / temperature.clamp(min=1e-5)[:, None]
-    probs = torch.softmax(x, dim=-1)
-    sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
-    v = sp.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).long()
-    kth = sp.gather(1, (k - 1)[:, None])
-    before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each token
-    keep = (sp >= kth) & (before < top_p[:, None]) & (sp >= min_p[:, None] * sp[:, :1])
-    n_keep = keep.sum(dim=-1).clamp(min=1)
-    threshold = sp.gather(1, (n_keep - 1)[:, None])
-    kept = torch.where(sp >= threshold, sp, torch.zeros_like(sp))
-    n_keep = (sp >= threshold).sum(dim=-1).clamp(min=1)
-    cdf = torch.cumsum(kept, dim=-1)
-    target = uniform(seed, counter) * cdf[:, -1]
-    idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), n_keep - 1)
-    return si.gather(1, idx[:, None])[:, 0]
+    """Returns the sampled token ids, int64 ``[B]``: :func:`scores`, then
+    :func:`choose` with the request's draw :func:`uniform` (seed, counter)."""
+    x = scores(logits, hist, temperature, repetition, presence, frequency, sampling_vocab)
+    return choose(x, top_k, top_p, min_p, uniform(seed, counter))
