@@ -310,8 +310,9 @@ def small_manifest(core: Path, *, num_pages: int, slots: int, snapshot_rows: int
 
 
 def params(seed: int, max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                          presence_penalty=0.0, frequency_penalty=0.0, seed=seed, max_tokens=max_tokens, **kw)
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                frequency_penalty=0.0, seed=seed, max_tokens=max_tokens)
+    return SamplingParams(**{**base, **kw})
 
 
 def make_request(name: str, prompt_len: int, max_tokens: int, seed: int, sink=None, **kw) -> Request:
@@ -408,10 +409,11 @@ def test_preemption_of_newest_decoder_and_readmission(tiny_core):
     """11 usable pages, 2 slots. A (prompt 40, max 70) is 25 tokens ahead of B
     (prompt 16, max 100); both grow one page ahead until the pool is empty. When A
     needs the page for position 96 the newest decoder, B, is preempted; B is readmitted
-    with target = prompt + output[:-1] once A finishes and frees its pages."""
+    with target = prompt + output[:-1] once A finishes and frees its pages. B has a
+    frequency penalty, so its admission rebuilds the histogram from prompt and output."""
     d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
     a = make_request("A", 40, 70, seed=11)
-    b = make_request("B", 16, 100, seed=22)
+    b = make_request("B", 16, 100, seed=22, frequency_penalty=0.5)
     d.add(a, b)
     d.run(until=lambda: b.preemptions == 1)
     pre_step = d.steps[-1]
@@ -515,7 +517,7 @@ def test_prefill_chunking_interleaved_with_decode(tiny_core):
     assert trace == [
         ("admit.128", ["A"], 0),
         ("prefill.128", ["A"], 10),
-        ("admit.128", ["B"], 0), ("admit.128", ["B"], 0), ("admit.128", ["B"], 0),  # 300 prompt tokens
+        ("admit.128", ["B"], 0),  # 300 prompt tokens, no penalty: one admit (clears the slot)
         ("decode.1", ["A"], 0),
         ("prefill.128", ["B"], 128),
         ("decode.1", ["A"], 0),

@@ -90,6 +90,7 @@ class CudaExecutor:
         self._tickets = 0  # programs submitted
         self._done = 0  # programs known complete (they complete in ticket order)
         self._ring: list[tuple[int, str | None]] = [(-1, None)] * MAX_IN_FLIGHT
+        self.events: list = []
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-cuda")
         self.arena: Arena | None = None
         self._free_at_ready = 0
@@ -401,6 +402,8 @@ class CudaExecutor:
         try:
             d.cuStreamSynchronize(self.stream)
         finally:
+            for event in self.events:
+                d.cuEventDestroy(event)
             for gexec in self._execs.values():
                 d.cuGraphExecDestroy(gexec)
             for g in self._graphs:

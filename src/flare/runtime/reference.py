@@ -193,7 +193,8 @@ class ReferenceExecutor:
             name = self._completion_of.get(program)
             if name:
                 self._completions[t] = self._ranks[0].views[name].copy()
-                self._completions.pop(t - MAX_IN_FLIGHT, None)
+            for old in [k for k in self._completions if k <= t - MAX_IN_FLIGHT]:
+                del self._completions[old]
             while self._queue and not self._sent:
                 op = self._queue.popleft()
                 if op[0] == "write":

@@ -17,9 +17,9 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
 * Two decode steps in flight (``schedule_ahead``): while decode step N runs, the
   engine may already submit N+1 for the same batch, because each decode reads its
   input token from the slot's device state, where N leaves it. The step ahead is
-  only built when nothing else could be scheduled in between (no admission,
-  prefill, maintenance or cancellation pending, no request at its token limit,
-  its pages available without preemption). A request that N finishes on the
+  only built when nothing else could be scheduled in between (no admission
+  possible, no prefill, maintenance or cancellation pending, no request at its
+  token limit, its pages available without preemption). A request that N finishes on the
   device (stop id, length) is a dead row in N+1: the device sees its done flag
   and changes nothing. A request the host finishes after N (a stop string) runs
   one more live row in N+1, which only writes its own slot and private tail
@@ -299,7 +299,10 @@ class Scheduler:
         has completed. See the module docstring for the conditions. ``step`` may itself
         be the previous step ahead: a steady decode batch always has two in flight, and
         ``_ahead`` is the later of them until it completes."""
-        if (step.kind != ProgramKind.decode or self._ahead not in (None, step) or self._maintenance or self.waiting
+        # A waiting request matters only if a slot is free: otherwise schedule() could not
+        # admit it either, and a saturated server keeps its two steps in flight.
+        if (step.kind != ProgramKind.decode or self._ahead not in (None, step) or self._maintenance
+                or (self.waiting and self.slots.free)
                 or any(r.status != Status.DECODING for r in self.running)
                 or len(step.requests) != len(self.running)):
             return None
@@ -313,7 +316,8 @@ class Scheduler:
         if any(self.pages_for(r.consumed + 2) > self.caps.max_pages_per_slot for r in short):
             return None
         if short and not self.pages.can_allocate(len(short)):
-            if not self.checkpoints.evict_pages(len(short) - self.pages.free):
+            # evict_pages(n): evict until n pages are free.
+            if not self.checkpoints.evict_pages(len(short)) or not self.pages.can_allocate(len(short)):
                 return None
         writes: list[Write] = []
         for r in short:
