@@ -27,6 +27,7 @@ from flare.core.image import iter_image
 from flare.core.manifest import BufferRole, Manifest, check_device
 from flare.runtime.cuda_driver import SUCCESS, Arena, ck, free_memory, open_device
 from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES
+from flare.runtime.staging import StagingRing
 
 ATTR_RAW_SIZE = 64
 STAGING_BYTES = 16 << 20
@@ -89,7 +90,7 @@ class CudaExecutor:
         self._pending_completion: str | None = None
         self._tickets = 0  # programs submitted
         self._done = 0  # programs known complete (they complete in ticket order)
-        self._ring: list[tuple[int, str | None]] = [(-1, None)] * MAX_IN_FLIGHT
+        self._slots: list[tuple[int, str | None]] = [(-1, None)] * MAX_IN_FLIGHT  # (ticket, completion)
         self.events: list = []
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-cuda")
         self.arena: Arena | None = None
@@ -130,7 +131,7 @@ class CudaExecutor:
                 n = self._buffers[p.completion].nbytes
                 self._completion_copies[p.completion] = [_Pinned(n) for _ in range(MAX_IN_FLIGHT)]
         self._counts["allocations"] += 3 + MAX_IN_FLIGHT * len(self._completion_copies)
-        self._cursor = 0
+        self._ring = StagingRing(STAGING_BYTES)
         mark("reserve_map")
         self._upload_image()
         mark("arena_upload")
@@ -306,19 +307,22 @@ class CudaExecutor:
         n = data.nbytes
         if n > extent:
             raise ExecutionError(f"write of {n} bytes into {buffer}[{row}] ({extent} bytes)", code="bad_write")
-        if self._cursor + n > STAGING_BYTES:
-            ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-            self._cursor = 0
         if n > STAGING_BYTES:
+            ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            self._ring.drain()
             for start in range(0, n, STAGING_BYTES):
                 k = min(STAGING_BYTES, n - start)
                 self.staging.array[:k] = data[start : start + k]
                 ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst + start), self.staging.ptr, k, self.stream), "HtoD")
                 ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
             return
-        self.staging.array[self._cursor : self._cursor + n] = data
-        ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), self.staging.ptr + self._cursor, n, self.stream), "HtoD")
-        self._cursor += (n + 255) // 256 * 256
+        at = self._ring.alloc(n)
+        if at is None:  # every staged byte may still be read by a queued copy
+            ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            self._ring.drain()
+            at = self._ring.alloc(n)
+        self.staging.array[at : at + n] = data
+        ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), self.staging.ptr + at, n, self.stream), "HtoD")
 
     def submit(self, program: str) -> int:
         p = self.manifest.program(program)
@@ -333,7 +337,8 @@ class CudaExecutor:
             ck(d.cuMemcpyDtoHAsync(host.ptr, d.CUdeviceptr(self.arena.base + b.offset), b.nbytes, self.stream),
                "DtoH")
         self._pending_completion = p.completion
-        self._ring[pos] = (ticket, p.completion)
+        self._slots[pos] = (ticket, p.completion)
+        self._ring.submitted(ticket)
         ck(d.cuEventRecord(self.events[pos], self.stream), "cuEventRecord")
         return ticket
 
@@ -345,18 +350,17 @@ class CudaExecutor:
             if err[0] != SUCCESS:
                 raise ExecutionError(f"program failed on the device: {err[0].name}", code="device_error")
             self._done = t + 1
-        if self._done == self._tickets:
-            self._cursor = 0  # every staged write has been consumed
+            self._ring.completed(t)  # the writes staged before it have been copied
 
     def sync(self) -> None:
         """Everything submitted and written so far has completed (the whole stream)."""
         ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
         self._done = self._tickets
-        self._cursor = 0
+        self._ring.drain()
 
     def completion(self, ticket: int) -> np.ndarray:
         pos = ticket % MAX_IN_FLIGHT
-        owner, name = self._ring[pos]
+        owner, name = self._slots[pos]
         if owner != ticket or name is None or ticket >= self._done:
             raise ExecutionError(f"no completion record for ticket {ticket}", code="bad_completion")
         b = self._buffers[name]
