@@ -216,8 +216,8 @@ NOTES = """
     last layer (final norm, `lm_head`, sampler, commit) is 230 nodes.
   * **What would close it**, largest first: one GEMM each for q/k/v and for
     gate/up, and decode GEMMs (M <= 4) that stream at the copy bandwidth without
-    split-K; compiling the sampler's elementwise and integer glue (branch
-    `compiled-glue`: on the 135M shape the decode graph drops from 745 to 573
+    split-K; compiling the sampler's elementwise and integer glue (now done in
+    `flare-prepare`: on the 135M shape the decode graph drops from 745 to 573
     nodes and `resume` from 218 to 75, every program compiles and replays
     bitwise; its generation tests and the 8B timeline are still to be run);
     fewer kernels per layer (attention is three: KV write, attend, combine).
