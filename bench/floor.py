@@ -62,25 +62,35 @@ def copy_bandwidth(ex: CudaExecutor, m) -> float:
     return 2 * n * reps / (ms / 1e3)
 
 
+def gpu_ms_per_step(ex: CudaExecutor, program: str, steps: int, *, warmup: int) -> float:
+    """GPU time per launch of ``program`` launched ``steps`` times back to back (events
+    around them), after ``warmup`` launches."""
+    for _ in range(warmup):
+        ex.submit(program)
+    ex.sync()
+    e0, e1 = ck(d.cuEventCreate(0), "event"), ck(d.cuEventCreate(0), "event")
+    try:
+        ck(d.cuEventRecord(e0, ex.stream), "record")
+        for _ in range(steps):
+            ex.submit(program)
+        ck(d.cuEventRecord(e1, ex.stream), "record")
+        ck(d.cuEventSynchronize(e1), "sync")
+        return ck(d.cuEventElapsedTime(e0, e1), "elapsed") / steps
+    finally:
+        d.cuEventDestroy(e0)
+        d.cuEventDestroy(e1)
+
+
 async def main(core: str, out: str, steps: int) -> None:
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
     await ex.start()
     results = {"core": core, "steps": steps, "copy_bandwidth_Bps": copy_bandwidth(ex, m), "decode": {}}
-    e0, e1 = ck(d.cuEventCreate(0), "event"), ck(d.cuEventCreate(0), "event")
     for b in m.capacities.decode_capacities:
         _setup_slots(ex, m, b)
         ex.sync()
         prog = f"decode.{b}"
-        for _ in range(5):
-            ex.submit(prog)
-        ex.sync()
-        ck(d.cuEventRecord(e0, ex.stream), "record")
-        for _ in range(steps):
-            ex.submit(prog)
-        ck(d.cuEventRecord(e1, ex.stream), "record")
-        ck(d.cuEventSynchronize(e1), "sync")
-        gpu_ms = ck(d.cuEventElapsedTime(e0, e1), "elapsed") / steps
+        gpu_ms = gpu_ms_per_step(ex, prog, steps, warmup=5)
         walls = []
         for _ in range(steps):
             t = time.perf_counter()

@@ -30,7 +30,7 @@ import sys
 import numpy as np
 from cuda.bindings import driver as d
 
-from bench.floor import _setup_slots, copy_bandwidth
+from bench.floor import _setup_slots, copy_bandwidth, gpu_ms_per_step
 from bench.kernels import op_of
 from flare.core import graph as G
 from flare.core.manifest import load_manifest
@@ -61,41 +61,17 @@ def _order(spec: G.GraphSpec) -> list[int]:
     return order
 
 
-def _copy_node(ex: CudaExecutor, graph, node):
-    """Memset / memcpy node, parameters built exactly as CudaExecutor._build does."""
-    if isinstance(node, G.MemsetNode):
-        p = d.CUDA_MEMSET_NODE_PARAMS()
-        p.dst = d.CUdeviceptr(node.dst)
-        p.pitch, p.value, p.elementSize = node.pitch, node.value, node.element_size
-        p.width, p.height = node.width, node.height
-        return ck(d.cuGraphAddMemsetNode(graph, None, 0, p, ex.device.context), "memset node")
-    p = d.CUDA_MEMCPY3D()
-    p.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-    p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-    p.srcDevice, p.dstDevice = d.CUdeviceptr(node.src), d.CUdeviceptr(node.dst)
-    p.srcPitch, p.dstPitch = node.src_pitch, node.dst_pitch
-    p.srcHeight, p.dstHeight = node.src_height, node.dst_height
-    p.WidthInBytes, p.Height, p.Depth = node.width, node.height, node.depth
-    return ck(d.cuGraphAddMemcpyNode(graph, None, 0, p, ex.device.context), "memcpy node")
-
-
 def _timed_graph(ex: CudaExecutor, spec: G.GraphSpec, functions: list):
     """The program as one serial chain with an event after every node (empty nodes,
     pure joins, are dropped). Returns (graph, exec, events, spec indices in order)."""
     order = [i for i in _order(spec) if not isinstance(spec.nodes[i], G.EmptyNode)]
-    smem: dict[int, int] = {}
-    for node in spec.nodes:
-        if isinstance(node, G.KernelNode):
-            smem[node.function] = max(smem.get(node.function, 0), node.shared_bytes)
-    for fidx, s in smem.items():
-        ex._apply_function_attributes(fidx, functions[fidx], s)
+    ex._apply_attributes_for(spec, functions)
     graph = ck(d.cuGraphCreate(0), "cuGraphCreate")
     events = [ck(d.cuEventCreate(0), "cuEventCreate") for _ in range(len(order) + 1)]
     chain = [ck(d.cuGraphAddEventRecordNode(graph, None, 0, events[0]), "event node")]
     for k, i in enumerate(order):
         node = spec.nodes[i]
-        chain.append(ex._kernel_node(graph, node, functions) if isinstance(node, G.KernelNode)
-                     else _copy_node(ex, graph, node))
+        chain.append(ex._add_node(graph, node, functions))
         chain.append(ck(d.cuGraphAddEventRecordNode(graph, None, 0, events[k + 1]), "event node"))
     ck(d.cuGraphAddDependencies(graph, chain[:-1], chain[1:], None, len(chain) - 1), "cuGraphAddDependencies")
     gexec = ck(d.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate timed {spec.program}")
@@ -105,26 +81,12 @@ def _timed_graph(ex: CudaExecutor, spec: G.GraphSpec, functions: list):
 
 def _fresh_slots(ex: CudaExecutor, m, batch: int) -> None:
     _setup_slots(ex, m, batch)
-    ck(d.cuStreamSynchronize(ex.stream), "cuStreamSynchronize")
-    ex.sync()  # staging cursor back to 0
+    ex.sync()
 
 
 def _graph_ms(ex: CudaExecutor, m, batch: int, launches: int) -> float:
-    prog = f"decode.{batch}"
     _fresh_slots(ex, m, batch)
-    for _ in range(3):
-        ex.submit(prog)
-    ex.sync()
-    e0, e1 = ck(d.cuEventCreate(0), "event"), ck(d.cuEventCreate(0), "event")
-    ck(d.cuEventRecord(e0, ex.stream), "record")
-    for _ in range(launches):
-        ex.submit(prog)
-    ck(d.cuEventRecord(e1, ex.stream), "record")
-    ck(d.cuEventSynchronize(e1), "sync")
-    ms = ck(d.cuEventElapsedTime(e0, e1), "elapsed") / launches
-    d.cuEventDestroy(e0)
-    d.cuEventDestroy(e1)
-    return ms
+    return gpu_ms_per_step(ex, f"decode.{batch}", launches, warmup=3)
 
 
 def _node_ms(ex: CudaExecutor, m, batch: int, gexec, events: list, launches: int) -> np.ndarray:

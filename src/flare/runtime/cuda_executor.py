@@ -202,33 +202,8 @@ class CudaExecutor:
     def _build(self, spec: G.GraphSpec, functions: list):
         graph = ck(d.cuGraphCreate(0), "cuGraphCreate")
         self._graphs.append(graph)
-        smem_needed: dict[int, int] = {}
-        for node in spec.nodes:
-            if isinstance(node, G.KernelNode):
-                smem_needed[node.function] = max(smem_needed.get(node.function, 0), node.shared_bytes)
-        for fidx, smem in smem_needed.items():
-            self._apply_function_attributes(fidx, functions[fidx], smem)
-        handles = []
-        for node in spec.nodes:
-            if isinstance(node, G.KernelNode):
-                handles.append(self._kernel_node(graph, node, functions))
-            elif isinstance(node, G.MemsetNode):
-                p = d.CUDA_MEMSET_NODE_PARAMS()
-                p.dst = d.CUdeviceptr(node.dst)
-                p.pitch, p.value, p.elementSize = node.pitch, node.value, node.element_size
-                p.width, p.height = node.width, node.height
-                handles.append(ck(d.cuGraphAddMemsetNode(graph, None, 0, p, self.device.context), "memset node"))
-            elif isinstance(node, G.MemcpyNode):
-                p = d.CUDA_MEMCPY3D()
-                p.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-                p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-                p.srcDevice, p.dstDevice = d.CUdeviceptr(node.src), d.CUdeviceptr(node.dst)
-                p.srcPitch, p.dstPitch = node.src_pitch, node.dst_pitch
-                p.srcHeight, p.dstHeight = node.src_height, node.dst_height
-                p.WidthInBytes, p.Height, p.Depth = node.width, node.height, node.depth
-                handles.append(ck(d.cuGraphAddMemcpyNode(graph, None, 0, p, self.device.context), "memcpy node"))
-            else:
-                handles.append(ck(d.cuGraphAddEmptyNode(graph, None, 0), "empty node"))
+        self._apply_attributes_for(spec, functions)
+        handles = [self._add_node(graph, node, functions) for node in spec.nodes]
         if spec.edges:
             frm = [handles[e.src] for e in spec.edges]
             to = [handles[e.dst] for e in spec.edges]
@@ -243,6 +218,37 @@ class CudaExecutor:
         self._counts["instantiations"] += 1
         ck(d.cuGraphUpload(gexec, self.stream), "cuGraphUpload")
         return gexec
+
+    def _apply_attributes_for(self, spec: G.GraphSpec, functions: list) -> None:
+        """Function attributes for every kernel of ``spec``, with the largest dynamic
+        shared memory any of its launches of that function needs."""
+        smem_needed: dict[int, int] = {}
+        for node in spec.nodes:
+            if isinstance(node, G.KernelNode):
+                smem_needed[node.function] = max(smem_needed.get(node.function, 0), node.shared_bytes)
+        for fidx, smem in smem_needed.items():
+            self._apply_function_attributes(fidx, functions[fidx], smem)
+
+    def _add_node(self, graph, node, functions: list):
+        """One exported node added to ``graph`` with no dependencies; returns its handle."""
+        if isinstance(node, G.KernelNode):
+            return self._kernel_node(graph, node, functions)
+        if isinstance(node, G.MemsetNode):
+            p = d.CUDA_MEMSET_NODE_PARAMS()
+            p.dst = d.CUdeviceptr(node.dst)
+            p.pitch, p.value, p.elementSize = node.pitch, node.value, node.element_size
+            p.width, p.height = node.width, node.height
+            return ck(d.cuGraphAddMemsetNode(graph, None, 0, p, self.device.context), "memset node")
+        if isinstance(node, G.MemcpyNode):
+            p = d.CUDA_MEMCPY3D()
+            p.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            p.srcDevice, p.dstDevice = d.CUdeviceptr(node.src), d.CUdeviceptr(node.dst)
+            p.srcPitch, p.dstPitch = node.src_pitch, node.dst_pitch
+            p.srcHeight, p.dstHeight = node.src_height, node.dst_height
+            p.WidthInBytes, p.Height, p.Depth = node.width, node.height, node.depth
+            return ck(d.cuGraphAddMemcpyNode(graph, None, 0, p, self.device.context), "memcpy node")
+        return ck(d.cuGraphAddEmptyNode(graph, None, 0), "empty node")
 
     def _apply_function_attributes(self, fidx: int, f, smem: int) -> None:
         kf = self._kernel_table.functions[fidx]

@@ -34,8 +34,8 @@ class EngineState(str, enum.Enum):
 class Engine:
     def __init__(self, executor: Executor, *, max_waiting: int = 256, prefix_cache: bool = True,
                  steps_in_flight: int = MAX_IN_FLIGHT):
-        if steps_in_flight not in (1, 2) or steps_in_flight > MAX_IN_FLIGHT:
-            raise ValueError(f"steps_in_flight must be 1 or 2, not {steps_in_flight}")
+        if not 1 <= steps_in_flight <= MAX_IN_FLIGHT:
+            raise ValueError(f"steps_in_flight must be 1 or {MAX_IN_FLIGHT}, not {steps_in_flight}")
         self.executor = executor
         self.manifest = executor.manifest
         self.metrics = ServingMetrics()
