@@ -21,13 +21,15 @@ def load(core: str):
     from flare.prepare.recipes import by_name
 
     m = load_manifest(core)
-    config = by_name(m.reference.recipe).config_from_json(m.reference.config)
+    recipe = by_name(m.reference.recipe)
+    config = recipe.config_from_json(m.reference.config)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    raw = load_file(f"{core}/{m.arena.image}", device="cuda")
-    state = {k[2:]: v for k, v in raw.items() if k.startswith("w.")}
-    model.load_state_dict(state, strict=False, assign=True)
+    state = recipe.checkpoint_state(m.reference.config, load_file(f"{core}/{m.arena.image}", device="cuda"))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or any("lm_head" not in k for k in missing):
+        raise RuntimeError(f"the core's weights do not fill the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config, device="cuda")
     return model.eval(), m

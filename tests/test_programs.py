@@ -86,12 +86,9 @@ def hf_models(rig, image_weights):
     for dtype in (torch.float32, torch.float64):
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
-        state = {}
-        for spec in rig.specs:
-            if spec.from_checkpoint:
-                t = image_weights[spec.buffer].to(dtype)  # one tensor per buffer: ties stay tied
-                state.update({name: t for name in spec.names})
-        model.load_state_dict(state, strict=True, assign=True)
+        # One tensor per buffer: ties stay tied; fused buffers split into their parts' rows.
+        image = {k: t.to(dtype) for k, t in image_weights.items()}
+        model.load_state_dict(recipe.checkpoint_state(rig.m.reference.config, image), strict=True, assign=True)
         model.model.rotary_emb = LlamaRotaryEmbedding(config=config)
         models.append(model.to(dtype).eval())
     assert models[0].lm_head.weight.data_ptr() == models[0].model.embed_tokens.weight.data_ptr()

@@ -108,8 +108,7 @@ def hf_models(rig):
         state = {}
         for spec in rig.specs:
             if spec.from_checkpoint:
-                t = weights[spec.buffer].to(dtype)
-                state.update({name: t for name in spec.names})
+                state.update(spec.checkpoint_views(weights[spec.buffer].to(dtype)))
         model.load_state_dict(state, strict=True, assign=True)
         model.model.rotary_emb = Qwen3_5TextRotaryEmbedding(config=config.get_text_config())
         models.append(model.to(dtype).eval())

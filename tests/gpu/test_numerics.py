@@ -35,11 +35,12 @@ def _hf_model(core, dtype):
     from flare.prepare.recipes import by_name
 
     m = load_manifest(core)
-    config = by_name(m.reference.recipe).config_from_json(m.reference.config)
+    recipe = by_name(m.reference.recipe)
+    config = recipe.config_from_json(m.reference.config)
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     raw = load_file(str(core / m.arena.image))
-    state = {k[2:]: v for k, v in raw.items() if k.startswith("w.")}
+    state = recipe.checkpoint_state(m.reference.config, raw)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k or "rotary" in k for k in missing), (missing, unexpected)
     model.tie_weights()

@@ -319,15 +319,23 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
 
 
 def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> None:
-    """Checkpoint tensors into their arena views. A sharded weight is read whole into
-    a host tensor and this rank's slice copied in (the random source then gives every
-    rank exactly its slice of the TP=1 weights)."""
-    whole = {s.buffer: torch.empty(s.shard.full(s.shape), dtype=s.dtype) for s in specs
-             if s.from_checkpoint and s.shard is not None}
-    src.load_weights({s.names[0]: whole.get(s.buffer, views[s.buffer]) for s in specs if s.from_checkpoint})
+    """Checkpoint tensors into their arena views (a fused buffer's parts into its rows).
+    A sharded tensor is read whole into a host tensor and this rank's slice copied in
+    (the random source then gives every rank exactly its slice of the TP=1 weights)."""
+    dest, sliced = {}, []
     for s in specs:
-        if s.buffer in whole:
-            views[s.buffer].copy_(s.shard.of(whole.pop(s.buffer)))
+        if not s.from_checkpoint:
+            continue
+        for name, view, shard in s.destinations(views[s.buffer]):
+            if shard is None:
+                dest[name] = view
+            else:
+                whole = torch.empty(shard.full(tuple(view.shape)), dtype=s.dtype)
+                dest[name] = whole
+                sliced.append((view, shard, whole))
+    src.load_weights(dest)
+    for view, shard, whole in sliced:
+        view.copy_(shard.of(whole))
 
 
 def _compile_layers(recipe, model) -> None:

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from flare.prepare import attention as _attention  # registers flare_paged
 from flare.prepare.attention import PagedBatch
 from flare.prepare.parallel import SINGLE, Shard, ShardingError, TensorParallel
+from flare.prepare.recipes.fused import fuse_projections, parts_of
 
 # Tensor-parallel partition of the decoder family, by owning module (path suffix):
 # the sharded dimension of its weight. Column-parallel layers (dim 0 of a Linear)
@@ -52,6 +53,15 @@ DIVIDED_DIMS = ("num_attention_heads", "num_key_value_heads", "intermediate_size
 
 
 @dataclass(frozen=True)
+class WeightPart:
+    """One checkpoint tensor held in a fused buffer's rows (recipes/fused.py)."""
+
+    name: str  # checkpoint tensor name
+    rows: int  # this rank's rows of it in the buffer
+    shard: Shard | None  # this rank's slice of the checkpoint tensor; None: replicated
+
+
+@dataclass(frozen=True)
 class WeightSpec:
     buffer: str  # arena buffer name
     names: tuple[str, ...]  # module paths bound to this storage (ties share one buffer)
@@ -59,6 +69,24 @@ class WeightSpec:
     dtype: torch.dtype
     from_checkpoint: bool  # False for constants computed at preparation (rotary tables)
     shard: Shard | None = None  # this rank's slice of the checkpoint tensor; None: replicated
+    parts: tuple[WeightPart, ...] = ()  # a fused buffer: the checkpoint tensors in its rows, in order
+
+    def destinations(self, view: torch.Tensor) -> list[tuple[str, torch.Tensor, Shard | None]]:
+        """(checkpoint tensor name, its rows of ``view``, this rank's shard of it) for every
+        checkpoint tensor the buffer holds; a tied buffer is loaded once, by its first name."""
+        if not self.parts:
+            return [(self.names[0], view, self.shard)]
+        out, row = [], 0
+        for p in self.parts:
+            out.append((p.name, view[row : row + p.rows], p.shard))
+            row += p.rows
+        return out
+
+    def checkpoint_views(self, view: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> its tensor in ``view`` (every name of a tie)."""
+        if not self.parts:
+            return {n: view for n in self.names}
+        return {name: t for name, t, _ in self.destinations(view)}
 
 
 @dataclass(frozen=True)
@@ -87,6 +115,8 @@ class DecoderRecipe:
         model.requires_grad_(False)
         for i, layer in enumerate(self.decoder_layers(model)):
             layer.self_attn.kv_layer = i
+        # One GEMM for q/k/v and one for gate/up (recipes/fused.py), on every path.
+        fuse_projections(self.decoder_layers(model))
         model.flare_tp = tp
         if tp.active:
             _attach_collectives(model, tp)
@@ -112,13 +142,31 @@ class DecoderRecipe:
             tensors[id(p)] = p
         specs = []
         for k, names in groups.items():
-            shard = _shard_of(names, tp)
             full = tuple(tensors[k].shape)
+            fused = parts_of(model, names[0])
+            if fused:
+                parts = tuple(_fused_part(name, rows, tp) for name, rows in fused)
+                specs.append(WeightSpec("w." + names[0], tuple(names), (sum(p.rows for p in parts), *full[1:]),
+                                        tensors[k].dtype, True, None, parts))
+                continue
+            shard = _shard_of(names, tp)
             specs.append(WeightSpec("w." + names[0], tuple(names), shard.shape(full) if shard else full,
                                     tensors[k].dtype, True, shard))
         for name, b in model.named_buffers():
             specs.append(WeightSpec("c." + name, (name,), tuple(b.shape), b.dtype, False))
         return specs
+
+    def checkpoint_state(self, config_json: str, image: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A core's image tensors (arena buffer name -> tensor) as a Transformers state dict
+        of the canonical model: fused buffers split back into their checkpoint tensors,
+        tied names sharing one tensor, computed constants left out. For baselines and
+        comparisons that load the core's weights into Transformers' own model."""
+        model = self.build(self.config_from_json(config_json), torch.float32)
+        state = {}
+        for spec in self.weights(model):
+            if spec.from_checkpoint:
+                state.update(spec.checkpoint_views(image[spec.buffer]))
+        return state
 
     def bind(self, model: nn.Module, specs: list[WeightSpec], views: dict[str, torch.Tensor]) -> None:
         """Point every parameter and constant buffer at its arena view."""
@@ -186,6 +234,15 @@ class DecoderRecipe:
         d = json.loads(text)
         model_type = d.pop("model_type")
         return AutoConfig.for_model(model_type, **d)
+
+
+def _fused_part(name: str, rows: int, tp: TensorParallel) -> WeightPart:
+    """A fused buffer concatenates rows, so each part must be sharded by rows (or not at
+    all): rank r's buffer is then [part0_r; part1_r; ...]."""
+    shard = _shard_of((name,), tp)
+    if shard is not None and shard.dim != 0:
+        raise ShardingError(f"{name} is fused by rows but declared sharded along dim {shard.dim}")
+    return WeightPart(name, rows // tp.size if shard else rows, shard)
 
 
 def _shard_of(names: tuple[str, ...] | list[str], tp: TensorParallel) -> Shard | None:

@@ -1,0 +1,141 @@
+"""Fused projections: one GEMM for q/k/v and one for gate/up in each decoder layer.
+
+A decode step reads every weight once; what it costs beyond that is launches
+and GEMMs too small to stream at the copy bandwidth. On the Llama-3.1-8B shape
+cuBLAS ran k_proj and v_proj (8 MB each) at about 1 TB/s, split-K with a reduce
+kernel after each (bench/results/timeline-llama-3.1-8b-shape-2026-11-29.json).
+Concatenating the weights that share an input turns three launches into one
+larger GEMM and two into one, with the same bytes read.
+
+The fused weight is one arena buffer; its rows are the checkpoint tensors in
+order (``parts``), so loading writes each checkpoint tensor into its rows and
+tensor parallelism slices each part by its own heads or intermediate rows
+(a rank's buffer is ``[q_r; k_r; v_r]``). The module's own forward is replaced
+by one that mirrors Transformers' decoder attention / MLP with the projection
+fused; only module classes whose forward is known to have exactly this shape
+are fused (``ATTENTION_CLASSES``, ``MLP_CLASSES``); anything else keeps its own
+modules and forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# Transformers classes whose forward is q/k/v projections (+ optional per-head q/k
+# RMSNorm) -> rotary -> attention -> o_proj, and gate/up -> act * up -> down.
+ATTENTION_CLASSES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"})
+MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint module whose weight rows a fused projection holds."""
+
+    module: str  # attribute name in the owning module, e.g. "k_proj"
+    rows: int  # output features (this rank's, under tensor parallelism)
+
+
+class FusedLinear(nn.Module):
+    """``F.linear`` over row-concatenated weights (and biases) of ``parts``; its output
+    is the parts' outputs side by side, in order."""
+
+    def __init__(self, parts: tuple[Part, ...], in_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.parts = parts
+        rows = sum(p.rows for p in parts)
+        self.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows, dtype=dtype), requires_grad=False) if bias else None
+
+    @property
+    def sizes(self) -> list[int]:
+        """Output features of each part in the bound weight: a tensor-parallel rank holds
+        the same fraction of every part (``parts`` keeps the unsharded counts)."""
+        ranks = sum(p.rows for p in self.parts) // self.weight.shape[0]
+        return [p.rows // ranks for p in self.parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fuse(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+    mods = [getattr(owner, n, None) for n in names]
+    if not all(isinstance(m, nn.Linear) for m in mods):
+        return False
+    if len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
+        return False
+    first = mods[0]
+    fused = FusedLinear(tuple(Part(n, m.out_features) for n, m in zip(names, mods)), first.in_features,
+                        first.bias is not None, first.weight.dtype)
+    for n in names:
+        delattr(owner, n)
+    owner.add_module(fused_name, fused)
+    return True
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """Transformers' decoder attention forward (Llama / Mistral / Qwen2 / Qwen3) with one
+    q/k/v GEMM. Flare never passes a KV cache object: the paged attention function
+    writes and reads the page pool itself."""
+    from flare.prepare.attention import flare_paged_attention
+
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.sizes, dim=-1)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    if getattr(self, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before rotary
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = self.flare_rotary(q, k, cos, sin)
+    out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                                         **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _mlp_forward(self, x):
+    gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def _with_forward(module: nn.Module, forward, **members) -> None:
+    """Give ``module`` a subclass of its class whose forward is ``forward`` (a class-level
+    override: torch.compile and hooks see an ordinary module)."""
+    cls = type(module)
+    module.__class__ = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, **members})
+
+
+def fuse_projections(layers: list[nn.Module]) -> int:
+    """Fuse q/k/v and gate/up in every layer whose modules are of a known class; returns
+    the number of projections fused (0 for an architecture this does not cover)."""
+    n = 0
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is not None and type(attn).__name__ in ATTENTION_CLASSES and _fuse(attn, QKV, "qkv_proj"):
+            rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+            _with_forward(attn, _attention_forward, flare_rotary=staticmethod(rotary))
+            n += 1
+        if mlp is not None and type(mlp).__name__ in MLP_CLASSES and _fuse(mlp, GATE_UP, "gate_up_proj"):
+            _with_forward(mlp, _mlp_forward)
+            n += 1
+    return n
+
+
+def parts_of(model: nn.Module, param_path: str) -> tuple[tuple[str, int], ...] | None:
+    """For a fused parameter path (``...self_attn.qkv_proj.weight``): the checkpoint
+    tensor names it holds and their row counts, in order; None for any other parameter."""
+    owner_path, _, attr = param_path.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    if not isinstance(owner, FusedLinear):
+        return None
+    parent = owner_path.rpartition(".")[0]
+    return tuple((f"{parent}.{p.module}.{attr}", p.rows) for p in owner.parts)

@@ -1,0 +1,167 @@
+"""Fused projections (recipes/fused.py) compute what Transformers' own modules compute.
+
+For each decoder family the recipe fuses (Llama, Mistral, Qwen2 with q/k/v biases,
+Qwen3 with per-head q/k norms), a canonical Transformers layer and the recipe's
+fused twin get the same float64 weights: the attention output, the keys and values
+written to the page pool, and the MLP output must agree to float64 rounding, eager
+and through torch.compile. The built model holds one buffer per fused projection,
+and loading writes every checkpoint tensor into its rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from flare.prepare import attention as A
+from flare.prepare.recipes import by_name
+from flare.prepare.recipes.fused import FusedLinear, fuse_projections
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=256, head_dim=16)
+FAMILIES = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},  # q/k/v carry biases
+    "qwen3": {},  # RMSNorm per head on q and k
+}
+
+
+def _config(model_type: str):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+    cfg._attn_implementation = A.ATTENTION_NAME
+    return cfg
+
+
+def _layer(cfg):
+    """The canonical decoder layer (float64, random weights) and its fused twin."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).double().eval()
+    canon = model.model.layers[0]
+    for p in canon.parameters():
+        p.data.normal_(0, 0.2)
+    canon.self_attn.kv_layer = 0
+    twin = AutoModelForCausalLM.from_config(cfg).double().eval().model.layers[0]
+    twin.self_attn.kv_layer = 0
+    assert fuse_projections([twin]) == 2
+    state = canon.state_dict()
+    for owner, fused, parts in ((twin.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                (twin.mlp, "gate_up_proj", ("gate_proj", "up_proj"))):
+        prefix = "self_attn" if owner is twin.self_attn else "mlp"
+        mod = getattr(owner, fused)
+        mod.weight.data = torch.cat([state[f"{prefix}.{p}.weight"] for p in parts])
+        if mod.bias is not None:
+            mod.bias.data = torch.cat([state[f"{prefix}.{p}.bias"] for p in parts])
+    rest = {k: v for k, v in state.items() if not any(f".{p}." in k for p in
+                                                      ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}
+    missing, unexpected = twin.load_state_dict(rest, strict=False)
+    assert not unexpected and set(missing) <= {f"self_attn.qkv_proj.{a}" for a in ("weight", "bias")} | {
+        f"mlp.gate_up_proj.{a}" for a in ("weight", "bias")}
+    return model, canon, twin
+
+
+def _batch(cfg, T: int) -> A.PagedBatch:
+    ps, pages = 8, 6
+    kv = torch.zeros(1, 2, pages, ps, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float64)
+    table = torch.zeros(3, pages, dtype=torch.int32)
+    table[1, :4] = torch.tensor([3, 1, 5, 2])  # scrambled pages of slot 1
+    pos = torch.arange(T)
+    slot_mapping = table[1].long()[pos // ps] * ps + pos % ps
+    return A.PagedBatch(kv=kv, page_table=table, token_slot=torch.full((T,), 1), positions=pos,
+                        slot_mapping=slot_mapping, valid=torch.ones(T, dtype=torch.bool), impl="reference",
+                        single_slot=True)
+
+
+def _run(model, layer, cfg, x: torch.Tensor):
+    T = x.shape[1]
+    batch = _batch(cfg, T)
+    pos = torch.arange(T)[None]
+    emb = model.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        attn, _ = layer.self_attn(hidden_states=x, position_embeddings=emb, attention_mask=None, position_ids=pos,
+                                  paged=batch)
+        mlp = layer.mlp(x)
+    return attn, batch.kv, mlp
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_fused_layer_matches_transformers(model_type):
+    cfg = _config(model_type)
+    model, canon, twin = _layer(cfg)
+    if model_type == "qwen2":
+        assert twin.self_attn.qkv_proj.bias is not None
+    if model_type == "qwen3":
+        assert hasattr(twin.self_attn, "q_norm")
+    assert not any(hasattr(twin.self_attn, p) for p in ("q_proj", "k_proj", "v_proj"))
+    x = torch.randn(1, 19, cfg.hidden_size, dtype=torch.float64)
+    want = _run(model, canon, cfg, x)
+    got = _run(model, twin, cfg, x)
+    for name, a, b in zip(("attention", "kv pool", "mlp"), want, got):
+        assert a.abs().max() > 0, name  # nothing trivially zero
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_fused_layer_compiles():
+    """The class-level forward override traces through torch.compile (the paged attention
+    call is a graph break, as in the unfused layer) and computes the same values."""
+    cfg = _config("qwen3")
+    model, _, twin = _layer(cfg)
+    x = torch.randn(1, 7, cfg.hidden_size, dtype=torch.float64)
+    eager = _run(model, twin, cfg, x)
+    twin.self_attn.compile(backend="aot_eager", dynamic=False)
+    twin.mlp.compile(backend="aot_eager", dynamic=False)
+    compiled = _run(model, twin, cfg, x)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_recipe_buffers_hold_the_checkpoint_rows():
+    """One arena buffer per fused projection; loading by checkpoint name fills its rows in
+    part order, and a TP rank holds its slice of every part."""
+    from flare.prepare.parallel import Shard, TensorParallel
+
+    recipe = by_name("decoder")
+    cfg = _config("llama")
+    cfg.num_hidden_layers = 2
+    for tp in (TensorParallel(0, 1), TensorParallel(1, 2)):
+        model = recipe.build(cfg, torch.float32, tp=tp)
+        specs = {s.buffer: s for s in recipe.weights(model)}
+        assert not any("q_proj" in b or "gate_proj" in b for b in specs)
+        qkv = specs["w.model.layers.1.self_attn.qkv_proj.weight"]
+        assert [(p.name, p.rows) for p in qkv.parts] == [
+            ("model.layers.1.self_attn.q_proj.weight", 64 // tp.size),
+            ("model.layers.1.self_attn.k_proj.weight", 32 // tp.size),
+            ("model.layers.1.self_attn.v_proj.weight", 32 // tp.size)]
+        assert qkv.shape == (128 // tp.size, 64)
+        assert {p.shard for p in qkv.parts} == ({None} if tp.size == 1 else {Shard(0, 1, 2)})
+        buf = torch.arange(qkv.shape[0] * 64, dtype=torch.float32).view(qkv.shape)
+        views = qkv.checkpoint_views(buf)
+        assert list(views) == [p.name for p in qkv.parts]
+        assert torch.equal(torch.cat(list(views.values())), buf)
+        assert all(v.data_ptr() == buf[r:].data_ptr() for v, r in zip(views.values(), (0, 64 // tp.size,
+                                                                                         96 // tp.size)))
+        gate_up = specs["w.model.layers.0.mlp.gate_up_proj.weight"]
+        assert [p.rows for p in gate_up.parts] == [96 // tp.size] * 2
+        # Bound, the fused module splits its output into the rank's part sizes.
+        recipe.bind(model, list(specs.values()), {b: torch.zeros(s.shape) for b, s in specs.items()})
+        fused = model.model.layers[0].self_attn.qkv_proj
+        assert isinstance(fused, FusedLinear) and fused.sizes == [64 // tp.size, 32 // tp.size, 32 // tp.size]
+
+
+def test_unknown_modules_are_left_alone():
+    """A module class the fusion does not know keeps its own projections and forward."""
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    layer = nn.Module()
+    layer.self_attn = Attention()
+    assert fuse_projections([layer]) == 0
+    assert type(layer.self_attn) is Attention and hasattr(layer.self_attn, "q_proj")
