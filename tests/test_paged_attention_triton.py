@@ -141,16 +141,57 @@ def test_flare_paged_attention_triton_matches_reference():
 
 
 def test_launch_plan_depends_on_shapes_only():
-    # Decode: one token per program, the GQA group padded to tl.dot's 16 rows.
+    # Decode: one token per program, the GQA group padded to tl.dot's 16 rows. The most
+    # splits are what one active token would need to fill 132 SMs twice (ceil(264 / 3)),
+    # within the 16 key blocks of a slot.
     lc = plan_launch(T=8, H=9, KVH=3, D=64, max_pages=64, page_size=16, tile_tokens=False, sm_count=132)
-    assert (lc.block_t, lc.heads, lc.rows, lc.block_n) == (1, 16, 16, 64)
-    assert lc.splits == 11  # 24 programs -> ceil(264 / 24) splits to fill 132 SMs twice
-    # Prefill: 16 tokens x 4 (padded group of 3) rows per program; enough programs, no split.
-    lc = plan_launch(T=4096, H=9, KVH=3, D=64, max_pages=64, page_size=16, tile_tokens=True, sm_count=132)
-    assert (lc.block_t, lc.heads, lc.rows, lc.splits) == (16, 4, 64, 1)
-    # Splits never exceed the key blocks a slot can have.
+    assert (lc.block_t, lc.heads, lc.rows, lc.block_n, lc.target) == (1, 16, 16, 64, 264)
+    assert lc.splits == 16
+    # Prefill: 16 tokens x 4 (padded group of 3) rows per program; the partials of 4096
+    # rows x 9 heads x 64 floats may take 64 MiB: 7 splits at most.
+    lc = plan_launch(T=4096, H=9, KVH=3, D=64, max_pages=1024, page_size=16, tile_tokens=True, sm_count=132)
+    assert (lc.block_t, lc.heads, lc.rows, lc.splits) == (16, 4, 64, 7)
+    # Llama-3.1-8B decode: 32 splits at most; never more than the key blocks a slot can have.
+    assert plan_launch(T=4, H=32, KVH=8, D=128, max_pages=4096, page_size=16, tile_tokens=False,
+                       sm_count=132).splits == 32
     lc = plan_launch(T=1, H=8, KVH=8, D=128, max_pages=2, page_size=16, tile_tokens=False, sm_count=132)
     assert lc.splits == 1
+
+
+LONG = Shape(H=8, KVH=2, D=64, page_size=16, max_pages=24)  # 384 keys: 6 key blocks of 64
+
+
+@pytest.mark.parametrize("target", [1, 5, 10**6], ids=["one-split", "some", "all-splits"])
+@pytest.mark.parametrize("n", [1, 3, 17, 32])
+def test_splits_chosen_on_the_device_are_exact(n, target):
+    """A short chunk after a long cached history (a prefix hit's tail) and a full one,
+    with the device choosing 1, some, or all of 6 splits: every variant is the
+    reference (one split writes the output directly; otherwise partials of the valid
+    rows are combined and padded rows are zeros)."""
+    step = prefill_step(LONG, start=300, n=min(n, LONG.max_keys - 300), chunk=32, dtype=torch.float32,
+                        seed=20 + n, device=DEVICE)
+    ref, kv_ref = run_reference(step, scale(LONG))
+    kv = step.kv.clone()
+    b = step.batch(kv, "triton")
+    write_kv_triton(b, step.layer, step.k, step.v)
+    out = attend_triton(b, step.layer, step.q, scale(LONG), num_splits=6, target=target)
+    assert torch.equal(kv[:, :, 1:], kv_ref[:, :, 1:])  # the reference also writes padded rows to the null page
+    assert torch.equal(out[~step.valid], torch.zeros_like(out[~step.valid]))
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_decode_splits_follow_the_live_rows():
+    """A decode batch whose rows are mostly padding gets more splits per live row; any
+    mix is exact, and padded rows are zeros."""
+    for lengths, target in (([None, None, 300, None], 10**6), ([300, 1, 17, 384], 5), ([None, 2, None, 384], 1)):
+        step = decode_step(LONG, lengths, torch.float32, 31, DEVICE)
+        ref, _ = run_reference(step, scale(LONG))
+        kv = step.kv.clone()
+        b = step.batch(kv, "triton")
+        write_kv_triton(b, step.layer, step.k, step.v)
+        out = attend_triton(b, step.layer, step.q, scale(LONG), num_splits=6, target=target)
+        assert torch.equal(out[~step.valid], torch.zeros_like(out[~step.valid]))
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
 def test_rejects_bad_shapes():

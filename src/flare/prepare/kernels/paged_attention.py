@@ -23,9 +23,19 @@ softmax in base 2); ``tl.dot`` runs on tensor cores in the cache dtype.
 A tile of several tokens shares key tiles only if its valid tokens share one
 slot (prefill). The kernel checks that on the device; a tile with mixed slots
 falls back to one pass per token, so any batch is correct and the tiling hint
-(:attr:`PagedBatch.single_slot`) only chooses speed. With ``SPLITS > 1``
-(few programs, long contexts) each program writes unnormalised partials and a
-second kernel combines them.
+(:attr:`PagedBatch.single_slot`) only chooses speed.
+
+Splits: ``SPLITS`` (static, the grid's third dimension) is the most programs
+that may share one tile's key range. How many do (``eff``) is decided on the
+device from the tiles that hold a valid token, so that about ``TARGET``
+programs work: a prefill of 11 tokens after a 4,096-token cached prefix (one
+tile) spreads its keys over up to ``SPLITS`` programs, where a static split
+sized for the capacity's 8 tiles gave each of its few programs 13 key blocks
+in series (the prefix-hit TTFT of bench/results 2026-11-29). With ``eff > 1``
+each working program writes unnormalised partials for its valid rows and a
+second kernel combines them; with ``eff == 1`` the program writes the output
+itself and the combine does nothing. Every program computes the same ``eff``,
+and program (0, 0, 0) stores it for the combine.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from flare.prepare.attention import PagedBatch
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 32
+_PARTIAL_BYTES = 64 << 20  # largest split partials buffer of one launch (float32 acc)
 _TILE_ROWS = 64  # query rows per program when tokens are tiled (prefill)
 _DOT_MIN = 16  # tl.dot needs at least 16 rows
 
@@ -48,7 +59,7 @@ _DOT_MIN = 16  # tl.dot needs at least 16 rows
 @triton.jit
 def _attend_kernel(
     q_ptr, out_ptr, k_cache, v_cache, page_table, token_slot, positions, valid,
-    part_acc, part_m, part_l,
+    part_acc, part_m, part_l, part_eff,
     T, H, num_pages, max_pages, scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -57,11 +68,19 @@ def _attend_kernel(
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    TILES_PAD: tl.constexpr, TARGET: tl.constexpr,
 ):
     tb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ROWS: tl.constexpr = BLOCK_T * HEADS
+
+    if SPLITS > 1:
+        eff = _effective_splits(valid, T, stride_val, tl.num_programs(1), BLOCK_T, TILES_PAD, SPLITS, TARGET)
+        if (tb == 0) & (kvh == 0) & (split == 0):
+            tl.store(part_eff, eff)
+    else:
+        eff = 1
 
     r = tl.arange(0, ROWS)
     tok = r // HEADS  # token within the tile
@@ -84,6 +103,7 @@ def _attend_kernel(
     any_valid = tl.max(row_valid.to(tl.int32), 0) > 0
     uniform = slot_lo == slot_hi
     n_pass = tl.where(any_valid, tl.where(uniform, 1, BLOCK_T), 0)
+    n_pass = tl.where(split < eff, n_pass, 0)  # a split beyond this launch's count idles
 
     q = tl.load(
         q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
@@ -106,7 +126,7 @@ def _attend_kernel(
         act = row_valid & (tok >= tl.where(uniform, 0, p_i)) & (tok <= tl.where(uniform, BLOCK_T, p_i))
         n_keys = tl.minimum(tl.max(tl.where(act, pos, -1), 0) + 1, key_limit)
         n_blocks = (n_keys + BLOCK_N - 1) // BLOCK_N
-        per_split = (n_blocks + SPLITS - 1) // SPLITS
+        per_split = (n_blocks + eff - 1) // eff
         b_lo = split * per_split
         b_hi = tl.minimum(b_lo + per_split, n_blocks)
         pt_row = page_table + kslot.to(tl.int64) * stride_pts
@@ -137,39 +157,59 @@ def _attend_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
 
-    if SPLITS == 1:
-        o = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only for rows that saw no key: acc == 0
-        tl.store(
-            out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od,
-            o.to(out_ptr.dtype.element_ty),
-            mask=row_in[:, None] & d_in[None, :],
-        )
+    if eff == 1:
+        if split == 0:
+            o = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only for rows that saw no key: acc == 0
+            tl.store(
+                out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od,
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_in[:, None] & d_in[None, :],
+            )
     else:
+        # Partials of valid rows only, of the working splits only: the combine reads
+        # exactly these (an invalid row's output is zeros without any partial).
+        keep = row_valid & ((tl.zeros([ROWS], tl.int32) + split) < eff)  # (a tensor: see the `|` note)
         prow = (t * H + h) * SPLITS + split
-        tl.store(part_m + prow, m, mask=row_in)
-        tl.store(part_l + prow, l, mask=row_in)
-        tl.store(part_acc + prow[:, None] * D_PAD + d[None, :], acc, mask=row_in[:, None])
+        tl.store(part_m + prow, m, mask=keep)
+        tl.store(part_l + prow, l, mask=keep)
+        tl.store(part_acc + prow[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _effective_splits(valid, T, stride_val, KVH, BLOCK_T: tl.constexpr, TILES_PAD: tl.constexpr,
+                      SPLITS: tl.constexpr, TARGET: tl.constexpr):
+    """Programs per tile for this launch: enough that the tiles holding a valid token,
+    times the kv heads, times the splits come to about TARGET, at most SPLITS. A
+    function of ``valid`` alone, so every program of both kernels agrees."""
+    tt = tl.arange(0, TILES_PAD)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+    vv = (tl.load(valid + tt * stride_val, mask=tt < T, other=0) != 0).to(tl.int32)
+    active = tl.maximum(tl.sum(tl.max(vv, 1), 0), 1)
+    return tl.minimum(tl.maximum((TARGET + active * KVH - 1) // (active * KVH), 1), SPLITS)
 
 
 @triton.jit
 def _combine_kernel(
-    part_acc, part_m, part_l, out_ptr,
-    H, stride_ot, stride_oh, stride_od,
+    part_acc, part_m, part_l, part_eff, out_ptr, valid,
+    H, stride_ot, stride_oh, stride_od, stride_val,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)  # t * H + h
     t = row // H
     h = row % H
-    sp = tl.arange(0, SPLITS_PAD)
-    sp_in = sp < SPLITS
-    m = tl.load(part_m + row * SPLITS + sp, mask=sp_in, other=-1.0e30)
-    l = tl.load(part_l + row * SPLITS + sp, mask=sp_in, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
-    l_sum = tl.sum(w * l, 0)
-    d = tl.arange(0, D_PAD)
-    acc = tl.load(part_acc + (row * SPLITS + sp[:, None]) * D_PAD + d[None, :], mask=sp_in[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d < D)
+    eff = tl.load(part_eff)
+    if eff > 1:  # eff == 1: the attend kernel wrote the output itself
+        ok = tl.load(valid + t * stride_val) != 0
+        sp = tl.arange(0, SPLITS_PAD)
+        sp_in = sp < tl.where(ok, eff, 0)  # an invalid row reads no partial
+        m = tl.load(part_m + row * SPLITS + sp, mask=sp_in, other=-1.0e30)
+        l = tl.load(part_l + row * SPLITS + sp, mask=sp_in, other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))
+        l_sum = tl.sum(w * l, 0)
+        d = tl.arange(0, D_PAD)
+        acc = tl.load(part_acc + (row * SPLITS + sp[:, None]) * D_PAD + d[None, :], mask=sp_in[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)  # an invalid row: zeros
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
+                 mask=d < D)
 
 
 @dataclass(frozen=True)
@@ -179,7 +219,8 @@ class Launch:
     block_t: int  # query tokens per program
     heads: int  # padded query heads per token (>= group, power of two)
     block_n: int  # keys per inner step
-    splits: int  # programs sharing one row tile's key range
+    splits: int  # most programs sharing one row tile's key range (the device picks how many do)
+    target: int = 264  # programs the device aims for when it picks the splits (2 x multiprocessors)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -201,10 +242,14 @@ def plan_launch(
     heads = max(heads, -(-_DOT_MIN // block_t))  # pad a short tile up to tl.dot's minimum
     block_n = 64 if D <= 128 else 32
     if num_splits is None:
-        programs = -(-T // block_t) * KVH
+        # As many as one active tile would need to fill the chip twice, within the key
+        # blocks a slot can have and the partials' memory (the device picks how many work).
         key_blocks = -(-(max_pages * page_size) // block_n)
-        num_splits = 1 if programs >= sm_count else min(-(-2 * sm_count // programs), key_blocks, _MAX_SPLITS)
-    return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits))
+        d_pad = max(16, triton.next_power_of_2(D))
+        budget = max(1, _PARTIAL_BYTES // (T * H * d_pad * 4))
+        num_splits = min(-(-2 * sm_count // KVH), key_blocks, _MAX_SPLITS, budget)
+    return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits),
+                  target=2 * sm_count)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -234,12 +279,14 @@ def _check(batch: PagedBatch, layer: int, q: torch.Tensor) -> None:
 
 
 def attend_triton(
-    batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None
+    batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None,
+    target: int | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``.
 
-    ``num_splits`` overrides the key-range split count (tests); by default it
-    follows from static shapes and the device's multiprocessor count.
+    ``num_splits`` overrides the most key-range splits and ``target`` the programs the
+    device aims for (tests); by default both follow from static shapes and the
+    device's multiprocessor count.
     """
     _check(batch, layer, q)
     kv = batch.kv
@@ -259,25 +306,28 @@ def attend_triton(
         part_acc = torch.empty((T, H, lc.splits, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((T, H, lc.splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty((T, H, lc.splits), dtype=torch.float32, device=q.device)
+        part_eff = torch.empty((1,), dtype=torch.int32, device=q.device)
     else:
-        part_acc = part_m = part_l = out  # never touched when SPLITS == 1
+        part_acc = part_m = part_l = part_eff = out  # never touched when SPLITS == 1
     valid = batch.valid.view(torch.uint8)
     pt = batch.page_table
-    grid = (triton.cdiv(T, lc.block_t), KVH, lc.splits)
+    tiles = triton.cdiv(T, lc.block_t)
+    grid = (tiles, KVH, lc.splits)
     _attend_kernel[grid](
         q, out, k_cache, v_cache, pt, batch.token_slot, batch.positions, valid,
-        part_acc, part_m, part_l,
+        part_acc, part_m, part_l, part_eff,
         T, H, P, max_pages, scaling * LOG2E,
         *q.stride(), *out.stride(), *k_cache.stride(),
         pt.stride(0), pt.stride(1), batch.token_slot.stride(0), batch.positions.stride(0), valid.stride(0),
         GROUP=H // KVH, HEADS=lc.heads, BLOCK_T=lc.block_t, PAGE=ps, D=D, D_PAD=d_pad,
         BLOCK_N=lc.block_n, SPLITS=lc.splits,
         PRECISION="ieee" if kv.dtype == torch.float32 else "tf32",
+        TILES_PAD=triton.next_power_of_2(tiles), TARGET=lc.target if target is None else target,
         num_warps=lc.num_warps, num_stages=lc.num_stages,
     )
     if lc.splits > 1:
         _combine_kernel[(T * H,)](
-            part_acc, part_m, part_l, out, H, *out.stride(),
+            part_acc, part_m, part_l, part_eff, out, valid, H, *out.stride(), valid.stride(0),
             SPLITS=lc.splits, SPLITS_PAD=triton.next_power_of_2(lc.splits), D=D, D_PAD=d_pad,
             num_warps=4,
         )
