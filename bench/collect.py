@@ -117,8 +117,12 @@ def startup(out_dir: Path, model: str) -> dict:
     out: dict = {}
     log = out_dir / f"serve-{model}.log"
     if log.is_file():
-        found = re.search(r"ready in ([0-9.]+) s", log.read_text())
-        out["ready_s"] = float(found.group(1)) if found else None
+        # "ready in A s (B s after process start)": B counts the interpreter's start and
+        # every import too; older logs carry only A (measured from the start of serve()).
+        found = re.search(r"ready in ([0-9.]+) s(?: \(([0-9.]+) s after process start\))?", log.read_text())
+        out["ready_s"] = (float(found.group(2) or found.group(1))) if found else None
+        if found and found.group(2):
+            out["ready_since_serve_s"] = float(found.group(1))
     metrics = out_dir / f"startup-{model}.txt"
     if metrics.is_file():
         for name, value in re.findall(r"^flare_executor_startup_(\w+)_ms ([0-9.]+)$", metrics.read_text(), re.MULTILINE):

@@ -8,6 +8,11 @@ stays on the device between steps. Reports GPU time per step (events), wall
 time per step with one step in flight (launch, wait) and with two (launch N+1,
 wait for N) -- the floor the full server is measured against -- plus the
 device copy bandwidth for the roofline.
+
+``programs``: the GPU time of the programs a first token waits for, one launch
+at a time on the same state (``program_times``): what a cold short prompt runs
+(admit, prefill of 16 tokens) against what a prefix hit runs (admit, restore,
+prefill of an 11-token tail after 4,096 cached tokens), and resume/snapshot.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 import numpy as np
 from cuda.bindings import driver as d
 
-from flare.core.manifest import load_manifest
+from flare.core.manifest import ProgramKind, load_manifest
 from flare.runtime.cuda_driver import ck
 from flare.runtime.cuda_executor import CudaExecutor
 
@@ -81,6 +86,67 @@ def gpu_ms_per_step(ex: CudaExecutor, program: str, steps: int, *, warmup: int) 
         d.cuEventDestroy(e1)
 
 
+def _timed_launch(ex: CudaExecutor, program: str, writes: list, reps: int = 20, warmup: int = 3) -> float:
+    """Median GPU milliseconds of one launch of ``program`` (its completion copy
+    included), each launch after ``writes`` (buffer, value, row) are staged."""
+    e0, e1 = ck(d.cuEventCreate(0), "event"), ck(d.cuEventCreate(0), "event")
+    samples = []
+    try:
+        for i in range(warmup + reps):
+            for buffer, value, row in writes:
+                ex.write(buffer, np.asarray(value), row)
+            ck(d.cuEventRecord(e0, ex.stream), "record")
+            ex.submit(program)
+            ck(d.cuEventRecord(e1, ex.stream), "record")
+            ex.sync()
+            if i >= warmup:
+                samples.append(ck(d.cuEventElapsedTime(e0, e1), "elapsed"))
+    finally:
+        d.cuEventDestroy(e0)
+        d.cuEventDestroy(e1)
+    return float(np.median(samples))
+
+
+def program_times(ex: CudaExecutor, m, history: int = 4096, tail: int = 11, short: int = 16) -> dict:
+    """GPU ms of the programs before a first token: a cold ``short``-token prompt runs
+    admit + prefill; a prefix hit of ``history`` cached tokens runs admit + restore +
+    prefill of its ``tail``. Slot 1 holds the request (``_setup_slots``)."""
+    c = m.capacities
+    _setup_slots(ex, m, 1)
+    ex.sync()
+    ps = m.pages.page_size
+    # Slot 1's page table is 1, 2, ... (``_setup_slots``): the history and a whole chunk after it must fit.
+    pages = min((m.pages.num_pages - 1) // c.slots, c.max_pages_per_slot)
+    history = min(history, (pages * ps - max(c.prefill_capacities)) // ps * ps, c.context_limit - c.prefill_chunk)
+    page = 1 + history // ps  # the page holding position `history` (a restored tail page)
+    rng = np.random.default_rng(0)
+    admit = m.programs_of(ProgramKind.admit)[0]
+
+    def prefill(start: int, n: int) -> tuple[str, list]:
+        cap = next(p.capacity for p in m.programs_of(ProgramKind.prefill) if p.capacity >= n)
+        tokens = np.zeros(max(p.capacity for p in m.programs_of(ProgramKind.prefill)), np.int32)
+        tokens[:n] = rng.integers(1000, min(30000, c.sampling_vocab), n)
+        return f"prefill.{cap}", [("state.len", np.int32(start), 1), ("in.tokens", tokens, None),
+                                  ("in.prefill", np.array([1, n, 1, 0], np.int32), None)]
+
+    out = {"history_tokens": history, "tail_tokens": tail, "short_tokens": short}
+    tokens = np.zeros(admit.capacity, np.int32)
+    out["admit"] = {"program": admit.name, "gpu_ms": _timed_launch(
+        ex, admit.name, [("in.tokens", tokens, None), ("in.admit", np.array([1, short, 1, 0], np.int32), None)])}
+    for key, (start, n) in {"prefill_cold_short": (0, short), "prefill_hit_tail": (history, tail),
+                            "prefill_cold_tail": (0, tail)}.items():
+        name, writes = prefill(start, n)
+        out[key] = {"program": name, "gpu_ms": _timed_launch(ex, name, writes)}
+    if c.snapshot_rows:
+        state = [("in.state", np.array([1, 1, page, history], np.int32), None)]
+        out["restore"] = {"program": "restore.1", "gpu_ms": _timed_launch(ex, "restore.1", state)}
+        out["snapshot"] = {"program": "snapshot.1", "gpu_ms": _timed_launch(
+            ex, "snapshot.1", [("state.len", np.int32(history), 1), *state])}
+    out["resume"] = {"program": "resume.1", "gpu_ms": _timed_launch(
+        ex, "resume.1", [("in.prefill", np.array([1, 0, 1, 0], np.int32), None)])}
+    return out
+
+
 async def main(core: str, out: str, steps: int) -> None:
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
@@ -114,6 +180,8 @@ async def main(core: str, out: str, steps: int) -> None:
         results["decode"][b] = {"gpu_ms_per_step": gpu_ms, "wall_ms_per_step_one_in_flight": wall_ms,
                                 "wall_ms_per_step_two_in_flight": wall2_ms,
                                 "tokens_per_s_gpu": b / gpu_ms * 1e3, "tokens_per_s_wall": b / wall_ms * 1e3}
+    results["programs"] = program_times(ex, m)
+    print(json.dumps(results["programs"]))
     results["executor_stats"] = ex.stats()
     await ex.close()
     assert "torch" not in sys.modules

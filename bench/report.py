@@ -178,12 +178,32 @@ def main() -> None:
                            f"({st.get('ready_minus_upload_s', float('nan')):.2f} s plus the weight upload; executor: "
                            f"{parts}). `flare-prepare`: {_num(st.get('prepare_s'), '.0f')} s.")]
         lines += scenario_sections(res.get("scenarios", {}))
+        lines += program_lines(res.get("raw", {}).get("floor", {}).get("programs"))
         svg = ROOT / "docs" / f"performance-{res['model']}.svg"
         svg.write_text(_svg(recs))
         lines += ["", f"![decode throughput]({svg.name})", ""]
     for path in sorted((ROOT / "bench" / "results").glob("timeline-*.json")):
         lines += timeline_section(json.loads(path.read_text()), path.name) + [""]
     (ROOT / "docs" / "performance.md").write_text("\n".join(lines) + NOTES)
+
+
+def program_lines(p: dict | None) -> list[str]:
+    """The replay floor's GPU times of the programs before a first token (bench/floor.py)."""
+    if not p:
+        return []
+    rows = [("admit", "admit"), ("prefill_cold_short", f"prefill of a cold {p['short_tokens']}-token prompt"),
+            ("prefill_cold_tail", f"prefill of {p['tail_tokens']} tokens, no history"),
+            ("prefill_hit_tail", f"prefill of {p['tail_tokens']} tokens after {p['history_tokens']} cached"),
+            ("restore", "restore (a checkpoint into the slot)"), ("snapshot", "snapshot"), ("resume", "resume")]
+    out = ["", "GPU time of the programs before a first token (replay floor, one launch at a time):", "",
+           "| step | program | GPU ms |", "|---|---|---|"]
+    out += [f"| {label} | `{p[k]['program']}` | {p[k]['gpu_ms']:.3f} |" for k, label in rows if k in p]
+    if all(k in p for k in ("admit", "restore", "prefill_hit_tail", "prefill_cold_short")):
+        hit = p["admit"]["gpu_ms"] + p["restore"]["gpu_ms"] + p["prefill_hit_tail"]["gpu_ms"]
+        cold = p["admit"]["gpu_ms"] + p["prefill_cold_short"]["gpu_ms"]
+        out += ["", f"Device time before the first token: prefix hit {hit:.2f} ms (admit + restore + prefill), "
+                    f"cold short prompt {cold:.2f} ms (admit + prefill)."]
+    return out
 
 
 NOTES = """

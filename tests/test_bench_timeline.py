@@ -92,6 +92,12 @@ def test_startup_figures_from_a_runs_files(tmp_path):
     assert st == {"ready_s": 5.07, "arena_upload_ms": 3008.0, "graph_build_ms": 400.0, "prepare_s": 120.0,
                   "ready_minus_upload_s": pytest.approx(2.062)}
     assert startup(tmp_path / "missing", "m") == {}
+    # Since process start where the log says it (the interpreter's start and imports included).
+    (tmp_path / "serve-m.log").write_text("x INFO flare.serve: ready in 1.50 s (1.93 s after process start): "
+                                          "serving m on http://h\n")
+    st = startup(tmp_path, "m")
+    assert (st["ready_s"], st["ready_since_serve_s"]) == (1.93, 1.50)
+    assert st["ready_minus_upload_s"] == pytest.approx(1.93 - 3.008)
 
 
 def test_host_gaps_from_a_servers_metrics(tmp_path):
@@ -103,3 +109,16 @@ def test_host_gaps_from_a_servers_metrics(tmp_path):
     assert host_gaps(tmp_path / "m.txt") == {"gaps": 20, "seconds_total": 0.02, "mean_ms": pytest.approx(1.0),
                                              "steps": 400, "steps_ahead": 380}
     assert host_gaps(tmp_path / "missing.txt") is None
+
+
+def test_program_times_table():
+    from bench.report import program_lines
+
+    p = {"history_tokens": 4096, "tail_tokens": 11, "short_tokens": 16,
+         "admit": {"program": "admit.2048", "gpu_ms": 0.05}, "restore": {"program": "restore.1", "gpu_ms": 0.02},
+         "prefill_cold_short": {"program": "prefill.128", "gpu_ms": 6.0},
+         "prefill_hit_tail": {"program": "prefill.128", "gpu_ms": 6.5}}
+    text = "\n".join(program_lines(p))
+    assert "| prefill of 11 tokens after 4096 cached | `prefill.128` | 6.500 |" in text
+    assert "prefix hit 6.57 ms (admit + restore + prefill), cold short prompt 6.05 ms" in text
+    assert "resume" not in text and program_lines(None) == []

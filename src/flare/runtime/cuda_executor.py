@@ -4,9 +4,12 @@ Startup (everything that allocates, loads or instantiates happens here):
 reserve and map the arena at the core's fixed address, upload the arena
 image, zero the runtime-owned regions, load every kernel image and re-apply
 function attributes, rebuild every program's graph node by node and
-instantiate it once. After ``start`` returns the executor only copies staged
-inputs, launches graph executables, records events and copies completion
-records back, all on one stream. Counters prove it: device memory and the
+instantiate it once. Kernels and graphs do not depend on the arena's contents,
+so they load and build on a second thread while the image uploads; the upload
+reads the image with several threads, each through its own pinned buffers and
+stream (reads and copies release the GIL). After ``start`` returns the
+executor only copies staged inputs, launches graph executables, records events
+and copies completion records back, all on one stream. Counters prove it: device memory and the
 allocation / module-load / instantiation counts are reported by ``stats``.
 """
 
@@ -15,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +36,8 @@ from flare.runtime.staging import StagingRing
 
 ATTR_RAW_SIZE = 64
 STAGING_BYTES = 16 << 20
-UPLOAD_CHUNK = 64 << 20
+UPLOAD_CHUNK = 8 << 20  # one read + one host-to-device copy of the image
+UPLOAD_WORKERS = 4  # reader threads of the image, each with two pinned chunks and a stream
 _SETTABLE_FUNC_ATTRS = {
     "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES",
     "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT",
@@ -133,18 +139,42 @@ class CudaExecutor:
         self._counts["allocations"] += 3 + MAX_IN_FLIGHT * len(self._completion_copies)
         self._ring = StagingRing(STAGING_BYTES)
         mark("reserve_map")
-        self._upload_image()
-        mark("arena_upload")
-        self.functions = self._load_kernels()
-        mark("module_load")
-        for p in m.programs:
-            spec = G.load_graph(self.core_dir / p.graph)
-            self._execs[p.name] = self._build(spec, self.functions)
+        failure: list[BaseException] = []
+        builder = threading.Thread(target=self._load_and_build, args=(failure,), name="flare-cuda-build")
+        builder.start()
+        try:
+            t_upload = time.perf_counter()
+            self._upload_image()
+            self.timings_ms["arena_upload"] = round((time.perf_counter() - t_upload) * 1000, 2)
+        finally:
+            builder.join()
+        if failure:
+            raise failure[0]
         ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-        mark("graph_build")
+        mark("upload_and_build")  # wall time of the two overlapped parts
         self._free_at_ready = free_memory()[0]
         self._counts_at_ready = dict(self._counts)
         self.ready = True
+
+    def _load_and_build(self, failure: list[BaseException]) -> None:
+        """Load every kernel image and build every graph (the builder thread)."""
+        try:
+            ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
+            t = time.perf_counter()
+            self.functions = self._load_kernels()
+            self.timings_ms["module_load"] = round((time.perf_counter() - t) * 1000, 2)
+            t = time.perf_counter()
+            stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
+            try:
+                for p in self.manifest.programs:
+                    spec = G.load_graph(self.core_dir / p.graph)
+                    self._execs[p.name] = self._build(spec, self.functions, stream)
+                ck(d.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            finally:
+                d.cuStreamDestroy(stream)
+            self.timings_ms["graph_build"] = round((time.perf_counter() - t) * 1000, 2)
+        except BaseException as e:  # re-raised on the starting thread
+            failure.append(e)
 
     def _upload_image(self) -> None:
         m = self.manifest
@@ -153,24 +183,50 @@ class CudaExecutor:
             if b.role not in (BufferRole.weight, BufferRole.scratch):
                 ck(d.cuMemsetD8Async(d.CUdeviceptr(self.arena.base + b.offset), 0, b.nbytes, self.stream), "memset")
         image = self.core_dir / m.arena.image
-        half = STAGING_BYTES // 2
-        with image.open("rb") as f:
-            for b, off, n in iter_image(image, m):
-                f.seek(off)
+        chunks = [(off + start, self.arena.base + b.offset + start, min(UPLOAD_CHUNK, n - start))
+                  for b, off, n in iter_image(image, m) for start in range(0, n, UPLOAD_CHUNK)]
+        self._counts["allocations"] += 2 * UPLOAD_WORKERS  # the readers' pinned chunks, freed before ready
+        fd = os.open(image, os.O_RDONLY)
+        try:
+            # Interleaved shares keep every reader busy to the end.
+            with concurrent.futures.ThreadPoolExecutor(UPLOAD_WORKERS, thread_name_prefix="flare-upload") as pool:
+                for f in [pool.submit(self._upload_share, fd, chunks[w::UPLOAD_WORKERS])
+                          for w in range(UPLOAD_WORKERS)]:
+                    f.result()
+        finally:
+            os.close(fd)
+        ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def _upload_share(self, fd: int, chunks: list[tuple[int, int, int]]) -> None:
+        """Read and copy ``chunks`` ((file offset, device address, bytes)) through two
+        pinned buffers: a buffer is refilled once the copy out of it has completed."""
+        ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
+        stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
+        flags = int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
+        bufs = [_Pinned(UPLOAD_CHUNK), _Pinned(UPLOAD_CHUNK)]
+        events = [ck(d.cuEventCreate(flags), "cuEventCreate") for _ in bufs]
+        try:
+            for i, (off, dst, n) in enumerate(chunks):
+                k = i % 2
+                if i >= 2:
+                    ck(d.cuEventSynchronize(events[k]), "cuEventSynchronize")
+                view = memoryview(bufs[k].array)[:n]
                 done = 0
                 while done < n:
-                    k = min(half, n - done)
-                    # Alternate halves: while one half is being copied the other is refilled.
-                    slot = (done // half) % 2
-                    if slot == 0:  # both halves may still be in flight
-                        ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-                    view = memoryview(self.staging.array)[slot * half : slot * half + k]
-                    if f.readinto(view) != k:
-                        raise ManifestError(f"arena image is truncated at {b.name}", param="arena.image")
-                    ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(self.arena.base + b.offset + done),
-                                           self.staging.ptr + slot * half, k, self.stream), "cuMemcpyHtoDAsync")
-                    done += k
-                ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+                    got = os.preadv(fd, [view[done:]], off + done)
+                    if got <= 0:
+                        raise ManifestError("arena image is truncated", param="arena.image")
+                    done += got
+                ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), bufs[k].ptr, n, stream), "cuMemcpyHtoDAsync")
+                ck(d.cuEventRecord(events[k], stream), "cuEventRecord")
+            ck(d.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        finally:
+            d.cuStreamSynchronize(stream)
+            for e in events:
+                d.cuEventDestroy(e)
+            d.cuStreamDestroy(stream)
+            for b in bufs:
+                b.free()
 
     def _load_kernels(self) -> list:
         table = G.load_kernel_table(self.core_dir / self.manifest.kernels)
@@ -199,7 +255,7 @@ class CudaExecutor:
         self._kernel_table = table
         return functions
 
-    def _build(self, spec: G.GraphSpec, functions: list):
+    def _build(self, spec: G.GraphSpec, functions: list, stream):
         graph = ck(d.cuGraphCreate(0), "cuGraphCreate")
         self._graphs.append(graph)
         self._apply_attributes_for(spec, functions)
@@ -216,7 +272,7 @@ class CudaExecutor:
         flags = int(d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.value)
         gexec = ck(d.cuGraphInstantiate(graph, flags), f"cuGraphInstantiate {spec.program}")
         self._counts["instantiations"] += 1
-        ck(d.cuGraphUpload(gexec, self.stream), "cuGraphUpload")
+        ck(d.cuGraphUpload(gexec, stream), "cuGraphUpload")
         return gexec
 
     def _apply_attributes_for(self, spec: G.GraphSpec, functions: list) -> None:

@@ -1,7 +1,9 @@
 """``flare-serve CORE``: load a runtime core and serve it over HTTP.
 
-Startup order: validate the core, start the executor and the engine, and only
-then bind the socket; a startup failure exits non-zero with no endpoint bound.
+Startup order: validate the core, start the executor and the engine (the
+frontend's tokenizer, template and grammar compiler load meanwhile on another
+thread), and only then bind the socket; a startup failure exits non-zero with
+no endpoint bound.
 """
 
 from __future__ import annotations
@@ -76,11 +78,23 @@ async def serve(a: argparse.Namespace) -> int:
         manifest = load_manifest(core)
         engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting,
                         prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight)
-        await engine.start()
-        frontend = Frontend(str(core), engine, a.served_model_name, grammar_timeout_s=a.grammar_compile_timeout)
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
+    # The frontend needs only the manifest: it loads while the executor uploads and builds.
+    started, loaded = await asyncio.gather(
+        engine.start(), asyncio.to_thread(Frontend, str(core), engine, a.served_model_name,
+                                          grammar_timeout_s=a.grammar_compile_timeout),
+        return_exceptions=True)
+    if isinstance(started, BaseException) or isinstance(loaded, BaseException):
+        if not isinstance(loaded, BaseException):
+            loaded.close()
+        err = started if isinstance(started, BaseException) else loaded
+        if isinstance(err, FlareError):
+            log.error("startup failed: %s (%s)", err.message, err.code)
+            return 3
+        raise err
+    frontend = loaded
     limits = Limits(max_n=a.max_n, max_stop_strings=a.max_stop, max_tokens_cap=a.max_tokens_limit)
     app = create_app(engine, frontend, ServerConfig(max_body_bytes=a.max_body_bytes, limits=limits,
                                                     api_key=a.api_key))
@@ -89,8 +103,8 @@ async def serve(a: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=a.host, port=a.port, loop="none", lifespan="off", log_level=a.log_level,
                             timeout_graceful_shutdown=a.shutdown_grace + 5, access_log=False)
     server = _keep_signals(uvicorn.Server, engine, a.shutdown_grace)(config)
-    log.info("ready in %.2f s: serving %s on http://%s:%d", time.perf_counter() - t0, frontend.served_name,
-             a.host, a.port)
+    log.info("ready in %.2f s (%.2f s after process start): serving %s on http://%s:%d", time.perf_counter() - t0,
+             _process_age_s(), frontend.served_name, a.host, a.port)
     try:
         await server.serve()
     finally:
@@ -98,6 +112,17 @@ async def serve(a: argparse.Namespace) -> int:
         frontend.close()
         _report_modules()
     return 0 if server.started else 4
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (the kernel's start time, clock-tick
+    resolution): the ready time includes the interpreter's start and every import."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def _keep_signals(server_cls, engine, grace_s: float):
