@@ -120,6 +120,54 @@ def test_fused_layer_compiles():
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+def test_layers_share_one_fused_class():
+    """torch.compile guards on submodule types: every layer's fused attention (and MLP)
+    must be the same class, or each layer recompiles the shared layer code."""
+    cfg = _config("llama")
+    cfg.num_hidden_layers = 3
+    layers = by_name("decoder").decoder_layers(by_name("decoder").build(cfg, torch.float32))
+    assert len({type(layer.self_attn) for layer in layers}) == 1
+    assert len({type(layer.mlp) for layer in layers}) == 1
+    assert type(layers[0].self_attn).__name__ == "FusedLlamaAttention"
+
+
+def test_compiled_layers_compile_once():
+    """All layers of one shape run one compiled frame: no recompilation per layer."""
+    import torch._dynamo
+
+    cfg = _config("llama")
+    cfg.num_hidden_layers = 3
+    recipe = by_name("decoder")
+    model = recipe.build(cfg, torch.float64)
+    specs = recipe.weights(model)
+    torch.manual_seed(0)
+    recipe.bind(model, specs, {s.buffer: torch.randn(s.shape, dtype=torch.float64) * 0.1 for s in specs})
+    counts = {"frames": 0}
+
+    def backend(gm, inputs):
+        counts["frames"] += 1
+        return gm
+
+    torch._dynamo.reset()
+    for layer in recipe.decoder_layers(model):
+        layer.compile(backend=backend, dynamic=False)
+    x = torch.randn(1, 5, cfg.hidden_size, dtype=torch.float64)
+    pos = torch.arange(5)[None]
+    emb = model.model.rotary_emb(x, pos)
+    batch = _batch(cfg, 5)
+    batch.kv = torch.zeros(3, *batch.kv.shape[1:], dtype=torch.float64)
+    frames = []
+    with torch.no_grad():
+        for i, layer in enumerate(recipe.decoder_layers(model)):
+            layer.self_attn.kv_layer = i
+            x = layer(x, position_embeddings=emb, position_ids=pos, paged=batch)
+            x = x[0] if isinstance(x, tuple) else x
+            frames.append(counts["frames"])
+    torch._dynamo.reset()
+    assert frames[0] >= 2  # the layer splits at the paged attention call
+    assert frames == [frames[0]] * 3, f"later layers recompiled: frames after each layer {frames}"
+
+
 def test_recipe_buffers_hold_the_checkpoint_rows():
     """One arena buffer per fused projection; loading by checkpoint name fills its rows in
     part order, and a TP rank holds its slice of every part."""

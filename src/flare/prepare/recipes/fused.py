@@ -107,11 +107,19 @@ def _mlp_forward(self, x):
     return self.down_proj(self.act_fn(gate) * up)
 
 
+_SUBCLASSES: dict[tuple[type, object], type] = {}
+
+
 def _with_forward(module: nn.Module, forward, **members) -> None:
     """Give ``module`` a subclass of its class whose forward is ``forward`` (a class-level
-    override: torch.compile and hooks see an ordinary module)."""
+    override: torch.compile and hooks see an ordinary module). One subclass per class:
+    torch.compile guards on a submodule's type, so a class per layer would recompile
+    the shared layer code for every layer (and fall back to eager past its limit)."""
     cls = type(module)
-    module.__class__ = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, **members})
+    key = (cls, forward)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(f"Fused{cls.__name__}", (cls,), {"forward": forward, **members})
+    module.__class__ = _SUBCLASSES[key]
 
 
 def fuse_projections(layers: list[nn.Module]) -> int:
