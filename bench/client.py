@@ -85,8 +85,12 @@ async def stream(client: httpx.AsyncClient, target: Target, route: str, body: di
                  on_text: Callable[[Stream], None] | None = None) -> Stream:
     """POST a streaming request; ``on_text`` runs after each chunk that carried text."""
     body = {**body, "model": target.model, "stream": True, "stream_options": {"include_usage": True}}
+    # Encoded before the clock starts: TTFT is the server's time from the request being
+    # sent, not the client's JSON encoding (0.3 ms for a 4,096-token id prompt here).
+    payload = json.dumps(body).encode()
     s = Stream(t0=time.perf_counter())
-    async with client.stream("POST", target.url + route, json=body) as r:
+    async with client.stream("POST", target.url + route, content=payload,
+                             headers={"content-type": "application/json"}) as r:
         if r.status_code != 200:
             raise Refused(r.status_code, (await r.aread()).decode(errors="replace"))
         async for line in r.aiter_lines():

@@ -64,10 +64,12 @@ class PrefixDigests:
         """``d[k]``: the digest of ``tokens[: 64 * k]``."""
         if 64 * k > len(tokens):
             raise ValueError(f"block {k} lies beyond the {len(tokens)} tokens")
-        while len(self._blocks) <= k:
-            i = len(self._blocks) - 1
-            chunk = np.asarray(tokens[BLOCK_TOKENS * i : BLOCK_TOKENS * (i + 1)], dtype="<i4").tobytes()
-            self._blocks.append(_h(self._blocks[-1] + chunk))
+        first = len(self._blocks) - 1
+        if first < k:  # one conversion for every missing block, then one hash per block
+            data = np.asarray(tokens[BLOCK_TOKENS * first : BLOCK_TOKENS * k], dtype="<i4").tobytes()
+            step = 4 * BLOCK_TOKENS
+            for j in range(k - first):
+                self._blocks.append(_h(self._blocks[-1] + data[step * j : step * (j + 1)]))
         return self._blocks[k]
 
     def key(self, tokens: Sequence[int], length: int) -> Key:

@@ -285,7 +285,8 @@ class ChatApi:
 
 
 def _is_ids(x) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    # One C-level pass over the element types (type(True) is bool, so bools are refused).
+    return isinstance(x, list) and set(map(type, x)) <= {int}
 
 
 def _prompts(prompt, codec: TextCodec) -> list[list[int]]:
