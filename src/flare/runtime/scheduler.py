@@ -25,11 +25,6 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
   one more live row in N+1, which only writes its own slot and private tail
   page; its terminal capture is skipped, since the slot no longer holds the
   endpoint.
-* An admission's steps run back to back too: while an admit or restore is in
-  flight, the same request's next admit chunk or restore, or its first prefill
-  chunk when ``schedule`` would pick it next, is submitted behind it (neither
-  produces anything the next one's setup reads on the host), so a prefix hit does
-  not wait a host round trip between each of admit, restore and prefill.
 * Grammar-constrained requests: the step that samples for such a request carries
   its next-token mask row, computed here from the request's grammar. That mask
   depends on the token the previous step sampled, which ``complete`` fed to the
@@ -304,8 +299,6 @@ class Scheduler:
         has completed. See the module docstring for the conditions. ``step`` may itself
         be the previous step ahead: a steady decode batch always has two in flight, and
         ``_ahead`` is the later of them until it completes."""
-        if step.kind in (ProgramKind.admit, ProgramKind.restore):
-            return self._admission_ahead(step)
         # A waiting request matters only if a slot is free: otherwise schedule() could not
         # admit it either, and a saturated server keeps its two steps in flight.
         if (step.kind != ProgramKind.decode or self._ahead not in (None, step) or self._maintenance
@@ -333,30 +326,6 @@ class Scheduler:
         self._ahead = Step(ProgramKind.decode, step.program, writes, list(batch), step.completion)
         self.steps_ahead_total += 1
         return self._ahead
-
-    def _admission_ahead(self, step: Step) -> Step | None:
-        """The step of the same admission that may be submitted while ``step`` (admit or
-        restore) is in flight: the next admit chunk or the restore, else the request's
-        first prefill chunk when ``schedule`` would choose it next. Neither admit nor
-        restore produces anything the next step's construction reads (admit has no
-        record; a restore's record is validated when it completes), so the device runs
-        them back to back instead of idling for a host round trip between them."""
-        req = step.requests[0]
-        if req.finished or req.cancel_requested:
-            return None
-        if self._maintenance:
-            nxt = self._maintenance[0]
-            if nxt.requests != [req] or nxt.kind not in (ProgramKind.admit, ProgramKind.restore):
-                return None
-            return self._maintenance.popleft()
-        prefilling = [r for r in self.running if r.status == Status.PREFILLING and r.consumed < len(r.target)]
-        decoding = any(r.status == Status.DECODING for r in self.running)
-        if not prefilling or prefilling[0] is not req or (decoding and self._last_kind != ProgramKind.decode):
-            return None
-        nxt = self._prefill_step(req)
-        if nxt is not None:
-            self._last_kind = nxt.kind
-        return nxt
 
     def _mask_write(self, req: Request, writes: list[Write]) -> None:
         """Stage the request's next-token mask; a grammar that cannot give one ends the
