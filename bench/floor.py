@@ -123,8 +123,8 @@ def program_times(ex: CudaExecutor, m, history: int = 4096, tail: int = 11, shor
     admit = m.programs_of(ProgramKind.admit)[0]
 
     def prefill(start: int, n: int) -> tuple[str, list]:
-        cap = next(p.capacity for p in m.programs_of(ProgramKind.prefill) if p.capacity >= n)
-        tokens = np.zeros(max(p.capacity for p in m.programs_of(ProgramKind.prefill)), np.int32)
+        cap = next(x for x in c.prefill_capacities if x >= n)  # as the scheduler picks it
+        tokens = np.zeros(max(c.prefill_capacities), np.int32)
         tokens[:n] = rng.integers(1000, min(30000, c.sampling_vocab), n)
         return f"prefill.{cap}", [("state.len", np.int32(start), 1), ("in.tokens", tokens, None),
                                   ("in.prefill", np.array([1, n, 1, 0], np.int32), None)]

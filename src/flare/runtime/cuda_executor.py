@@ -150,7 +150,7 @@ class CudaExecutor:
             builder.join()
         if failure:
             raise failure[0]
-        ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        # Both parts synchronised their own streams (the upload self.stream, the builder its own).
         mark("upload_and_build")  # wall time of the two overlapped parts
         self._free_at_ready = free_memory()[0]
         self._counts_at_ready = dict(self._counts)

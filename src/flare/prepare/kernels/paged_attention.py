@@ -31,10 +31,10 @@ device from the tiles that hold a valid token, so that about ``TARGET``
 programs work: a prefill of 11 tokens after a 4,096-token cached prefix (one
 tile of ``prefill.128``) spreads its keys over up to ``SPLITS`` programs,
 where a split sized statically for the capacity's 8 tiles gave each of its
-few programs 13 key blocks in series. With ``eff > 1``
-each working program writes unnormalised partials for its valid rows and a
-second kernel combines them; with ``eff == 1`` the program writes the output
-itself and the combine does nothing. Every program computes the same ``eff``,
+few programs 13 key blocks in series. With ``eff > 1`` each working program
+writes unnormalised partials for its valid rows and a second kernel combines
+them; with ``eff == 1`` the program writes the output itself and the combine
+does nothing. Every program computes the same ``eff``,
 and program (0, 0, 0) stores it for the combine.
 """
 

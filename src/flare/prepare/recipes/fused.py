@@ -39,7 +39,7 @@ class Part:
     """One checkpoint module whose weight rows a fused projection holds."""
 
     module: str  # attribute name in the owning module, e.g. "k_proj"
-    rows: int  # output features (this rank's, under tensor parallelism)
+    rows: int  # output features of the unsharded module (a TP rank holds rows // tp_size: ``sizes``)
 
 
 class FusedLinear(nn.Module):
