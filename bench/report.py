@@ -232,77 +232,76 @@ def program_lines(p: dict | None) -> list[str]:
 NOTES = """
 ## Reading these numbers
 
-Figures below are from the newest runs (2026-12-01, H200, main at 7855a06 for the
-GPU code); the tables above say which file each comes from.
+Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
+89deebf); the tables above say which file each comes from.
 
 * **Decode against the roofline** (Llama-3.1-8B shape, concurrency 1). The
-  replay floor's step is 4.96 ms (202 tok/s), 75 % of the roofline of 3.73 ms
-  (16.06 GB of weights over the 4.31 TB/s copy bandwidth). That roofline counts
+  replay floor's step is 4.92 ms (203 tok/s), 76 % of the roofline of 3.75 ms
+  (16.06 GB of weights over the 4.28 TB/s copy bandwidth). That roofline counts
   the 1.05 GB input embedding, which a decode step reads one row of: the GEMMs
-  stream 15.01 GB, 3.49 ms at the copy bandwidth, which is 70 % of the step.
-  Against the previous run (5.71 ms) the step lost 0.75 ms and 363 kernels
+  stream 15.01 GB, 3.51 ms at the copy bandwidth, which is 71 % of the step.
+  Against the 2026-11-29 runs (5.71 ms) the step lost 0.8 ms and 363 kernels
   (923 -> 560): one GEMM for q/k/v and one for gate/up (`recipes/fused.py`),
   the sampler's compiled glue, and one fused class for every layer so that each
   layer runs compiled code. The timeline says where the rest goes
   (decode.1, serialized times less the 2.6 µs event cost per node):
-  * GEMMs about 3.93 ms, 0.45 ms over streaming their bytes at the copy
+  * GEMMs about 3.88 ms, 0.37 ms over streaming their bytes at the copy
     bandwidth. gate/up (235 MB) runs at about 4.1 TB/s and down (117 MB) at
     3.9 TB/s, close to the copy; q/k/v (50 MB) and o_proj (34 MB) only reach
     about 3.1 and 3.0 TB/s, and cuBLAS follows each o_proj and down_proj with a
-    split-K reduce kernel (64 per step).
+    split-K reduce kernel (64 per step, 0.29 ms serialized).
   * About 1.0 ms in the other 430 kernels: 11 per layer besides its 4 GEMMs
     (attention's KV write, attend and combine, the RMSNorms with their residual
     adds, the SiLU-mul, two split-K reduces, compiled glue), and the head and
-    tail (final norm, `lm_head`, sampler, commit: 87 nodes, 0.67 ms serialized).
+    tail (final norm, `lm_head`, sampler, commit: 87 nodes).
   * **What would close it**, largest first: a decode GEMM kernel (M <= 4) that
     streams q/k/v and o_proj without split-K at the copy bandwidth (about
     0.2 ms); fewer launches per layer (norm + residual folded into the GEMM's
     neighbours, the KV write folded into attention, no combine when one split
     suffices); the sampler's sorts and scans over the 128k vocabulary at
-    batch 4 (two 66 µs scans). The 90 % target (4.14 ms on this definition)
-    is 0.82 ms away.
+    batch 4 (two 66 µs scans). The 90 % target (4.17 ms on this definition)
+    is 0.75 ms away.
 * **Runtime over floor** is negative: `flare-serve`'s inter-token latency
-  (4.77 ms at c = 1) is below the floor's back-to-back GPU time per step
-  (4.96 ms), on the 135M shape too (1.07 against 1.25 ms): the server's steps
-  run about 0.18 ms faster than the harness's in both shapes. The harness drives
+  (4.71 ms at c = 1) is below the floor's back-to-back GPU time per step
+  (4.92 ms), on the 135M shape too (1.08 against 1.26 ms): the server's steps
+  run about 0.2 ms faster than the harness's in both shapes. The harness drives
   four synthetic slots of endless requests whose context grows to 620 tokens; why
   its graph runs slower than the server's is not established. With one step in
-  flight the server is 2.3-2.8 % over that floor, and two steps in flight take
-  0.30-0.34 ms off every step (ITL 5.07 -> 4.77 ms at c = 1), which is the host
+  flight the server is 2.2-3.0 % over that floor (8B), and two steps in flight
+  take 0.33 ms off every step (ITL 5.04 -> 4.71 ms at c = 1), which is the host
   gap they hide.
 * **Against Transformers** (`generate`, static cache, `torch.compile`, same
-  weights, same run): decode 1.59 / 1.59 / 1.53× at c = 1 / 2 / 4; ITL 4.77 ms
-  against 7.64 ms at c = 1. Its TTFT is not comparable (its prefill is measured
+  weights, same run): on the 8B shape decode 1.51 / 1.53 / 1.57× at
+  c = 1 / 2 / 4, ITL 4.71 ms against 7.14 ms at c = 1; on the 135M shape
+  2.70 / 2.40 / 2.28× (ITL 1.08 against 2.98 ms), where host work per token
+  weighs most. Its TTFT is not comparable (its prefill is measured
   in-process, without an HTTP server); Flare's TTFT through HTTP at c = 1 is
-  9.1 ms against the baseline's 35 ms in-process prefill. On the 135M shape the
-  baseline did not finish inside its 90 s limit, so that run has none.
-* **Prefix-hit TTFT** on the 8B shape: 12.0 ms against 9.6 ms for a cold
-  16-token prompt, ratio 1.24 (target 1.2; 1.54 in the previous run, whose
-  5.5 ms difference was not broken down; the attention splits of a short chunk
-  after a long history are now chosen on the device). The device work differs
-  by 0.32 ms (admit + restore + prefill of the 11-token tail after 4,096 cached
-  tokens, 6.84 ms, against admit + prefill, 6.52 ms: the table above). Most of
-  the other 2 ms was host work that grows with the prompt (a CPU trace of the
-  same request): checking 4,107 token ids one by one, 64 separate digest
-  conversions, and the client's JSON encoding inside its clock. Those are fixed
-  after this run. On the 135M shape, where host time weighs most, the hit went
-  from 6.95 to 4.98 ms against a 3.53 ms cold prompt (ratio 1.81 -> 1.41,
-  `prefix-hit-smollm2-135m-shape-2026-12-01.json`, the server with one step in
-  flight, which for one-token requests is what the default runs); the 8B shape
-  has not been measured after the fix.
-* **Startup** on the 8B shape: ready 2.49 s after process start, of which the
-  16 GB weight upload took 1.06 s (15 GB/s, four reader threads; it was 3.01 s):
-  1.44 s plus the upload (target 2 s plus the upload). Kernel loading (0.32 s)
-  and graph building (0.29 s) now run during the upload, and the frontend
-  (tokenizer, template, grammar compiler) loads while the executor starts; the
-  context took 0.72 s here against 0.27 s before, probably competing with that
-  frontend thread. `flare-prepare` took 140 s.
-* 64K prefill: 8.8k tokens/s (7.5 s TTFT) against 33k tokens/s at 4K,
+  9.7 ms against the baseline's 30 ms in-process prefill (8B).
+* **Prefix-hit TTFT** on the 8B shape: 10.9 ms against 9.1 ms for a cold
+  16-token prompt, ratio 1.19 (target 1.2; 1.24 in the morning run before the
+  host-side fixes, 1.54 on 2026-11-29), median of 3 repeats each. The device
+  work differs by 0.31 ms (admit + restore + prefill of the 11-token tail after
+  4,096 cached tokens, 6.73 ms, against admit + prefill, 6.41 ms: the table
+  above); the remaining 1.5 ms is host work for the longer prompt (tokens over
+  HTTP, the prefix lookup, the restore's admission). On the 135M shape, where
+  host time weighs most, the ratio is 1.47 (5.74 against 3.91 ms), so the target
+  holds on the 8B shape with little room and not on the small one.
+* **Startup** on the 8B shape: ready 2.32 s after process start, of which the
+  16 GB weight upload took 0.97 s (16.5 GB/s, four reader threads; 3.01 s on
+  2026-11-29): 1.35 s plus the upload (target 2 s plus the upload). Kernel
+  loading (0.32 s) and graph building (0.20 s) run during the upload, and the
+  frontend (tokenizer, template, grammar compiler) loads while the executor
+  starts; the CUDA context took 0.62 s. `flare-prepare` took 123 s.
+* 64K prefill: 8.8k tokens/s (7.5 s TTFT) against 34k tokens/s at 4K,
   because attention over the growing history dominates the later chunks.
 * While a 4,096-token prompt is prefilled in 2,048-token chunks, running
-  decodes on the 8B shape wait one chunk (ITL p50 58.9 ms during the prefill).
+  decodes on the 8B shape wait one chunk (ITL p50 56.2 ms during the prefill).
   The scheduler alternates prefill chunks with decode steps. A smaller chunk
   while decoders run would bound that gap, at some cost in prefill throughput.
+* A cold 16-token prompt runs `prefill.128` (6.37 ms on the 8B shape against
+  4.92 ms for a decode step): the smallest prefill capacity pads it to 128 rows.
+  A smaller prefill capacity would take about 1.5 ms off every short-prompt
+  TTFT, cold or hit alike.
 
 ## Method
 
