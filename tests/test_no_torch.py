@@ -14,7 +14,8 @@ import httpx
 from tests.conftest import ROOT, running_server
 
 SERVING_MODULES = ("flare.core.manifest", "flare.runtime.engine", "flare.runtime.reference",
-                   "flare.runtime.scheduler", "flare.server.app", "flare.server.cli")
+                   "flare.runtime.scheduler", "flare.server.app", "flare.server.cli",
+                   "flare.runtime.cuda_executor", "flare.runtime.cuda_tp")
 
 
 def forbidden(modules) -> list[str]:

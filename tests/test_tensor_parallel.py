@@ -295,16 +295,90 @@ def test_missing_rank_image_rejects_the_core(tp2_core, tmp_path):
     assert e.value.param == "parallel.ranks"
 
 
-def test_cuda_executor_refuses_a_tp_core(tp2_core):
-    """The CUDA executor drives one rank; a TP core is refused with a typed error before
-    any device work (the multi-GPU path is not built)."""
+def test_cuda_executor_drives_one_rank_of_a_tp_core(tp2_core):
+    """A single-rank CUDA executor opened on a TP core without naming its rank is refused
+    with a typed error before any device work (``cuda_tp.open_executor`` drives every
+    rank); with a rank it reads that rank's directory and fixed address."""
     pytest.importorskip("cuda.bindings")
     from flare.core.errors import CoreCompatibilityError
     from flare.runtime.cuda_executor import CudaExecutor
 
+    m = mf.load_manifest(tp2_core)
     with pytest.raises(CoreCompatibilityError, match="tensor-parallel") as e:
-        CudaExecutor(tp2_core, mf.load_manifest(tp2_core))
-    assert (e.value.param, e.value.code) == ("parallel.tp_size", "tensor_parallel_unsupported")
+        CudaExecutor(tp2_core, m)
+    assert (e.value.param, e.value.code) == ("parallel.tp_size", "tensor_parallel_core")
+    one = CudaExecutor(tp2_core, m, rank=1)
+    assert one.rank_dir == tp2_core / "rank1" and one.base_address == m.parallel.ranks[1].base_address
+
+
+def test_collective_buffers_hold_the_largest_payload():
+    """The exchange slots hold a full prefill chunk's hidden rows and a decode batch's
+    logit shard; the CUDA collective refuses a payload that does not fit, before launching."""
+    import torch
+
+    from flare.prepare.build import TP_EXCHANGE, TP_FLAGS, TP_PEERS, collective_buffers
+    from flare.prepare.kernels import collective as C
+
+    caps = mf.Capacities(context_limit=4096, prefill_chunk=512, prefill_capacities=(128, 512),
+                         decode_capacities=(1, 2, 4), slots=4, max_pages_per_slot=256, stop_ids=16,
+                         vocab_size=128256, sampling_vocab=128256, hidden_size=4096, snapshot_rows=16)
+    reqs = {r.name: r for r in collective_buffers(caps, 2, 2)}
+    slot = reqs[TP_EXCHANGE].shape[0] // 2
+    assert slot >= 512 * 4096 * 2 and slot >= 4 * 128256 // 2 * 2 and slot % 256 == 0
+    assert reqs[TP_FLAGS].shape == (C.BLOCKS,) and reqs[TP_PEERS].shape == (2,)
+    assert reqs[TP_PEERS].role == mf.BufferRole.weight and reqs[TP_FLAGS].role == mf.BufferRole.state
+    exchange = torch.zeros(2 * 1024, dtype=torch.uint8)
+    flags = torch.zeros(C.BLOCKS, dtype=torch.int32)
+    peers = torch.zeros(2, dtype=torch.int64)
+    x = torch.zeros(513, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="exceeds the exchange slot"):
+        C.launch(C.SUM, x, x, exchange, flags, peers, rank=0, size=2)
+    with pytest.raises(ValueError, match="bad rank set"):
+        C.launch(C.SUM, x[:4], x[:4], exchange, flags, peers, rank=2, size=2)
+    with pytest.raises(ValueError, match="gather"):
+        C.launch(C.GATHER, x[:4], x[:4], exchange, flags, peers, rank=0, size=2)
+
+
+def test_collective_loopback_advances_the_epoch_and_alternates_slots():
+    """The CUDA collective kernel (Triton's interpreter here) with every peer offset
+    zero, as preparation's warmup runs it: it completes alone, each program publishes
+    epoch e = previous + 1 and writes its payload into exchange slot e % 2, and the
+    combine reads every "rank" (here all the same one): SUM doubles, GATHER repeats,
+    FROM_ZERO keeps. The two-rank protocol runs on the GPU (tests/gpu)."""
+    pytest.importorskip("triton")
+    import torch
+
+    from flare.prepare.kernels import collective as C
+
+    exchange = torch.zeros(2 * 8192, dtype=torch.uint8)
+    flags = torch.zeros(C.BLOCKS, dtype=torch.int32)
+    peers = torch.zeros(2, dtype=torch.int64)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 700, generator=g).to(torch.bfloat16)  # 2,100 elements: two programs' blocks
+    sent = x.clone()
+    C.launch(C.SUM, x, x, exchange, flags, peers, rank=1, size=2)
+    assert torch.equal(x, (sent.float() * 2).to(torch.bfloat16))
+    assert flags.tolist() == [1] * C.BLOCKS
+    slot = exchange.view(torch.bfloat16)[4096:4096 + sent.numel()]  # epoch 1: slot 1
+    assert torch.equal(slot, sent.reshape(-1))
+    out = torch.empty(3, 1400, dtype=torch.bfloat16)
+    C.launch(C.GATHER, sent, out, exchange, flags, peers, rank=0, size=2)
+    assert torch.equal(out, torch.cat([sent, sent], dim=-1)) and flags.tolist() == [2] * C.BLOCKS
+    assert torch.equal(exchange.view(torch.bfloat16)[:sent.numel()], sent.reshape(-1))  # epoch 2: slot 0
+    tok = torch.tensor([5, -1, 1 << 40], dtype=torch.int64)
+    C.launch(C.FROM_ZERO, tok, tok, exchange, flags, peers, rank=1, size=2)
+    assert tok.tolist() == [5, -1, 1 << 40] and flags.tolist() == [3] * C.BLOCKS
+
+
+def test_rank_arena_addresses_are_disjoint():
+    pytest.importorskip("cuda.bindings")
+    from flare.prepare.build import _rank_base
+    from flare.prepare.cuda.session import VA_RESERVE, rank_base
+
+    base0 = 0x7F0000000000
+    assert [_rank_base(rank_base(base0, me), me, r) for me in (0, 1, 2) for r in range(3)] == \
+        [base0, base0 - VA_RESERVE, base0 - 2 * VA_RESERVE] * 3
+    assert _rank_base(0, 1, 1) == 0  # reference cores have no addresses
 
 
 @pytest.mark.parametrize("tp,dim,n", [(3, "num_attention_heads", 4), (4, "num_key_value_heads", 2),

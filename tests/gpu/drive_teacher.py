@@ -17,12 +17,12 @@ import sys
 import numpy as np
 
 from flare.core.manifest import load_manifest
-from flare.runtime.cuda_executor import CudaExecutor
+from flare.runtime.cuda_tp import open_executor
 
 
 async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
     m = load_manifest(core)
-    ex = CudaExecutor(core, m)
+    ex = open_executor(core, m)
     await ex.start()
     c = m.capacities
     caps = sorted(p.capacity for p in m.programs if p.kind.value == "prefill")

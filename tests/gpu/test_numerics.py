@@ -26,6 +26,17 @@ DECODE_STEPS = 12
 LENGTHS = [15, 16, 17, 40, 255, 256, 257, 600, 1100]
 
 
+def teacher_forced(core, prompts: list[list[int]], steps: int) -> dict:
+    """tests/gpu/drive_teacher.py's arrays for ``prompts``, run in a torch-free subprocess."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pj, out = f"{tmp}/prompts.json", f"{tmp}/out.npz"
+        json.dump(prompts, open(pj, "w"))
+        proc = subprocess.run([sys.executable, "-m", "tests.gpu.drive_teacher", str(core), pj, out, str(steps)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return dict(np.load(out))
+
+
 def _hf_model(core, dtype):
     import torch
     from safetensors.torch import load_file
@@ -57,13 +68,7 @@ def test_teacher_forced_logits_match_transformers(gpu_shape_core, results_dir):
     rng = np.random.default_rng(0)
     lengths = [n for n in LENGTHS if n + 1 < m.capacities.context_limit]
     prompts = [rng.integers(0, m.capacities.sampling_vocab, n).tolist() for n in lengths]
-    with tempfile.TemporaryDirectory() as tmp:
-        pj, out = f"{tmp}/prompts.json", f"{tmp}/out.npz"
-        json.dump(prompts, open(pj, "w"))
-        proc = subprocess.run([sys.executable, "-m", "tests.gpu.drive_teacher", str(core), pj, out, str(DECODE_STEPS)],
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        flare = dict(np.load(out))
+    flare = teacher_forced(core, prompts, DECODE_STEPS)
     hf32, raw = _hf_model(core, torch.float32)
     hf16, _ = _hf_model(core, torch.bfloat16)
     lm_head = hf32.lm_head.weight  # fp32 on GPU

@@ -159,7 +159,28 @@ def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: O
     reqs.append(
         BufferRequest("out.prefill_hidden", BufferRole.output, dtype, (max(caps.prefill_capacities), caps.hidden_size))
     )
+    if opts.device == "cuda" and opts.tp_size > 1:
+        reqs += collective_buffers(caps, opts.tp_size, TORCH_DTYPES[opts.resolved_dtype()].itemsize)
     return reqs
+
+
+TP_EXCHANGE, TP_FLAGS, TP_PEERS = "tp.exchange", "tp.flags", "tp.peers"
+
+
+def collective_buffers(caps: mf.Capacities, size: int, itemsize: int) -> list[BufferRequest]:
+    """A CUDA TP rank's collective buffers: two exchange slots as large as the largest
+    payload (a prefill chunk's hidden rows, a decode batch's logit shard), the flag
+    words (zeroed by the runtime like every state buffer), and the peers' arena offsets
+    (a weight: written once, stored in the image)."""
+    from flare.prepare.kernels.collective import BLOCKS
+
+    rows = max(caps.prefill_capacities)
+    slot = max(rows * caps.hidden_size, max(caps.decode_capacities) * caps.vocab_size // size) * itemsize
+    slot = max(slot, rows * 8)  # sampled tokens (int64) from rank 0
+    slot = -(-slot // 256) * 256
+    return [BufferRequest(TP_EXCHANGE, BufferRole.state, DType.uint8, (2 * slot,)),
+            BufferRequest(TP_FLAGS, BufferRole.state, DType.int32, (BLOCKS,)),
+            BufferRequest(TP_PEERS, BufferRole.weight, DType.int64, (size,))]
 
 
 def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
@@ -211,8 +232,6 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         raise PrepareError("--device cuda requested but no CUDA session is available")
     if tp.size != opts.tp_size or tp.rank != opts.tp_rank:
         raise PrepareError(f"rank {tp.rank} of {tp.size} was asked to prepare rank {opts.tp_rank} of {opts.tp_size}")
-    if tp.active and cuda:
-        raise PrepareError("tensor-parallel preparation on CUDA is not built yet (docs/tensor-parallel.md)")
     if tp.active and opts.qualify:
         raise PrepareError("--qualify records golden replays of one rank; it is not supported with --tp > 1")
     attention = opts.attention or ("triton" if cuda else "reference")
@@ -226,6 +245,8 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         raise PrepareError(str(e)) from None
     specs = recipe.weights(model)
     free = session.free_at_start if cuda else None
+    if cuda and tp.active:
+        free = _free_per_rank(session, tp)
     caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=free)
     buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
     continuation = mf.Continuation(
@@ -247,6 +268,10 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         pool_offset = planned
         arena = torch.zeros(planned, dtype=torch.uint8)
     views = session.buffer_tensors(buffers) if cuda else arena_views(arena, buffers)
+    if cuda and tp.active:
+        from flare.prepare.parallel import CudaTransport
+
+        tp.attach_cuda(CudaTransport(views[TP_EXCHANGE], views[TP_FLAGS], views[TP_PEERS]))
     with (torch.cuda.use_mem_pool(session.pool) if cuda else contextlib.nullcontext()):
         recipe.bind(model, specs, views)
         progress("loading weights into the arena")
@@ -277,10 +302,16 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         # Outside use_mem_pool: graph capture routes its allocations to the same pool itself.
         from flare.prepare.cuda.finish import capture_and_export
 
-        extra = capture_and_export(session, programs, partial, views, pool_offset, out, opts, progress)
+        rank_out = out / mf.rank_dir(tp.rank, tp.size)
+        extra = capture_and_export(session, programs, partial, views, pool_offset, rank_out, opts, progress, tp)
         partial = msgspec.structs.replace(
             partial, buffers=buffers + tuple(extra["buffers"]),
             arena=msgspec.structs.replace(partial.arena, nbytes=extra["arena_nbytes"]))
+        if tp.active:
+            # The graphs are captured: the peers' offsets replace the loopback zeros.
+            bases = [r.base_address for r in partial.parallel.ranks]
+            views[TP_PEERS].copy_(torch.tensor([b - bases[tp.rank] for b in bases], dtype=torch.int64))
+            torch.cuda.synchronize()
     nbytes = partial.arena.nbytes
 
     progress(f"writing runtime core to {out}")
@@ -318,10 +349,25 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     return final
 
 
+def _free_per_rank(session, tp: TensorParallel) -> int:
+    """Device memory one rank may plan with: ranks that share a GPU (more ranks than
+    GPUs) split its free memory, and every rank plans with the smallest share so all
+    ranks plan the same pages. Also checks that every rank got its own arena address."""
+    from flare.prepare.cuda.session import device_uuid, rank_base
+
+    entries = [e.split() for e in tp.gather_strings(f"{device_uuid(session.device)} {session.free_at_start} "
+                                                    f"{session.base}")]
+    if len({rank_base(int(base), -r) for r, (_, _, base) in enumerate(entries)}) != 1:
+        raise PrepareError("tensor-parallel ranks could not reserve their arenas at matching fixed addresses")
+    uuids = [u for u, _, _ in entries]
+    return min(int(free) // uuids.count(u) for u, free, _ in entries)
+
+
 def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> None:
     """Checkpoint tensors into their arena views (a fused buffer's parts into its rows).
-    A sharded tensor is read whole into a host tensor and this rank's slice copied in
-    (the random source then gives every rank exactly its slice of the TP=1 weights)."""
+    A sharded tensor is read whole into a tensor on the arena's device and this rank's
+    slice copied in (the random source then gives every rank exactly its slice of the
+    TP=1 weights)."""
     dest, sliced = {}, []
     for s in specs:
         if not s.from_checkpoint:
@@ -330,7 +376,9 @@ def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> No
             if shard is None:
                 dest[name] = view
             else:
-                whole = torch.empty(shard.full(tuple(view.shape)), dtype=s.dtype)
+                # On the view's device: the random source draws on the destination's
+                # device, so a rank's slice is exactly the TP=1 weights of that device.
+                whole = torch.empty(shard.full(tuple(view.shape)), dtype=s.dtype, device=view.device)
                 dest[name] = whole
                 sliced.append((view, shard, whole))
     src.load_weights(dest)
@@ -357,6 +405,15 @@ def _compile_layers(recipe, model) -> None:
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if isinstance(rotary, torch.nn.Module):
         rotary.compile(dynamic=False)
+
+
+def _rank_base(base: int, rank: int, r: int) -> int:
+    """Rank r's arena address seen from rank ``rank``'s (0 on reference cores)."""
+    if not base:
+        return 0
+    from flare.prepare.cuda.session import rank_base
+
+    return rank_base(rank_base(base, -rank), r)
 
 
 def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,
@@ -421,6 +478,6 @@ def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, co
         continuation=continuation,
         kernels="kernels.json" if device else None,
         parallel=mf.Parallel(tp_size=opts.tp_size, ranks=tuple(
-            mf.RankCore(dir=mf.rank_dir(r, opts.tp_size), base_address=base if r == 0 else 0)
+            mf.RankCore(dir=mf.rank_dir(r, opts.tp_size), base_address=_rank_base(base, opts.tp_rank, r))
             for r in range(opts.tp_size))),
     )

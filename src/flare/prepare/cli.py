@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -32,6 +33,19 @@ def _default_device() -> str:
     except Exception:  # no driver, no bindings: a CPU machine
         pass
     return "cpu"
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    from cuda.bindings import driver
+
+    if driver.cuInit(0)[0] != driver.CUresult.CUDA_SUCCESS:
+        return []
+    err, n = driver.cuDeviceGetCount()
+    return [str(i) for i in range(n)] if err == driver.CUresult.CUDA_SUCCESS else []
 
 
 def parser() -> argparse.ArgumentParser:
@@ -104,8 +118,14 @@ def _run_ranks(args: dict, size: int) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
-    procs = [subprocess.Popen([sys.executable, "-m", "flare.prepare.worker",
-                               json.dumps({**args, "tp_rank": r, "tp_addr": addr})]) for r in range(size)]
+    gpus = _visible_gpus() if args.get("device") == "cuda" else []
+    procs = []
+    for r in range(size):
+        env = dict(os.environ)
+        if gpus:  # rank r on GPU r (round-robin when there are fewer GPUs than ranks)
+            env["CUDA_VISIBLE_DEVICES"] = gpus[r % len(gpus)]
+        procs.append(subprocess.Popen([sys.executable, "-m", "flare.prepare.worker",
+                                       json.dumps({**args, "tp_rank": r, "tp_addr": addr})], env=env))
     try:
         while True:
             codes = [p.poll() for p in procs]

@@ -9,7 +9,7 @@ so a TP=1 program is exactly the single-rank program.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -49,9 +49,20 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class CudaTransport:
+    """This rank's collective buffers in its arena (``prepare/kernels/collective.py``):
+    the two exchange slots, the flag words, and the peers' arena offsets."""
+
+    exchange: torch.Tensor  # uint8
+    flags: torch.Tensor  # int32 [BLOCKS]
+    peers: torch.Tensor  # int64 [size]: base_s - base_self in bytes (zeros while preparing)
+
+
+@dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    _cuda: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -61,9 +72,15 @@ class TensorParallel:
     def active(self) -> bool:
         return self.size > 1
 
+    def attach_cuda(self, transport: CudaTransport) -> None:
+        """From now on collectives are the captured kernels over ``transport``."""
+        self._cuda[:] = [transport]
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns ``t``."""
+        """Sum over ranks (in place where the input is contiguous); returns the sum."""
         if self.active:
+            if self._cuda:
+                return _cuda_collective(self, 0, t)
             import torch.distributed as dist
 
             dist.all_reduce(t)
@@ -74,6 +91,10 @@ class TensorParallel:
         every rank)."""
         if not self.active:
             return t
+        if self._cuda:
+            if dim not in (-1, t.dim() - 1):
+                raise ShardingError("CUDA all-gather concatenates along the last dimension only")
+            return _cuda_collective(self, 1, t)
         import torch.distributed as dist
 
         parts = [torch.empty_like(t) for _ in range(self.size)]
@@ -81,8 +102,10 @@ class TensorParallel:
         return torch.cat(parts, dim=dim)
 
     def from_rank_zero(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``t`` on every rank (in place; returns ``t``)."""
+        """Rank 0's ``t`` on every rank (in place where contiguous; returns it)."""
         if self.active:
+            if self._cuda:
+                return _cuda_collective(self, 2, t)
             import torch.distributed as dist
 
             dist.broadcast(t, src=0)
@@ -100,6 +123,42 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@torch.compiler.disable
+def _cuda_collective(tp: TensorParallel, mode: int, t: torch.Tensor) -> torch.Tensor:
+    """A collective on CUDA: the kernel is what a captured graph records. Outside a
+    capture (preparation's warmup runs) the peers' arenas are not mapped in this
+    process, so ``peers`` holds zeros and the kernel is a loopback that completes on
+    its own (it compiles and loads the exact kernel the capture records); the value
+    returned is then the true one, computed over the gloo group from host copies."""
+    from flare.prepare.kernels import collective as C
+
+    tr = tp._cuda[0]
+    x = t.contiguous()
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] * tp.size) if mode == C.GATHER else x
+    host = None if torch.cuda.is_current_stream_capturing() else _host_collective(tp, mode, x)
+    C.launch(mode, x, out, tr.exchange, tr.flags, tr.peers, rank=tp.rank, size=tp.size)
+    if host is not None:
+        out.copy_(host)
+    return out
+
+
+def _host_collective(tp: TensorParallel, mode: int, x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    h = x.detach().cpu()
+    if h.is_floating_point():
+        h = h.float()  # gloo's reductions and gathers in float32 (exact for bfloat16 copies)
+    if mode == 0:
+        dist.all_reduce(h)
+        return h
+    if mode == 1:
+        parts = [torch.empty_like(h) for _ in range(tp.size)]
+        dist.all_gather(parts, h)
+        return torch.cat(parts, dim=-1)
+    dist.broadcast(h, src=0)
+    return h
 
 
 def join_group(rank: int, size: int, addr: str | None) -> TensorParallel:

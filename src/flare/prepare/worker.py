@@ -28,21 +28,27 @@ def main() -> int:
     out = Path(args.pop("out"))
     model = args.pop("model")
     session = None
+    tp = None
+    if args.get("tp_size", 1) > 1:
+        # The group first (gloo: no CUDA), so the ranks can agree on arena addresses.
+        from flare.prepare.parallel import join_group
+
+        tp = join_group(args["tp_rank"], args["tp_size"], args["tp_addr"])
     if args.get("device") == "cuda":
         # Before torch initialises CUDA: CUPTI must see every module load and the
         # arena's fixed address range must be ours.
         from flare.prepare.cuda.session import CudaSession
 
-        session = CudaSession.begin()
+        session = CudaSession.begin(rank=args.get("tp_rank", 0), agree=tp.gather_strings if tp else None)
         progress(f"CUDA session: {session.device.name} (sm {session.device.compute_capability}), "
                  f"arena address {session.base:#x}, {session.free_at_start / 2**30:.1f} GiB free")
     from flare.prepare.build import Options, PrepareError, prepare
-    from flare.prepare.parallel import join_group, leave_group
+    from flare.prepare.parallel import SINGLE, leave_group
     from flare.prepare.recipes import UnsupportedArchitecture
     from flare.prepare.sources import SourceError, resolve
 
     opts = Options(**{**args, "decode_capacities": tuple(args["decode_capacities"])})
-    tp = join_group(opts.tp_rank, opts.tp_size, opts.tp_addr)
+    tp = tp or SINGLE
     try:
         progress(f"loading {model}")
         src = resolve(model, progress=progress)

@@ -133,6 +133,18 @@ class Arena:
             f"cannot reserve {size} bytes of device address space at the core's fixed address "
             f"({'; '.join(tried)})", param="arena.base_address", code="address_range_unavailable")
 
+    def grant(self, ordinals) -> None:
+        """Make the range readable and writable from every device in ``ordinals`` (peer
+        mapping of a tensor-parallel rank's arena)."""
+        descs = []
+        for o in ordinals:
+            acc = d.CUmemAccessDesc()
+            acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            acc.location.id = o
+            acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs.append(acc)
+        ck(d.cuMemSetAccess(d.CUdeviceptr(self.base), self.nbytes, descs, len(descs)), "cuMemSetAccess (peers)")
+
     def release(self) -> None:
         if self._handle is None:
             return

@@ -70,17 +70,21 @@ class _Pinned:
 
 
 class CudaExecutor:
-    def __init__(self, core_dir: str | Path, manifest: Manifest, *, device: int = 0):
-        if manifest.parallel.tp_size > 1:
-            # One device, one rank: driving every rank's graphs (one execution thread per
-            # rank, peer-mapped arenas) is designed in docs/tensor-parallel.md, not built.
+    """One rank's graphs on one device. A tensor-parallel core is driven by
+    ``TensorParallelExecutor`` (``runtime/cuda_tp.py``), one of these per rank."""
+
+    def __init__(self, core_dir: str | Path, manifest: Manifest, *, device: int = 0, rank: int | None = None):
+        if rank is None and manifest.parallel.tp_size > 1:
             raise CoreCompatibilityError(
-                f"the core is tensor-parallel (tp_size {manifest.parallel.tp_size}); the CUDA executor drives "
-                f"one rank only so far: serve it with --executor reference",
-                param="parallel.tp_size", code="tensor_parallel_unsupported")
+                f"the core is tensor-parallel (tp_size {manifest.parallel.tp_size}): open it with "
+                f"flare.runtime.cuda_tp.open_executor", param="parallel.tp_size", code="tensor_parallel_core")
+        self.rank = rank or 0
         self.core_dir = Path(core_dir)
+        self.rank_dir = self.core_dir / manifest.parallel.ranks[self.rank].dir
+        self.base_address = manifest.parallel.ranks[self.rank].base_address
         self.manifest = manifest
         self.ordinal = device
+        self.switch_context = False  # set when ranks of one process live on different devices
         self.ready = False
         self.timings_ms: dict[str, float] = {}
         self._counts = {"allocations": 0, "module_loads": 0, "instantiations": 0}
@@ -125,7 +129,7 @@ class CudaExecutor:
         self.device = open_device(self.ordinal)
         check_device(m, device="cuda", compute_capability=self.device.compute_capability)
         mark("context")
-        self.arena = Arena.reserve(m.arena.nbytes, at=m.arena.base_address, ordinal=self.ordinal)
+        self.arena = Arena.reserve(m.arena.nbytes, at=self.base_address, ordinal=self.ordinal)
         self._counts["allocations"] += 1
         self.stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
         flags = int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
@@ -167,7 +171,7 @@ class CudaExecutor:
             stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
             try:
                 for p in self.manifest.programs:
-                    spec = G.load_graph(self.core_dir / p.graph)
+                    spec = G.load_graph(self.rank_dir / p.graph)
                     self._execs[p.name] = self._build(spec, self.functions, stream)
                 ck(d.cuStreamSynchronize(stream), "cuStreamSynchronize")
             finally:
@@ -182,7 +186,7 @@ class CudaExecutor:
         for b in m.buffers:
             if b.role not in (BufferRole.weight, BufferRole.scratch):
                 ck(d.cuMemsetD8Async(d.CUdeviceptr(self.arena.base + b.offset), 0, b.nbytes, self.stream), "memset")
-        image = self.core_dir / m.arena.image
+        image = self.rank_dir / m.arena.image
         chunks = [(off + start, self.arena.base + b.offset + start, min(UPLOAD_CHUNK, n - start))
                   for b, off, n in iter_image(image, m) for start in range(0, n, UPLOAD_CHUNK)]
         self._counts["allocations"] += 2 * UPLOAD_WORKERS  # the readers' pinned chunks, freed before ready
@@ -229,10 +233,10 @@ class CudaExecutor:
                 b.free()
 
     def _load_kernels(self) -> list:
-        table = G.load_kernel_table(self.core_dir / self.manifest.kernels)
+        table = G.load_kernel_table(self.rank_dir / self.manifest.kernels)
         modules = {}
         for img in table.images:
-            data = (self.core_dir / "kernels" / f"{img.sha}.cubin").read_bytes()
+            data = (self.rank_dir / "kernels" / f"{img.sha}.cubin").read_bytes()
             if len(data) != img.nbytes:
                 raise ManifestError(f"kernel image {img.sha} is {len(data)} bytes, expected {img.nbytes}",
                                     param="kernels")
@@ -363,6 +367,8 @@ class CudaExecutor:
         return self.arena.base + b.offset + row * strides[0], strides[0]
 
     def write(self, buffer: str, value: np.ndarray, row=None) -> None:
+        if self.switch_context:
+            ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
         b = self._buffers[buffer]
         data = np.ascontiguousarray(np.asarray(value, dtype=NUMPY_DTYPES[b.dtype])).reshape(-1).view(np.uint8)
         dst, extent = self._address(buffer, row)
@@ -387,6 +393,8 @@ class CudaExecutor:
         ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), self.staging.ptr + at, n, self.stream), "HtoD")
 
     def submit(self, program: str) -> int:
+        if self.switch_context:
+            ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
         p = self.manifest.program(program)
         ticket = self._tickets
         pos = ticket % MAX_IN_FLIGHT

@@ -60,9 +60,9 @@ def make_executor(kind: str, core: Path, manifest, torch_threads: int | None):
         from flare.runtime.reference import ReferenceExecutor
 
         return ReferenceExecutor(core, manifest, torch_threads=torch_threads)
-    from flare.runtime.cuda_executor import CudaExecutor
+    from flare.runtime.cuda_tp import open_executor
 
-    return CudaExecutor(core, manifest)
+    return open_executor(core, manifest)
 
 
 async def serve(a: argparse.Namespace) -> int:

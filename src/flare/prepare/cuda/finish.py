@@ -26,7 +26,9 @@ from flare.prepare.golden import record as record_golden
 
 
 def capture_and_export(session, programs, manifest: Manifest, views, pool_offset: int, out: Path, opts,
-                       progress) -> dict:
+                       progress, tp=None) -> dict:
+    """``out``: this rank's directory. Ranks of a TP group export graphs of their own
+    and agree on one arena size (the largest scratch pool any rank used)."""
     stream = torch.cuda.Stream()
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     compiled: dict[str, bool] = {}
@@ -77,6 +79,8 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
 
     session.check_no_escapes()
     used = align(session.allocator.used, 2 << 20)
+    if tp is not None and tp.active:
+        used = max(int(u) for u in tp.gather_strings(str(used)))
     arena = (session.base, pool_offset + used)
     builder = KernelTableBuilder(session.recorder)
     (out / "graphs").mkdir(parents=True, exist_ok=True)

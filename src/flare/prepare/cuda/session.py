@@ -21,6 +21,17 @@ from flare.runtime.cuda_driver import (SUCCESS, VA_HINTS, CoreCompatibilityError
                                        free_memory, granularity, open_device, round_up)
 
 VA_RESERVE = 1 << 40  # address space only; physical memory is mapped as planned
+TP_EXTRA_HINTS = (0x400000000000, 0x300000000000, 0x200000000000)  # more room for a rank group
+
+
+def rank_base(hint: int, rank: int) -> int:
+    """Rank ``rank``'s arena address for a rank-0 address ``hint``: one reservation
+    below the previous rank's, so no two ranks' arenas can overlap."""
+    return hint - rank * VA_RESERVE
+
+
+def device_uuid(dev: Device) -> str:
+    return bytes(ck(d.cuDeviceGetUuid(dev.device), "cuDeviceGetUuid").bytes).hex()
 
 
 class _CudaArray:
@@ -47,19 +58,31 @@ class CudaSession:
     pool_offset: int = 0
 
     @classmethod
-    def begin(cls) -> "CudaSession":
+    def begin(cls, rank: int = 0, agree=None) -> "CudaSession":
+        """Reserve the arena's fixed address range. Tensor-parallel rank ``rank`` reserves
+        ``rank`` reservations below a hint (``rank_base``), so every rank's arena has its
+        own address; ``agree`` (every rank's string, in rank order) makes all ranks move
+        to the next hint together until every rank holds its range."""
         recorder = ImageRecorder()
         recorder.install_cupti()
         dev = open_device(0)
         free, _ = free_memory()
         tried = []
-        for hint in VA_HINTS:
-            r = d.cuMemAddressReserve(VA_RESERVE, 0, d.CUdeviceptr(hint), 0)
-            if r[0] == SUCCESS and int(r[1]) == hint:
-                return cls(dev, recorder, hint, VA_RESERVE, free)
-            if r[0] == SUCCESS:
-                d.cuMemAddressFree(r[1], VA_RESERVE)
-            tried.append(f"{hint:#x}")
+        for hint in (*VA_HINTS, *TP_EXTRA_HINTS):
+            want = rank_base(hint, rank)
+            got = None
+            if want > 0:
+                r = d.cuMemAddressReserve(VA_RESERVE, 0, d.CUdeviceptr(want), 0)
+                if r[0] == SUCCESS and int(r[1]) == want:
+                    got = r[1]
+                elif r[0] == SUCCESS:
+                    d.cuMemAddressFree(r[1], VA_RESERVE)
+            everyone = agree("1" if got is not None else "0") if agree else ["1" if got is not None else "0"]
+            if all(x == "1" for x in everyone):
+                return cls(dev, recorder, want, VA_RESERVE, free)
+            if got is not None:
+                d.cuMemAddressFree(got, VA_RESERVE)
+            tried.append(f"{want:#x}")
         raise CoreCompatibilityError(f"no fixed arena address could be reserved (tried {', '.join(tried)})",
                                      code="address_range_unavailable")
 
