@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -327,6 +328,9 @@ def test_collective_buffers_hold_the_largest_payload():
     assert slot >= 512 * 4096 * 2 and slot >= 4 * 128256 // 2 * 2 and slot % 256 == 0
     assert reqs[TP_FLAGS].shape == (C.BLOCKS,) and reqs[TP_PEERS].shape == (2,)
     assert reqs[TP_PEERS].role == mf.BufferRole.weight and reqs[TP_FLAGS].role == mf.BufferRole.state
+    wide = msgspec.structs.replace(caps, prefill_capacities=(64,), decode_capacities=(1, 256), vocab_size=32000)
+    slot = {r.name: r for r in collective_buffers(wide, 8, 2)}[TP_EXCHANGE].shape[0] // 2
+    assert slot >= 256 * 4096 * 2  # a decode batch's hidden rows can be the largest payload
     exchange = torch.zeros(2 * 1024, dtype=torch.uint8)
     flags = torch.zeros(C.BLOCKS, dtype=torch.int32)
     peers = torch.zeros(2, dtype=torch.int64)

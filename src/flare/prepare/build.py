@@ -174,7 +174,7 @@ def collective_buffers(caps: mf.Capacities, size: int, itemsize: int) -> list[Bu
     (a weight: written once, stored in the image)."""
     from flare.prepare.kernels.collective import BLOCKS
 
-    rows = max(caps.prefill_capacities)
+    rows = max(*caps.prefill_capacities, *caps.decode_capacities)
     slot = max(rows * caps.hidden_size, max(caps.decode_capacities) * caps.vocab_size // size) * itemsize
     slot = max(slot, rows * 8)  # sampled tokens (int64) from rank 0
     slot = -(-slot // 256) * 256
@@ -272,10 +272,17 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         from flare.prepare.parallel import CudaTransport
 
         tp.attach_cuda(CudaTransport(views[TP_EXCHANGE], views[TP_FLAGS], views[TP_PEERS]))
-    with (torch.cuda.use_mem_pool(session.pool) if cuda else contextlib.nullcontext()):
+    pool = (lambda: torch.cuda.use_mem_pool(session.pool)) if cuda else contextlib.nullcontext
+    with pool():
         recipe.bind(model, specs, views)
-        progress("loading weights into the arena")
-        _load_weights(src, specs, views)
+    # Outside the arena's pool: the loader's temporaries (sharded tensors read whole,
+    # the random source's float32 draws) are freed here, and the pool never gives
+    # memory back, so inside it they would stay in every rank's arena.
+    progress("loading weights into the arena")
+    _load_weights(src, specs, views)
+    if cuda:
+        torch.cuda.empty_cache()
+    with pool():
         recipe.compute_constants(model, specs, views)
         progress("building programs")
         if cuda and opts.compile:
@@ -363,27 +370,47 @@ def _free_per_rank(session, tp: TensorParallel) -> int:
     return min(int(free) // uuids.count(u) for u, free, _ in entries)
 
 
+SHARD_BATCH_BYTES = 1 << 30  # whole tensors of sharded weights read per loader call
+
+
 def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> None:
     """Checkpoint tensors into their arena views (a fused buffer's parts into its rows).
     A sharded tensor is read whole into a tensor on the arena's device and this rank's
     slice copied in (the random source then gives every rank exactly its slice of the
-    TP=1 weights)."""
-    dest, sliced = {}, []
+    TP=1 weights), a batch of at most SHARD_BATCH_BYTES of whole tensors at a time."""
+    direct, sharded = {}, []
     for s in specs:
         if not s.from_checkpoint:
             continue
         for name, view, shard in s.destinations(views[s.buffer]):
             if shard is None:
-                dest[name] = view
+                direct[name] = view
             else:
-                # On the view's device: the random source draws on the destination's
-                # device, so a rank's slice is exactly the TP=1 weights of that device.
-                whole = torch.empty(shard.full(tuple(view.shape)), dtype=s.dtype, device=view.device)
-                dest[name] = whole
-                sliced.append((view, shard, whole))
-    src.load_weights(dest)
-    for view, shard, whole in sliced:
-        view.copy_(shard.of(whole))
+                sharded.append((name, view, shard, s.dtype))
+    if direct or not sharded:
+        src.load_weights(direct)
+    batch: dict[str, tuple] = {}
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        if batch:
+            src.load_weights({name: whole for name, (whole, _, _) in batch.items()})
+            for whole, view, shard in batch.values():
+                view.copy_(shard.of(whole))
+        batch.clear()
+        held = 0
+
+    for name, view, shard, dtype in sharded:
+        shape = shard.full(tuple(view.shape))
+        nbytes = math.prod(shape) * dtype.itemsize
+        if batch and held + nbytes > SHARD_BATCH_BYTES:
+            flush()
+        # On the view's device: the random source draws on the destination's device,
+        # so a rank's slice is exactly the TP=1 weights of that device.
+        batch[name] = (torch.empty(shape, dtype=dtype, device=view.device), view, shard)
+        held += nbytes
+    flush()
 
 
 def _compile_layers(recipe, model) -> None:

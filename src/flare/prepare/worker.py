@@ -39,7 +39,13 @@ def main() -> int:
         # arena's fixed address range must be ours.
         from flare.prepare.cuda.session import CudaSession
 
-        session = CudaSession.begin(rank=args.get("tp_rank", 0), agree=tp.gather_strings if tp else None)
+        from flare.core.errors import CoreCompatibilityError
+
+        try:
+            session = CudaSession.begin(rank=args.get("tp_rank", 0), agree=tp.gather_strings if tp else None)
+        except CoreCompatibilityError as e:
+            print(f"flare-prepare: error: {e}", file=sys.stderr, flush=True)
+            return 2
         progress(f"CUDA session: {session.device.name} (sm {session.device.compute_capability}), "
                  f"arena address {session.base:#x}, {session.free_at_start / 2**30:.1f} GiB free")
     from flare.prepare.build import Options, PrepareError, prepare

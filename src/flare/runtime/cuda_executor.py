@@ -156,6 +156,13 @@ class CudaExecutor:
             raise failure[0]
         # Both parts synchronised their own streams (the upload self.stream, the builder its own).
         mark("upload_and_build")  # wall time of the two overlapped parts
+        self.mark_ready()
+
+    def mark_ready(self) -> None:
+        """The baseline that ``stats`` compares against: device memory and counters now
+        (a tensor-parallel executor marks every rank again once all ranks started, since
+        ranks that share a GPU see each other's startup)."""
+        self._make_current()
         self._free_at_ready = free_memory()[0]
         self._counts_at_ready = dict(self._counts)
         self.ready = True
@@ -366,9 +373,14 @@ class CudaExecutor:
             return self.arena.base + b.offset + start, (sl.stop - sl.start) * itemsize
         return self.arena.base + b.offset + row * strides[0], strides[0]
 
-    def write(self, buffer: str, value: np.ndarray, row=None) -> None:
+    def _make_current(self) -> None:
+        """Ranks of one process on different devices: this rank's context for the
+        caller's next driver calls (the loop thread serves every rank)."""
         if self.switch_context:
             ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
+
+    def write(self, buffer: str, value: np.ndarray, row=None) -> None:
+        self._make_current()
         b = self._buffers[buffer]
         data = np.ascontiguousarray(np.asarray(value, dtype=NUMPY_DTYPES[b.dtype])).reshape(-1).view(np.uint8)
         dst, extent = self._address(buffer, row)
@@ -393,8 +405,7 @@ class CudaExecutor:
         ck(d.cuMemcpyHtoDAsync(d.CUdeviceptr(dst), self.staging.ptr + at, n, self.stream), "HtoD")
 
     def submit(self, program: str) -> int:
-        if self.switch_context:
-            ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
+        self._make_current()
         p = self.manifest.program(program)
         ticket = self._tickets
         pos = ticket % MAX_IN_FLIGHT
@@ -424,6 +435,7 @@ class CudaExecutor:
 
     def sync(self) -> None:
         """Everything submitted and written so far has completed (the whole stream)."""
+        self._make_current()
         ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
         self._done = self._tickets
         self._ring.drain()
@@ -442,12 +454,14 @@ class CudaExecutor:
         if buffer == self._pending_completion and self._done == self._tickets:
             raw = self._completion_copies[buffer][(self._tickets - 1) % MAX_IN_FLIGHT].array[: b.nbytes]
         else:
+            self._make_current()
             ck(d.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
             raw = self.read_bytes(buffer)
         return np.frombuffer(bytes(raw), NUMPY_DTYPES[b.dtype]).reshape(b.shape).copy()
 
     def read_bytes(self, buffer: str) -> bytes:
         """Synchronous copy of a buffer's bytes (diagnostics and qualification)."""
+        self._make_current()
         b = self._buffers[buffer]
         out = bytearray()
         for start in range(0, b.nbytes, self.readback.nbytes):
@@ -460,6 +474,8 @@ class CudaExecutor:
 
     def stats(self) -> dict[str, int]:
         after = {f"{k}_after_ready": v - self._counts_at_ready.get(k, v) for k, v in self._counts.items()}
+        if self.ready:
+            self._make_current()
         free = free_memory()[0] if self.ready else 0
         return {
             "launches": self._launches,
@@ -474,6 +490,7 @@ class CudaExecutor:
             self._thread.shutdown(wait=False)
             return
         try:
+            self._make_current()
             d.cuStreamSynchronize(self.stream)
         finally:
             for event in self.events:

@@ -59,6 +59,7 @@ class TensorParallelExecutor:
         self.ranks = [CudaExecutor(core_dir, manifest, device=r % n, rank=r)
                       for r in range(manifest.parallel.tp_size)]
         self.ready = False
+        self._failed = ""
 
     @property
     def timings_ms(self) -> dict[str, float]:
@@ -71,19 +72,36 @@ class TensorParallelExecutor:
         if failed:
             await self.close()
             raise failed[0][1]
-        ordinals = sorted({r.ordinal for r in self.ranks})
-        if len(ordinals) > 1:
-            for r in self.ranks:
-                r.arena.grant(ordinals)
-                r.switch_context = True
+        try:
+            ordinals = sorted({r.ordinal for r in self.ranks})
+            if len(ordinals) > 1:
+                for r in self.ranks:
+                    r.arena.grant(ordinals)
+                    r.switch_context = True
+        except BaseException:
+            await self.close()
+            raise
+        for r in self.ranks:  # every rank's baseline after all of them started
+            r.mark_ready()
         self.ready = True
 
     def write(self, buffer: str, value: np.ndarray, row=None) -> None:
+        if self._failed:
+            raise ExecutionError(f"a rank failed earlier: {self._failed}", code="rank_failed")
         for r in self.ranks:
             r.write(buffer, value, row)
 
     def submit(self, program: str) -> int:
-        tickets = [r.submit(program) for r in self.ranks]
+        if self._failed:
+            raise ExecutionError(f"a rank failed earlier: {self._failed}", code="rank_failed")
+        tickets = []
+        for i, r in enumerate(self.ranks):
+            try:
+                tickets.append(r.submit(program))
+            except Exception as e:
+                # The ranks launched before it wait in its collectives until they trap.
+                self._failed = f"rank {i}: {e}"
+                raise ExecutionError(f"rank {i} could not launch {program}: {e}", code="rank_failed") from e
         if len(set(tickets)) != 1:
             raise ExecutionError(f"ranks disagree on the program count: {tickets}", code="rank_divergence")
         return tickets[0]
@@ -92,6 +110,7 @@ class TensorParallelExecutor:
         results = await asyncio.gather(*(r.wait(ticket) for r in self.ranks), return_exceptions=True)
         for i, e in enumerate(results):
             if isinstance(e, BaseException):
+                self._failed = self._failed or f"rank {i}: {e}"
                 code = getattr(e, "code", "execution_failed")
                 raise ExecutionError(f"rank {i}: {e}", code=code) from e
 

@@ -43,7 +43,8 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
                 fn()
             torch.cuda.synchronize()
         except Exception as e:
-            if eager:
+            # A TP rank falling back alone would run other collectives than its peers.
+            if eager or (tp is not None and tp.active):
                 raise
             progress(f"{p.name}: compiled forward failed ({type(e).__name__}: {str(e)[:300]}); capturing eager")
             traceback.print_exc()
