@@ -312,6 +312,76 @@ def test_cuda_executor_drives_one_rank_of_a_tp_core(tp2_core):
     assert one.rank_dir == tp2_core / "rank1" and one.base_address == m.parallel.ranks[1].base_address
 
 
+class _Rank:
+    """A stand-in for one rank's CudaExecutor (no GPU here): records what it is asked."""
+
+    def __init__(self, i: int, log: list, fail_submit: bool = False, fail_wait: bool = False):
+        self.i, self.log, self.fail_submit, self.fail_wait, self.tickets = i, log, fail_submit, fail_wait, 0
+
+    def write(self, buffer, value, row=None):
+        self.log.append(("write", self.i, buffer))
+
+    def submit(self, program):
+        if self.fail_submit:
+            from flare.core.errors import ExecutionError
+
+            raise ExecutionError("cuGraphLaunch failed: CUDA_ERROR_LAUNCH_FAILED")
+        self.log.append(("submit", self.i, program))
+        self.tickets += 1
+        return self.tickets - 1
+
+    async def wait(self, ticket=None):
+        if self.fail_wait:
+            from flare.core.errors import ExecutionError
+
+            raise ExecutionError("program failed on the device: CUDA_ERROR_ILLEGAL_INSTRUCTION", code="device_error")
+
+    def completion(self, ticket):
+        return np.array([self.i])
+
+    def stats(self):
+        return {"launches": self.tickets, "allocations_after_ready": self.i, "device_free_now": 7}
+
+
+def test_cuda_tp_executor_drives_every_rank_and_names_a_failed_one(tp2_core):
+    """TensorParallelExecutor's own logic (its ranks stand in for CudaExecutors: no GPU
+    here; tests/gpu/test_tensor_parallel_cuda.py runs the real ones): writes and
+    launches reach every rank in rank order, completions are rank 0's, counters after
+    ready add up, and a rank that fails to launch or fails on the device is named,
+    after which nothing more is written or launched."""
+    pytest.importorskip("cuda.bindings")
+    from flare.core.errors import ExecutionError
+    from flare.runtime.cuda_tp import TensorParallelExecutor
+
+    ex = TensorParallelExecutor(tp2_core, mf.load_manifest(tp2_core), devices=1)
+    assert [(r.rank, r.ordinal, r.rank_dir.name) for r in ex.ranks] == [(0, 0, "rank0"), (1, 0, "rank1")]
+    log: list = []
+    ex.ranks = [_Rank(0, log), _Rank(1, log)]
+    ex.write("in.tokens", np.zeros(3, np.int32))
+    assert ex.submit("decode.1") == 0
+    assert log == [("write", 0, "in.tokens"), ("write", 1, "in.tokens"), ("submit", 0, "decode.1"),
+                   ("submit", 1, "decode.1")]
+    asyncio.run(ex.wait(0))
+    assert ex.completion(0).tolist() == [0]
+    assert ex.stats()["allocations_after_ready"] == 1 and ex.stats()["tp_size"] == 2
+
+    ex.ranks[1].fail_submit = True
+    with pytest.raises(ExecutionError, match="rank 1 could not launch decode.1") as e:
+        ex.submit("decode.1")
+    assert e.value.code == "rank_failed"
+    with pytest.raises(ExecutionError, match="a rank failed earlier: rank 1"):
+        ex.write("in.tokens", np.zeros(3, np.int32))
+
+    ex = TensorParallelExecutor(tp2_core, mf.load_manifest(tp2_core), devices=1)
+    ex.ranks = [_Rank(0, log), _Rank(1, log, fail_wait=True)]
+    ex.submit("decode.1")
+    with pytest.raises(ExecutionError, match="rank 1: program failed on the device") as e:
+        asyncio.run(ex.wait())
+    assert e.value.code == "device_error"
+    with pytest.raises(ExecutionError, match="a rank failed earlier"):
+        ex.submit("decode.1")
+
+
 def test_collective_buffers_hold_the_largest_payload():
     """The exchange slots hold a full prefill chunk's hidden rows and a decode batch's
     logit shard; the CUDA collective refuses a payload that does not fit, before launching."""
