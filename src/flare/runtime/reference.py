@@ -40,6 +40,7 @@ from flare.core.manifest import Manifest, rank_images
 from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES
 
 READY_TIMEOUT_S = 300.0
+PEER_DEATH_GRACE_S = 1.0  # how long a rank's error waits to be explained by a peer's death
 
 
 def _arena_dir(nbytes: int) -> str:
@@ -249,6 +250,7 @@ class ReferenceExecutor:
                     else:
                         failure = ExecutionError(
                             f"program failed in the reference worker{which}: {line[6:].decode().strip()}")
+                        failure = await self._peer_death(pending) or failure
         finally:
             for task in pending:
                 task.cancel()
@@ -257,6 +259,19 @@ class ReferenceExecutor:
             for rank in self._ranks:
                 await rank.stop(kill=True)
             raise failure
+
+    async def _peer_death(self, pending: dict) -> ExecutionError | None:
+        """A rank's error can be its collective failing because a peer died: the peer's
+        death, seen within a moment (its stdout closes when it dies), is the cause to
+        report."""
+        if not pending:
+            return None
+        done, _ = await asyncio.wait(pending, timeout=PEER_DEATH_GRACE_S)
+        for task in done:
+            r = pending.pop(task)
+            if not task.result():
+                return ExecutionError(f"reference worker exited (rank {r})", code="worker_died")
+        return None
 
     def _kill_all(self) -> None:
         """Stop every rank now (the executor is broken from here on; close() reaps)."""
