@@ -50,7 +50,7 @@ def _arenas(size: int, region: int):
     return big, out
 
 
-def _reference(mode, xs, r):
+def _reference(mode, xs):
     import torch
 
     if mode == 0:
@@ -102,7 +102,7 @@ def test_collectives_between_ranks_on_one_gpu(size):
     for mode, dtype, shape in cases:
         for _ in range(3):  # both exchange slots, and back
             xs = inputs(dtype, shape)
-            want = _reference(mode, [x.clone() for x in xs], 0)
+            want = _reference(mode, [x.clone() for x in xs])
             outs = [x.new_empty(*shape[:-1], shape[-1] * size) for x in xs] if mode == C.GATHER else xs
             run(mode, xs, outs)
             for r in range(size):
@@ -133,7 +133,7 @@ def test_collectives_between_ranks_on_one_gpu(size):
             with torch.cuda.stream(streams[r]):
                 graphs[r].replay()
         torch.cuda.synchronize()
-        total = _reference(C.SUM, xs, 0)
+        total = _reference(C.SUM, xs)
         for r in range(size):
             assert torch.equal(static[r], total)
             assert torch.equal(gathered[r], torch.cat([total] * size, dim=-1))

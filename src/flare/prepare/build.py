@@ -275,16 +275,13 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     pool = (lambda: torch.cuda.use_mem_pool(session.pool)) if cuda else contextlib.nullcontext
     with pool():
         recipe.bind(model, specs, views)
-        if not tp.active:
-            progress("loading weights into the arena")
-            _load_weights(src, specs, views)
-    if tp.active:
-        # Outside the arena's pool: a rank reads its sharded tensors whole, and the pool
-        # never gives memory back, so inside it they would stay in every rank's arena.
+    # A TP rank loads outside the arena's pool: it reads its sharded tensors whole, and
+    # the pool never gives memory back, so inside it they would stay in every rank's arena.
+    with contextlib.nullcontext() if tp.active else pool():
         progress("loading weights into the arena")
         _load_weights(src, specs, views)
-        if cuda:
-            torch.cuda.empty_cache()
+    if cuda and tp.active:
+        torch.cuda.empty_cache()
     with pool():
         recipe.compute_constants(model, specs, views)
         progress("building programs")

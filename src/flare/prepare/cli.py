@@ -21,18 +21,22 @@ def _capacities(text: str) -> list[int]:
     return caps
 
 
-def _default_device() -> str:
+def _gpu_count() -> int:
+    """The GPUs the driver shows this process; 0 without a driver or bindings."""
     try:
         from cuda.bindings import driver
 
-        err, = driver.cuInit(0)[:1]
-        if err == driver.CUresult.CUDA_SUCCESS:
+        if driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS:
             err, n = driver.cuDeviceGetCount()
-            if err == driver.CUresult.CUDA_SUCCESS and n > 0:
-                return "cuda"
+            if err == driver.CUresult.CUDA_SUCCESS:
+                return int(n)
     except Exception:  # no driver, no bindings: a CPU machine
         pass
-    return "cpu"
+    return 0
+
+
+def _default_device() -> str:
+    return "cuda" if _gpu_count() > 0 else "cpu"
 
 
 def _visible_gpus() -> list[str]:
@@ -40,12 +44,7 @@ def _visible_gpus() -> list[str]:
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [g.strip() for g in listed.split(",") if g.strip()]
-    from cuda.bindings import driver
-
-    if driver.cuInit(0)[0] != driver.CUresult.CUDA_SUCCESS:
-        return []
-    err, n = driver.cuDeviceGetCount()
-    return [str(i) for i in range(n)] if err == driver.CUresult.CUDA_SUCCESS else []
+    return [str(i) for i in range(_gpu_count())]
 
 
 def parser() -> argparse.ArgumentParser:

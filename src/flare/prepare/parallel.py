@@ -14,6 +14,9 @@ from datetime import timedelta
 
 import torch
 
+# CUDA collective kernels (prepare/kernels/collective.py): what the ranks' values become.
+SUM, GATHER, FROM_ZERO = 0, 1, 2
+
 # How long a rank waits in a collective for a peer that never arrives (a peer that
 # died is normally noticed sooner: the executor and the prepare CLI kill the group).
 COLLECTIVE_TIMEOUT_S = 300
@@ -80,7 +83,7 @@ class TensorParallel:
         """Sum over ranks (in place where the input is contiguous); returns the sum."""
         if self.active:
             if self._cuda:
-                return _cuda_collective(self, 0, t)
+                return _cuda_collective(self, SUM, t)
             import torch.distributed as dist
 
             dist.all_reduce(t)
@@ -94,7 +97,7 @@ class TensorParallel:
         if self._cuda:
             if dim not in (-1, t.dim() - 1):
                 raise ShardingError("CUDA all-gather concatenates along the last dimension only")
-            return _cuda_collective(self, 1, t)
+            return _cuda_collective(self, GATHER, t)
         import torch.distributed as dist
 
         parts = [torch.empty_like(t) for _ in range(self.size)]
@@ -105,7 +108,7 @@ class TensorParallel:
         """Rank 0's ``t`` on every rank (in place where contiguous; returns it)."""
         if self.active:
             if self._cuda:
-                return _cuda_collective(self, 2, t)
+                return _cuda_collective(self, FROM_ZERO, t)
             import torch.distributed as dist
 
             dist.broadcast(t, src=0)
@@ -136,7 +139,7 @@ def _cuda_collective(tp: TensorParallel, mode: int, t: torch.Tensor) -> torch.Te
 
     tr = tp._cuda[0]
     x = t.contiguous()
-    out = x.new_empty(*x.shape[:-1], x.shape[-1] * tp.size) if mode == C.GATHER else x
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] * tp.size) if mode == GATHER else x
     host = None if torch.cuda.is_current_stream_capturing() else _host_collective(tp, mode, x)
     C.launch(mode, x, out, tr.exchange, tr.flags, tr.peers, rank=tp.rank, size=tp.size)
     if host is not None:
@@ -150,10 +153,10 @@ def _host_collective(tp: TensorParallel, mode: int, x: torch.Tensor) -> torch.Te
     h = x.detach().cpu()
     if h.is_floating_point():
         h = h.float()  # gloo's reductions and gathers in float32 (exact for bfloat16 copies)
-    if mode == 0:
+    if mode == SUM:
         dist.all_reduce(h)
         return h
-    if mode == 1:
+    if mode == GATHER:
         parts = [torch.empty_like(h) for _ in range(tp.size)]
         dist.all_gather(parts, h)
         return torch.cat(parts, dim=-1)

@@ -37,9 +37,8 @@ def main() -> int:
     if args.get("device") == "cuda":
         # Before torch initialises CUDA: CUPTI must see every module load and the
         # arena's fixed address range must be ours.
-        from flare.prepare.cuda.session import CudaSession
-
         from flare.core.errors import CoreCompatibilityError
+        from flare.prepare.cuda.session import CudaSession
 
         try:
             session = CudaSession.begin(rank=args.get("tp_rank", 0), agree=tp.gather_strings if tp else None)

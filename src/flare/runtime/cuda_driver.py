@@ -81,6 +81,18 @@ def _alloc_prop(ordinal: int):
     return prop
 
 
+def grant_access(base: int, nbytes: int, ordinals) -> None:
+    """Make [base, base + nbytes) readable and writable from every device in ``ordinals``."""
+    descs = []
+    for o in ordinals:
+        acc = d.CUmemAccessDesc()
+        acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = o
+        acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        descs.append(acc)
+    ck(d.cuMemSetAccess(d.CUdeviceptr(base), nbytes, descs, len(descs)), "cuMemSetAccess")
+
+
 def granularity(ordinal: int = 0) -> int:
     return int(ck(d.cuMemGetAllocationGranularity(
         _alloc_prop(ordinal), d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
@@ -123,11 +135,7 @@ class Arena:
                 ck(d.cuMemAddressFree(d.CUdeviceptr(hint), size), "cuMemAddressFree")
                 raise
             ck(d.cuMemMap(d.CUdeviceptr(hint), size, 0, handle, 0), "cuMemMap")
-            acc = d.CUmemAccessDesc()
-            acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            acc.location.id = ordinal
-            acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            ck(d.cuMemSetAccess(d.CUdeviceptr(hint), size, [acc], 1), "cuMemSetAccess")
+            grant_access(hint, size, [ordinal])
             return cls(hint, size, ordinal, handle)
         raise CoreCompatibilityError(
             f"cannot reserve {size} bytes of device address space at the core's fixed address "
@@ -136,14 +144,7 @@ class Arena:
     def grant(self, ordinals) -> None:
         """Make the range readable and writable from every device in ``ordinals`` (peer
         mapping of a tensor-parallel rank's arena)."""
-        descs = []
-        for o in ordinals:
-            acc = d.CUmemAccessDesc()
-            acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            acc.location.id = o
-            acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            descs.append(acc)
-        ck(d.cuMemSetAccess(d.CUdeviceptr(self.base), self.nbytes, descs, len(descs)), "cuMemSetAccess (peers)")
+        grant_access(self.base, self.nbytes, ordinals)
 
     def release(self) -> None:
         if self._handle is None:

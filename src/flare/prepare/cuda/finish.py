@@ -22,11 +22,12 @@ from flare.core import graph as G
 from flare.core.manifest import Buffer, BufferRole, DType, Manifest
 from flare.prepare.cuda.export import KernelTableBuilder, export_graph
 from flare.prepare.layout import align
+from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.golden import record as record_golden
 
 
 def capture_and_export(session, programs, manifest: Manifest, views, pool_offset: int, out: Path, opts,
-                       progress, tp=None) -> dict:
+                       progress, tp: TensorParallel = SINGLE) -> dict:
     """``out``: this rank's directory. Ranks of a TP group export graphs of their own
     and agree on one arena size (the largest scratch pool any rank used)."""
     stream = torch.cuda.Stream()
@@ -44,7 +45,7 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
             torch.cuda.synchronize()
         except Exception as e:
             # A TP rank falling back alone would run other collectives than its peers.
-            if eager or (tp is not None and tp.active):
+            if eager or tp.active:
                 raise
             progress(f"{p.name}: compiled forward failed ({type(e).__name__}: {str(e)[:300]}); capturing eager")
             traceback.print_exc()
@@ -80,7 +81,7 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
 
     session.check_no_escapes()
     used = align(session.allocator.used, 2 << 20)
-    if tp is not None and tp.active:
+    if tp.active:
         used = max(int(u) for u in tp.gather_strings(str(used)))
     arena = (session.base, pool_offset + used)
     builder = KernelTableBuilder(session.recorder)

@@ -18,7 +18,7 @@ from cuda.bindings import driver as d
 
 from flare.prepare.cuda.images import ImageRecorder
 from flare.runtime.cuda_driver import (SUCCESS, VA_HINTS, CoreCompatibilityError, Device, _alloc_prop, ck,
-                                       free_memory, granularity, open_device, round_up)
+                                       free_memory, grant_access, granularity, open_device, round_up)
 
 VA_RESERVE = 1 << 40  # address space only; physical memory is mapped as planned
 TP_EXTRA_HINTS = (0x400000000000, 0x300000000000, 0x200000000000)  # more room for a rank group
@@ -77,8 +77,8 @@ class CudaSession:
                     got = r[1]
                 elif r[0] == SUCCESS:
                     d.cuMemAddressFree(r[1], VA_RESERVE)
-            everyone = agree("1" if got is not None else "0") if agree else ["1" if got is not None else "0"]
-            if all(x == "1" for x in everyone):
+            mine = "1" if got is not None else "0"
+            if all(x == "1" for x in (agree(mine) if agree else [mine])):
                 return cls(dev, recorder, want, VA_RESERVE, free)
             if got is not None:
                 d.cuMemAddressFree(got, VA_RESERVE)
@@ -93,11 +93,7 @@ class CudaSession:
             raise ValueError(f"arena of {size} bytes exceeds the reserved address range")
         handle = ck(d.cuMemCreate(size, _alloc_prop(self.device.ordinal), 0), "cuMemCreate")
         ck(d.cuMemMap(d.CUdeviceptr(self.base), size, 0, handle, 0), "cuMemMap")
-        acc = d.CUmemAccessDesc()
-        acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        acc.location.id = self.device.ordinal
-        acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        ck(d.cuMemSetAccess(d.CUdeviceptr(self.base), size, [acc], 1), "cuMemSetAccess")
+        grant_access(self.base, size, [self.device.ordinal])
         ck(d.cuMemsetD8(d.CUdeviceptr(self.base), 0, size), "cuMemsetD8")
         self._handles.append(handle)
         self.mapped = size

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-SUM, GATHER, FROM_ZERO = 0, 1, 2
+from flare.prepare.parallel import FROM_ZERO, GATHER, SUM  # noqa: F401 (the modes, re-exported)
+
 BLOCKS = 32  # programs per collective (and flag words per rank); small, so peers always co-reside
 BLOCK = 2048
 SPIN = 1 << 26  # polls of a peer's flag before the launch traps (tens of seconds)
