@@ -25,7 +25,9 @@ import time
 import numpy as np
 from cuda.bindings import driver as d
 
+from flare.core import interface as io
 from flare.core.manifest import ProgramKind, load_manifest
+from flare.core.sampling_params import NEUTRAL
 from flare.runtime.cuda_driver import ck
 from flare.runtime.cuda_executor import CudaExecutor
 
@@ -34,19 +36,17 @@ def _setup_slots(ex: CudaExecutor, m, batch: int) -> None:
     c = m.capacities
     per = (m.pages.num_pages - 1) // c.slots
     for s in range(1, c.slots + 1):
-        table = np.zeros(c.max_pages_per_slot, np.int32)
         n = min(per, c.max_pages_per_slot)
-        table[:n] = np.arange(1 + (s - 1) * per, 1 + (s - 1) * per + n)
-        for name, value in {
-            "state.len": 16, "state.pending": 100 + s, "state.generated": 0, "state.max_new": 1 << 30,
-            "state.done": 0, "state.seed": s, "state.counter": 0, "state.top_k": 20,
-            "state.sampling": np.array([1.0, 0.95, 0.0, 1.0, 0.0, 0.0], np.float32),
-            "state.stop_ids": np.full(c.stop_ids, -1, np.int32), "state.page_table": table,
-        }.items():
-            ex.write(name, np.asarray(value), s)
+        rows = io.slot_state(pending=100 + s, generated=0, max_new=1 << 30, seed=s,
+                             sampling={**NEUTRAL, "top_k": 20, "top_p": 0.95}, stop_ids=(), stop_capacity=c.stop_ids,
+                             pages=range(1 + (s - 1) * per, 1 + (s - 1) * per + n), max_pages=c.max_pages_per_slot,
+                             mask_on=False)
+        rows["state.len"] = np.int32(16)  # a short history already in KV
+        for name, value in rows.items():
+            ex.write(name, value, s)
     slots = np.zeros(max(c.decode_capacities), np.int32)
     slots[:batch] = np.arange(1, batch + 1)
-    ex.write("in.decode_slots", slots)
+    ex.write(io.DECODE_SLOTS, slots)
 
 
 def copy_bandwidth(ex: CudaExecutor, m) -> float:
@@ -126,24 +126,25 @@ def program_times(ex: CudaExecutor, m, history: int = 4096, tail: int = 11, shor
         cap = next(x for x in c.prefill_capacities if x >= n)  # as the scheduler picks it
         tokens = np.zeros(max(c.prefill_capacities), np.int32)
         tokens[:n] = rng.integers(1000, min(30000, c.sampling_vocab), n)
-        return f"prefill.{cap}", [("state.len", np.int32(start), 1), ("in.tokens", tokens, None),
-                                  ("in.prefill", np.array([1, n, 1, 0], np.int32), None)]
+        return f"prefill.{cap}", [("state.len", np.int32(start), 1), (io.TOKENS, tokens, None),
+                                  (io.PrefillInput.buffer, io.pack(io.PrefillInput(1, n, 1)), None)]
 
     out = {"history_tokens": history, "tail_tokens": tail, "short_tokens": short}
     tokens = np.zeros(admit.capacity, np.int32)
     out["admit"] = {"program": admit.name, "gpu_ms": _timed_launch(
-        ex, admit.name, [("in.tokens", tokens, None), ("in.admit", np.array([1, short, 1, 0], np.int32), None)])}
+        ex, admit.name, [(io.TOKENS, tokens, None),
+                         (io.AdmitInput.buffer, io.pack(io.AdmitInput(1, short, 1, io.AdmitMode.prompt)), None)])}
     for key, (start, n) in {"prefill_cold_short": (0, short), "prefill_hit_tail": (history, tail),
                             "prefill_cold_tail": (0, tail)}.items():
         name, writes = prefill(start, n)
         out[key] = {"program": name, "gpu_ms": _timed_launch(ex, name, writes)}
     if c.snapshot_rows:
-        state = [("in.state", np.array([1, 1, page, history], np.int32), None)]
+        state = [(io.StateInput.buffer, io.pack(io.StateInput(1, 1, page, history)), None)]
         out["restore"] = {"program": "restore.1", "gpu_ms": _timed_launch(ex, "restore.1", state)}
         out["snapshot"] = {"program": "snapshot.1", "gpu_ms": _timed_launch(
             ex, "snapshot.1", [("state.len", np.int32(history), 1), *state])}
     out["resume"] = {"program": "resume.1", "gpu_ms": _timed_launch(
-        ex, "resume.1", [("in.prefill", np.array([1, 0, 1, 0], np.int32), None)])}
+        ex, "resume.1", [(io.PrefillInput.buffer, io.pack(io.PrefillInput(1, 0, 1)), None)])}
     return out
 
 

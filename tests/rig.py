@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from flare.core import interface as io
 from flare.core.image import iter_image
 from flare.core.manifest import Manifest, ProgramKind, load_manifest
+from flare.core.sampling_params import NEUTRAL
 from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
 from flare.prepare.recipes import by_name
 
@@ -30,7 +32,7 @@ class Rig:
     arena: torch.Tensor
     v: dict[str, torch.Tensor]
     run: dict
-    model: torch.nn.Module
+    model: torch.nn.Module  # the Transformers module tree, bound to the arena
     specs: list
     free_pages: list[int] = field(default_factory=list)
     # Frontend pieces, set by tests that build prompts from text (TextCodec, ChatTemplate).
@@ -55,44 +57,44 @@ def load_rig(core: Path, seed: int = 0, *, compiled: bool = False) -> Rig:
             assert f.readinto(host[b.offset : b.offset + n]) == n
     views = arena_views(arena, m.buffers)
     recipe = by_name(m.reference.recipe)
-    model = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
-    specs = recipe.weights(model)
-    recipe.bind(model, specs, views)
-    programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference", m.continuation)
+    pm = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
+    specs = recipe.weights(pm)
+    recipe.bind(pm, specs, views)
+    programs = ProgramSet(recipe, pm, views, m.capacities, m.pages.page_size, "reference", m.continuation)
     if compiled:
         programs.compile_glue()
     run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
-    r = Rig(core, m, arena, views, run, model, specs)
+    r = Rig(core, m, arena, views, run, pm.module, specs)
     # Pages in a scrambled order: page tables are never the identity or contiguous.
     r.free_pages = random.Random(seed).sample(range(1, m.pages.num_pages), m.pages.num_pages - 1)
     return r
 
 
+def write_rows(r: Rig, slot: int, rows: dict) -> None:
+    for name, value in rows.items():
+        r.v[name][slot] = torch.as_tensor(value)
+
+
+def write_input(r: Rig, row) -> None:
+    """A program input row (``flare.core.interface``) into its buffer."""
+    r.v[row.buffer][:] = torch.from_numpy(io.pack(row))
+
+
 def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int, *, top_k: int = 1,
-          chunks: int | None = None) -> None:
+          chunks: int | None = None, sampling: dict | None = None) -> None:
     """Write the slot's state rows and run the admit programs over the prompt (only its
-    first ``chunks`` admit chunks when given)."""
-    v, c = r.v, r.m.capacities
-    v["state.len"][slot] = 0
-    v["state.pending"][slot] = 0
-    v["state.generated"][slot] = 0
-    v["state.max_new"][slot] = 4096
-    v["state.done"][slot] = 0
-    v["state.seed"][slot] = seed
-    v["state.counter"][slot] = 0
-    v["state.top_k"][slot] = top_k  # 1 = greedy: the sampled token is the argmax of out.logits
-    v["state.sampling"][slot] = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
-    stops = torch.full((c.stop_ids,), -1, dtype=torch.int32)
-    stops[: len(r.m.frontend.eos_ids)] = torch.tensor(r.m.frontend.eos_ids)
-    v["state.stop_ids"][slot] = stops
-    table = torch.zeros(c.max_pages_per_slot, dtype=torch.int32)
-    table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
-    v["state.page_table"][slot] = table
+    first ``chunks`` admit chunks when given). Sampling is neutral but for ``top_k``
+    (1 = greedy: the sampled token is the argmax of out.logits) and ``sampling``."""
+    c = r.m.capacities
+    write_rows(r, slot, io.slot_state(
+        pending=0, generated=0, max_new=4096, seed=seed, sampling={**NEUTRAL, "top_k": top_k, **(sampling or {})},
+        stop_ids=r.m.frontend.eos_ids, stop_capacity=c.stop_ids, pages=pages, max_pages=c.max_pages_per_slot,
+        mask_on=False))
     C = r.m.programs_of(ProgramKind.admit)[0].capacity
     for i in range(0, max(len(prompt), 1), C)[:chunks]:
         chunk = prompt[i : i + C]
-        v["in.tokens"][: len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
-        v["in.admit"][:] = torch.tensor([slot, len(chunk), int(i == 0), 0], dtype=torch.int32)
+        r.v[io.TOKENS][: len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
+        write_input(r, io.AdmitInput(slot, len(chunk), int(i == 0), io.AdmitMode.prompt))
         r.run[f"admit.{C}"]()
 
 
@@ -110,15 +112,19 @@ def prefill(r: Rig, slot: int, tokens: list[int], *, sample: bool = True, splits
     for a, b in bounds:
         n = b - a
         cap = next(c for c in r.m.capacities.prefill_capacities if c >= n)
-        v["in.tokens"][:n] = torch.tensor(tokens[a:b], dtype=torch.int32)
-        v["in.prefill"][:] = torch.tensor([slot, n, int(sample and b == len(tokens)), 0], dtype=torch.int32)
+        v[io.TOKENS][:n] = torch.tensor(tokens[a:b], dtype=torch.int32)
+        write_input(r, io.PrefillInput(slot, n, int(sample and b == len(tokens))))
         r.run[f"prefill.{cap}"]()
         rows.append(v["out.prefill_hidden"][:n].clone())
         assert int(v["state.len"][slot]) == start_len + b
-    return torch.cat(rows), v["out.logits"][0].clone(), v["out.prefill_completion"][0].clone()
+    return torch.cat(rows), v["out.logits"][0].clone(), completion(r, io.PREFILL_COMPLETION)[0]
 
 
-def decode(r: Rig, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def completion(r: Rig, buffer: str, n: int = 1) -> list[io.Completion]:
+    return [io.unpack(io.Completion, row) for row in r.v[buffer][:n]]
+
+
+def decode(r: Rig, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, list[io.Completion]]:
     """One teacher-forced decode step: each slot consumes the given token."""
     v = r.v
     cap = next(c for c in r.m.capacities.decode_capacities if c >= len(slots))
@@ -127,27 +133,29 @@ def decode(r: Rig, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, t
     for s, t in zip(slots, tokens):
         v["state.pending"][s] = t
         v["state.done"][s] = 0
-    v["in.decode_slots"][:] = batch
+    v[io.DECODE_SLOTS][:] = batch
     r.run[f"decode.{cap}"]()
-    return v["out.logits"][: len(slots)].clone(), v["out.decode_completion"][: len(slots)].clone()
+    return v["out.logits"][: len(slots)].clone(), completion(r, io.DECODE_COMPLETION, len(slots))
 
 
-def snapshot(r: Rig, slot: int, row: int, page: int, count: int) -> torch.Tensor:
-    r.v["in.state"][:] = torch.tensor([slot, row, page, count], dtype=torch.int32)
-    r.run["snapshot.1"]()
-    return r.v["out.state_completion"][0].clone()
+def _state_program(r: Rig, name: str, slot: int, row: int, page: int, count: int) -> io.StateCompletion:
+    write_input(r, io.StateInput(slot, row, page, count))
+    r.run[name]()
+    return io.unpack(io.StateCompletion, r.v[io.STATE_COMPLETION][0])
 
 
-def restore(r: Rig, slot: int, row: int, page: int, count: int) -> torch.Tensor:
-    r.v["in.state"][:] = torch.tensor([slot, row, page, count], dtype=torch.int32)
-    r.run["restore.1"]()
-    return r.v["out.state_completion"][0].clone()
+def snapshot(r: Rig, slot: int, row: int, page: int, count: int) -> io.StateCompletion:
+    return _state_program(r, "snapshot.1", slot, row, page, count)
 
 
-def resume(r: Rig, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    r.v["in.prefill"][:] = torch.tensor([slot, 0, 1, 0], dtype=torch.int32)
+def restore(r: Rig, slot: int, row: int, page: int, count: int) -> io.StateCompletion:
+    return _state_program(r, "restore.1", slot, row, page, count)
+
+
+def resume(r: Rig, slot: int) -> tuple[torch.Tensor, io.Completion]:
+    write_input(r, io.PrefillInput(slot, 0, 1))
     r.run["resume.1"]()
-    return r.v["out.logits"][0].clone(), r.v["out.prefill_completion"][0].clone()
+    return r.v["out.logits"][0].clone(), completion(r, io.PREFILL_COMPLETION)[0]
 
 
 def tail_page(r: Rig, pages: list[int], count: int) -> int:

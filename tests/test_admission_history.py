@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from flare.core import interface as io
 from flare.core.manifest import ProgramKind, load_manifest
 from flare.runtime.request import Request, SamplingParams
 from flare.runtime.scheduler import Scheduler
@@ -40,7 +41,7 @@ def test_admit_programs_per_request(tiny_core):
             steps.append(step)
             sched.complete(step, None)
         counts[name] = len(steps)
-        assert steps[0].writes[-1].value[2] == 1  # the first chunk clears the slot
+        assert io.unpack(io.AdmitInput, steps[0].writes[-1].value).clear == 1  # the first chunk clears the slot
     assert counts == {"neutral": 1, "repetition": 3, "presence": 3, "frequency": 3}
 
 
@@ -51,18 +52,18 @@ def _decode_run(r, slot: int, steps: int) -> tuple[list[int], torch.Tensor]:
     for _ in range(steps):
         batch = torch.zeros(cap, dtype=torch.int32)
         batch[0] = slot
-        v["in.decode_slots"][:] = batch
+        v[io.DECODE_SLOTS][:] = batch
         r.run[f"decode.{min(r.m.capacities.decode_capacities)}"]()
-        tokens.append(int(v["out.decode_completion"][0, 1]))
+        tokens.append(io.unpack(io.Completion, v[io.DECODE_COMPLETION][0]).token)
         logits.append(v["out.logits"][0].clone())
     return tokens, torch.stack(logits)
 
 
 def _sampled(r, prompt, *, repetition: float, chunks: int | None, slot: int):
     ps = r.m.pages.page_size
-    admit(r, slot, prompt, r.pages(-(-(len(prompt) + 16) // ps)), seed=11, top_k=20, chunks=chunks)
-    r.v["state.sampling"][slot] = torch.tensor([1.0, 0.95, 0.0, repetition, 0.0, 0.0])
-    first = int(prefill(r, slot, prompt)[2][1])
+    admit(r, slot, prompt, r.pages(-(-(len(prompt) + 16) // ps)), seed=11, top_k=20, chunks=chunks,
+          sampling=dict(top_p=0.95, repetition_penalty=repetition))
+    first = prefill(r, slot, prompt)[2].token
     tokens, logits = _decode_run(r, slot, 12)
     return [first, *tokens], logits
 

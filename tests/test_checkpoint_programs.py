@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flare.core import interface as io
 from flare.core.manifest import snapshot_buffer
 from tests.rig import admit, decode, load_rig, prefill, restore, resume, snapshot, tail_page
 
@@ -53,7 +54,7 @@ def test_snapshot_restore_round_trip_is_bitwise(rig):
     snaps_before = {n: v[snapshot_buffer(n)].clone() for n in cont}
     everything = {n: v[n].clone() for n in state_names(rig)}
     rec = snapshot(rig, 1, 3, tail_page(rig, pages1, S), S)
-    assert rec.tolist() == [1, 3, S, 0]
+    assert rec == io.StateCompletion(slot=1, row=3, consumed=S)
     # Only row 3 of each snapshot buffer changed, to exactly the live row; live state untouched.
     for n in cont:
         snap = v[snapshot_buffer(n)]
@@ -74,7 +75,7 @@ def test_snapshot_restore_round_trip_is_bitwise(rig):
     snap_after = {n: v[snapshot_buffer(n)].clone() for n in (*cont,)}
     tail_snap = v[m.continuation.tail].clone()
     rec = restore(rig, 2, 3, tail_page(rig, pages2, S), S)
-    assert rec.tolist() == [2, 3, S, 0]
+    assert rec == io.StateCompletion(slot=2, row=3, consumed=S)
     for n in cont:
         assert torch.equal(v[n][2], live[n]), n  # bitwise, every continuation buffer
         assert torch.equal(v[snapshot_buffer(n)], snap_after[n]), n  # the source stays immutable
@@ -115,8 +116,8 @@ def test_resume_samples_what_the_prefill_sampled(rig):
     restore(rig, 3, 6, tail_page(rig, pages_b, len(P)), len(P))
     logits, rec = resume(rig, 3)
     assert torch.equal(logits, head)  # the saved hidden vector through the same head
-    assert rec.tolist() == [3, int(record[1]), 1, int(record[3])]
-    assert int(rig.v["state.pending"][3]) == int(record[1]) and int(rig.v["state.len"][3]) == len(P)
+    assert rec == io.Completion(3, record.token, 1, record.status)
+    assert int(rig.v["state.pending"][3]) == record.token and int(rig.v["state.len"][3]) == len(P)
 
 
 def test_padded_and_finished_rows_keep_their_state(rig):

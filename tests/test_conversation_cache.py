@@ -49,7 +49,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flare.core import interface as io
 from flare.core.manifest import Manifest, ProgramKind, load_manifest
+from flare.core.sampling_params import NEUTRAL
 from flare.runtime.reference import ReferenceExecutor
 from flare.runtime.request import Request
 from flare.runtime.scheduler import Scheduler
@@ -127,16 +129,13 @@ async def partitioned(ex, m: Manifest, prompt: list[int], cuts: list[int], force
     """Logits at every generated position when ``prompt`` is prefilled in chunks cut at
     ``cuts`` (and at the chunk capacity) and the generated tokens are teacher-forced."""
     c, ps, slot = m.capacities, m.pages.page_size, 1
-    pages = np.zeros(c.max_pages_per_slot, np.int32)
     n_pages = -(-(len(prompt) + len(forced)) // ps)
-    pages[:n_pages] = np.arange(1, n_pages + 1)
-    for name, value in (("state.len", 0), ("state.done", 0), ("state.generated", 0), ("state.max_new", 1 << 20),
-                        ("state.top_k", 0), ("state.counter", 0), ("state.seed", 1)):
-        ex.write(name, np.asarray(value, ex.view(name).dtype), slot)
-    ex.write("state.sampling", np.array([1, 1, 0, 1, 0, 0], np.float32), slot)
-    ex.write("state.stop_ids", np.full(c.stop_ids, -1, np.int32), slot)
-    ex.write("state.page_table", pages, slot)
-    ex.write("in.admit", np.array([slot, 0, 1, 0], np.int32))  # clears the slot's continuation state
+    for name, value in io.slot_state(pending=0, generated=0, max_new=1 << 20, seed=1, sampling=NEUTRAL, stop_ids=(),
+                                     stop_capacity=c.stop_ids, pages=range(1, n_pages + 1),
+                                     max_pages=c.max_pages_per_slot, mask_on=False).items():
+        ex.write(name, value, slot)
+    # Clears the slot's continuation state.
+    ex.write(io.AdmitInput.buffer, io.pack(io.AdmitInput(slot, 0, clear=1, mode=io.AdmitMode.prompt)))
     ex.submit(m.programs_of(ProgramKind.admit)[0].name)
     bounds, start = [], 0
     for cut in sorted({*cuts, len(prompt)}):
@@ -146,8 +145,8 @@ async def partitioned(ex, m: Manifest, prompt: list[int], cuts: list[int], force
             start = end
     out = []
     for a, b in bounds:
-        ex.write("in.tokens", np.asarray(prompt[a:b], np.int32))
-        ex.write("in.prefill", np.array([slot, b - a, int(b == len(prompt)), 0], np.int32))
+        ex.write(io.TOKENS, np.asarray(prompt[a:b], np.int32))
+        ex.write(io.PrefillInput.buffer, io.pack(io.PrefillInput(slot, b - a, int(b == len(prompt)))))
         ex.submit(f"prefill.{next(x for x in c.prefill_capacities if x >= b - a)}")
     await ex.wait()
     out.append(ex.read("out.logits")[0])

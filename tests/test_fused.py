@@ -125,7 +125,7 @@ def test_layers_share_one_fused_class():
     must be the same class, or each layer recompiles the shared layer code."""
     cfg = _config("llama")
     cfg.num_hidden_layers = 3
-    layers = by_name("decoder").decoder_layers(by_name("decoder").build(cfg, torch.float32))
+    layers = by_name("decoder").decoder_layers(by_name("decoder").build(cfg, torch.float32).module)
     assert len({type(layer.self_attn) for layer in layers}) == 1
     assert len({type(layer.mlp) for layer in layers}) == 1
     assert type(layers[0].self_attn).__name__ == "FusedLlamaAttention"
@@ -138,10 +138,11 @@ def test_compiled_layers_compile_once():
     cfg = _config("llama")
     cfg.num_hidden_layers = 3
     recipe = by_name("decoder")
-    model = recipe.build(cfg, torch.float64)
-    specs = recipe.weights(model)
+    pm = recipe.build(cfg, torch.float64)
+    specs = recipe.weights(pm)
     torch.manual_seed(0)
-    recipe.bind(model, specs, {s.buffer: torch.randn(s.shape, dtype=torch.float64) * 0.1 for s in specs})
+    recipe.bind(pm, specs, {s.buffer: torch.randn(s.shape, dtype=torch.float64) * 0.1 for s in specs})
+    model = pm.module
     counts = {"frames": 0}
 
     def backend(gm, inputs):
@@ -177,8 +178,8 @@ def test_recipe_buffers_hold_the_checkpoint_rows():
     cfg = _config("llama")
     cfg.num_hidden_layers = 2
     for tp in (TensorParallel(0, 1), TensorParallel(1, 2)):
-        model = recipe.build(cfg, torch.float32, tp=tp)
-        specs = {s.buffer: s for s in recipe.weights(model)}
+        pm = recipe.build(cfg, torch.float32, tp=tp)
+        specs = {s.buffer: s for s in recipe.weights(pm)}
         assert not any("q_proj" in b or "gate_proj" in b for b in specs)
         qkv = specs["w.model.layers.1.self_attn.qkv_proj.weight"]
         assert [(p.name, p.rows) for p in qkv.parts] == [
@@ -196,8 +197,8 @@ def test_recipe_buffers_hold_the_checkpoint_rows():
         gate_up = specs["w.model.layers.0.mlp.gate_up_proj.weight"]
         assert [p.rows for p in gate_up.parts] == [96 // tp.size] * 2
         # Bound, the fused module splits its output into the rank's part sizes.
-        recipe.bind(model, list(specs.values()), {b: torch.zeros(s.shape) for b, s in specs.items()})
-        fused = model.model.layers[0].self_attn.qkv_proj
+        recipe.bind(pm, list(specs.values()), {b: torch.zeros(s.shape) for b, s in specs.items()})
+        fused = pm.module.model.layers[0].self_attn.qkv_proj
         assert isinstance(fused, FusedLinear) and fused.sizes == [64 // tp.size, 32 // tp.size, 32 // tp.size]
 
 
@@ -213,3 +214,27 @@ def test_unknown_modules_are_left_alone():
     layer.self_attn = Attention()
     assert fuse_projections([layer]) == 0
     assert type(layer.self_attn) is Attention and hasattr(layer.self_attn, "q_proj")
+
+
+def test_a_layer_class_neither_fused_replaced_nor_eager_is_an_error():
+    """The recipe base refuses a decoder layer child it was not told about, instead of
+    running it silently as written: here the decoder recipe with its norm class missing
+    from ``eager``, and a copy of the hybrid recipe that forgot its gated attention."""
+    from flare.prepare.recipes import RecipeError
+    from flare.prepare.recipes.decoder import DecoderRecipe
+    from flare.prepare.recipes.qwen3_5 import Qwen35Recipe
+    from flare.prepare.sources import resolve
+
+    class Forgetful(DecoderRecipe):
+        eager = frozenset()
+
+    with pytest.raises(RecipeError, match=r"layer 0\.input_layernorm is a LlamaRMSNorm, which the decoder recipe"):
+        Forgetful().build(_config("llama"), torch.float32)
+
+    class NoGatedAttention(Qwen35Recipe):
+        eager = Qwen35Recipe.eager - {"Qwen3_5Attention"}
+
+    with pytest.raises(RecipeError, match=r"layer 1\.self_attn is a Qwen3_5Attention"):
+        NoGatedAttention().build(resolve("qwen3_5-tiny").config, torch.float32)
+    # The declared recipes build.
+    assert by_name("qwen3_5").build(resolve("qwen3_5-tiny").config, torch.float32).module is not None

@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from flare.core import interface as io
 from flare.core.errors import AdmissionError, FrontendError, ModelOutputError
 from flare.core.manifest import HIST_PROMPT_BIT, Manifest, ProgramKind, load_manifest, \
     runtime_buffer_shapes
@@ -190,18 +191,18 @@ class FakeDevice:
             self.apply(w)
         self.log.append((step.program, [r.id for r in step.requests]))
         if step.kind == ProgramKind.admit:
-            slot, count, clear, mode = (int(x) for x in self.a["in.admit"])
-            toks = self.a["in.tokens"][:count]
+            slot, count, clear, mode = io.unpack(io.AdmitInput, self.a[io.AdmitInput.buffer])
+            toks = self.a[io.TOKENS][:count]
             if clear:
                 self.a["state.hist"][slot] = 0
                 self.state[slot] = ()
-            if mode == 0:
+            if mode == io.AdmitMode.prompt:
                 self.a["state.hist"][slot, np.unique(toks)] |= HIST_PROMPT_BIT
             else:
                 np.add.at(self.a["state.hist"][slot], toks, 1)
             return None
         if step.kind in (ProgramKind.snapshot, ProgramKind.restore):
-            slot, row, page, count = (int(x) for x in self.a["in.state"])
+            slot, row, page, count = io.unpack(io.StateInput, self.a[io.StateInput.buffer])
             assert row != 0 and slot != 0
             if step.kind == ProgramKind.snapshot:
                 self.snap[row] = self.state[slot]
@@ -214,18 +215,18 @@ class FakeDevice:
                 self.state[slot] = self.snap[row]
                 self.kv[page] = self.snap_tail[row]
                 self.a["state.len"][slot] = consumed = count
-            return np.array([[slot, row, consumed, 0]], np.int32)
+            return io.pack(io.StateCompletion(slot, row, consumed))[None]
         if step.kind == ProgramKind.resume:
-            slot, n, sample, _ = (int(x) for x in self.a["in.prefill"])
+            slot, n, sample, _ = io.unpack(io.PrefillInput, self.a[io.PrefillInput.buffer])
             req = step.requests[0]
             self._check_history(req, slot)
             live = np.array([sample != 0 and self.a["state.done"][slot] == 0])
             return self._sample_and_commit(np.array([slot]), live)
         if step.kind == ProgramKind.prefill:
-            slot, n, sample, _ = (int(x) for x in self.a["in.prefill"])
+            slot, n, sample, _ = io.unpack(io.PrefillInput, self.a[io.PrefillInput.buffer])
             req = step.requests[0]
             start = int(self.a["state.len"][slot])
-            assert list(self.a["in.tokens"][:n]) == req.target[start : start + n]
+            assert list(self.a[io.TOKENS][:n]) == req.target[start : start + n]
             self._check_history(req, slot)
             for pos in range(start, start + n):
                 self._write_kv(req, slot, pos, req.target[pos])
@@ -233,7 +234,7 @@ class FakeDevice:
             self.a["state.len"][slot] = start + n
             live = np.array([sample != 0 and self.a["state.done"][slot] == 0])
             return self._sample_and_commit(np.array([slot]), live)
-        slots = self.a["in.decode_slots"][: step_capacity(step)].astype(np.int64)
+        slots = self.a[io.DECODE_SLOTS][: step_capacity(step)].astype(np.int64)
         live = (slots > 0) & (self.a["state.done"][slots] == 0)
         for i, s in enumerate(slots):
             if live[i]:
@@ -266,24 +267,25 @@ class FakeDevice:
 
     def _sample_and_commit(self, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
         a = self.a
-        rec = np.zeros((len(slots), 4), np.int32)
+        rec = np.zeros((len(slots), len(io.Completion._fields)), np.int32)
         for i, s in enumerate(slots):
             gen = int(a["state.generated"][s])
             if not live[i]:
-                rec[i] = (s, -1, gen, -1)
+                rec[i] = io.pack(io.Completion(s, -1, gen, io.Status.inactive))
                 continue
             tok = token_fn(int(a["state.seed"][s]), int(a["state.counter"][s]))
             if a["state.mask_on"][s]:  # as the sampler: only allowed tokens, chosen by the same draw
                 allowed = allowed_tokens(a["in.token_mask"][s])
                 tok = allowed[tok % len(allowed)]
             gen += 1
-            status = 1 if tok in a["state.stop_ids"][s] else (2 if gen >= a["state.max_new"][s] else 0)
+            status = (io.Status.stop if tok in a["state.stop_ids"][s]
+                      else io.Status.length if gen >= a["state.max_new"][s] else io.Status.running)
             a["state.pending"][s] = tok
             a["state.generated"][s] = gen
             a["state.counter"][s] += 1
             a["state.done"][s] = status
             a["state.hist"][s, tok] += 1
-            rec[i] = (s, tok, gen, status)
+            rec[i] = io.pack(io.Completion(s, tok, gen, status))
         return rec
 
 
@@ -386,12 +388,13 @@ def test_single_request_reservation_growth_and_length_finish(tiny_core):
     w = {x.buffer: x for x in first.writes}
     assert list(w["state.page_table"].value[:4]) == [1, 2, 3, 0] and w["state.page_table"].row == 1
     assert list(w["state.stop_ids"].value[:2]) == [2, -1]  # the tiny core's EOS set, nothing else
-    assert list(w["in.admit"].value) == [1, 20, 1, 0]
+    assert io.unpack(io.AdmitInput, w["in.admit"].value) == io.AdmitInput(1, 20, clear=1, mode=io.AdmitMode.prompt)
     assert list(w["in.tokens"].value) == a.prompt
     assert (int(w["state.seed"].value), int(w["state.max_new"].value)) == (1, 40)
     pre = d.step()
     assert (pre.program, pre.count, pre.sample) == ("prefill.128", 20, True)
-    assert [list(x.value) for x in pre.writes if x.buffer == "in.prefill"] == [[1, 20, 1, 0]]
+    assert [io.unpack(io.PrefillInput, x.value) for x in pre.writes if x.buffer == "in.prefill"] == [
+        io.PrefillInput(1, 20, sample=1)]
     d.run()
     # Growth one page ahead: at consumed 32 (the first token of page 3) page 4 is added,
     # and never more: prompt + max_tokens = 60 tokens fit in 4 pages.
@@ -432,14 +435,17 @@ def test_preemption_of_newest_decoder_and_readmission(tiny_core):
     w = {x.buffer: x.value for x in admit1.writes}
     assert int(w["state.generated"]) == 56 and int(w["state.pending"]) == token_fn(22, 55)
     assert int(w["state.seed"]) == reseeded and int(w["state.counter"]) == 0 and int(w["state.len"]) == 0
-    assert list(w["in.admit"]) == [2, 16, 1, 0]  # prompt: clear the row, set prompt bits
-    assert list({x.buffer: x.value for x in admit2.writes}["in.admit"]) == [2, 56, 0, 1]  # output counts
+    # The prompt clears the row and sets prompt bits; the output adds counts.
+    assert io.unpack(io.AdmitInput, w["in.admit"]) == io.AdmitInput(2, 16, clear=1, mode=io.AdmitMode.prompt)
+    assert io.unpack(io.AdmitInput, {x.buffer: x.value for x in admit2.writes}["in.admit"]) == io.AdmitInput(
+        2, 56, clear=0, mode=io.AdmitMode.output)
     # The penalty histogram rebuilt by the admit steps equals the one B had before.
     assert np.array_equal(d.dev.a["state.hist"][2], hist_b)
     assert int(hist_b.sum() & (HIST_PROMPT_BIT - 1)) > 0
     refill = d.step()
     assert refill.program == "prefill.128" and (refill.count, refill.sample) == (71, False)
-    assert list({x.buffer: x.value for x in refill.writes}["in.prefill"]) == [2, 71, 0, 0]
+    assert io.unpack(io.PrefillInput, {x.buffer: x.value for x in refill.writes}["in.prefill"]) == io.PrefillInput(
+        2, 71, sample=0)
     assert b.output == [token_fn(22, i) for i in range(56)]  # the refill sampled nothing
     assert d.step().program == "decode.1"
 
@@ -531,8 +537,8 @@ def test_prefill_chunking_interleaved_with_decode(tiny_core):
     ]
     chunks = [s for s in d.steps if s.kind == ProgramKind.prefill and s.requests == [b]]
     assert [s.sample for s in chunks] == [False, False, True]
-    assert [list(w.value) for s in chunks for w in s.writes if w.buffer == "in.prefill"] == [
-        [2, 128, 0, 0], [2, 128, 0, 0], [2, 44, 1, 0]]
+    assert [io.unpack(io.PrefillInput, w.value) for s in chunks for w in s.writes if w.buffer == "in.prefill"] == [
+        io.PrefillInput(2, 128, 0), io.PrefillInput(2, 128, 0), io.PrefillInput(2, 44, 1)]
     assert b.output == [token_fn(6, i) for i in range(3)] and a.output == [token_fn(5, i) for i in range(8)]
     # Reservation: min(300 + 16, 300 + 3) = 303 tokens -> 19 pages, no growth.
     assert [len(p) for _, p in d.pages["B"]] == [19, 0]

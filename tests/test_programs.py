@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from flare.core import interface as io
 from flare.core.manifest import HIST_PROMPT_BIT
 from flare.prepare.recipes import by_name
 from flare.server.template import ChatTemplate
@@ -156,9 +157,9 @@ GROUPS = ((0, 1, 2, 3), (4, 5, 6), (7, 8), (9,), (10, 11, 12))
 class Outcome:
     prefill_hidden: torch.Tensor  # [L, H] float32 out.prefill_hidden rows
     prefill_head: torch.Tensor  # [V] float32 out.logits of the last prompt token
-    prefill_record: torch.Tensor
+    prefill_record: io.Completion
     decode_rows: torch.Tensor  # [DECODE_STEPS, V] float32 out.logits
-    decode_records: torch.Tensor  # [DECODE_STEPS, 4]
+    decode_records: list[io.Completion]  # one per decode step
     state_after_prefill: dict
 
 
@@ -184,8 +185,7 @@ def flare_outcomes(rig, cases, hf_models) -> list[Outcome]:
             recs.append(record)
         for k, i in enumerate(group):
             p = pre[i]
-            out[i] = Outcome(p[0], p[1], p[2], torch.stack([x[k] for x in rows]), torch.stack([x[k] for x in recs]),
-                             p[3])
+            out[i] = Outcome(p[0], p[1], p[2], torch.stack([x[k] for x in rows]), [x[k] for x in recs], p[3])
     return out
 
 
@@ -293,9 +293,9 @@ def test_prefill_last_row_head_and_greedy_sample(rig, cases, flare_outcomes, hf_
     for c, o, (l32, l64) in zip(cases, flare_outcomes, hf_logits):
         L = len(c.prompt)
         assert float((o.prefill_head.double() - l32[L - 1].double()).abs().max()) <= bound
-        slot, tok, generated, status = o.prefill_record.tolist()
+        slot, tok, generated, status = o.prefill_record
         assert tok == int(o.prefill_head.argmax()) and generated == 1
-        assert status == (1 if tok in rig.m.frontend.eos_ids else 0)
+        assert status == (io.Status.stop if tok in rig.m.frontend.eos_ids else io.Status.running)
         if tok != int(l64[L - 1].argmax()):
             assert float(l64[L - 1].max() - l64[L - 1, tok]) <= bound
         st = o.state_after_prefill
@@ -311,8 +311,8 @@ def test_prefill_last_row_head_and_greedy_sample(rig, cases, flare_outcomes, hf_
 def test_decode_records_are_greedy_and_counted(cases, flare_outcomes):
     for c, o in zip(cases, flare_outcomes):
         recs = o.decode_records
-        assert recs[:, 1].tolist() == o.decode_rows.argmax(-1).tolist()
-        assert recs[:, 2].tolist() == list(range(2, 2 + DECODE_STEPS))
+        assert [r.token for r in recs] == o.decode_rows.argmax(-1).tolist()
+        assert [r.generated for r in recs] == list(range(2, 2 + DECODE_STEPS))
 
 
 def test_padded_and_finished_rows_write_nothing(rig):
@@ -346,12 +346,12 @@ def test_padded_and_finished_rows_write_nothing(rig):
     assert zero_pages()
     v["in.decode_slots"][:] = torch.tensor([1, 2, 0, 0], dtype=torch.int32)
     rig.run["decode.4"]()
-    rec = v["out.decode_completion"].clone()
+    rec = [io.unpack(io.Completion, row) for row in v[io.DECODE_COMPLETION]]
     L = len(prompts[1])
-    assert rec[0, 0] == 1 and rec[0, 1] >= 0 and rec[0, 2] == 2
-    assert rec[1].tolist() == [2, -1, 1, -1]
-    assert rec[2].tolist() == [0, -1, int(before["state.generated"][0]), -1]
-    assert rec[3].tolist() == rec[2].tolist()
+    assert rec[0].slot == 1 and rec[0].token >= 0 and rec[0].generated == 2
+    assert rec[1] == io.Completion(2, -1, 1, io.Status.inactive)
+    assert rec[2] == io.Completion(0, -1, int(before["state.generated"][0]), io.Status.inactive)
+    assert rec[3] == rec[2]
     for k in state_names:
         for row in range(v[k].shape[0]):
             if row != 1:
@@ -397,10 +397,10 @@ def test_grammar_mask_constrains_prefill_and_decode_samples(rig):
     v["in.token_mask"][1] = mask_row(allowed + [V - 1])
     v["in.token_mask"][2] = mask_row([3])
     _, head1, record = prefill(rig, 1, prompt)
-    first = int(record[1])
+    first = record.token
     assert first == max(allowed, key=lambda t: float(head1[t])) and first != free_choice
     v["in.token_mask"][1] = mask_row([7, 8])
     logits, records = decode(rig, [1, 2], [first, free_choice])
-    assert int(records[0, 1]) == max((7, 8), key=lambda t: float(logits[0, t]))
-    assert int(records[1, 1]) == int(logits[1].argmax()) and int(records[1, 1]) != 3
+    assert records[0].token == max((7, 8), key=lambda t: float(logits[0, t]))
+    assert records[1].token == int(logits[1].argmax()) and records[1].token != 3
     v["state.mask_on"][1] = 0

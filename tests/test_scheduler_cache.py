@@ -11,6 +11,8 @@ snapshot rows // slots, capped at 8."""
 
 from __future__ import annotations
 
+from flare.core import interface as io
+
 import numpy as np
 
 from flare.core.manifest import ProgramKind
@@ -28,8 +30,8 @@ def trace(steps) -> list[tuple]:
     out = []
     for s in steps:
         if s.kind in (ProgramKind.snapshot, ProgramKind.restore):
-            meta = next(w.value for w in s.writes if w.buffer == "in.state")
-            out.append((s.program, s.requests[0].id, tuple(int(x) for x in meta)))  # (slot, row, page, count)
+            meta = next(w.value for w in s.writes if w.buffer == io.StateInput.buffer)
+            out.append((s.program, s.requests[0].id, io.unpack(io.StateInput, meta)))  # (slot, row, page, count)
         elif s.kind == ProgramKind.prefill:
             out.append((s.program, s.requests[0].id, s.count))
         else:

@@ -39,9 +39,11 @@ import numpy as np
 import openai
 import pytest
 
+from flare.core import interface as io
 from flare.core import manifest as mf
 from flare.core.errors import ManifestError
 from flare.core.manifest import ProgramKind
+from flare.core.sampling_params import NEUTRAL
 from flare.runtime.reference import ReferenceExecutor
 from tests.conftest import TINY_OPTS, TORCH_THREADS, prepare_core, running_server, scrape_metrics
 
@@ -75,21 +77,16 @@ class Driver:
         c, w = self.m.capacities, self.ex.write
         pages = list(range(self.next_page, self.next_page + -(-(len(prompt) + GREEDY_STEPS + 1) // 16)))
         self.next_page += len(pages)
-        for name, value in (("state.len", 0), ("state.pending", 0), ("state.generated", 0), ("state.max_new", 4096),
-                            ("state.done", 0), ("state.seed", slot), ("state.counter", 0), ("state.top_k", 1),
-                            ("state.mask_on", 0)):
-            w(name, np.array(value), slot)
-        w("state.sampling", np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=np.float32), slot)
-        stops = np.full(c.stop_ids, -1, dtype=np.int32)  # no stop token: generations run their full length
-        w("state.stop_ids", stops, slot)
-        table = np.zeros(c.max_pages_per_slot, dtype=np.int32)
-        table[: len(pages)] = pages
-        w("state.page_table", table, slot)
+        # Greedy (top_k 1); no stop token: generations run their full length.
+        for name, value in io.slot_state(pending=0, generated=0, max_new=4096, seed=slot,
+                                         sampling={**NEUTRAL, "top_k": 1}, stop_ids=(), stop_capacity=c.stop_ids,
+                                         pages=pages, max_pages=c.max_pages_per_slot, mask_on=False).items():
+            w(name, value, slot)
         C = self.m.programs_of(ProgramKind.admit)[0].capacity
         for i in range(0, len(prompt), C):
             chunk = np.array(prompt[i : i + C], dtype=np.int32)
-            w("in.tokens", chunk)
-            w("in.admit", np.array([slot, len(chunk), int(i == 0), 0], dtype=np.int32))
+            w(io.TOKENS, chunk)
+            w(io.AdmitInput.buffer, io.pack(io.AdmitInput(slot, len(chunk), int(i == 0), io.AdmitMode.prompt)))
             await self.run(f"admit.{C}")
 
     async def prefill(self, slot: int, prompt: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -98,12 +95,13 @@ class Driver:
         for start in range(0, len(prompt), C):
             chunk = np.array(prompt[start : start + C], dtype=np.int32)
             cap = next(c for c in self.m.capacities.prefill_capacities if c >= len(chunk))
-            self.ex.write("in.tokens", chunk)
-            self.ex.write("in.prefill", np.array([slot, len(chunk), int(start + len(chunk) == len(prompt)), 0],
-                                                 dtype=np.int32))
+            self.ex.write(io.TOKENS, chunk)
+            self.ex.write(io.PrefillInput.buffer,
+                          io.pack(io.PrefillInput(slot, len(chunk), int(start + len(chunk) == len(prompt)))))
             await self.run(f"prefill.{cap}")
             rows.append(self.ex.read("out.prefill_hidden")[: len(chunk)])
-        return np.concatenate(rows), self.ex.read("out.logits")[0], int(self.ex.read("out.prefill_completion")[0, 1])
+        record = io.unpack(io.Completion, self.ex.read(io.PREFILL_COMPLETION)[0])
+        return np.concatenate(rows), self.ex.read("out.logits")[0], record.token
 
     async def decode(self, slots: list[int], forced: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
         """One step for ``slots``; ``forced`` overrides their pending tokens (teacher forcing).
@@ -113,9 +111,10 @@ class Driver:
             self.ex.write("state.pending", np.array(t), s)
         batch = np.zeros(max(self.m.capacities.decode_capacities), dtype=np.int32)
         batch[: len(slots)] = slots
-        self.ex.write("in.decode_slots", batch)
+        self.ex.write(io.DECODE_SLOTS, batch)
         await self.run(f"decode.{cap}")
-        return self.ex.read("out.logits")[: len(slots)], self.ex.read("out.decode_completion")[: len(slots), 1]
+        records = [io.unpack(io.Completion, r) for r in self.ex.read(io.DECODE_COMPLETION)[: len(slots)]]
+        return self.ex.read("out.logits")[: len(slots)], np.array([r.token for r in records])
 
 
 def _prompts(vocab: int) -> list[list[int]]:

@@ -25,7 +25,9 @@ import sys
 
 import numpy as np
 
+from flare.core import interface as io
 from flare.core.manifest import load_manifest, snapshot_buffer
+from flare.core.sampling_params import NEUTRAL
 from flare.runtime.engine import Engine
 from flare.runtime.executor import NUMPY_DTYPES
 from flare.runtime.request import Request, SamplingParams
@@ -48,9 +50,7 @@ class _Done:
 
 def _params(seed: int, max_tokens: int) -> SamplingParams:
     # top_k = 1: the sampled token is the argmax of the (penalty-free) logits.
-    return SamplingParams(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                          presence_penalty=0.0, frequency_penalty=0.0, seed=seed, max_tokens=max_tokens,
-                          ignore_eos=True)
+    return SamplingParams(**{**NEUTRAL, "top_k": 1}, seed=seed, max_tokens=max_tokens, ignore_eos=True)
 
 
 async def _generate(engine: Engine, prompts: list[list[int]], tokens: int, seeds: list[int]) -> list[Request]:
@@ -115,20 +115,20 @@ async def _roundtrip(ex, m) -> dict:
     kv = buffers["kv"]
     ex.write("kv", rng.integers(0, 256, kv.nbytes, dtype=np.uint8).view(NUMPY_DTYPES[kv.dtype]).reshape(kv.shape))
     page_before = kv_page(p1)
-    ex.write("in.state", np.array([s1, row, p1, count], np.int32))
+    ex.write(io.StateInput.buffer, io.pack(io.StateInput(s1, row, p1, count)))
     ex.submit("snapshot.1")
     await ex.wait()
-    snap_record = ex.read("out.state_completion")[0].tolist()
+    snap_record = list(io.unpack(io.StateCompletion, ex.read(io.STATE_COMPLETION)[0]))
     checks = {}
     for name in cont:
         checks[f"snapshot {name}"] = row_bytes(snapshot_buffer(name), row) == originals[name].tobytes()
     checks["snapshot tail page"] = row_bytes(tail, row) == page_before.tobytes()
     snaps_before = {n: read_bytes(snapshot_buffer(n)) for n in cont}
     tail_before = read_bytes(tail)
-    ex.write("in.state", np.array([s2, row, p2, count], np.int32))
+    ex.write(io.StateInput.buffer, io.pack(io.StateInput(s2, row, p2, count)))
     ex.submit("restore.1")
     await ex.wait()
-    restore_record = ex.read("out.state_completion")[0].tolist()
+    restore_record = list(io.unpack(io.StateCompletion, ex.read(io.STATE_COMPLETION)[0]))
     for name in cont:
         checks[f"restore {name}"] = row_bytes(name, s2) == originals[name].tobytes()
         checks[f"source row immutable {name}"] = read_bytes(snapshot_buffer(name)) == snaps_before[name]
@@ -137,7 +137,7 @@ async def _roundtrip(ex, m) -> dict:
     lens = np.frombuffer(read_bytes("state.len"), np.int32)
     checks["restored length"] = int(lens[s2]) == count
     return {"checks": checks, "snapshot_record": snap_record, "restore_record": restore_record,
-            "expected_records": [[s1, row, count, 0], [s2, row, count, 0]]}
+            "expected_records": [list(io.StateCompletion(s1, row, count)), list(io.StateCompletion(s2, row, count))]}
 
 
 async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, roundtrip: bool) -> None:

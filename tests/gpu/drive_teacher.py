@@ -16,7 +16,9 @@ import sys
 
 import numpy as np
 
+from flare.core import interface as io
 from flare.core.manifest import load_manifest
+from flare.core.sampling_params import NEUTRAL
 from flare.runtime.cuda_tp import open_executor
 
 
@@ -31,23 +33,17 @@ async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
     slot = 1
     for i, ids in enumerate(prompts):
         n_pages = -(-len(ids) // m.pages.page_size) + 1
-        table = np.zeros(c.max_pages_per_slot, np.int32)
-        table[:n_pages] = np.arange(1, n_pages + 1)
-        stops = np.full(c.stop_ids, -1, np.int32)
-        for name, value in {
-            "state.len": 0, "state.pending": 0, "state.generated": 0, "state.max_new": 1 << 30, "state.done": 0,
-            "state.seed": 7, "state.counter": 0, "state.top_k": 0,
-            "state.sampling": np.array([1, 1, 0, 1, 0, 0], np.float32), "state.stop_ids": stops,
-            "state.page_table": table,
-        }.items():
-            ex.write(name, np.asarray(value), slot)
+        for name, value in io.slot_state(pending=0, generated=0, max_new=1 << 30, seed=7, sampling=NEUTRAL,
+                                         stop_ids=(), stop_capacity=c.stop_ids, pages=range(1, n_pages + 1),
+                                         max_pages=c.max_pages_per_slot, mask_on=False).items():
+            ex.write(name, value, slot)
         prefix, tail = ids[: len(ids) - steps], ids[len(ids) - steps :]
         rows = []
         for start in range(0, len(prefix), c.prefill_chunk):
             chunk = prefix[start : start + c.prefill_chunk]
             cap = next(x for x in caps if x >= len(chunk))
-            ex.write("in.tokens", np.asarray(chunk, np.int32))
-            ex.write("in.prefill", np.array([slot, len(chunk), 0, 0], np.int32))
+            ex.write(io.TOKENS, np.asarray(chunk, np.int32))
+            ex.write(io.PrefillInput.buffer, io.pack(io.PrefillInput(slot, len(chunk), 0)))
             ex.submit(f"prefill.{cap}")
             await ex.wait()
             rows.append(ex.read("out.prefill_hidden")[: len(chunk)])

@@ -29,7 +29,9 @@ from typing import Mapping
 
 import msgspec
 
+from flare.core import interface as io
 from flare.core.errors import CoreCompatibilityError, ManifestError
+from flare.core.sampling_params import INTEGER_STATE, SAMPLING_COLUMNS, SAMPLING_NAMES, SAMPLING_PARAMS
 
 ABI_VERSION = 4
 MANIFEST_FILE = "manifest.json"
@@ -173,18 +175,15 @@ class Range(_Frozen):
     hi: float
 
 
-class SamplingDefaults(_Frozen):
-    """Complete defaults declared by the recipe; ``ranges`` bound request values
-    (out-of-range values clamp). A parameter without a range is fixed at its default."""
-
-    temperature: float
-    top_k: int  # 0 = disabled
-    top_p: float  # 1.0 = disabled
-    min_p: float  # 0.0 = disabled
-    repetition_penalty: float  # 1.0 = neutral
-    presence_penalty: float
-    frequency_penalty: float
-    ranges: Mapping[str, Range]
+# Complete defaults declared by the recipe, one field per sampling parameter
+# (``flare.core.sampling_params``), and ``ranges`` bounding request values (out-of-range
+# values clamp). A parameter without a range is fixed at its default.
+SamplingDefaults = msgspec.defstruct(
+    "SamplingDefaults",
+    [*((p.name, p.type) for p in SAMPLING_PARAMS), ("ranges", Mapping[str, Range])],
+    bases=(_Frozen,),
+    module=__name__,
+)
 
 
 class Identity(_Frozen):
@@ -272,17 +271,9 @@ class Manifest(_Frozen):
 # capacities so that loading can check them; model-specific buffers (weights,
 # kv layout, recurrent state) are opaque to the runtime apart from their role.
 
-COMPLETION_FIELDS = ("slot", "token", "generated", "status")
-STATUS_CODES = {"inactive": -1, "running": 0, "stop": 1, "length": 2}
-SAMPLING_F_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-PREFILL_META_FIELDS = ("slot", "count", "sample", "reserved")
-ADMIT_META_FIELDS = ("slot", "count", "clear", "mode")  # clear also resets the slot's continuation state
-# snapshot / restore: live slot, snapshot row, KV tail page (the null page when the
-# endpoint is page-aligned), consumed count of the endpoint.
-STATE_META_FIELDS = ("slot", "row", "page", "count")
-# Their completion record: the slot and row they copied between and the consumed count
-# the copied state describes (snapshot: the live row's own count; restore: the count set).
-STATE_COMPLETION_FIELDS = ("slot", "row", "consumed", "reserved")
+# Row layouts of program inputs and records: owned by flare.core.interface.
+COMPLETION_FIELDS = io.Completion._fields
+STATUS_CODES = {s.name: int(s) for s in io.Status}
 SNAPSHOT_PREFIX = "snap."
 # Capacity of the maintenance programs (one slot per launch).
 STATE_PROGRAM_CAPACITY = 1
@@ -306,21 +297,21 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         "state.done": (BufferRole.state, DType.int32, (rows,)),
         "state.seed": (BufferRole.state, DType.int64, (rows,)),
         "state.counter": (BufferRole.state, DType.int64, (rows,)),
-        "state.top_k": (BufferRole.state, DType.int32, (rows,)),
-        "state.sampling": (BufferRole.state, DType.float32, (rows, len(SAMPLING_F_FIELDS))),
+        **{buf: (BufferRole.state, DType.int32, (rows,)) for buf in INTEGER_STATE.values()},
+        "state.sampling": (BufferRole.state, DType.float32, (rows, len(SAMPLING_COLUMNS))),
         "state.stop_ids": (BufferRole.state, DType.int32, (rows, c.stop_ids)),
         "state.page_table": (BufferRole.state, DType.int32, (rows, c.max_pages_per_slot)),
         "state.hist": (BufferRole.state, DType.int32, (rows, c.vocab_size)),
         "state.mask_on": (BufferRole.state, DType.int32, (rows,)),
-        "in.tokens": (BufferRole.input, DType.int32, (cmax,)),
-        "in.prefill": (BufferRole.input, DType.int32, (len(PREFILL_META_FIELDS),)),
-        "in.admit": (BufferRole.input, DType.int32, (len(ADMIT_META_FIELDS),)),
-        "in.decode_slots": (BufferRole.input, DType.int32, (bmax,)),
+        io.TOKENS: (BufferRole.input, DType.int32, (cmax,)),
+        io.PrefillInput.buffer: (BufferRole.input, DType.int32, (len(io.PrefillInput._fields),)),
+        io.AdmitInput.buffer: (BufferRole.input, DType.int32, (len(io.AdmitInput._fields),)),
+        io.DECODE_SLOTS: (BufferRole.input, DType.int32, (bmax,)),
         "in.token_mask": (BufferRole.input, DType.int32, (rows, mask_words(c.vocab_size))),
-        "in.state": (BufferRole.input, DType.int32, (len(STATE_META_FIELDS),)),
-        "out.prefill_completion": (BufferRole.output, DType.int32, (1, ncomp)),
-        "out.state_completion": (BufferRole.output, DType.int32, (1, len(STATE_COMPLETION_FIELDS))),
-        "out.decode_completion": (BufferRole.output, DType.int32, (bmax, ncomp)),
+        io.StateInput.buffer: (BufferRole.input, DType.int32, (len(io.StateInput._fields),)),
+        io.PREFILL_COMPLETION: (BufferRole.output, DType.int32, (1, ncomp)),
+        io.STATE_COMPLETION: (BufferRole.output, DType.int32, (1, len(io.StateCompletion._fields))),
+        io.DECODE_COMPLETION: (BufferRole.output, DType.int32, (bmax, ncomp)),
         "out.logits": (BufferRole.output, DType.float32, (bmax, c.vocab_size)),
     }
 
@@ -505,7 +496,7 @@ def validate(m: Manifest) -> None:
     if s.temperature <= 0:
         _fail("default temperature must be positive", "sampling.temperature")
     for name, r in s.ranges.items():
-        if name not in SAMPLING_PARAMS:
+        if name not in SAMPLING_NAMES:
             _fail(f"range for unknown sampling parameter {name!r}", f"sampling.ranges.{name}")
         if r.lo > r.hi:
             _fail(f"empty range for {name!r}", f"sampling.ranges.{name}")
@@ -571,17 +562,6 @@ def _validate_parallel(m: Manifest) -> None:
     for (b0, r0), (b1, r1) in zip(spans, spans[1:]):
         if b1 < b0 + m.arena.nbytes:
             _fail(f"rank arenas {r0} and {r1} overlap", f"parallel.ranks[{r1}].base_address")
-
-
-SAMPLING_PARAMS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
 
 
 def check_device(m: Manifest, *, device: str, compute_capability: str | None) -> None:

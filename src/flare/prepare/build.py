@@ -25,6 +25,7 @@ import torch
 from flare.core import manifest as mf
 from flare.core.image import persistent_buffers, write_image
 from flare.core.manifest import BufferRole, DType, ProgramKind
+from flare.core.sampling_params import SAMPLING_PARAMS
 from flare.prepare import recipes
 from flare.prepare.layout import BufferRequest, align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
@@ -141,7 +142,8 @@ KV_TAIL = "snap.kv_tail"
 def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType) -> list[tuple[str, DType, tuple[int, ...]]]:
     """Continuation state, one row per slot: the saved final hidden vector, then whatever
     the recipe declares (recurrent matrices, convolution histories). (name, dtype, row shape)."""
-    return [("state.hidden", dtype, (caps.hidden_size,)), *recipe.state_buffers(config, dtype)]
+    return [("state.hidden", dtype, (caps.hidden_size,)),
+            *((b.name, b.dtype, b.row) for b in recipe.state_buffers(config, dtype))]
 
 
 def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: Options, specs) -> list[BufferRequest]:
@@ -241,7 +243,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
              + (f", rank {tp.rank} of {tp.size}" if tp.active else ""))
     try:
         model = recipe.build(src.config, dtype, tp=tp)
-    except ShardingError as e:
+    except (ShardingError, recipes.RecipeError) as e:
         raise PrepareError(str(e)) from None
     specs = recipe.weights(model)
     free = session.free_at_start if cuda else None
@@ -286,7 +288,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         recipe.compute_constants(model, specs, views)
         progress("building programs")
         if cuda and opts.compile:
-            _compile_layers(recipe, model)
+            _compile_layers(recipe, model.module)
         programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention, continuation)
         if cuda and opts.compile:
             programs.compile_glue()
@@ -491,16 +493,7 @@ def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, co
             tool_parser=mf.ToolParser(src.tool_parser),
             reasoning_parser=mf.ReasoningParser(src.reasoning_parser),
         ),
-        sampling=mf.SamplingDefaults(
-            temperature=float(s["temperature"]),
-            top_k=int(s["top_k"]),
-            top_p=float(s["top_p"]),
-            min_p=float(s["min_p"]),
-            repetition_penalty=float(s["repetition_penalty"]),
-            presence_penalty=float(s["presence_penalty"]),
-            frequency_penalty=float(s["frequency_penalty"]),
-            ranges=ranges,
-        ),
+        sampling=mf.SamplingDefaults(**{p.name: p.type(s[p.name]) for p in SAMPLING_PARAMS}, ranges=ranges),
         reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
         continuation=continuation,
         kernels="kernels.json" if device else None,

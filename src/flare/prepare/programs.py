@@ -23,8 +23,12 @@ from typing import Callable
 
 import torch
 
+from flare.core import interface as io
+from flare.core.interface import AdmitInput, AdmitMode, Completion, PrefillInput, StateCompletion, StateInput, Status
 from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
+from flare.core.sampling_params import INTEGER_STATE, column
 from flare.prepare.attention import PagedBatch
+from flare.prepare.recipes.base import PreparedModel, Recipe
 from flare.prepare.sampling import apply_token_mask, choose, scores, uniform
 
 TORCH_DTYPES = {
@@ -49,8 +53,8 @@ def arena_views(arena: torch.Tensor, buffers) -> dict[str, torch.Tensor]:
 class ProgramSet:
     def __init__(
         self,
-        recipe,
-        model: torch.nn.Module,
+        recipe: Recipe,
+        model: PreparedModel,
         views: dict[str, torch.Tensor],
         caps: Capacities,
         page_size: int,
@@ -65,7 +69,7 @@ class ProgramSet:
         self.attention = attention
         self.continuation = continuation
         # Tensor parallelism: rank zero's sample decides every rank's state update.
-        self.tp = recipe.parallel(model)
+        self.tp = model.tp
         # Recipe state other than the hidden vector, handed to the model through the batch.
         self.model_state = {n: views[n] for n in continuation.state if n != "state.hidden"}
         # The pure computations around the model (no buffer is written in them); torch.compile
@@ -121,20 +125,20 @@ class ProgramSet:
         initial state of an empty history (zeros: no recurrence, no convolution
         history), so a recurrent model never continues another request's state."""
         v = self.v
-        meta = v["in.admit"]
-        slot = meta[0:1].long()
-        count, clear, mode = meta[1], meta[2] != 0, meta[3]
+        meta = io.columns(AdmitInput, v[AdmitInput.buffer])
+        slot = meta.slot.long()
+        count, clear, mode = meta.count[0], meta.clear[0] != 0, meta.mode[0]
         V = self.caps.vocab_size
-        dev = meta.device
+        dev = slot.device
         idx = torch.arange(C, device=dev)
-        tokens = torch.where(idx < count, v["in.tokens"][:C].long(), V)
+        tokens = torch.where(idx < count, v[io.TOKENS][:C].long(), V)
         marks = torch.zeros(V + 1, dtype=torch.int32, device=dev).index_fill_(0, tokens, 1)[:V]
         counts = torch.zeros(V + 1, dtype=torch.int32, device=dev).index_add_(
             0, tokens, torch.ones(C, dtype=torch.int32, device=dev)
         )[:V]
         row = v["state.hist"].index_select(0, slot)[0]
         row = torch.where(clear, torch.zeros_like(row), row)
-        row = torch.where(mode == 0, row | (marks * HIST_PROMPT_BIT), row + counts)
+        row = torch.where(mode == int(AdmitMode.prompt), row | (marks * HIST_PROMPT_BIT), row + counts)
         v["state.hist"].index_copy_(0, slot, row[None])
         for name in self.continuation.state:
             buf = v[name]
@@ -146,18 +150,21 @@ class ProgramSet:
         hidden vector: the same head and sampler as the last prefill chunk, no token
         recomputed. Reads ``in.prefill`` (slot, -, sample)."""
         v = self.v
-        meta = v["in.prefill"]
-        slot = meta[0:1].long()
-        sample_flag = meta[2:3] != 0
+        meta = io.columns(PrefillInput, v[PrefillInput.buffer])
+        slot = meta.slot.long()
         last = v["state.hidden"].index_select(0, slot)
         logits = self.recipe.lm_head(self.model, last).float()
         v["out.logits"][:1].copy_(logits)
-        live = sample_flag & (v["state.done"].index_select(0, slot) == 0)
-        self._sample_and_commit(slot, logits, live, v["out.prefill_completion"])
+        live = (meta.sample != 0) & (v["state.done"].index_select(0, slot) == 0)
+        self._sample_and_commit(slot, logits, live, v[io.PREFILL_COMPLETION])
 
     def _state_meta(self):
-        meta = self.v["in.state"]
-        return meta[0:1].long(), meta[1:2].long(), meta[2:3].long(), meta[3:4]
+        meta = io.columns(StateInput, self.v[StateInput.buffer])
+        return meta.slot.long(), meta.row.long(), meta.page.long(), meta.count
+
+    def _state_record(self, slot, row, consumed) -> None:
+        zero = torch.zeros_like(consumed)
+        self.v[io.STATE_COMPLETION].copy_(torch.stack(StateCompletion(slot.int(), row.int(), consumed, zero), -1))
 
     def snapshot(self, B: int) -> None:
         """Freeze a live slot's continuation rows and its KV tail page (``page``: the
@@ -170,8 +177,7 @@ class ProgramSet:
             v[snapshot_buffer(name)].index_copy_(0, row, v[name].index_select(0, slot))
         tail = v[self.continuation.tail]
         tail.index_copy_(0, row, v["kv"].index_select(2, page).movedim(2, 0))
-        consumed = v["state.len"].index_select(0, slot)
-        v["out.state_completion"].copy_(torch.stack([slot.int(), row.int(), consumed, torch.zeros_like(consumed)], -1))
+        self._state_record(slot, row, v["state.len"].index_select(0, slot))
 
     def restore(self, B: int) -> None:
         """Install snapshot row ``row`` into a live slot: continuation rows, the tail
@@ -183,18 +189,17 @@ class ProgramSet:
             v[name].index_copy_(0, slot, v[snapshot_buffer(name)].index_select(0, row))
         v["kv"].index_copy_(2, page, v[self.continuation.tail].index_select(0, row).movedim(0, 2))
         v["state.len"].index_copy_(0, slot, count)
-        v["out.state_completion"].copy_(torch.stack([slot.int(), row.int(), count, torch.zeros_like(count)], -1))
+        self._state_record(slot, row, count)
 
     def prefill(self, C: int) -> None:
         v = self.v
-        meta = v["in.prefill"]
-        slot = meta[0:1].long()
-        n = meta[1:2].long()
-        sample_flag = meta[2:3] != 0
-        dev = meta.device
+        meta = io.columns(PrefillInput, v[PrefillInput.buffer])
+        slot = meta.slot.long()
+        n = meta.count.long()
+        dev = slot.device
         idx = torch.arange(C, device=dev)
         valid = idx < n
-        tokens = torch.where(valid, v["in.tokens"][:C].long(), 0)
+        tokens = torch.where(valid, v[io.TOKENS][:C].long(), 0)
         start = v["state.len"].index_select(0, slot).long()
         pos = torch.where(valid, start + idx, 0)
         pt = v["state.page_table"].index_select(0, slot)[0].long()
@@ -207,12 +212,12 @@ class ProgramSet:
         v["state.len"].index_copy_(0, slot, (start + n).int())
         logits = self.recipe.lm_head(self.model, last).float()
         v["out.logits"][:1].copy_(logits)
-        live = sample_flag & (v["state.done"].index_select(0, slot) == 0)
-        self._sample_and_commit(slot, logits, live, v["out.prefill_completion"])
+        live = (meta.sample != 0) & (v["state.done"].index_select(0, slot) == 0)
+        self._sample_and_commit(slot, logits, live, v[io.PREFILL_COMPLETION])
 
     def _decode_inputs_eager(self, B: int):
         v = self.v
-        slots = v["in.decode_slots"][:B].long()
+        slots = v[io.DECODE_SLOTS][:B].long()
         live = (slots > 0) & (v["state.done"].index_select(0, slots) == 0)
         tokens = torch.where(live, v["state.pending"].index_select(0, slots).long(), 0)
         length = v["state.len"].index_select(0, slots).long()
@@ -230,7 +235,7 @@ class ProgramSet:
         v["state.len"].index_copy_(0, slots, (length + live.long()).int())
         logits = self.recipe.lm_head(self.model, hidden).float()
         v["out.logits"][:B].copy_(logits)
-        self._sample_and_commit(slots, logits, live, v["out.decode_completion"][:B])
+        self._sample_and_commit(slots, logits, live, v[io.DECODE_COMPLETION][:B])
 
     # -- shared pieces -----------------------------------------------------
 
@@ -263,9 +268,9 @@ class ProgramSet:
         logits = apply_token_mask(logits, v["in.token_mask"].index_select(0, slots),
                                   v["state.mask_on"].index_select(0, slots))
         samp = v["state.sampling"].index_select(0, slots)
-        x = scores(logits, v["state.hist"].index_select(0, slots), temperature=samp[:, 0],
-                   repetition=samp[:, 3], presence=samp[:, 4], frequency=samp[:, 5],
-                   sampling_vocab=self.caps.sampling_vocab)
+        x = scores(logits, v["state.hist"].index_select(0, slots), temperature=samp[:, column("temperature")],
+                   repetition=samp[:, column("repetition_penalty")], presence=samp[:, column("presence_penalty")],
+                   frequency=samp[:, column("frequency_penalty")], sampling_vocab=self.caps.sampling_vocab)
         return x, uniform(v["state.seed"].index_select(0, slots), v["state.counter"].index_select(0, slots))
 
     def _commit_rows_eager(self, slots: torch.Tensor, live: torch.Tensor, tok: torch.Tensor):
@@ -276,13 +281,12 @@ class ProgramSet:
         generated = v["state.generated"].index_select(0, slots).long() + li
         stop_hit = (v["state.stop_ids"].index_select(0, slots).long() == tok[:, None]).any(dim=-1)
         at_limit = generated >= v["state.max_new"].index_select(0, slots).long()
-        status = torch.where(stop_hit, 1, torch.where(at_limit, 2, 0))
+        status = torch.where(stop_hit, int(Status.stop), torch.where(at_limit, int(Status.length), int(Status.running)))
         pending = torch.where(live, tok, v["state.pending"].index_select(0, slots).long())
         done = torch.where(live, status, v["state.done"].index_select(0, slots).long())
         counter = v["state.counter"].index_select(0, slots) + li
-        record = torch.stack(
-            [slots, torch.where(live, tok, -1), generated, torch.where(live, status, -1)], dim=-1
-        )
+        record = torch.stack(Completion(slots, torch.where(live, tok, -1), generated,
+                                        torch.where(live, status, int(Status.inactive))), dim=-1)
         return pending.int(), generated.int(), counter, done.int(), slots * self.caps.vocab_size + tok, \
             li.int(), record.int()
 
@@ -295,7 +299,8 @@ class ProgramSet:
         v = self.v
         x, u = self._select(slots, logits)
         samp = v["state.sampling"].index_select(0, slots)
-        tok = choose(x, v["state.top_k"].index_select(0, slots), samp[:, 1], samp[:, 2], u)
+        tok = choose(x, v[INTEGER_STATE["top_k"]].index_select(0, slots), samp[:, column("top_p")],
+                     samp[:, column("min_p")], u)
         # Every rank sampled the same gathered logits from replicated state; committing
         # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
         tok = self.tp.from_rank_zero(tok)

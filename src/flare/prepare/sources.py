@@ -21,24 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from flare.core.manifest import SAMPLING_PARAMS
+from flare.core.sampling_params import NEUTRAL, SAMPLING_NAMES, SAMPLING_PARAMS
 
 
 class SourceError(ValueError):
     """MODEL cannot be resolved or is not supported."""
-
-
-# Neutral defaults: every filter disabled, penalties neutral (seed rule for cores
-# without recipe-declared defaults), with ranges wide enough to be useful.
-NEUTRAL_SAMPLING: dict[str, Any] = {
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
 
 
 @dataclass
@@ -159,30 +146,23 @@ def _convert_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
 
 
 def _sampling_from(spec: dict) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
-    sampling = dict(NEUTRAL_SAMPLING)
+    # Cores without declared defaults sample from the model's distribution as it is.
+    sampling = dict(NEUTRAL)
     declared = spec.get("sampling", {})
     ranges_in = declared.get("ranges", {})
     for k, v in declared.items():
         if k == "ranges":
             continue
-        if k not in SAMPLING_PARAMS:
+        if k not in SAMPLING_NAMES:
             raise SourceError(f"unknown sampling default {k!r}")
         sampling[k] = v
     ranges = {}
     for k, v in ranges_in.items():
-        if k not in SAMPLING_PARAMS or len(v) != 2:
+        if k not in SAMPLING_NAMES or len(v) != 2:
             raise SourceError(f"bad sampling range {k!r} = {v!r}")
         ranges[k] = (float(v[0]), float(v[1]))
-    if not spec:
-        ranges = {
-            "temperature": (0.01, 2.0),
-            "top_k": (0, 1 << 30),
-            "top_p": (0.01, 1.0),
-            "min_p": (0.0, 1.0),
-            "repetition_penalty": (1.0, 2.0),
-            "presence_penalty": (-2.0, 2.0),
-            "frequency_penalty": (-2.0, 2.0),
-        }
+    if not spec:  # ranges wide enough to be useful
+        ranges = {p.name: p.range for p in SAMPLING_PARAMS}
     return sampling, ranges
 
 

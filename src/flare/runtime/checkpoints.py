@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flare.core import interface as io
 from flare.core.errors import ExecutionError
 from flare.core.manifest import Manifest, ProgramKind
 from flare.runtime.capture import CapturePlan, capture_budget, plan_captures
+from flare.runtime.encoder import StepEncoder
 from flare.runtime.pages import PageId, PagePool
 from flare.runtime.prefix_cache import Checkpoint, Key, PrefixCache, PrefixDigests
 from flare.runtime.request import Request
-from flare.runtime.steps import Step, Write
+from flare.runtime.steps import Step
 
 TERMINAL_ONLY = CapturePlan((), False, True)
 
@@ -68,20 +70,17 @@ class _Track:
 
 
 class Checkpoints:
-    def __init__(self, manifest: Manifest, pages: PagePool, *, enabled: bool = True):
+    def __init__(self, manifest: Manifest, pages: PagePool, encode: StepEncoder, *, enabled: bool = True):
         caps = manifest.capacities
-        self.page_size = manifest.pages.page_size
-        self.null_page = manifest.pages.null_page
+        self.encode = encode
         on = enabled and caps.snapshot_rows > 0
-        self.cache = PrefixCache(pages, caps.snapshot_rows, self.page_size,
+        self.cache = PrefixCache(pages, caps.snapshot_rows, manifest.pages.page_size,
                                  manifest.identity.fingerprint.encode()) if on else None
         self.budget = capture_budget(caps.snapshot_rows, caps.slots) if on else 0
         self._tracks: dict[Request, _Track] = {}
         # Block digests per request, kept while it waits (a blocked request is looked up
         # at every admission pass) and across preemption (its history only grows).
         self._digests: dict[Request, PrefixDigests] = {}
-        self._programs = {k: manifest.programs_of(k)[0].name
-                          for k in (ProgramKind.snapshot, ProgramKind.restore, ProgramKind.resume)}
         self.hit_tokens_total = 0
         self.skipped_total = 0  # selected endpoints not captured: every snapshot row pinned
         # Keys of queued captures: an endpoint published or being captured by another
@@ -132,11 +131,9 @@ class Checkpoints:
         if hit is None:
             return []
         self.cache.rows.begin_use(hit.row)
-        steps = [self._state_step(ProgramKind.restore, req, hit.row, reused)]
+        steps = [self.encode.state_step(ProgramKind.restore, req, hit.row, reused)]
         if reused == len(req.target) and not req.output:
-            steps.append(Step(ProgramKind.resume, self._programs[ProgramKind.resume],
-                              [Write("in.prefill", np.array([req.slot, 0, 1, 0], np.int32))], [req],
-                              "out.prefill_completion", sample=True))
+            steps.append(self.encode.resume(req))
         return steps
 
     # -- prefill and finish --------------------------------------------------
@@ -172,10 +169,10 @@ class Checkpoints:
     def complete(self, step: Step, record: np.ndarray) -> None:
         """Apply a finished snapshot or restore, validating its record first."""
         req = step.requests[0]
-        slot, row, consumed = (int(x) for x in record[0][:3])
-        if (slot, row, consumed) != (req.slot, step.row, step.endpoint):
+        r = io.unpack(io.StateCompletion, record[0])
+        if (r.slot, r.row, r.consumed) != (req.slot, step.row, step.endpoint):
             raise ExecutionError(
-                f"{step.program}: record (slot {slot}, row {row}, consumed {consumed}), expected "
+                f"{step.program}: record (slot {r.slot}, row {r.row}, consumed {r.consumed}), expected "
                 f"(slot {req.slot}, row {step.row}, consumed {step.endpoint})", code="bad_completion")
         self.cache.rows.end_use(step.row)
         if step.kind == ProgramKind.restore:
@@ -264,7 +261,7 @@ class Checkpoints:
         self.cache.rows.begin_use(row)
         t.queued.append(req.consumed)
         self._capturing[key] = self._capturing.get(key, 0) + 1
-        return self._state_step(ProgramKind.snapshot, req, row, req.consumed)
+        return self.encode.state_step(ProgramKind.snapshot, req, row, req.consumed)
 
     @staticmethod
     def _key(req: Request, t: _Track, endpoint: int) -> Key:
@@ -277,12 +274,3 @@ class Checkpoints:
         self._capturing[key] -= 1
         if not self._capturing[key]:
             del self._capturing[key]
-
-    def _state_step(self, kind: ProgramKind, req: Request, row, count: int) -> Step:
-        # The tail page: the request's own page holding position `count` (private: it lies
-        # past every shared complete page), or the null page at a page-aligned endpoint,
-        # so maintenance never writes a shared full page.
-        page = req.pages[count // self.page_size] if count % self.page_size else self.null_page
-        meta = np.array([req.slot, row, page, count], np.int32)
-        return Step(kind, self._programs[kind], [Write("in.state", meta)], [req], "out.state_completion",
-                    row=row, endpoint=count)

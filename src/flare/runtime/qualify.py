@@ -20,7 +20,9 @@ from typing import Callable
 
 import numpy as np
 
+from flare.core import interface as io
 from flare.core.manifest import BufferRole, DType, Manifest, ProgramKind
+from flare.core.sampling_params import BY_NAME, INTEGER_STATE, SAMPLING_COLUMNS
 from flare.runtime.executor import NUMPY_DTYPES
 
 RUNTIME_ROLES = (BufferRole.kv, BufferRole.state, BufferRole.snapshot, BufferRole.input, BufferRole.output)
@@ -66,14 +68,9 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     state["state.done"][:] = 0
     state["state.seed"][:] = rng.integers(-(1 << 62), 1 << 62, rows)
     state["state.counter"][:] = rng.integers(0, 1000, rows)
-    state["state.top_k"][:] = rng.choice([0, 1, 20, 50], rows)
-    samp = state["state.sampling"]
-    samp[:, 0] = rng.uniform(0.3, 1.5, rows)  # temperature
-    samp[:, 1] = rng.choice([1.0, 0.95, 0.8], rows)  # top_p
-    samp[:, 2] = rng.choice([0.0, 0.05], rows)  # min_p
-    samp[:, 3] = rng.choice([1.0, 1.1], rows)  # repetition
-    samp[:, 4] = rng.choice([0.0, 0.5], rows)  # presence
-    samp[:, 5] = rng.choice([0.0, 0.2], rows)  # frequency
+    for name, buffer in INTEGER_STATE.items():
+        state[buffer][:] = rng.choice(BY_NAME[name].probes, rows)
+    state["state.sampling"][:] = np.stack([rng.choice(BY_NAME[n].probes, rows) for n in SAMPLING_COLUMNS], -1)
     stops = np.full((rows, c.stop_ids), -1, np.int32)
     stops[:, : len(m.frontend.eos_ids)] = m.frontend.eos_ids
     state["state.stop_ids"][:] = stops
@@ -94,11 +91,9 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     state["state.mask_on"][:] = rng.integers(0, 2, rows)
     words = state["in.token_mask"]
     words[:] = rng.integers(0, 1 << 32, words.shape, dtype=np.uint64).astype(np.uint32).view(np.int32)
-    state["in.tokens"][:] = rng.integers(0, c.sampling_vocab, state["in.tokens"].shape)
-    state["in.prefill"][:] = 0
-    state["in.admit"][:] = 0
-    state["in.decode_slots"][:] = 0
-    state["in.state"][:] = 0
+    state[io.TOKENS][:] = rng.integers(0, c.sampling_vocab, state[io.TOKENS].shape)
+    for name in (io.PrefillInput.buffer, io.AdmitInput.buffer, io.DECODE_SLOTS, io.StateInput.buffer):
+        state[name][:] = 0
     for name in [n for n in state if n.startswith("out.")]:
         state[name][...] = 0
     return BaseState(state, per * m.pages.page_size)
@@ -114,9 +109,9 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
     out: dict[str, np.ndarray] = {}
     if p.kind == ProgramKind.admit:
         slot = int(rng.integers(1, c.slots + 1))
-        out["in.admit"] = np.array([slot, int(rng.integers(1, p.capacity + 1)), int(rng.integers(0, 2)),
-                                    int(rng.integers(0, 2))], np.int32)
-        out["in.tokens"] = rng.integers(0, c.sampling_vocab, base["in.tokens"].shape).astype(np.int32)
+        out[io.AdmitInput.buffer] = io.pack(io.AdmitInput(slot, int(rng.integers(1, p.capacity + 1)),
+                                                          int(rng.integers(0, 2)), int(rng.integers(0, 2))))
+        out[io.TOKENS] = rng.integers(0, c.sampling_vocab, base[io.TOKENS].shape).astype(np.int32)
     elif p.kind == ProgramKind.prefill:
         slot = int(rng.integers(1, c.slots + 1))
         n = int(rng.integers(1, p.capacity + 1))
@@ -128,11 +123,11 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         done[slot] = int(rng.integers(0, 2)) if index == 2 else 0
         out["state.len"] = lens
         out["state.done"] = done
-        out["in.prefill"] = np.array([slot, n, int(index != 1), 0], np.int32)
-        out["in.tokens"] = rng.integers(0, c.sampling_vocab, base["in.tokens"].shape).astype(np.int32)
+        out[io.PrefillInput.buffer] = io.pack(io.PrefillInput(slot, n, int(index != 1)))
+        out[io.TOKENS] = rng.integers(0, c.sampling_vocab, base[io.TOKENS].shape).astype(np.int32)
     elif p.kind == ProgramKind.resume:
         slot = int(rng.integers(1, c.slots + 1))
-        out["in.prefill"] = np.array([slot, 0, int(index != 1), 0], np.int32)
+        out[io.PrefillInput.buffer] = io.pack(io.PrefillInput(slot, 0, int(index != 1)))
         if index == 2:  # a finished request: nothing may change but the record
             done = base["state.done"].copy()
             done[slot] = 1
@@ -145,13 +140,13 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         count = int(rng.integers(1, per_slot_tokens))
         table = base["state.page_table"][slot]
         page = m.pages.null_page if index % 3 == 2 else int(table[count // m.pages.page_size])
-        out["in.state"] = np.array([slot, row, page, count], np.int32)
+        out[io.StateInput.buffer] = io.pack(io.StateInput(slot, row, page, count))
     elif p.kind == ProgramKind.decode:
         live = int(rng.integers(1, p.capacity + 1))
         slots = rng.permutation(np.arange(1, c.slots + 1))[:live]
-        arr = np.zeros(base["in.decode_slots"].shape, np.int32)
+        arr = np.zeros(base[io.DECODE_SLOTS].shape, np.int32)
         arr[:live] = slots
-        out["in.decode_slots"] = arr
+        out[io.DECODE_SLOTS] = arr
         lens = base["state.len"].copy()
         lens[slots] = rng.integers(1, per_slot_tokens - 1, live)
         out["state.len"] = lens

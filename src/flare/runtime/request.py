@@ -16,6 +16,7 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
+from flare.core.sampling_params import SAMPLING_PARAMS, penalizes
 from flare.runtime.pages import PageId, SlotId
 
 
@@ -33,26 +34,24 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Resolved parameters: defaults applied, ranges clamped, seed chosen."""
+def _penalizes(self) -> bool:
+    """Whether any penalty reads the slot's token histogram (repetition, presence,
+    frequency): at their neutral values the sampler's penalty step leaves every logit
+    unchanged."""
+    return penalizes(self)
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: int
-    max_tokens: int
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
-    @property
-    def penalizes(self) -> bool:
-        """Whether any penalty reads the slot's token histogram (repetition, presence,
-        frequency): at 1, 0, 0 the sampler's penalty step leaves every logit unchanged."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+# Resolved parameters: defaults applied, ranges clamped, seed chosen. One field per
+# sampling parameter (``flare.core.sampling_params``), then the request's own.
+SamplingParams = msgspec.defstruct(
+    "SamplingParams",
+    [*((p.name, p.type) for p in SAMPLING_PARAMS),
+     ("seed", int), ("max_tokens", int), ("stop_token_ids", tuple[int, ...], ()), ("ignore_eos", bool, False)],
+    kw_only=True,
+    frozen=True,
+    module=__name__,
+    namespace={"penalizes": property(_penalizes)},
+)
 
 
 class RequestSink(Protocol):

@@ -45,28 +45,18 @@ from collections import deque
 
 import numpy as np
 
+from flare.core import interface as io
 from flare.core.errors import AdmissionError, CapacityError, ExecutionError, FrontendError, ModelOutputError
-from flare.core.manifest import STATUS_CODES, Manifest, ProgramKind, mask_words
+from flare.core.interface import Status as DeviceStatus
+from flare.core.manifest import Manifest, ProgramKind
 from flare.runtime.checkpoints import Checkpoints
+from flare.runtime.encoder import StepEncoder, derive_seed
 from flare.runtime.metrics import ServingMetrics
 from flare.runtime.pages import PagePool, SlotPool
 from flare.runtime.request import FinishReason, Request, Status
 from flare.runtime.steps import Step, Write
 
 __all__ = ["Scheduler", "Step", "Write", "derive_seed"]
-
-_U64 = (1 << 64) - 1
-
-
-def derive_seed(seed: int, generated: int) -> int:
-    """Seed rule for readmission: a new stream from (request seed, tokens generated so
-    far), so a preempted request does not replay draws it already used. splitmix64."""
-    z = (seed + 0x9E3779B97F4A7C15 * (generated + 1)) & _U64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
-    z ^= z >> 31
-    return z - (1 << 64) if z >= 1 << 63 else z
-
 
 class Scheduler:
     def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None,
@@ -77,7 +67,8 @@ class Scheduler:
         self.page_size = manifest.pages.page_size
         self.pages = PagePool(manifest.pages.num_pages, manifest.pages.null_page)
         self.slots = SlotPool(self.caps.slots)
-        self.checkpoints = Checkpoints(manifest, self.pages, enabled=prefix_cache)
+        self.encode = StepEncoder(manifest)
+        self.checkpoints = Checkpoints(manifest, self.pages, self.encode, enabled=prefix_cache)
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -89,11 +80,6 @@ class Scheduler:
         self.steps_ahead_total = 0
         self.prefill_tokens_total = 0
         self.preemptions_total = 0
-        self._prefill_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.prefill))
-        self._decode_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.decode))
-        self._admit_program = manifest.programs_of(ProgramKind.admit)[0]
-        # Host rows for grammar masks, one per slot: writes are staged (copied) at write time.
-        self._masks = np.zeros((self.caps.slots + 1, mask_words(self.caps.vocab_size)), np.int32)
 
     # -- intake ------------------------------------------------------------
 
@@ -201,56 +187,12 @@ class Scheduler:
             self.running.append(req)
             if not req.output:  # readmissions were counted when first admitted
                 self.metrics.on_admitted(len(req.prompt))
-            self._queue_admission(req)
+            self._maintenance.extend(self.encode.admission(req))
             self._maintenance.extend(ck.start(req, reuse))
 
     def _reservation(self, req: Request) -> int:
         tokens = min(len(req.target) + self.page_size, req.max_len)
         return min(self.pages_for(tokens), self.caps.max_pages_per_slot)
-
-    def _queue_admission(self, req: Request) -> None:
-        """State row writes and the admit programs that build the penalty histogram
-        (one program of the first chunk only when the request has no penalty)."""
-        p = req.params
-        slot = req.slot
-        resumed = bool(req.output)
-        eos = () if p.ignore_eos else self.m.frontend.eos_ids
-        stops = np.full(self.caps.stop_ids, -1, np.int32)
-        ids = (*eos, *p.stop_token_ids)
-        stops[: len(ids)] = ids
-        table = np.zeros(self.caps.max_pages_per_slot, np.int32)
-        table[: len(req.pages)] = req.pages
-        seed = derive_seed(p.seed, len(req.output)) if resumed else p.seed
-        writes = [
-            Write("state.len", np.int32(0), slot),
-            Write("state.pending", np.int32(req.output[-1] if resumed else 0), slot),
-            Write("state.generated", np.int32(len(req.output)), slot),
-            Write("state.max_new", np.int32(p.max_tokens), slot),
-            Write("state.done", np.int32(0), slot),
-            Write("state.seed", np.int64(seed), slot),
-            Write("state.counter", np.int64(0), slot),
-            Write("state.top_k", np.int32(p.top_k), slot),
-            Write("state.sampling", np.array([p.temperature, p.top_p, p.min_p, p.repetition_penalty,
-                                               p.presence_penalty, p.frequency_penalty], np.float32), slot),
-            Write("state.stop_ids", stops, slot),
-            Write("state.page_table", table, slot),
-            Write("state.mask_on", np.int32(req.grammar is not None), slot),
-        ]
-        chunks = [(req.prompt[i : i + self._admit_program.capacity], 0)
-                  for i in range(0, len(req.prompt), self._admit_program.capacity)]
-        chunks += [(req.output[i : i + self._admit_program.capacity], 1)
-                   for i in range(0, len(req.output), self._admit_program.capacity)]
-        if not p.penalizes:
-            # The histogram is read only by penalties; neutral ones leave every logit as it
-            # is whatever it holds. The first chunk still runs: it clears the slot's state.
-            chunks = chunks[:1]
-        for i, (tokens, mode) in enumerate(chunks):
-            step = Step(ProgramKind.admit, self._admit_program.name, writes if i == 0 else [], [req])
-            step.writes = step.writes + [
-                Write("in.tokens", np.asarray(tokens, np.int32)),
-                Write("in.admit", np.array([slot, len(tokens), int(i == 0), mode], np.int32)),
-            ]
-            self._maintenance.append(step)
 
     def _prefill_step(self, req: Request) -> Step | None:
         start = req.consumed
@@ -258,17 +200,9 @@ class Scheduler:
         stop = self.checkpoints.next_stop(req)
         if stop is not None:
             end = min(end, stop)  # a selected endpoint interrupts prefill for its snapshot
-        tokens = req.target[start:end]
-        n = len(tokens)
-        cap = next(c for c in self._prefill_caps if c >= n)
-        last = start + n == len(req.target)
+        last = end == len(req.target)
         sample = last and not req.output  # a readmitted request already holds its pending token
-        step = Step(ProgramKind.prefill, f"prefill.{cap}", requests=[req], completion="out.prefill_completion",
-                    count=n, sample=sample)
-        step.writes = [
-            Write("in.tokens", np.asarray(tokens, np.int32)),
-            Write("in.prefill", np.array([req.slot, n, int(sample), 0], np.int32)),
-        ]
+        step = self.encode.prefill(req, req.target[start:end], sample=sample)
         if sample and req.grammar is not None:
             self._mask_write(req, step.writes)
             if req.finished:
@@ -287,11 +221,7 @@ class Scheduler:
         batch = [r for r in self.running if r.status == Status.DECODING]
         if not batch:
             return None
-        cap = next(c for c in self._decode_caps if c >= len(batch))
-        slots = np.zeros(max(self._decode_caps), np.int32)
-        slots[: len(batch)] = [r.slot for r in batch]
-        writes.append(Write("in.decode_slots", slots))
-        return Step(ProgramKind.decode, f"decode.{cap}", writes, batch, "out.decode_completion")
+        return self.encode.decode(batch, writes)
 
     def schedule_ahead(self, step: Step) -> Step | None:
         """The decode step to submit right after ``step`` while ``step`` is still in
@@ -322,20 +252,19 @@ class Scheduler:
         writes: list[Write] = []
         for r in short:
             self._add_pages(r, 1, writes)
-        writes += [w for w in step.writes if w.buffer == "in.decode_slots"]
-        self._ahead = Step(ProgramKind.decode, step.program, writes, list(batch), step.completion)
+        self._ahead = self.encode.decode_again(step, writes)
         self.steps_ahead_total += 1
         return self._ahead
 
     def _mask_write(self, req: Request, writes: list[Write]) -> None:
         """Stage the request's next-token mask; a grammar that cannot give one ends the
         request with its error instead (the request then leaves the batch)."""
-        row = self._masks[req.slot]
-        if not req.grammar.fill_mask(row):
+        write = self.encode.mask(req)
+        if write is None:
             self._finish(req, FinishReason.error, ModelOutputError(
                 f"the output grammar failed: {req.grammar.error()}", code="grammar_failed"))
             return
-        writes.append(Write("in.token_mask", row, req.slot))
+        writes.append(write)
 
     def _grow(self, req: Request, writes: list[Write]) -> bool:
         """Make sure the page for the next position exists (and one more, when free).
@@ -361,8 +290,7 @@ class Scheduler:
     def _add_pages(self, req: Request, n: int, writes: list[Write]) -> None:
         first = len(req.pages)
         req.pages.extend(self.pages.allocate(n))
-        writes.append(Write("state.page_table", np.asarray(req.pages[first:], np.int32),
-                            (req.slot, slice(first, len(req.pages)))))
+        writes.append(self.encode.page_table(req, first))
 
     def _preemption_victim(self) -> Request | None:
         decoders = [r for r in self.running if r.status == Status.DECODING]
@@ -395,14 +323,14 @@ class Scheduler:
             elif step.kind == ProgramKind.restore and req.consumed == len(req.target) and req.output:
                 req.status = Status.DECODING  # a readmission whose whole history was cached
             return
-        rows = records[: len(step.requests)]
+        rows = [io.unpack(io.Completion, row) for row in records[: len(step.requests)]]
         if step is self._ahead:
             self._ahead = None
         for req, row in zip(step.requests, rows):
             if req.finished and req.slot is None:
                 continue  # finished and released while this step was in flight
-            if int(row[0]) != req.slot:
-                raise ExecutionError(f"{step.program}: completion for slot {int(row[0])}, expected {req.slot}",
+            if row.slot != req.slot:
+                raise ExecutionError(f"{step.program}: completion for slot {row.slot}, expected {req.slot}",
                                      code="bad_completion")
         if step.kind in (ProgramKind.prefill, ProgramKind.resume):
             req = step.requests[0]
@@ -419,12 +347,12 @@ class Scheduler:
         for req, row in zip(step.requests, rows):
             if req.finished:
                 continue  # finished after the step ahead was submitted: nothing of its row is kept
-            if int(row[1]) >= 0:
+            if row.token >= 0:
                 req.consumed += 1  # the pending token was consumed by this decode
             self._accept(req, row)
 
-    def _accept(self, req: Request, row: np.ndarray) -> None:
-        token, status = int(row[1]), int(row[3])
+    def _accept(self, req: Request, row: io.Completion) -> None:
+        token, status = row.token, row.status
         if token < 0 or req.finished:
             return
         now = time.monotonic()
@@ -439,11 +367,11 @@ class Scheduler:
                 f"the output grammar rejected sampled token {token}: {req.grammar.error()}",
                 code="grammar_failed"))
             return
-        visible = [token] if status != STATUS_CODES["stop"] else []
+        visible = [token] if status != DeviceStatus.stop else []
         stop_matched = req.sink.on_tokens(req, visible) if visible else False
-        if status == STATUS_CODES["stop"] or stop_matched:
-            self._finish(req, FinishReason.stop, device_done=status == STATUS_CODES["stop"])
-        elif status == STATUS_CODES["length"]:
+        if status == DeviceStatus.stop or stop_matched:
+            self._finish(req, FinishReason.stop, device_done=status == DeviceStatus.stop)
+        elif status == DeviceStatus.length:
             self._finish(req, FinishReason.length, device_done=True)
 
     def _release(self, req: Request) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from flare.core.errors import FrontendError
 from flare.core.manifest import Manifest
+from flare.core.sampling_params import SAMPLING_PARAMS
 from flare.runtime.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -54,14 +55,14 @@ def resolve_sampling(
 ) -> SamplingParams:
     d = manifest.sampling
     values: dict[str, float] = {}
-    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
+    for param in SAMPLING_PARAMS:
+        name = param.name
         default = getattr(d, name)
         v = fields.get(name)
         if v is None:
             values[name] = default
             continue
-        v = _number(name, v, integer=name == "top_k")
+        v = _number(name, v, integer=param.type is int)
         if name == "temperature" and v <= 0:
             raise FrontendError("temperature must be positive (greedy decoding is not supported)",
                                 param="temperature", code="invalid_temperature")
@@ -93,13 +94,7 @@ def resolve_sampling(
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in stop_ids):
         raise FrontendError("stop_token_ids must be token ids inside the vocabulary", param="stop_token_ids")
     return SamplingParams(
-        temperature=float(values["temperature"]),
-        top_k=int(values["top_k"]),
-        top_p=float(values["top_p"]),
-        min_p=float(values["min_p"]),
-        repetition_penalty=float(values["repetition_penalty"]),
-        presence_penalty=float(values["presence_penalty"]),
-        frequency_penalty=float(values["frequency_penalty"]),
+        **{p.name: p.type(values[p.name]) for p in SAMPLING_PARAMS},
         seed=int(seed),
         max_tokens=int(max_tokens),
         stop_token_ids=stop_ids,

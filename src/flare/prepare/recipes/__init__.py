@@ -6,8 +6,11 @@ behaviour from the manifest.
 
 from __future__ import annotations
 
+from flare.prepare.recipes.base import Recipe, RecipeError
 from flare.prepare.recipes.decoder import DecoderRecipe
 from flare.prepare.recipes.qwen3_5 import Qwen35Recipe
+
+__all__ = ["Recipe", "RecipeError", "UnsupportedArchitecture", "by_name", "for_model_type"]
 
 _RECIPES = {r.name: r for r in (DecoderRecipe(), Qwen35Recipe())}
 
@@ -16,7 +19,7 @@ class UnsupportedArchitecture(ValueError):
     pass
 
 
-def for_model_type(model_type: str):
+def for_model_type(model_type: str) -> Recipe:
     for r in _RECIPES.values():
         if model_type in r.model_types:
             return r
@@ -24,7 +27,7 @@ def for_model_type(model_type: str):
     raise UnsupportedArchitecture(f"no recipe for model_type {model_type!r} (supported: {', '.join(supported)})")
 
 
-def by_name(name: str):
+def by_name(name: str) -> Recipe:
     try:
         return _RECIPES[name]
     except KeyError:

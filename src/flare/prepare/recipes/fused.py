@@ -122,6 +122,11 @@ def _with_forward(module: nn.Module, forward, **members) -> None:
     module.__class__ = _SUBCLASSES[key]
 
 
+def is_fused(module: nn.Module) -> bool:
+    """Whether the module's forward was replaced by a fused one here."""
+    return type(module) in _SUBCLASSES.values()
+
+
 def fuse_projections(layers: list[nn.Module]) -> int:
     """Fuse q/k/v and gate/up in every layer whose modules are of a known class; returns
     the number of projections fused (0 for an architecture this does not cover)."""

@@ -1,15 +1,14 @@
 """Recipe for Qwen3.5 hybrid decoders (``qwen3_5``): Gated DeltaNet layers mixed
 with gated full-attention layers.
 
-Built like the decoder recipe (the canonical Transformers module tree on the
-meta device, weights bound to arena views), with two replacements:
-
-* full-attention layers call the shared paged attention (``flare_paged``); only
-  they own KV, so attention layer ``j`` of the stack owns KV layer ``j``;
-* each Gated DeltaNet module becomes :class:`PagedGatedDeltaNet`: its
-  projections, convolution, gates and gated norm are Transformers' own, but its
-  convolution history and recurrent matrix live in per-slot state buffers
-  instead of a Transformers cache.
+Built by the recipe base (``recipes/base.py``): the canonical Transformers
+module tree on the meta device, weights bound to arena views. Full-attention
+layers call the shared paged attention (``flare_paged``); only they own KV, so
+attention layer ``j`` of the stack owns KV layer ``j``. Each Gated DeltaNet
+module is replaced (the base's ``Replacement`` hook) by
+``PagedGatedDeltaNet``: its projections, convolution, gates and gated norm are
+Transformers' own, but its convolution history and recurrent matrix live in
+per-slot state buffers instead of a Transformers cache.
 
 Continuation state (declared to the manifest, copied by snapshot/restore)::
 
@@ -31,20 +30,19 @@ import torch.nn.functional as F
 
 from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
-from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
-from flare.prepare.recipes.decoder import DecoderRecipe, KVGeometry
+from flare.prepare.recipes.base import KVGeometry, Recipe, Replacement, StateBuffer
 
 CONV_STATE = "state.gdn.conv"
 RECURRENT_STATE = "state.gdn.recurrent"
 LINEAR = "linear_attention"
 
 
-def _gdn_class():
+def _prepared_gdn(base: type) -> type:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as q
 
-    class PagedGatedDeltaNet(q.Qwen3_5GatedDeltaNet):
+    class PagedGatedDeltaNet(base):
         """Qwen3.5's Gated DeltaNet over packed tokens and per-slot state rows.
-        ``state_index`` (set by the recipe) is this layer's index among GDN layers."""
+        ``state_index`` (set by the recipe base) is this layer's index among GDN layers."""
 
         state_index: int
 
@@ -111,47 +109,27 @@ def _gdn_class():
     return PagedGatedDeltaNet
 
 
-class Qwen35Recipe(DecoderRecipe):
+def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
+    t = config.get_text_config()
+    layers = sum(1 for kind in t.layer_types if kind == LINEAR)
+    conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
+    return [
+        StateBuffer(CONV_STATE, dtype, (layers, conv_dim, t.linear_conv_kernel_dim - 1)),
+        # The delta rule accumulates in float32 whatever the model dtype (as Transformers does).
+        StateBuffer(RECURRENT_STATE, DType.float32,
+                    (layers, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)),
+    ]
+
+
+class Qwen35Recipe(Recipe):
     name = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_text")
-
-    def build(self, config, dtype: torch.dtype, tp: TensorParallel = SINGLE):
-        if tp.active:
-            raise ShardingError(f"the {self.name} recipe declares no tensor-parallel sharding yet (--tp {tp.size})")
-        text = config.get_text_config()
-        text._attn_implementation = config._attn_implementation = "flare_paged"
-        with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.config._attn_implementation = "flare_paged"
-        model.eval()
-        model.requires_grad_(False)
-        gdn = _gdn_class()
-        kv_layer = state_index = 0
-        for layer in self.decoder_layers(model):
-            if layer.block_type == LINEAR:
-                layer.linear_attn.__class__ = gdn
-                layer.linear_attn.state_index = state_index
-                state_index += 1
-            else:
-                layer.self_attn.kv_layer = kv_layer
-                kv_layer += 1
-        model.flare_tp = tp
-        return model
+    # Gated attention (its q_proj also produces the output gate) and the MLP run as
+    # written; no tensor-parallel sharding is declared yet.
+    eager = frozenset({"Qwen3_5RMSNorm", "Qwen3_5Attention", "Qwen3_5MLP"})
+    replacements = (Replacement("Qwen3_5GatedDeltaNet", _prepared_gdn, _gdn_state),)
 
     def kv_geometry(self, config, tp_size: int = 1) -> KVGeometry:
         t = config.get_text_config()
         attn = sum(1 for kind in t.layer_types if kind != LINEAR)
         return KVGeometry(attn, t.num_key_value_heads, t.head_dim)
-
-    def state_buffers(self, config, dtype) -> list[tuple[str, DType, tuple[int, ...]]]:
-        t = config.get_text_config()
-        layers = sum(1 for kind in t.layer_types if kind == LINEAR)
-        conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
-        return [
-            (CONV_STATE, dtype, (layers, conv_dim, t.linear_conv_kernel_dim - 1)),
-            # The delta rule accumulates in float32 whatever the model dtype (as Transformers does).
-            (RECURRENT_STATE, DType.float32,
-             (layers, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)),
-        ]
