@@ -61,17 +61,17 @@ def _order(spec: G.GraphSpec) -> list[int]:
     return order
 
 
-def _timed_graph(ex: CudaExecutor, spec: G.GraphSpec, functions: list):
+def _timed_graph(ex: CudaExecutor, spec: G.GraphSpec):
     """The program as one serial chain with an event after every node (empty nodes,
     pure joins, are dropped). Returns (graph, exec, events, spec indices in order)."""
     order = [i for i in _order(spec) if not isinstance(spec.nodes[i], G.EmptyNode)]
-    ex._apply_attributes_for(spec, functions)
+    ex.rebuilder.apply_attributes_for(spec)
     graph = ck(d.cuGraphCreate(0), "cuGraphCreate")
     events = [ck(d.cuEventCreate(0), "cuEventCreate") for _ in range(len(order) + 1)]
     chain = [ck(d.cuGraphAddEventRecordNode(graph, None, 0, events[0]), "event node")]
     for k, i in enumerate(order):
         node = spec.nodes[i]
-        chain.append(ex._add_node(graph, node, functions))
+        chain.append(ex.rebuilder.add_node(graph, node))
         chain.append(ck(d.cuGraphAddEventRecordNode(graph, None, 0, events[k + 1]), "event node"))
     ck(d.cuGraphAddDependencies(graph, chain[:-1], chain[1:], None, len(chain) - 1), "cuGraphAddDependencies")
     gexec = ck(d.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate timed {spec.program}")
@@ -126,7 +126,7 @@ def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarr
         t = float(ms[k])
         row = {"i": k, "node": i, "ms": round(t, 5), "bytes": None, "GBps": None}
         if isinstance(node, G.KernelNode):
-            name = ex._kernel_table.functions[node.function].name
+            name = ex.rebuilder.function_name(node.function)
             touched = _touched(node, spans, starts)
             weights = [t for t in touched if t.startswith("w.")]
             layer = next((int(g.group(1)) for t in touched if (g := _LAYER.search(t))), None)
@@ -179,11 +179,11 @@ def _summary(rows: list[dict]) -> dict:
     return {"timed_sum_ms": total, "ops": ops, "layers": {str(k): layers[k] for k in keys}, "layer_body": body}
 
 
-def profile(ex: CudaExecutor, m, batch: int, launches: int, functions: list, spans: list) -> dict:
+def profile(ex: CudaExecutor, m, batch: int, launches: int, spans: list) -> dict:
     program = m.program(f"decode.{batch}")
     spec = G.load_graph(ex.core_dir / program.graph)
     graph_ms = _graph_ms(ex, m, batch, launches)
-    graph, gexec, events, order = _timed_graph(ex, spec, functions)
+    graph, gexec, events, order = _timed_graph(ex, spec)
     try:
         ms = _node_ms(ex, m, batch, gexec, events, launches)
     finally:
@@ -220,13 +220,12 @@ async def main(core: str, batches: list[int], launches: int) -> dict:
     roofline_ms = weight_bytes / bw * 1e3
     results = {"core": core, "launches": launches, "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes,
                "roofline_ms": roofline_ms, "batches": {}}
-    functions = ex.functions
     spans = _spans(m, ex.arena.base)
     for b in batches:
         if b not in m.capacities.decode_capacities:
             print(f"batch {b}: no decode.{b} in this core (capacities {m.capacities.decode_capacities}), skipped")
             continue
-        results["batches"][str(b)] = r = profile(ex, m, b, launches, functions, spans)
+        results["batches"][str(b)] = r = profile(ex, m, b, launches, spans)
         _print(r, roofline_ms)
     results["executor_stats"] = ex.stats()
     await ex.close()

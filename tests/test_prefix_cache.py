@@ -1,4 +1,4 @@
-"""The prefix cache and the capture-placement policy, on their own, with tiny pools.
+"""The prefix cache and the snapshot-placement policy, on their own, with tiny pools.
 
 Page size 4 and 64-token hash blocks: a checkpoint's chain is ``length // 4``
 pages. Every page id below follows from the page pool's FIFO order (1, 2, ...
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from flare.runtime.capture import CapturePlan, capture_budget, plan_captures
+from flare.runtime.snapshot_plan import SnapshotPlan, snapshot_budget, plan_snapshots
 from flare.runtime.pages import PagePool, RowPool
 from flare.runtime.prefix_cache import BLOCK_TOKENS, CacheError, PrefixCache, PrefixDigests
 
 PS = 4
-SEED = b"fingerprint"
+FINGERPRINT = b"fingerprint"
 
 
 def toks(n: int, salt: int = 0) -> list[int]:
@@ -27,7 +27,7 @@ class Rig:
 
     def __init__(self, pages: int = 16, rows: int = 4):
         self.pool = PagePool(pages)
-        self.cache = PrefixCache(self.pool, rows, PS, SEED)
+        self.cache = PrefixCache(self.pool, rows, PS, FINGERPRINT)
 
     def check(self) -> None:
         self.pool.check_integrity()
@@ -51,20 +51,20 @@ class Rig:
 
 def test_digests_are_chained_64_token_blocks_seeded_with_the_fingerprint():
     a = toks(200)
-    d = PrefixDigests(SEED)
+    d = PrefixDigests(FINGERPRINT)
     assert BLOCK_TOKENS == 64
     blocks = [d.block(a, k) for k in range(4)]
     assert len(set(blocks)) == 4
     # Independent of how far it was computed, and of the page size (no page here at all).
-    assert PrefixDigests(SEED).block(a[:128], 2) == blocks[2]
+    assert PrefixDigests(FINGERPRINT).block(a[:128], 2) == blocks[2]
     # Changing one token of block 0 changes every later block digest; changing a token
     # of block 2 leaves blocks 0..2 alone.
     b = list(a)
     b[5] += 1
-    assert all(PrefixDigests(SEED).block(b, k) != blocks[k] for k in (1, 2, 3))
+    assert all(PrefixDigests(FINGERPRINT).block(b, k) != blocks[k] for k in (1, 2, 3))
     c = list(a)
     c[130] += 1
-    assert [PrefixDigests(SEED).block(c, k) for k in range(3)] == blocks[:3]
+    assert [PrefixDigests(FINGERPRINT).block(c, k) for k in range(3)] == blocks[:3]
     # Another model (fingerprint) never shares a key.
     assert PrefixDigests(b"other").block(a, 0) != blocks[0]
     # Keys: block digest at length // 64 plus the tail tokens.
@@ -244,7 +244,7 @@ def test_snapshot_pressure_thins_interior_checkpoints_shortest_interval_first():
     # The child took the segment: chains, ids and rows of descendants are unchanged.
     assert c30.parent is c8 and c30.segment == [3, 4, 5, 6, 7] and r.cache.chain(c40) == list(range(1, 11))
     assert r.match(a[:29]) == 8  # the removed prefix no longer matches
-    # Next (row 2 still taken by the capture that asked for it): c30 (interior,
+    # Next (row 2 still taken by the snapshot that asked for it): c30 (interior,
     # 40 - 8 = 32) before the root c8.
     assert r.cache.acquire_row() == c30.row
     assert r.cache.checkpoints() == [c8, c40] and c40.segment == [3, 4, 5, 6, 7, 8, 9, 10]
@@ -334,35 +334,35 @@ def test_integrity_detects_corruption():
 
 
 @pytest.mark.parametrize("rows,slots,budget", [(0, 4, 0), (3, 4, 1), (4, 4, 1), (16, 4, 4), (64, 4, 8), (9, 1, 8)])
-def test_capture_budget(rows, slots, budget):
-    assert capture_budget(rows, slots) == budget
+def test_snapshot_budget(rows, slots, budget):
+    assert snapshot_budget(rows, slots) == budget
 
 
 def test_plan_reserves_terminal_then_prompt():
     kw = dict(reused=0, prompt_len=100, endpoints=(20, 40, 60, 80))
-    assert plan_captures(budget=0, max_tokens=5, **kw) == CapturePlan((), False, False)
-    assert plan_captures(budget=1, max_tokens=5, **kw) == CapturePlan((), False, True)
-    assert plan_captures(budget=2, max_tokens=5, **kw) == CapturePlan((), True, True)
+    assert plan_snapshots(budget=0, max_tokens=5, **kw) == SnapshotPlan((), False, False)
+    assert plan_snapshots(budget=1, max_tokens=5, **kw) == SnapshotPlan((), False, True)
+    assert plan_snapshots(budget=2, max_tokens=5, **kw) == SnapshotPlan((), True, True)
     # A single output token: the terminal endpoint is the prompt endpoint, and the spare
-    # capture goes to the message endpoint nearest the middle (a 40/60 tie: the earlier).
-    assert plan_captures(budget=2, max_tokens=1, **kw) == CapturePlan((40,), False, True)
-    assert plan_captures(budget=6, max_tokens=5, **kw) == CapturePlan((20, 40, 60, 80), True, True)
-    # A full-prompt hit captures no prompt or message endpoint.
-    assert plan_captures(budget=8, max_tokens=5, reused=100, prompt_len=100, endpoints=(20,)) == \
-        CapturePlan((), False, True)
+    # snapshot goes to the message endpoint nearest the middle (a 40/60 tie: the earlier).
+    assert plan_snapshots(budget=2, max_tokens=1, **kw) == SnapshotPlan((40,), False, True)
+    assert plan_snapshots(budget=6, max_tokens=5, **kw) == SnapshotPlan((20, 40, 60, 80), True, True)
+    # A full-prompt hit snapshots no prompt or message endpoint.
+    assert plan_snapshots(budget=8, max_tokens=5, reused=100, prompt_len=100, endpoints=(20,)) == \
+        SnapshotPlan((), False, True)
 
 
 def test_plan_selects_only_the_uncached_suffix_and_spreads_targets():
     ends = (5, 12, 30, 31, 44, 58, 70, 90, 97)
     # Everything after the reused prefix fits: all of it.
-    assert plan_captures(budget=5, reused=58, prompt_len=100, max_tokens=9, endpoints=ends).messages == (70, 90, 97)
+    assert plan_snapshots(budget=5, reused=58, prompt_len=100, max_tokens=9, endpoints=ends).messages == (70, 90, 97)
     # Three slots over (0, 100): targets 25, 50, 75 -> 30 (|5|), 44 (|6|, not 58 at |8|), 70.
-    assert plan_captures(budget=5, reused=0, prompt_len=100, max_tokens=9, endpoints=ends).messages == (30, 44, 70)
+    assert plan_snapshots(budget=5, reused=0, prompt_len=100, max_tokens=9, endpoints=ends).messages == (30, 44, 70)
     # Ties choose the earlier endpoint: target 50 between 44 and 56.
-    assert plan_captures(budget=3, reused=0, prompt_len=100, max_tokens=9, endpoints=(44, 56, 99)).messages == (44,)
+    assert plan_snapshots(budget=3, reused=0, prompt_len=100, max_tokens=9, endpoints=(44, 56, 99)).messages == (44,)
     # Targets that pick the same endpoint are deduplicated: 20, 40, 60, 80 -> 3, 50, 50, 97.
-    assert plan_captures(budget=6, reused=0, prompt_len=100, max_tokens=9, endpoints=(3, 50, 97, 98, 99)
+    assert plan_snapshots(budget=6, reused=0, prompt_len=100, max_tokens=9, endpoints=(3, 50, 97, 98, 99)
                          ).messages == (3, 50, 97)
-    # Endpoints at or before the reused prefix, and the prompt end itself, are never message captures.
-    assert plan_captures(budget=8, reused=30, prompt_len=90, max_tokens=9, endpoints=(10, 30, 60, 90)
+    # Endpoints at or before the reused prefix, and the prompt end itself, are never message snapshots.
+    assert plan_snapshots(budget=8, reused=30, prompt_len=90, max_tokens=9, endpoints=(10, 30, 60, 90)
                          ).messages == (60,)

@@ -386,7 +386,7 @@ def test_collective_buffers_hold_the_largest_payload():
     logit shard; the CUDA collective refuses a payload that does not fit, before launching."""
     import torch
 
-    from flare.prepare.build import TP_EXCHANGE, TP_FLAGS, TP_PEERS, collective_buffers
+    from flare.prepare.plan import TP_EXCHANGE, TP_FLAGS, TP_PEERS, collective_buffers
     from flare.prepare.kernels import collective as C
 
     caps = mf.Capacities(context_limit=4096, prefill_chunk=512, prefill_capacities=(128, 512),
@@ -445,7 +445,7 @@ def test_collective_loopback_advances_the_epoch_and_alternates_slots():
 
 def test_rank_arena_addresses_are_disjoint():
     pytest.importorskip("cuda.bindings")
-    from flare.prepare.build import _rank_base
+    from flare.prepare.plan import _rank_base
     from flare.prepare.cuda.session import VA_RESERVE, rank_base
 
     base0 = 0x7F0000000000

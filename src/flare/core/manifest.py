@@ -327,7 +327,7 @@ def snapshot_buffer(state: str) -> str:
 
 
 def prefill_capacities_for(chunk: int, context_limit: int) -> tuple[int, ...]:
-    """Seed rule: powers of two from 128 below the chunk limit, plus the exact limit;
+    """The capacity rule (docs/core.md): powers of two from 128 below the chunk limit, plus the exact limit;
     a limit of 64 captures one 64-token program."""
     if chunk % 64 or not 64 <= chunk <= context_limit:
         raise ValueError(f"prefill chunk size must be a multiple of 64 in [64, {context_limit}], got {chunk}")

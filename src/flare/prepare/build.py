@@ -1,9 +1,13 @@
 """Preparation: from a resolved model source to an exported runtime core.
 
-Runs inside the preparation subprocess (``flare.prepare.worker``). Steps:
-load config and tokenizer, plan the arena, bind the canonical model to arena
-views, stream weights in, build the programs (and on CUDA capture and export
-them as graphs), then write the core directory.
+Runs inside the preparation subprocess (``flare.prepare.worker``). Steps
+(``prepare``): choose the recipe and build its model on the meta device, plan
+capacities and the arena (``prepare/plan.py``), allocate the arena on its
+target (a host tensor for the CPU reference path, the fixed-address device
+arena of a CUDA session), bind the model to arena views and stream the weights
+in, build the programs, finish them on the target (CPU: run each once and
+record golden replays; CUDA: capture and export every graph), then write the
+core directory.
 """
 
 from __future__ import annotations
@@ -12,10 +16,7 @@ import contextlib
 import hashlib
 import json
 import math
-import platform
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -24,197 +25,16 @@ import torch
 
 from flare.core import manifest as mf
 from flare.core.image import persistent_buffers, write_image
-from flare.core.manifest import BufferRole, DType, ProgramKind
-from flare.core.sampling_params import SAMPLING_PARAMS
+from flare.core.manifest import BufferRole, DType
 from flare.prepare import recipes
-from flare.prepare.layout import BufferRequest, align, plan
+from flare.prepare.layout import align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
+from flare.prepare.plan import (GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
+                                buffer_requests, continuation_rows, partial_manifest, plan_capacities, program_table)
 from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
 from flare.prepare.sources import ModelSource
 
-STOP_IDS_CAPACITY = 16
-GiB = 1 << 30
-
-
-class PrepareError(ValueError):
-    """A requested capacity or feature that this preparation cannot provide."""
-
-
-@dataclass
-class Options:
-    device: str = "cpu"
-    dtype: str | None = None  # default: float32 on cpu, bfloat16 on cuda
-    prefill_chunk_size: int | None = None
-    decode_capacities: tuple[int, ...] = (1, 2, 4)
-    context_limit: int | None = None
-    page_size: int = 16
-    kv_pages: int | None = None
-    kv_memory_gib: float | None = None
-    snapshot_rows: int | None = None  # prefix-cache checkpoint rows (default: 4 per slot)
-    attention: str | None = None  # reference | triton
-    compile: bool = True
-    scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
-    reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
-    qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce
-    tp_size: int = 1  # tensor-parallel ranks; this process prepares rank tp_rank
-    tp_rank: int = 0
-    tp_addr: str | None = None  # host:port of rank 0's gloo store (TP > 1)
-    served_name: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    def resolved_dtype(self) -> str:
-        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
-
-
-def _dtype_enum(t: torch.dtype) -> DType:
-    for k, v in TORCH_DTYPES.items():
-        if v == t:
-            return DType(k)
-    raise PrepareError(f"unsupported dtype {t}")
-
-
-def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_bytes: int | None) -> tuple[mf.Capacities, int]:
-    """Capacities from the options; KV pages from --kv-pages, --kv-memory, or (CUDA)
-    the device's free memory minus weights, scratch and the declared reserve."""
-    cfg = src.config.get_text_config()
-    model_max = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
-    context = opts.context_limit or min(model_max, 8192 if opts.device == "cpu" else 32768)
-    if context > model_max:
-        raise PrepareError(f"--context-limit {context} exceeds the model's max_position_embeddings {model_max}")
-    if context < 64:
-        raise PrepareError("--context-limit must be at least 64")
-    chunk = opts.prefill_chunk_size or min(context, 512 if opts.device == "cpu" else 2048) // 64 * 64
-    try:
-        prefill_caps = mf.prefill_capacities_for(chunk, context)
-    except ValueError as e:
-        raise PrepareError(str(e)) from None
-    decode_caps = tuple(sorted(set(opts.decode_capacities)))
-    if not decode_caps or decode_caps[0] < 1 or decode_caps[-1] > 256:
-        raise PrepareError(f"decode capacities must lie in [1, 256], got {opts.decode_capacities}")
-    if opts.page_size < 1 or opts.page_size & (opts.page_size - 1):
-        raise PrepareError(f"--page-size must be a power of two, got {opts.page_size}")
-    vocab = recipe.vocab_size(src.config)
-    snapshot_rows = 4 * decode_caps[-1] if opts.snapshot_rows is None else opts.snapshot_rows
-    if snapshot_rows < 0:
-        raise PrepareError(f"--snapshot-rows must not be negative, got {snapshot_rows}")
-    caps = mf.Capacities(
-        context_limit=context,
-        prefill_chunk=chunk,
-        prefill_capacities=prefill_caps,
-        decode_capacities=decode_caps,
-        slots=decode_caps[-1],
-        max_pages_per_slot=-(-context // opts.page_size),
-        stop_ids=STOP_IDS_CAPACITY,
-        vocab_size=vocab,
-        sampling_vocab=min(vocab, src.frontend.tokenizer_vocab),
-        hidden_size=recipe.hidden_size(src.config),
-        snapshot_rows=snapshot_rows,
-    )
-    geo = recipe.kv_geometry(src.config, opts.tp_size)
-    itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
-    bytes_per_page = geo.layers * 2 * opts.page_size * geo.kv_heads * geo.head_dim * itemsize
-    if opts.kv_pages is not None:
-        pages = opts.kv_pages
-    elif opts.kv_memory_gib is not None or free_bytes is None:
-        budget = (opts.kv_memory_gib if opts.kv_memory_gib is not None else 0.5) * GiB
-        pages = int(budget // bytes_per_page)
-    else:
-        weights = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
-        # Checkpoint rows: one KV tail page plus one copy of every continuation row each.
-        rows = sum(math.prod(shape) * dt.itemsize for _, dt, shape in
-                   continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype())))
-        snapshots = (caps.snapshot_rows + 1) * (bytes_per_page + rows)
-        budget = free_bytes - weights - snapshots - (opts.scratch_memory_gib + opts.reserve_gib) * GiB
-        pages = int(budget // bytes_per_page)
-    # One request at full context must fit, plus the null page.
-    if pages < caps.max_pages_per_slot + 1:
-        raise PrepareError(
-            f"{pages} KV pages cannot hold one request at the context limit "
-            f"({caps.max_pages_per_slot} pages of {opts.page_size} tokens + the null page); "
-            f"raise --kv-pages/--kv-memory or lower --context-limit"
-        )
-    return caps, pages
-
-
-KV_TAIL = "snap.kv_tail"
-
-
-def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType) -> list[tuple[str, DType, tuple[int, ...]]]:
-    """Continuation state, one row per slot: the saved final hidden vector, then whatever
-    the recipe declares (recurrent matrices, convolution histories). (name, dtype, row shape)."""
-    return [("state.hidden", dtype, (caps.hidden_size,)),
-            *((b.name, b.dtype, b.row) for b in recipe.state_buffers(config, dtype))]
-
-
-def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: Options, specs) -> list[BufferRequest]:
-    dtype = DType(opts.resolved_dtype())
-    reqs = [BufferRequest(s.buffer, BufferRole.weight, _dtype_enum(s.dtype), s.shape) for s in specs]
-    geo = recipe.kv_geometry(src.config, opts.tp_size)
-    page_shape = (geo.layers, 2, opts.page_size, geo.kv_heads, geo.head_dim)
-    reqs.append(BufferRequest("kv", BufferRole.kv, dtype, (geo.layers, 2, pages, opts.page_size, geo.kv_heads, geo.head_dim)))
-    for name, (role, dt, shape) in mf.runtime_buffer_shapes(caps).items():
-        reqs.append(BufferRequest(name, role, dt, shape))
-    for name, dt, row in continuation_rows(recipe, src.config, caps, dtype):
-        reqs.append(BufferRequest(name, BufferRole.state, dt, (caps.slots + 1, *row)))
-        reqs.append(BufferRequest(mf.snapshot_buffer(name), BufferRole.snapshot, dt, (caps.snapshot_rows + 1, *row)))
-    reqs.append(BufferRequest(KV_TAIL, BufferRole.snapshot, dtype, (caps.snapshot_rows + 1, *page_shape)))
-    reqs.append(
-        BufferRequest("out.prefill_hidden", BufferRole.output, dtype, (max(caps.prefill_capacities), caps.hidden_size))
-    )
-    if opts.device == "cuda" and opts.tp_size > 1:
-        reqs += collective_buffers(caps, opts.tp_size, TORCH_DTYPES[opts.resolved_dtype()].itemsize)
-    return reqs
-
-
-TP_EXCHANGE, TP_FLAGS, TP_PEERS = "tp.exchange", "tp.flags", "tp.peers"
-
-
-def collective_buffers(caps: mf.Capacities, size: int, itemsize: int) -> list[BufferRequest]:
-    """A CUDA TP rank's collective buffers: two exchange slots as large as the largest
-    payload (a prefill chunk's hidden rows, a decode batch's logit shard), the flag
-    words (zeroed by the runtime like every state buffer), and the peers' arena offsets
-    (a weight: written once, stored in the image)."""
-    from flare.prepare.kernels.collective import BLOCKS
-
-    rows = max(*caps.prefill_capacities, *caps.decode_capacities)
-    slot = max(rows * caps.hidden_size, max(caps.decode_capacities) * caps.vocab_size // size) * itemsize
-    slot = max(slot, rows * 8)  # sampled tokens (int64) from rank 0
-    slot = -(-slot // 256) * 256
-    return [BufferRequest(TP_EXCHANGE, BufferRole.state, DType.uint8, (2 * slot,)),
-            BufferRequest(TP_FLAGS, BufferRole.state, DType.int32, (BLOCKS,)),
-            BufferRequest(TP_PEERS, BufferRole.weight, DType.int64, (size,))]
-
-
-def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
-                  continuation: mf.Continuation) -> tuple[mf.Program, ...]:
-    state = ("state.len", "state.pending", "state.generated", "state.max_new", "state.done", "state.seed",
-             "state.counter", "state.top_k", "state.sampling", "state.stop_ids", "state.page_table",
-             "state.hist", *continuation.state)
-    mask = ("state.mask_on", "in.token_mask")  # grammar masks: read by every sampling program
-    snaps = (*(mf.snapshot_buffer(n) for n in continuation.state), continuation.tail)
-    progs = []
-
-    def add(kind, cap, reads, writes, completion):
-        name = f"{kind.value}.{cap}"
-        progs.append(mf.Program(name=name, kind=kind, capacity=cap, reads=reads, writes=writes,
-                                completion=completion, graph=(graphs or {}).get(name)))
-
-    cmax = max(caps.prefill_capacities)
-    add(ProgramKind.admit, cmax, ("in.admit", "in.tokens", "state.hist"), ("state.hist", *continuation.state), None)
-    for c in caps.prefill_capacities:
-        add(ProgramKind.prefill, c, ("in.prefill", "in.tokens", "kv", *state, *mask),
-            ("kv", *state, "out.logits", "out.prefill_hidden", "out.prefill_completion"), "out.prefill_completion")
-    for b in caps.decode_capacities:
-        add(ProgramKind.decode, b, ("in.decode_slots", "kv", *state, *mask),
-            ("kv", *state, "out.logits", "out.decode_completion"), "out.decode_completion")
-    one = mf.STATE_PROGRAM_CAPACITY
-    add(ProgramKind.resume, one, ("in.prefill", *state, *mask), (*state, "out.logits", "out.prefill_completion"),
-        "out.prefill_completion")
-    add(ProgramKind.snapshot, one, ("in.state", "kv", "state.len", *continuation.state),
-        (*snaps, "out.state_completion"), "out.state_completion")
-    add(ProgramKind.restore, one, ("in.state", *snaps), ("kv", "state.len", *continuation.state, "out.state_completion"),
-        "out.state_completion")
-    return tuple(progs)
+__all__ = ["Options", "PrepareError", "prepare"]
 
 
 def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str], None], session=None,
@@ -224,114 +44,194 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     tensor parallelism every rank calls this with its group; each writes its rank's
     image, rank 0 the manifest and the shared files (other ranks return None)."""
     t0 = time.time()
-    model_type = src.config.model_type
+    recipe = _recipe_for(src)
+    _check_request(opts, session, tp)
+    target = _CudaArena(session, opts, tp) if opts.device == "cuda" else _CpuArena()
+    dtype = DType(opts.resolved_dtype())
+
+    progress(f"building {src.config.model_type} ({recipe.name} recipe) on the meta device"
+             + (f", rank {tp.rank} of {tp.size}" if tp.active else ""))
     try:
-        recipe = recipes.for_model_type(model_type)
+        model = recipe.build(src.config, TORCH_DTYPES[dtype.value], tp=tp)
+    except (ShardingError, recipes.RecipeError) as e:
+        raise PrepareError(str(e)) from None
+    specs = recipe.weights(model)
+    caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=target.free_bytes())
+    buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
+    continuation = mf.Continuation(state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, dtype)),
+                                   tail=KV_TAIL)
+    sizes = _plan_sizes(buffers, caps, pages)
+    progress(f"plan: weights {sizes['weights_bytes'] / GiB:.2f} GiB, kv {pages} pages x {opts.page_size} tokens "
+             f"({sizes['kv_bytes'] / GiB:.2f} GiB), state and io {sizes['state_io_bytes'] / 2**20:.1f} MiB, "
+             f"{caps.snapshot_rows} snapshot rows ({sizes['snapshot_bytes'] / 2**20:.1f} MiB)")
+
+    views = target.allocate(buffers, planned)
+    with target.pool():
+        recipe.bind(model, specs, views)
+    with target.load_pool():
+        progress("loading weights into the arena")
+        _load_weights(src, specs, views)
+    target.after_load()
+    with target.pool():
+        recipe.compute_constants(model, specs, views)
+        progress("building programs")
+        programs = target.programs(recipe, model, views, caps, opts, continuation)
+        table = program_table(caps, target.graph_files(caps, continuation), continuation)
+        partial = partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
+                                   base=target.base, device=target.device)
+        out.mkdir(parents=True, exist_ok=True)
+    partial, report = target.finish(programs, partial, views, out / mf.rank_dir(tp.rank, tp.size), opts, progress)
+    return _write_core(src, recipe, partial, target, out, tp, progress, t0, {**sizes, **report})
+
+
+def _recipe_for(src: ModelSource) -> recipes.Recipe:
+    try:
+        return recipes.for_model_type(src.config.model_type)
     except recipes.UnsupportedArchitecture as e:
         raise PrepareError(str(e)) from None
-    cuda = opts.device == "cuda"
-    if cuda and session is None:
+
+
+def _check_request(opts: Options, session, tp: TensorParallel) -> None:
+    if opts.device == "cuda" and session is None:
         raise PrepareError("--device cuda requested but no CUDA session is available")
     if tp.size != opts.tp_size or tp.rank != opts.tp_rank:
         raise PrepareError(f"rank {tp.rank} of {tp.size} was asked to prepare rank {opts.tp_rank} of {opts.tp_size}")
     if tp.active and opts.qualify:
         raise PrepareError("--qualify records golden replays of one rank; it is not supported with --tp > 1")
-    attention = opts.attention or ("triton" if cuda else "reference")
-    dtype = TORCH_DTYPES[opts.resolved_dtype()]
 
-    progress(f"building {model_type} ({recipe.name} recipe) on the meta device"
-             + (f", rank {tp.rank} of {tp.size}" if tp.active else ""))
-    try:
-        model = recipe.build(src.config, dtype, tp=tp)
-    except (ShardingError, recipes.RecipeError) as e:
-        raise PrepareError(str(e)) from None
-    specs = recipe.weights(model)
-    free = session.free_at_start if cuda else None
-    if cuda and tp.active:
-        free = _free_per_rank(session, tp)
-    caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=free)
-    buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
-    continuation = mf.Continuation(
-        state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype()))),
-        tail=KV_TAIL)
-    weight_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.weight)
-    kv_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.kv)
-    state_bytes = sum(b.nbytes for b in buffers if b.role in (BufferRole.state, BufferRole.input, BufferRole.output))
-    snapshot_bytes = sum(b.nbytes for b in buffers if b.role == BufferRole.snapshot)
-    progress(f"plan: weights {weight_bytes / GiB:.2f} GiB, kv {pages} pages x {opts.page_size} tokens "
-             f"({kv_bytes / GiB:.2f} GiB), state and io {state_bytes / 2**20:.1f} MiB, "
-             f"{caps.snapshot_rows} snapshot rows ({snapshot_bytes / 2**20:.1f} MiB)")
-    if cuda:
-        pool_offset = align(planned, 2 << 20)
-        session.map(pool_offset + int(opts.scratch_memory_gib * GiB))
+
+def _plan_sizes(buffers, caps: mf.Capacities, pages: int) -> dict[str, int]:
+    def total(*roles):
+        return sum(b.nbytes for b in buffers if b.role in roles)
+
+    return {"weights_bytes": total(BufferRole.weight), "kv_bytes": total(BufferRole.kv), "kv_pages": pages,
+            "state_io_bytes": total(BufferRole.state, BufferRole.input, BufferRole.output),
+            "snapshot_rows": caps.snapshot_rows, "snapshot_bytes": total(BufferRole.snapshot)}
+
+
+class _CpuArena:
+    """The reference path: the arena is a host tensor; programs run eagerly."""
+
+    base = 0
+    device = None
+
+    def free_bytes(self) -> int | None:
+        return None
+
+    def allocate(self, buffers, planned: int) -> dict[str, torch.Tensor]:
+        self.arena = torch.zeros(planned, dtype=torch.uint8)
+        self.numpy = self.arena.numpy()
+        return arena_views(self.arena, buffers)
+
+    def pool(self):
+        return contextlib.nullcontext()
+
+    load_pool = pool
+
+    def after_load(self) -> None:
+        pass
+
+    def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
+        return ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "reference", continuation)
+
+    def graph_files(self, caps, continuation) -> None:
+        return None
+
+    def finish(self, programs: ProgramSet, partial: mf.Manifest, views, rank_out: Path, opts: Options,
+               progress) -> tuple[mf.Manifest, dict]:
+        """Every program executes once (on the null slot); ``--qualify`` records golden replays."""
+        calls = {p.name: programs.callable(p.kind, p.capacity) for p in partial.programs}
+        for call in calls.values():
+            call()
+        if opts.qualify:
+            from flare.prepare.golden import record
+
+            golden = record(partial, views, lambda name: calls[name](), opts.qualify)
+            rank_out.mkdir(parents=True, exist_ok=True)
+            (rank_out / "qualification.json").write_bytes(msgspec.json.encode(golden))
+        return partial, {}
+
+    def read(self, b: mf.Buffer):
+        return memoryview(self.numpy[b.offset : b.offset + b.nbytes])
+
+
+class _CudaArena:
+    """A CUDA session: the arena is mapped at its fixed address and torch allocates from
+    a pool at its tail; programs are compiled, captured and exported as graphs."""
+
+    def __init__(self, session, opts: Options, tp: TensorParallel):
+        self.session, self.opts, self.tp = session, opts, tp
+        self.base = session.base
+        self.device = session.device
+
+    def free_bytes(self) -> int:
+        return _free_per_rank(self.session, self.tp) if self.tp.active else self.session.free_at_start
+
+    def allocate(self, buffers, planned: int) -> dict[str, torch.Tensor]:
+        self.pool_offset = align(planned, 2 << 20)
+        self.session.map(self.pool_offset + int(self.opts.scratch_memory_gib * GiB))
         with torch.cuda.device(0):
-            arena = session.start_torch(pool_offset)
-    else:
-        pool_offset = planned
-        arena = torch.zeros(planned, dtype=torch.uint8)
-    views = session.buffer_tensors(buffers) if cuda else arena_views(arena, buffers)
-    if cuda and tp.active:
-        from flare.prepare.parallel import CudaTransport
+            self.arena = self.session.start_torch(self.pool_offset)
+        views = self.session.buffer_tensors(buffers)
+        if self.tp.active:
+            from flare.prepare.parallel import CudaTransport
 
-        tp.attach_cuda(CudaTransport(views[TP_EXCHANGE], views[TP_FLAGS], views[TP_PEERS]))
-    pool = (lambda: torch.cuda.use_mem_pool(session.pool)) if cuda else contextlib.nullcontext
-    with pool():
-        recipe.bind(model, specs, views)
-    # A TP rank loads outside the arena's pool: it reads its sharded tensors whole, and
-    # the pool never gives memory back, so inside it they would stay in every rank's arena.
-    with contextlib.nullcontext() if tp.active else pool():
-        progress("loading weights into the arena")
-        _load_weights(src, specs, views)
-    if cuda and tp.active:
-        torch.cuda.empty_cache()
-    with pool():
-        recipe.compute_constants(model, specs, views)
-        progress("building programs")
-        if cuda and opts.compile:
+            self.tp.attach_cuda(CudaTransport(views[TP_EXCHANGE], views[TP_FLAGS], views[TP_PEERS]))
+        self.views = views
+        return views
+
+    def pool(self):
+        return torch.cuda.use_mem_pool(self.session.pool)
+
+    def load_pool(self):
+        # A TP rank loads outside the arena's pool: it reads its sharded tensors whole, and
+        # the pool never gives memory back, so inside it they would stay in every rank's arena.
+        return contextlib.nullcontext() if self.tp.active else self.pool()
+
+    def after_load(self) -> None:
+        if self.tp.active:
+            torch.cuda.empty_cache()
+
+    def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
+        if opts.compile:
             _compile_layers(recipe, model.module)
-        programs = ProgramSet(recipe, model, views, caps, opts.page_size, attention, continuation)
-        if cuda and opts.compile:
+        programs = ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "triton", continuation)
+        if opts.compile:
             programs.compile_glue()
-        names = {p.name: f"graphs/{p.name}.json" for p in program_table(caps, None, continuation)}
-        table = program_table(caps, names if cuda else None, continuation)
-        partial = _partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
-                                    base=session.base if cuda else 0, device=session.device if cuda else None)
-        out.mkdir(parents=True, exist_ok=True)
-        if not cuda:
-            for p in table:
-                programs.callable(p.kind, p.capacity)()  # every program must execute once (null slot)
-            extra = {}
-            if opts.qualify:
-                from flare.prepare.golden import record
+        return programs
 
-                calls = {p.name: programs.callable(p.kind, p.capacity) for p in table}
-                golden = record(partial, views, lambda name: calls[name](), opts.qualify)
-                (out / "qualification.json").write_bytes(msgspec.json.encode(golden))
-    if cuda:
+    def graph_files(self, caps, continuation) -> dict[str, str]:
+        return {p.name: f"graphs/{p.name}.json" for p in program_table(caps, None, continuation)}
+
+    def finish(self, programs: ProgramSet, partial: mf.Manifest, views, rank_out: Path, opts: Options,
+               progress) -> tuple[mf.Manifest, dict]:
         # Outside use_mem_pool: graph capture routes its allocations to the same pool itself.
         from flare.prepare.cuda.finish import capture_and_export
 
-        rank_out = out / mf.rank_dir(tp.rank, tp.size)
-        extra = capture_and_export(session, programs, partial, views, pool_offset, rank_out, opts, progress, tp)
+        extra = capture_and_export(self.session, programs, partial, views, self.pool_offset, rank_out, opts,
+                                   progress, self.tp)
         partial = msgspec.structs.replace(
-            partial, buffers=buffers + tuple(extra["buffers"]),
+            partial, buffers=partial.buffers + tuple(extra["buffers"]),
             arena=msgspec.structs.replace(partial.arena, nbytes=extra["arena_nbytes"]))
-        if tp.active:
+        if self.tp.active:
             # The graphs are captured: the peers' offsets replace the loopback zeros.
             bases = [r.base_address for r in partial.parallel.ranks]
-            views[TP_PEERS].copy_(torch.tensor([b - bases[tp.rank] for b in bases], dtype=torch.int64))
+            views[TP_PEERS].copy_(torch.tensor([b - bases[self.tp.rank] for b in bases], dtype=torch.int64))
             torch.cuda.synchronize()
-    nbytes = partial.arena.nbytes
+        return partial, extra.get("report", {})
 
+    def read(self, b: mf.Buffer) -> bytes:
+        return self.arena[b.offset : b.offset + b.nbytes].cpu().numpy().tobytes()
+
+
+def _write_core(src: ModelSource, recipe, partial: mf.Manifest, target, out: Path, tp: TensorParallel, progress,
+                t0: float, report: dict) -> mf.Manifest | None:
+    """Every rank writes its arena image; rank 0 also the frontend files, the manifest
+    (fingerprinted over the config, every rank's image and the frontend) and the report."""
     progress(f"writing runtime core to {out}")
     rank_out = out / mf.rank_dir(tp.rank, tp.size)
     rank_out.mkdir(parents=True, exist_ok=True)
-    if cuda:
-        read = lambda b: arena[b.offset : b.offset + b.nbytes].cpu().numpy().tobytes()  # noqa: E731
-    else:
-        arena_np = arena.numpy()
-        read = lambda b: memoryview(arena_np[b.offset : b.offset + b.nbytes])  # noqa: E731
-    digest = write_image(rank_out / partial.arena.image, persistent_buffers(partial), read)
+    digest = write_image(rank_out / partial.arena.image, persistent_buffers(partial), target.read)
     # Every rank must have planned the same layout (one buffer list describes all ranks).
     layout = hashlib.sha256(msgspec.json.encode(partial.buffers)).hexdigest()
     digests = tp.gather_strings(f"{layout} {digest}")
@@ -347,12 +247,10 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     for part in (recipe.config_json(src.config), *(d.split()[1] for d in digests), src.frontend.tokenizer_json,
                  src.frontend.chat_template or ""):
         fp.update(part.encode())
-    identity = msgspec.structs.replace(partial.identity, fingerprint=fp.hexdigest())
-    final = msgspec.structs.replace(partial, identity=identity)
+    final = msgspec.structs.replace(partial, identity=msgspec.structs.replace(partial.identity,
+                                                                              fingerprint=fp.hexdigest()))
     (out / mf.MANIFEST_FILE).write_bytes(mf.encode_manifest(final))
-    report = {"weights_bytes": weight_bytes, "kv_bytes": kv_bytes, "kv_pages": pages, "state_io_bytes": state_bytes,
-              "snapshot_rows": caps.snapshot_rows, "snapshot_bytes": snapshot_bytes,
-              "arena_bytes": nbytes, "seconds": round(time.time() - t0, 2), **extra.get("report", {})}
+    report = {**report, "arena_bytes": final.arena.nbytes, "seconds": round(time.time() - t0, 2)}
     (out / "prepare_report.json").write_text(json.dumps(report, indent=1))
     progress(f"done in {time.time() - t0:.1f} s")
     return final
@@ -436,68 +334,3 @@ def _compile_layers(recipe, model) -> None:
         rotary.compile(dynamic=False)
 
 
-def _rank_base(base: int, rank: int, r: int) -> int:
-    """Rank r's arena address seen from rank ``rank``'s (0 on reference cores)."""
-    if not base:
-        return 0
-    from flare.prepare.cuda.session import rank_base
-
-    return rank_base(rank_base(base, -rank), r)
-
-
-def _partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,
-                      device) -> mf.Manifest:
-    import transformers
-
-    from flare import __version__
-
-    s = src.sampling
-    ranges = {k: mf.Range(lo=lo, hi=hi) for k, (lo, hi) in src.ranges.items()}
-    if "top_k" in ranges:
-        hi = min(ranges["top_k"].hi, caps.sampling_vocab)
-        ranges["top_k"] = mf.Range(lo=ranges["top_k"].lo, hi=hi)
-    return mf.Manifest(
-        abi=mf.ABI_VERSION,
-        identity=mf.Identity(
-            abi=mf.ABI_VERSION,
-            fingerprint="",
-            model_type=src.config.model_type,
-            recipe=recipe.name,
-            device=opts.device,
-            device_name=device.name if device else (platform.processor() or platform.machine()),
-            compute_capability=device.compute_capability if device else None,
-            versions={
-                "flare": __version__,
-                "torch": str(torch.__version__),
-                "transformers": transformers.__version__,
-                "python": sys.version.split()[0],
-            },
-        ),
-        arena=mf.Arena(nbytes=nbytes, alignment=256, base_address=base, image="weights.safetensors"),
-        buffers=buffers,
-        programs=table,
-        completion=mf.CompletionLayout(fields=mf.COMPLETION_FIELDS, status_codes=mf.STATUS_CODES),
-        pages=mf.PageGeometry(
-            page_size=opts.page_size,
-            num_pages=pages,
-            null_page=0,
-            bytes_per_page=[b for b in buffers if b.role == BufferRole.kv][0].nbytes // pages,
-        ),
-        capacities=caps,
-        frontend=mf.Frontend(
-            served_name=opts.served_name or src.name,
-            tokenizer="tokenizer.json",
-            chat_template="chat_template.jinja" if src.frontend.chat_template is not None else None,
-            special_tokens=src.frontend.special_tokens,
-            eos_ids=src.frontend.eos_ids,
-            tool_parser=mf.ToolParser(src.tool_parser),
-            reasoning_parser=mf.ReasoningParser(src.reasoning_parser),
-        ),
-        sampling=mf.SamplingDefaults(**{p.name: p.type(s[p.name]) for p in SAMPLING_PARAMS}, ranges=ranges),
-        reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
-        continuation=continuation,
-        kernels="kernels.json" if device else None,
-        parallel=mf.Parallel(tp_size=opts.tp_size, ranks=tuple(
-            mf.RankCore(dir=mf.rank_dir(r, opts.tp_size), base_address=_rank_base(base, opts.tp_rank, r))
-            for r in range(opts.tp_size))),
-    )

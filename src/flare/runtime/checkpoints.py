@@ -1,4 +1,4 @@
-"""The checkpoint lifecycle of requests: reuse at admission, captures at selected
+"""The checkpoint lifecycle of requests: reuse at admission, snapshots at selected
 endpoints, publication after the copy completes, release.
 
 The scheduler owns admission order, pages, slots and step selection; this
@@ -16,7 +16,7 @@ scheduler ready-made steps. Lifecycle of one request::
                publish: the checkpoint pins its parent chain and takes the
                request's completed private pages as its segment; the request now
                anchors (pins) the new checkpoint
-    finish     terminal capture at the consumed count (the sampled pending token is
+    finish     terminal snapshot at the consumed count (the sampled pending token is
                not consumed); the request keeps its slot and pages until it completes
     release    unpin the anchor
 
@@ -34,14 +34,14 @@ import numpy as np
 from flare.core import interface as io
 from flare.core.errors import ExecutionError
 from flare.core.manifest import Manifest, ProgramKind
-from flare.runtime.capture import CapturePlan, capture_budget, plan_captures
+from flare.runtime.snapshot_plan import SnapshotPlan, snapshot_budget, plan_snapshots
 from flare.runtime.encoder import StepEncoder
 from flare.runtime.pages import PageId, PagePool
 from flare.runtime.prefix_cache import Checkpoint, Key, PrefixCache, PrefixDigests
 from flare.runtime.request import Request
 from flare.runtime.steps import Step
 
-TERMINAL_ONLY = CapturePlan((), False, True)
+TERMINAL_ONLY = SnapshotPlan((), False, True)
 
 
 @dataclass
@@ -63,7 +63,7 @@ NO_REUSE = Reuse(None, [], None)
 @dataclass
 class _Track:
     digests: PrefixDigests
-    plan: CapturePlan
+    plan: SnapshotPlan
     stops: list[int]  # selected endpoints not reached yet, ascending
     anchor: Checkpoint | None  # pinned: the checkpoint whose chain the request's pages extend
     queued: list[int] = field(default_factory=list)  # endpoints of snapshot steps not completed
@@ -76,17 +76,17 @@ class Checkpoints:
         on = enabled and caps.snapshot_rows > 0
         self.cache = PrefixCache(pages, caps.snapshot_rows, manifest.pages.page_size,
                                  manifest.identity.fingerprint.encode()) if on else None
-        self.budget = capture_budget(caps.snapshot_rows, caps.slots) if on else 0
+        self.budget = snapshot_budget(caps.snapshot_rows, caps.slots) if on else 0
         self._tracks: dict[Request, _Track] = {}
         # Block digests per request, kept while it waits (a blocked request is looked up
         # at every admission pass) and across preemption (its history only grows).
         self._digests: dict[Request, PrefixDigests] = {}
         self.hit_tokens_total = 0
-        self.skipped_total = 0  # selected endpoints not captured: every snapshot row pinned
-        # Keys of queued captures: an endpoint published or being captured by another
+        self.skipped_total = 0  # selected endpoints not snapshotted: every snapshot row pinned
+        # Keys of queued snapshots: an endpoint published or being snapshotted by another
         # request (n > 1 choices of one prompt, identical concurrent prompts) is not
-        # captured twice, so a duplicate never takes a row or thins another chain.
-        self._capturing: dict[Key, int] = {}
+        # snapshotted twice, so a duplicate never takes a row or thins another chain.
+        self._snapshotting: dict[Key, int] = {}
         self.duplicates_avoided_total = 0
 
     @property
@@ -115,14 +115,14 @@ class Checkpoints:
 
     def start(self, req: Request, reuse: Reuse) -> list[Step]:
         """The request holds its slot and pages (``reuse.pages`` first): plan its
-        captures and return the restore (and resume) steps that follow its admit steps."""
+        snapshots and return the restore (and resume) steps that follow its admit steps."""
         if self.cache is None:
             return []
         reused = reuse.length
         if req.output:  # readmission: its prompt endpoints were planned at first admission
             plan = TERMINAL_ONLY
         else:
-            plan = plan_captures(budget=self.budget, reused=reused, prompt_len=len(req.prompt),
+            plan = plan_snapshots(budget=self.budget, reused=reused, prompt_len=len(req.prompt),
                                  max_tokens=req.params.max_tokens, endpoints=req.endpoints)
         stops = [*plan.messages, *([len(req.prompt)] if plan.prompt else [])]
         self._tracks[req] = _Track(reuse.digests, plan, stops, reuse.checkpoint)
@@ -151,7 +151,7 @@ class Checkpoints:
         return self._snapshot(req, t)
 
     def on_finish(self, req: Request) -> Step | None:
-        """The terminal capture of a request that finished (stop or length)."""
+        """The terminal snapshot of a request that finished (stop or length)."""
         t = self._tracks.get(req)
         if t is None or not t.plan.terminal or req.consumed == 0:
             return None
@@ -178,7 +178,7 @@ class Checkpoints:
         if step.kind == ProgramKind.restore:
             return
         t = self._tracks[req]
-        self._captured(req, t, step.endpoint)
+        self._snapshotted(req, t, step.endpoint)
         history = req.prompt + req.output  # consumed tokens are a prefix of it
         c = self.cache.insert(history, t.digests, step.endpoint, step.row, t.anchor, req.pages)
         if c is None:  # an equal endpoint is published already: keep ours private
@@ -196,7 +196,7 @@ class Checkpoints:
         self.cache.rows.end_use(step.row)
         if step.kind == ProgramKind.snapshot:
             req = step.requests[0]
-            self._captured(req, self._tracks[req], step.endpoint)
+            self._snapshotted(req, self._tracks[req], step.endpoint)
             self.cache.release_row(step.row)
 
     def release(self, req: Request, *, finished: bool = True) -> None:
@@ -214,7 +214,7 @@ class Checkpoints:
     def check_integrity(self, holders: list[Request], waiting=()) -> None:
         """Cache invariants, plus: every request's pages extend its anchor's chain and
         are private beyond it; pins are exactly the anchors; owned snapshot rows are
-        exactly the published ones plus the queued captures'."""
+        exactly the published ones plus the queued snapshots'."""
         if self.cache is None:
             if self._tracks:
                 raise AssertionError("requests tracked without a prefix cache")
@@ -241,17 +241,17 @@ class Checkpoints:
             if c.pins != pins.get(c.id, 0):
                 raise AssertionError(f"{c}: {c.pins} pins, {pins.get(c.id, 0)} anchoring requests")
         queued = sum(len(t.queued) for t in self._tracks.values())
-        if sum(self._capturing.values()) != queued:
-            raise AssertionError(f"{sum(self._capturing.values())} capture keys for {queued} queued captures")
+        if sum(self._snapshotting.values()) != queued:
+            raise AssertionError(f"{sum(self._snapshotting.values())} snapshot keys for {queued} queued snapshots")
         owned = sum(1 for r in range(1, self.cache.rows.total + 1) if self.cache.rows.is_owned(r))
         if owned != len(rows) + queued:
-            raise AssertionError(f"{owned} snapshot rows owned: {len(rows)} checkpoints + {queued} queued captures")
+            raise AssertionError(f"{owned} snapshot rows owned: {len(rows)} checkpoints + {queued} queued snapshots")
 
     # -- internals -------------------------------------------------------------
 
     def _snapshot(self, req: Request, t: _Track) -> Step | None:
         key = self._key(req, t, req.consumed)
-        if key in self.cache or key in self._capturing:
+        if key in self.cache or key in self._snapshotting:
             self.duplicates_avoided_total += 1
             return None
         row = self.cache.acquire_row()
@@ -260,17 +260,17 @@ class Checkpoints:
             return None
         self.cache.rows.begin_use(row)
         t.queued.append(req.consumed)
-        self._capturing[key] = self._capturing.get(key, 0) + 1
+        self._snapshotting[key] = self._snapshotting.get(key, 0) + 1
         return self.encode.state_step(ProgramKind.snapshot, req, row, req.consumed)
 
     @staticmethod
     def _key(req: Request, t: _Track, endpoint: int) -> Key:
         return t.digests.key(req.prompt + req.output, endpoint)  # consumed tokens prefix the history
 
-    def _captured(self, req: Request, t: _Track, endpoint: int) -> None:
-        """A queued capture completed or was dropped."""
+    def _snapshotted(self, req: Request, t: _Track, endpoint: int) -> None:
+        """A queued snapshot completed or was dropped."""
         t.queued.remove(endpoint)
         key = self._key(req, t, endpoint)
-        self._capturing[key] -= 1
-        if not self._capturing[key]:
-            del self._capturing[key]
+        self._snapshotting[key] -= 1
+        if not self._snapshotting[key]:
+            del self._snapshotting[key]

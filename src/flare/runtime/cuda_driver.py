@@ -103,7 +103,7 @@ def round_up(x: int, g: int) -> int:
     return (x + g - 1) // g * g
 
 
-class Arena:
+class DeviceArena:
     """A device memory range at a fixed virtual address (reserve + create + map)."""
 
     def __init__(self, base: int, nbytes: int, ordinal: int, handle):
@@ -113,7 +113,7 @@ class Arena:
         self._handle = handle
 
     @classmethod
-    def reserve(cls, nbytes: int, *, at: int | None = None, hints=VA_HINTS, ordinal: int = 0) -> "Arena":
+    def reserve(cls, nbytes: int, *, at: int | None = None, hints=VA_HINTS, ordinal: int = 0) -> "DeviceArena":
         """Reserve and map ``nbytes`` at ``at`` exactly (runtime) or at the first hint
         the driver honours (preparation). Raises CoreCompatibilityError otherwise."""
         g = granularity(ordinal)

@@ -30,31 +30,14 @@ from flare.core import graph as G
 from flare.core.errors import CoreCompatibilityError, ExecutionError, ManifestError
 from flare.core.image import iter_image
 from flare.core.manifest import BufferRole, Manifest, check_device
-from flare.runtime.cuda_driver import SUCCESS, Arena, ck, free_memory, open_device
+from flare.runtime.cuda_driver import SUCCESS, DeviceArena, ck, free_memory, open_device
 from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES
+from flare.runtime.graph_rebuild import GraphRebuilder
 from flare.runtime.staging import StagingRing
 
-ATTR_RAW_SIZE = 64
 STAGING_BYTES = 16 << 20
 UPLOAD_CHUNK = 8 << 20  # one read + one host-to-device copy of the image
 UPLOAD_WORKERS = 4  # reader threads of the image, each with two pinned chunks and a stream
-_SETTABLE_FUNC_ATTRS = {
-    "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES",
-    "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT",
-    "CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED",
-    "CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE",
-    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH",
-    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT",
-    "CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH",
-}
-# Read-only attributes that identify the compiled code: a mismatch means the wrong binary.
-_IDENTITY_FUNC_ATTRS = (
-    "CU_FUNC_ATTRIBUTE_NUM_REGS",
-    "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES",
-    "CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES",
-    "CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES",
-    "CU_FUNC_ATTRIBUTE_BINARY_VERSION",
-)
 
 
 class _Pinned:
@@ -87,14 +70,12 @@ class CudaExecutor:
         self.switch_context = False  # set when ranks of one process live on different devices
         self.ready = False
         self.timings_ms: dict[str, float] = {}
-        self._counts = {"allocations": 0, "module_loads": 0, "instantiations": 0}
+        self._counts = {"allocations": 0}
         self._counts_at_ready: dict[str, int] = {}
         self._launches = 0
         self._buffers = {b.name: b for b in manifest.buffers}
         self._execs: dict[str, object] = {}
-        self._graphs: list = []
-        self._modules: list = []
-        self._keep: list = []
+        self.rebuilder: GraphRebuilder | None = None
         # Per completion buffer, one pinned host copy per in-flight position (ticket % depth).
         self._completion_copies: dict[str, list[_Pinned]] = {}
         self._pending_completion: str | None = None
@@ -103,7 +84,7 @@ class CudaExecutor:
         self._slots: list[tuple[int, str | None]] = [(-1, None)] * MAX_IN_FLIGHT  # (ticket, completion)
         self.events: list = []
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="flare-cuda")
-        self.arena: Arena | None = None
+        self.arena: DeviceArena | None = None
         self._free_at_ready = 0
 
     # -- startup -------------------------------------------------------------
@@ -129,7 +110,7 @@ class CudaExecutor:
         self.device = open_device(self.ordinal)
         check_device(m, device="cuda", compute_capability=self.device.compute_capability)
         mark("context")
-        self.arena = Arena.reserve(m.arena.nbytes, at=self.base_address, ordinal=self.ordinal)
+        self.arena = DeviceArena.reserve(m.arena.nbytes, at=self.base_address, ordinal=self.ordinal)
         self._counts["allocations"] += 1
         self.stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
         flags = int(d.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
@@ -142,6 +123,7 @@ class CudaExecutor:
                 self._completion_copies[p.completion] = [_Pinned(n) for _ in range(MAX_IN_FLIGHT)]
         self._counts["allocations"] += 3 + MAX_IN_FLIGHT * len(self._completion_copies)
         self._ring = StagingRing(STAGING_BYTES)
+        self.rebuilder = GraphRebuilder(self.rank_dir, m.kernels, self.device.context)
         mark("reserve_map")
         failure: list[BaseException] = []
         builder = threading.Thread(target=self._load_and_build, args=(failure,), name="flare-cuda-build")
@@ -164,22 +146,26 @@ class CudaExecutor:
         ranks that share a GPU see each other's startup)."""
         self._make_current()
         self._free_at_ready = free_memory()[0]
-        self._counts_at_ready = dict(self._counts)
+        self._counts_at_ready = self._all_counts()
         self.ready = True
+
+    def _all_counts(self) -> dict[str, int]:
+        return {**self._counts, **(self.rebuilder.counts if self.rebuilder else
+                                   {"module_loads": 0, "instantiations": 0})}
 
     def _load_and_build(self, failure: list[BaseException]) -> None:
         """Load every kernel image and build every graph (the builder thread)."""
         try:
             ck(d.cuCtxSetCurrent(self.device.context), "cuCtxSetCurrent")
             t = time.perf_counter()
-            self.functions = self._load_kernels()
+            self.rebuilder.load_kernels()
             self.timings_ms["module_load"] = round((time.perf_counter() - t) * 1000, 2)
             t = time.perf_counter()
             stream = ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING.value)), "cuStreamCreate")
             try:
                 for p in self.manifest.programs:
                     spec = G.load_graph(self.rank_dir / p.graph)
-                    self._execs[p.name] = self._build(spec, self.functions, stream)
+                    self._execs[p.name] = self.rebuilder.build(spec, stream)
                 ck(d.cuStreamSynchronize(stream), "cuStreamSynchronize")
             finally:
                 d.cuStreamDestroy(stream)
@@ -238,124 +224,6 @@ class CudaExecutor:
             d.cuStreamDestroy(stream)
             for b in bufs:
                 b.free()
-
-    def _load_kernels(self) -> list:
-        table = G.load_kernel_table(self.rank_dir / self.manifest.kernels)
-        modules = {}
-        for img in table.images:
-            data = (self.rank_dir / "kernels" / f"{img.sha}.cubin").read_bytes()
-            if len(data) != img.nbytes:
-                raise ManifestError(f"kernel image {img.sha} is {len(data)} bytes, expected {img.nbytes}",
-                                    param="kernels")
-            modules[img.sha] = ck(d.cuModuleLoadData(data), f"cuModuleLoadData {img.sha[:12]}")
-            self._counts["module_loads"] += 1
-        self._modules = list(modules.values())
-        functions = []
-        for kf in table.functions:
-            r = d.cuModuleGetFunction(modules[kf.image], kf.name.encode())
-            if r[0] != SUCCESS:
-                raise ManifestError(f"kernel {kf.name!r} not found in image {kf.image[:12]}", param="kernels")
-            f = r[1]
-            for name in _IDENTITY_FUNC_ATTRS:
-                if name in kf.attributes:
-                    have = ck(d.cuFuncGetAttribute(getattr(d.CUfunction_attribute, name), f), "cuFuncGetAttribute")
-                    if int(have) != kf.attributes[name]:
-                        raise ManifestError(f"kernel {kf.name!r}: {name} is {have}, prepared {kf.attributes[name]}",
-                                            param="kernels", code="kernel_mismatch")
-            functions.append(f)
-        self._kernel_table = table
-        return functions
-
-    def _build(self, spec: G.GraphSpec, functions: list, stream):
-        graph = ck(d.cuGraphCreate(0), "cuGraphCreate")
-        self._graphs.append(graph)
-        self._apply_attributes_for(spec, functions)
-        handles = [self._add_node(graph, node, functions) for node in spec.nodes]
-        if spec.edges:
-            frm = [handles[e.src] for e in spec.edges]
-            to = [handles[e.dst] for e in spec.edges]
-            data = []
-            for e in spec.edges:
-                ed = d.CUgraphEdgeData()
-                ed.from_port, ed.to_port, ed.type = e.src_port, e.dst_port, e.type
-                data.append(ed)
-            ck(d.cuGraphAddDependencies(graph, frm, to, data, len(frm)), "cuGraphAddDependencies")
-        flags = int(d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.value)
-        gexec = ck(d.cuGraphInstantiate(graph, flags), f"cuGraphInstantiate {spec.program}")
-        self._counts["instantiations"] += 1
-        ck(d.cuGraphUpload(gexec, stream), "cuGraphUpload")
-        return gexec
-
-    def _apply_attributes_for(self, spec: G.GraphSpec, functions: list) -> None:
-        """Function attributes for every kernel of ``spec``, with the largest dynamic
-        shared memory any of its launches of that function needs."""
-        smem_needed: dict[int, int] = {}
-        for node in spec.nodes:
-            if isinstance(node, G.KernelNode):
-                smem_needed[node.function] = max(smem_needed.get(node.function, 0), node.shared_bytes)
-        for fidx, smem in smem_needed.items():
-            self._apply_function_attributes(fidx, functions[fidx], smem)
-
-    def _add_node(self, graph, node, functions: list):
-        """One exported node added to ``graph`` with no dependencies; returns its handle."""
-        if isinstance(node, G.KernelNode):
-            return self._kernel_node(graph, node, functions)
-        if isinstance(node, G.MemsetNode):
-            p = d.CUDA_MEMSET_NODE_PARAMS()
-            p.dst = d.CUdeviceptr(node.dst)
-            p.pitch, p.value, p.elementSize = node.pitch, node.value, node.element_size
-            p.width, p.height = node.width, node.height
-            return ck(d.cuGraphAddMemsetNode(graph, None, 0, p, self.device.context), "memset node")
-        if isinstance(node, G.MemcpyNode):
-            p = d.CUDA_MEMCPY3D()
-            p.srcMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-            p.dstMemoryType = d.CUmemorytype.CU_MEMORYTYPE_DEVICE
-            p.srcDevice, p.dstDevice = d.CUdeviceptr(node.src), d.CUdeviceptr(node.dst)
-            p.srcPitch, p.dstPitch = node.src_pitch, node.dst_pitch
-            p.srcHeight, p.dstHeight = node.src_height, node.dst_height
-            p.WidthInBytes, p.Height, p.Depth = node.width, node.height, node.depth
-            return ck(d.cuGraphAddMemcpyNode(graph, None, 0, p, self.device.context), "memcpy node")
-        return ck(d.cuGraphAddEmptyNode(graph, None, 0), "empty node")
-
-    def _apply_function_attributes(self, fidx: int, f, smem: int) -> None:
-        kf = self._kernel_table.functions[fidx]
-        for name, want in kf.attributes.items():
-            if name not in _SETTABLE_FUNC_ATTRS:
-                continue
-            if name == "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES":
-                want = max(want, smem)
-            attr = getattr(d.CUfunction_attribute, name, None)
-            if attr is None:
-                continue
-            r = d.cuFuncGetAttribute(attr, f)
-            if r[0] == SUCCESS and int(r[1]) == want:
-                continue
-            ck(d.cuFuncSetAttribute(f, attr, want), f"cuFuncSetAttribute {name} on {kf.name[:60]}")
-
-    def _kernel_node(self, graph, node: G.KernelNode, functions: list):
-        p = d.CUDA_KERNEL_NODE_PARAMS()
-        p.func = functions[node.function]
-        p.gridDimX, p.gridDimY, p.gridDimZ = node.grid
-        p.blockDimX, p.blockDimY, p.blockDimZ = node.block
-        p.sharedMemBytes = node.shared_bytes
-        buf = ctypes.create_string_buffer(node.params, max(len(node.params), 8))
-        ptrs = (ctypes.c_void_p * max(len(node.param_layout), 1))()
-        for j, (off, _) in enumerate(node.param_layout):
-            ptrs[j] = ctypes.addressof(buf) + off
-        self._keep += [buf, ptrs]
-        p.kernelParams = ctypes.addressof(ptrs)
-        handle = ck(d.cuGraphAddKernelNode(graph, None, 0, p), "cuGraphAddKernelNode")
-        for a in node.attributes:
-            aid = getattr(d.CUkernelNodeAttrID, a.name, None)
-            if aid is None:
-                raise ManifestError(f"launch attribute {a.name} is unknown to this driver binding", param="graphs")
-            r = d.cuGraphKernelNodeGetAttribute(handle, aid)
-            if r[0] == SUCCESS and ctypes.string_at(r[1].getPtr(), ATTR_RAW_SIZE) == a.raw:
-                continue
-            v = d.CUkernelNodeAttrValue()
-            ctypes.memmove(v.getPtr(), a.raw, ATTR_RAW_SIZE)
-            ck(d.cuGraphKernelNodeSetAttribute(handle, aid, v), f"set {a.name}")
-        return handle
 
     # -- executor interface ------------------------------------------------------
 
@@ -473,7 +341,7 @@ class CudaExecutor:
         return bytes(out)
 
     def stats(self) -> dict[str, int]:
-        after = {f"{k}_after_ready": v - self._counts_at_ready.get(k, v) for k, v in self._counts.items()}
+        after = {f"{k}_after_ready": v - self._counts_at_ready.get(k, v) for k, v in self._all_counts().items()}
         if self.ready:
             self._make_current()
         free = free_memory()[0] if self.ready else 0
@@ -495,12 +363,7 @@ class CudaExecutor:
         finally:
             for event in self.events:
                 d.cuEventDestroy(event)
-            for gexec in self._execs.values():
-                d.cuGraphExecDestroy(gexec)
-            for g in self._graphs:
-                d.cuGraphDestroy(g)
-            for mod in self._modules:
-                d.cuModuleUnload(mod)
+            self.rebuilder.destroy()
             for pinned in [self.staging, self.readback, *(c for cs in self._completion_copies.values() for c in cs)]:
                 pinned.free()
             self.arena.release()

@@ -23,7 +23,7 @@ _U64 = (1 << 64) - 1
 
 
 def derive_seed(seed: int, generated: int) -> int:
-    """Seed rule for readmission: a new stream from (request seed, tokens generated so
+    """The readmission rule (docs/architecture.md): a new random stream from (request seed, tokens generated so
     far), so a preempted request does not replay draws it already used. splitmix64."""
     z = (seed + 0x9E3779B97F4A7C15 * (generated + 1)) & _U64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64

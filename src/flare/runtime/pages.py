@@ -9,10 +9,11 @@ program read and write only there).
 Free pages are kept in a FIFO: allocation takes the oldest freed page, so page
 ids are deterministic for a given sequence of operations (tests assert them).
 
-Snapshot rows separate the logical owner (a checkpoint, or a capture that is
+Snapshot rows separate the logical owner (a checkpoint, or a snapshot that is
 not published yet) from outstanding device use (submitted or queued programs
 that read or write the row): a row becomes reusable only when both have ended
-(seed: "Track logical references separately from outstanding GPU use"). Pages
+(the original design: "Track logical references separately from outstanding GPU use";
+docs/prefix-cache.md). Pages
 need no such count today because the scheduler changes page ownership only at
 submission boundaries, when nothing that reads a page is in flight or queued.
 """

@@ -13,7 +13,7 @@ each. A page therefore lies in at most one segment::
       └ D  S=120  segment [p9]             a branch: its own private pages
 
 Identity: chained digests over fixed 64-token blocks seeded with the model
-fingerprint, ``d[0] = H(seed)``, ``d[k+1] = H(d[k] || block k)``; a checkpoint's
+fingerprint, ``d[0] = H(fingerprint)``, ``d[k+1] = H(d[k] || block k)``; a checkpoint's
 key is ``(d[S // 64], tokens[64 * (S // 64) : S])``, independent of the page
 size. Equal endpoints have equal keys and share one checkpoint.
 
@@ -57,8 +57,8 @@ class PrefixDigests:
     """Block digests of one token sequence, computed lazily (a request's history
     grows; digests of earlier blocks never change)."""
 
-    def __init__(self, seed: bytes):
-        self._blocks = [_h(b"flare-prefix\0" + seed)]
+    def __init__(self, fingerprint: bytes):
+        self._blocks = [_h(b"flare-prefix\0" + fingerprint)]
 
     def block(self, tokens: Sequence[int], k: int) -> bytes:
         """``d[k]``: the digest of ``tokens[: 64 * k]``."""
@@ -105,11 +105,11 @@ class CacheError(Exception):
 
 
 class PrefixCache:
-    def __init__(self, pages: PagePool, rows: int, page_size: int, seed: bytes):
+    def __init__(self, pages: PagePool, rows: int, page_size: int, fingerprint: bytes):
         self.pool = pages
         self.rows = RowPool(rows)
         self.page_size = page_size
-        self.seed = seed
+        self.fingerprint = fingerprint
         self._by_key: dict[Key, Checkpoint] = {}
         self._buckets: dict[bytes, list[Checkpoint]] = {}
         self._ids = itertools.count(1)
@@ -124,7 +124,7 @@ class PrefixCache:
     # -- lookup ------------------------------------------------------------
 
     def digests(self) -> PrefixDigests:
-        return PrefixDigests(self.seed)
+        return PrefixDigests(self.fingerprint)
 
     def match(self, tokens: Sequence[int], digests: PrefixDigests) -> Checkpoint | None:
         """The deepest checkpoint whose tokens prefix ``tokens`` (length <= len(tokens))."""
@@ -209,13 +209,13 @@ class PrefixCache:
         c.pins -= 1
 
     def release_row(self, row: RowId) -> None:
-        """Give back a row acquired for a capture that was not published."""
+        """Give back a row acquired for a snapshot that was not published."""
         self.rows.retire(row)
 
     # -- eviction ------------------------------------------------------------
 
     def acquire_row(self) -> RowId | None:
-        """A snapshot row for a new capture, thinning chains and then evicting the least
+        """A snapshot row for a new snapshot, thinning chains and then evicting the least
         recently used unpinned leaf when none is free. None when every row is pinned
         or busy: the caller continues without publishing."""
         row = self.rows.allocate()

@@ -1,6 +1,6 @@
 """A request as the runtime sees it: token ids in, token ids out.
 
-Token accounting (seed): *consumed* tokens are in every model state (KV, and
+Token accounting (docs/prefix-cache.md): *consumed* tokens are in every model state (KV, and
 for recurrent models the recurrence); the *pending* token was sampled but not
 yet consumed; *visible* output is what presentation shows. Only consumed
 history can define a checkpoint.

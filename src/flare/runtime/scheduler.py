@@ -1,7 +1,7 @@
 """The scheduler: admission, page growth, preemption, and step selection.
 
 Synchronous and executor-free so that tests can drive it with tiny pools; the
-engine turns its ``Step``s into executor writes and launches. Policy (seed,
+engine turns its ``Step``s into executor writes and launches. Policy (docs/architecture.md,
 "use a small scheduler"):
 
 * FIFO admission subject to a slot and a page reservation (the history to
@@ -23,7 +23,7 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
   device (stop id, length) is a dead row in N+1: the device sees its done flag
   and changes nothing. A request the host finishes after N (a stop string) runs
   one more live row in N+1, which only writes its own slot and private tail
-  page; its terminal capture is skipped, since the slot no longer holds the
+  page; its terminal snapshot is skipped, since the slot no longer holds the
   endpoint.
 * Grammar-constrained requests: the step that samples for such a request carries
   its next-token mask row, computed here from the request's grammar. That mask
@@ -35,7 +35,7 @@ engine turns its ``Step``s into executor writes and launches. Policy (seed,
   checkpoints are evicted before admission waits or a decoder is preempted;
   maintenance steps (admit, restore, resume, snapshot) run before any other.
   A finished request keeps its slot and pages ("retiring") until its terminal
-  capture has completed.
+  snapshot has completed.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.retiring: list[Request] = []  # finished, holding resources until their captures complete
+        self.retiring: list[Request] = []  # finished, holding resources until their snapshots complete
         self._maintenance: deque[Step] = deque()
         self._admissions = 0
         self._last_kind: ProgramKind | None = None
@@ -319,7 +319,7 @@ class Scheduler:
             req = step.requests[0]
             self.checkpoints.complete(step, records)
             if req.finished and not self.checkpoints.busy(req):
-                self._release(req)  # its terminal capture is published
+                self._release(req)  # its terminal snapshot is published
             elif step.kind == ProgramKind.restore and req.consumed == len(req.target) and req.output:
                 req.status = Status.DECODING  # a readmission whose whole history was cached
             return
@@ -402,14 +402,14 @@ class Scheduler:
         req.error = error
         self.metrics.on_finished(reason.value)
         # A step ahead that still runs this request's row live (the host, not the device,
-        # decided the finish) moves its slot past the endpoint: no terminal capture.
+        # decided the finish) moves its slot past the endpoint: no terminal snapshot.
         live_ahead = self._ahead is not None and req in self._ahead.requests and not device_done
         if reason in (FinishReason.stop, FinishReason.length) and req.slot is not None and not live_ahead:
             terminal = self.checkpoints.on_finish(req)
             if terminal is not None:
                 self._maintenance.append(terminal)
         if self.checkpoints.busy(req):
-            # Keep the slot and pages until the queued captures have copied them.
+            # Keep the slot and pages until the queued snapshots have copied them.
             self.running.remove(req)
             self.retiring.append(req)
         else:
@@ -458,7 +458,7 @@ class Scheduler:
             raise AssertionError("slot ownership is inconsistent")
         for r in self.retiring:
             if r.status != Status.FINISHED or not self.checkpoints.busy(r):
-                raise AssertionError(f"{r} is retiring without a pending capture")
+                raise AssertionError(f"{r} is retiring without a pending snapshot")
         for r in self.running:
             if r.status not in (Status.PREFILLING, Status.DECODING):
                 raise AssertionError(f"{r} is running with status {r.status}")

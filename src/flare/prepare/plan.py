@@ -1,0 +1,271 @@
+"""The plan of a core: capacities, the arena's buffers, the program table and the
+manifest that describes them. Pure functions of the options, the recipe's
+geometry and the model source; ``build.prepare`` executes the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from flare.core import manifest as mf
+from flare.core.manifest import BufferRole, DType, ProgramKind
+from flare.core.sampling_params import SAMPLING_PARAMS
+from flare.prepare.layout import BufferRequest
+from flare.prepare.programs import TORCH_DTYPES
+from flare.prepare.sources import ModelSource
+
+STOP_IDS_CAPACITY = 16
+GiB = 1 << 30
+
+
+class PrepareError(ValueError):
+    """A requested capacity or feature that this preparation cannot provide."""
+
+
+@dataclass
+class Options:
+    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on cpu, bfloat16 on cuda
+    prefill_chunk_size: int | None = None
+    decode_capacities: tuple[int, ...] = (1, 2, 4)
+    context_limit: int | None = None
+    page_size: int = 16
+    kv_pages: int | None = None
+    kv_memory_gib: float | None = None
+    snapshot_rows: int | None = None  # prefix-cache checkpoint rows (default: 4 per slot)
+    attention: str | None = None  # reference | triton
+    compile: bool = True
+    scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
+    reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
+    qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce
+    tp_size: int = 1  # tensor-parallel ranks; this process prepares rank tp_rank
+    tp_rank: int = 0
+    tp_addr: str | None = None  # host:port of rank 0's gloo store (TP > 1)
+    served_name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+
+def _dtype_enum(t: torch.dtype) -> DType:
+    for k, v in TORCH_DTYPES.items():
+        if v == t:
+            return DType(k)
+    raise PrepareError(f"unsupported dtype {t}")
+
+
+def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_bytes: int | None) -> tuple[mf.Capacities, int]:
+    """Capacities from the options; KV pages from --kv-pages, --kv-memory, or (CUDA)
+    the device's free memory minus weights, scratch and the declared reserve."""
+    cfg = src.config.get_text_config()
+    model_max = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+    context = opts.context_limit or min(model_max, 8192 if opts.device == "cpu" else 32768)
+    if context > model_max:
+        raise PrepareError(f"--context-limit {context} exceeds the model's max_position_embeddings {model_max}")
+    if context < 64:
+        raise PrepareError("--context-limit must be at least 64")
+    chunk = opts.prefill_chunk_size or min(context, 512 if opts.device == "cpu" else 2048) // 64 * 64
+    try:
+        prefill_caps = mf.prefill_capacities_for(chunk, context)
+    except ValueError as e:
+        raise PrepareError(str(e)) from None
+    decode_caps = tuple(sorted(set(opts.decode_capacities)))
+    if not decode_caps or decode_caps[0] < 1 or decode_caps[-1] > 256:
+        raise PrepareError(f"decode capacities must lie in [1, 256], got {opts.decode_capacities}")
+    if opts.page_size < 1 or opts.page_size & (opts.page_size - 1):
+        raise PrepareError(f"--page-size must be a power of two, got {opts.page_size}")
+    vocab = recipe.vocab_size(src.config)
+    snapshot_rows = 4 * decode_caps[-1] if opts.snapshot_rows is None else opts.snapshot_rows
+    if snapshot_rows < 0:
+        raise PrepareError(f"--snapshot-rows must not be negative, got {snapshot_rows}")
+    caps = mf.Capacities(
+        context_limit=context,
+        prefill_chunk=chunk,
+        prefill_capacities=prefill_caps,
+        decode_capacities=decode_caps,
+        slots=decode_caps[-1],
+        max_pages_per_slot=-(-context // opts.page_size),
+        stop_ids=STOP_IDS_CAPACITY,
+        vocab_size=vocab,
+        sampling_vocab=min(vocab, src.frontend.tokenizer_vocab),
+        hidden_size=recipe.hidden_size(src.config),
+        snapshot_rows=snapshot_rows,
+    )
+    geo = recipe.kv_geometry(src.config, opts.tp_size)
+    itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
+    bytes_per_page = geo.layers * 2 * opts.page_size * geo.kv_heads * geo.head_dim * itemsize
+    if opts.kv_pages is not None:
+        pages = opts.kv_pages
+    elif opts.kv_memory_gib is not None or free_bytes is None:
+        budget = (opts.kv_memory_gib if opts.kv_memory_gib is not None else 0.5) * GiB
+        pages = int(budget // bytes_per_page)
+    else:
+        weights = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
+        # Checkpoint rows: one KV tail page plus one copy of every continuation row each.
+        rows = sum(math.prod(shape) * dt.itemsize for _, dt, shape in
+                   continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype())))
+        snapshots = (caps.snapshot_rows + 1) * (bytes_per_page + rows)
+        budget = free_bytes - weights - snapshots - (opts.scratch_memory_gib + opts.reserve_gib) * GiB
+        pages = int(budget // bytes_per_page)
+    # One request at full context must fit, plus the null page.
+    if pages < caps.max_pages_per_slot + 1:
+        raise PrepareError(
+            f"{pages} KV pages cannot hold one request at the context limit "
+            f"({caps.max_pages_per_slot} pages of {opts.page_size} tokens + the null page); "
+            f"raise --kv-pages/--kv-memory or lower --context-limit"
+        )
+    return caps, pages
+
+
+KV_TAIL = "snap.kv_tail"
+
+
+def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType) -> list[tuple[str, DType, tuple[int, ...]]]:
+    """Continuation state, one row per slot: the saved final hidden vector, then whatever
+    the recipe declares (recurrent matrices, convolution histories). (name, dtype, row shape)."""
+    return [("state.hidden", dtype, (caps.hidden_size,)),
+            *((b.name, b.dtype, b.row) for b in recipe.state_buffers(config, dtype))]
+
+
+def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: Options, specs) -> list[BufferRequest]:
+    dtype = DType(opts.resolved_dtype())
+    reqs = [BufferRequest(s.buffer, BufferRole.weight, _dtype_enum(s.dtype), s.shape) for s in specs]
+    geo = recipe.kv_geometry(src.config, opts.tp_size)
+    page_shape = (geo.layers, 2, opts.page_size, geo.kv_heads, geo.head_dim)
+    reqs.append(BufferRequest("kv", BufferRole.kv, dtype, (geo.layers, 2, pages, opts.page_size, geo.kv_heads, geo.head_dim)))
+    for name, (role, dt, shape) in mf.runtime_buffer_shapes(caps).items():
+        reqs.append(BufferRequest(name, role, dt, shape))
+    for name, dt, row in continuation_rows(recipe, src.config, caps, dtype):
+        reqs.append(BufferRequest(name, BufferRole.state, dt, (caps.slots + 1, *row)))
+        reqs.append(BufferRequest(mf.snapshot_buffer(name), BufferRole.snapshot, dt, (caps.snapshot_rows + 1, *row)))
+    reqs.append(BufferRequest(KV_TAIL, BufferRole.snapshot, dtype, (caps.snapshot_rows + 1, *page_shape)))
+    reqs.append(
+        BufferRequest("out.prefill_hidden", BufferRole.output, dtype, (max(caps.prefill_capacities), caps.hidden_size))
+    )
+    if opts.device == "cuda" and opts.tp_size > 1:
+        reqs += collective_buffers(caps, opts.tp_size, TORCH_DTYPES[opts.resolved_dtype()].itemsize)
+    return reqs
+
+
+TP_EXCHANGE, TP_FLAGS, TP_PEERS = "tp.exchange", "tp.flags", "tp.peers"
+
+
+def collective_buffers(caps: mf.Capacities, size: int, itemsize: int) -> list[BufferRequest]:
+    """A CUDA TP rank's collective buffers: two exchange slots as large as the largest
+    payload (a prefill chunk's hidden rows, a decode batch's logit shard), the flag
+    words (zeroed by the runtime like every state buffer), and the peers' arena offsets
+    (a weight: written once, stored in the image)."""
+    from flare.prepare.kernels.collective import BLOCKS
+
+    rows = max(*caps.prefill_capacities, *caps.decode_capacities)
+    slot = max(rows * caps.hidden_size, max(caps.decode_capacities) * caps.vocab_size // size) * itemsize
+    slot = max(slot, rows * 8)  # sampled tokens (int64) from rank 0
+    slot = -(-slot // 256) * 256
+    return [BufferRequest(TP_EXCHANGE, BufferRole.state, DType.uint8, (2 * slot,)),
+            BufferRequest(TP_FLAGS, BufferRole.state, DType.int32, (BLOCKS,)),
+            BufferRequest(TP_PEERS, BufferRole.weight, DType.int64, (size,))]
+
+
+def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
+                  continuation: mf.Continuation) -> tuple[mf.Program, ...]:
+    state = ("state.len", "state.pending", "state.generated", "state.max_new", "state.done", "state.seed",
+             "state.counter", "state.top_k", "state.sampling", "state.stop_ids", "state.page_table",
+             "state.hist", *continuation.state)
+    mask = ("state.mask_on", "in.token_mask")  # grammar masks: read by every sampling program
+    snaps = (*(mf.snapshot_buffer(n) for n in continuation.state), continuation.tail)
+    progs = []
+
+    def add(kind, cap, reads, writes, completion):
+        name = f"{kind.value}.{cap}"
+        progs.append(mf.Program(name=name, kind=kind, capacity=cap, reads=reads, writes=writes,
+                                completion=completion, graph=(graphs or {}).get(name)))
+
+    cmax = max(caps.prefill_capacities)
+    add(ProgramKind.admit, cmax, ("in.admit", "in.tokens", "state.hist"), ("state.hist", *continuation.state), None)
+    for c in caps.prefill_capacities:
+        add(ProgramKind.prefill, c, ("in.prefill", "in.tokens", "kv", *state, *mask),
+            ("kv", *state, "out.logits", "out.prefill_hidden", "out.prefill_completion"), "out.prefill_completion")
+    for b in caps.decode_capacities:
+        add(ProgramKind.decode, b, ("in.decode_slots", "kv", *state, *mask),
+            ("kv", *state, "out.logits", "out.decode_completion"), "out.decode_completion")
+    one = mf.STATE_PROGRAM_CAPACITY
+    add(ProgramKind.resume, one, ("in.prefill", *state, *mask), (*state, "out.logits", "out.prefill_completion"),
+        "out.prefill_completion")
+    add(ProgramKind.snapshot, one, ("in.state", "kv", "state.len", *continuation.state),
+        (*snaps, "out.state_completion"), "out.state_completion")
+    add(ProgramKind.restore, one, ("in.state", *snaps), ("kv", "state.len", *continuation.state, "out.state_completion"),
+        "out.state_completion")
+    return tuple(progs)
+
+
+def _rank_base(base: int, rank: int, r: int) -> int:
+    """Rank r's arena address seen from rank ``rank``'s (0 on reference cores)."""
+    if not base:
+        return 0
+    from flare.prepare.cuda.session import rank_base
+
+    return rank_base(rank_base(base, -rank), r)
+
+
+def partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,
+                      device) -> mf.Manifest:
+    import transformers
+
+    from flare import __version__
+
+    s = src.sampling
+    ranges = {k: mf.Range(lo=lo, hi=hi) for k, (lo, hi) in src.ranges.items()}
+    if "top_k" in ranges:
+        hi = min(ranges["top_k"].hi, caps.sampling_vocab)
+        ranges["top_k"] = mf.Range(lo=ranges["top_k"].lo, hi=hi)
+    return mf.Manifest(
+        abi=mf.ABI_VERSION,
+        identity=mf.Identity(
+            abi=mf.ABI_VERSION,
+            fingerprint="",
+            model_type=src.config.model_type,
+            recipe=recipe.name,
+            device=opts.device,
+            device_name=device.name if device else (platform.processor() or platform.machine()),
+            compute_capability=device.compute_capability if device else None,
+            versions={
+                "flare": __version__,
+                "torch": str(torch.__version__),
+                "transformers": transformers.__version__,
+                "python": sys.version.split()[0],
+            },
+        ),
+        arena=mf.Arena(nbytes=nbytes, alignment=256, base_address=base, image="weights.safetensors"),
+        buffers=buffers,
+        programs=table,
+        completion=mf.CompletionLayout(fields=mf.COMPLETION_FIELDS, status_codes=mf.STATUS_CODES),
+        pages=mf.PageGeometry(
+            page_size=opts.page_size,
+            num_pages=pages,
+            null_page=0,
+            bytes_per_page=[b for b in buffers if b.role == BufferRole.kv][0].nbytes // pages,
+        ),
+        capacities=caps,
+        frontend=mf.Frontend(
+            served_name=opts.served_name or src.name,
+            tokenizer="tokenizer.json",
+            chat_template="chat_template.jinja" if src.frontend.chat_template is not None else None,
+            special_tokens=src.frontend.special_tokens,
+            eos_ids=src.frontend.eos_ids,
+            tool_parser=mf.ToolParser(src.tool_parser),
+            reasoning_parser=mf.ReasoningParser(src.reasoning_parser),
+        ),
+        sampling=mf.SamplingDefaults(**{p.name: p.type(s[p.name]) for p in SAMPLING_PARAMS}, ranges=ranges),
+        reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
+        continuation=continuation,
+        kernels="kernels.json" if device else None,
+        parallel=mf.Parallel(tp_size=opts.tp_size, ranks=tuple(
+            mf.RankCore(dir=mf.rank_dir(r, opts.tp_size), base_address=_rank_base(base, opts.tp_rank, r))
+            for r in range(opts.tp_size))),
+    )
