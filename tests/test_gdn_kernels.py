@@ -13,6 +13,7 @@ rounding by one bf16 ulp; float32 is checked tightly.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -34,6 +35,14 @@ F64 = torch.float64
 TIGHT = dict(atol=2e-6, rtol=2e-5)
 LOOSE = dict(atol=3e-2, rtol=3e-2)
 ROWS = 7  # state rows: the null row 0 and six slots
+
+
+def transformers_rule(name):
+    """Transformers' torch delta rule, never the flash-linear-attention kernel that its
+    hub-kernel decorator substitutes when ``fla`` is importable."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    return inspect.unwrap(getattr(hf, name))
 
 
 def _gen(seed):
@@ -116,8 +125,6 @@ def test_decode_step_updates_owned_rows_in_place(geo, dtype):
 def test_decode_step_matches_transformers_recurrent_rule():
     """Three decode steps of one row against Transformers' torch_recurrent_gated_delta_rule
     over the same three tokens (float32, GVA 2 -> 4)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
-
     geo, steps, slot = GEOMETRIES[0], 3, 4
     q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, steps, torch.float32, 7)
     initial = state[slot].clone()
@@ -125,7 +132,7 @@ def test_decode_step_matches_transformers_recurrent_rule():
     outs = [gdn_decode_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], A_log, dt_bias, state,
                             torch.tensor([slot], device=DEVICE), one, block_v=16) for t in range(steps)]
     g = -A_log.exp() * F.softplus(a + dt_bias)
-    ref_out, ref_state = hf.torch_recurrent_gated_delta_rule(
+    ref_out, ref_state = transformers_rule("torch_recurrent_gated_delta_rule")(
         q[None], k[None], v[None], g=g[None], beta=b.sigmoid()[None], initial_state=initial[None],
         output_final_state=True, use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(torch.cat(outs), ref_out[0], atol=1e-5, rtol=1e-5)
@@ -231,8 +238,6 @@ def test_prefill_pieces_with_chunk_rule_equal_decode_steps():
     """The prefill composition the recipe would run (conv chunk, gates zeroed past the
     count, Transformers' chunked rule over the padded chunk) leaves the same recurrent
     state as decode steps over the valid tokens; the padded tokens change nothing."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
-
     geo, W, T, n, slot = GEOMETRIES[0], 4, 12, 7, 2
     D = 2 * geo.Hk * geo.Dk + geo.Hv * geo.Dv
     x, weight, _, conv_state = conv_inputs(D, W, T, torch.float32, 600, bias=False)
@@ -244,7 +249,7 @@ def test_prefill_pieces_with_chunk_rule_equal_decode_steps():
     g, beta = gdn_prefill_gates(a, b, A_log, dt_bias, torch.tensor(n, device=DEVICE))
     q, k, v = torch.split(mixed, [geo.Hk * geo.Dk, geo.Hk * geo.Dk, geo.Hv * geo.Dv], dim=-1)
     q, k, v = q.reshape(T, geo.Hk, geo.Dk), k.reshape(T, geo.Hk, geo.Dk), v.reshape(T, geo.Hv, geo.Dv)
-    core, final = hf.torch_chunk_gated_delta_rule(
+    core, final = transformers_rule("torch_chunk_gated_delta_rule")(
         q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[slot][None],
         output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=4)
 

@@ -37,6 +37,18 @@ import triton.language as tl
 _L2_EPS = 1e-6
 
 
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    _check_shape("out", out, shape)
+    return out
+
+
 @triton.jit
 def _softplus(x):
     # torch's softplus (beta 1, threshold 20)
@@ -110,19 +122,10 @@ def gdn_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
                          f"[B, Hk, Dk] and v [B, Hv, Dv] with Hv a multiple of Hk")
     if state.dtype != torch.float32 or state.shape[1:] != (Hv, Dk, Dv):
         raise ValueError(f"state {state.dtype} {tuple(state.shape)}: expected float32 [rows, {Hv}, {Dk}, {Dv}]")
-    for name, t in (("a", a), ("b", b)):
-        if t.shape != (B, Hv):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({B}, {Hv})")
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        if t.shape != (Hv,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({Hv},)")
-    for name, t in (("slots", slots), ("live", live)):
-        if t.shape != (B,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({B},)")
-    if out is None:
-        out = torch.empty((B, Hv, Dv), dtype=v.dtype, device=v.device)
-    elif out.shape != (B, Hv, Dv):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected ({B}, {Hv}, {Dv})")
+    for name, t, shape in (("a", a, (B, Hv)), ("b", b, (B, Hv)), ("A_log", A_log, (Hv,)),
+                           ("dt_bias", dt_bias, (Hv,)), ("slots", slots, (B,)), ("live", live, (B,))):
+        _check_shape(name, t, shape)
+    out = _output(out, (B, Hv, Dv), v)
     if B == 0:
         return out
     block_v = min(block_v, triton.next_power_of_2(Dv))
@@ -175,14 +178,18 @@ def _conv_weight(weight: torch.Tensor, D: int) -> torch.Tensor:
     return w
 
 
-def _check_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def _conv_args(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as [D, W] and the output, after checking every shape against x [N, D]."""
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected [tokens or rows, channels]")
     D = x.shape[1]
     w = _conv_weight(weight, D)
     if conv_state.dim() != 3 or conv_state.shape[1:] != (D, w.shape[1] - 1):
         raise ValueError(f"conv_state has shape {tuple(conv_state.shape)}, expected [rows, {D}, {w.shape[1] - 1}]")
-    if bias is not None and bias.shape != (D,):
-        raise ValueError(f"conv bias has shape {tuple(bias.shape)}, expected ({D},)")
-    return w
+    if bias is not None:
+        _check_shape("conv bias", bias, (D,))
+    return w, _output(out, tuple(x.shape), x)
 
 
 def conv1d_decode_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -193,17 +200,10 @@ def conv1d_decode_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.
     x ``[B, D]``; conv_state ``[rows, D, W-1]``; weight ``[D, 1, W]``; bias ``[D]`` or None;
     slots, live ``[B]``. Returns ``[B, D]`` in x's dtype (zeros on rows that are not live,
     whose history is left untouched)."""
-    if x.dim() != 2:
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected [B, D]")
+    w, out = _conv_args(x, conv_state, weight, bias, out)
     B, D = x.shape
-    w = _check_conv(x, conv_state, weight, bias)
-    for name, t in (("slots", slots), ("live", live)):
-        if t.shape != (B,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({B},)")
-    if out is None:
-        out = torch.empty_like(x)
-    elif out.shape != (B, D):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected ({B}, {D})")
+    _check_shape("slots", slots, (B,))
+    _check_shape("live", live, (B,))
     if B == 0:
         return out
     block_c = min(block_c, triton.next_power_of_2(D))
@@ -268,18 +268,12 @@ def conv1d_prefill_chunk(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     integer device tensors whose first element is the slot row and the number of valid
     tokens. Returns ``[T, D]`` in x's dtype, zeros from token ``count`` on; the slot's
     history becomes the last W-1 inputs of (history ++ x[:count])."""
-    if x.dim() != 2:
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected [T, D]")
+    w, out = _conv_args(x, conv_state, weight, bias, out)
     T, D = x.shape
-    w = _check_conv(x, conv_state, weight, bias)
     if slot.numel() < 1 or count.numel() < 1:
         raise ValueError("slot and count must each hold at least one element")
     if block_t < w.shape[1] - 1:
         raise ValueError(f"block_t {block_t} is below the history length {w.shape[1] - 1}")
-    if out is None:
-        out = torch.empty_like(x)
-    elif out.shape != (T, D):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected ({T}, {D})")
     if T == 0:
         return out
     block_c = min(block_c, triton.next_power_of_2(D))
@@ -321,13 +315,11 @@ def gdn_prefill_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_
     if a.dim() != 2 or b.shape != a.shape:
         raise ValueError(f"a {tuple(a.shape)} / b {tuple(b.shape)}: expected both [T, Hv]")
     T, H = a.shape
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        if t.shape != (H,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({H},)")
+    _check_shape("A_log", A_log, (H,))
+    _check_shape("dt_bias", dt_bias, (H,))
     g = torch.empty((T, H), dtype=torch.float32, device=a.device) if g_out is None else g_out
-    beta = torch.empty_like(b) if beta_out is None else beta_out
-    if g.shape != (T, H) or beta.shape != (T, H):
-        raise ValueError(f"g_out {tuple(g.shape)} / beta_out {tuple(beta.shape)}: expected ({T}, {H})")
+    beta = _output(beta_out, (T, H), b)
+    _check_shape("g_out", g, (T, H))
     if T == 0:
         return g, beta
     _gates_kernel[(triton.cdiv(T, block_t),)](
