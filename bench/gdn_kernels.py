@@ -35,6 +35,7 @@ and the rest still run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import platform
@@ -536,6 +537,7 @@ def _line(r):
     if r.get("error"):
         return f"{r['name']:<38} ERROR {r['error'][:160]}"
     extra = "" if r.get("history_exact") is None else f" hist_exact={_yn(r['history_exact'])}"
+    extra += "" if r.get("gb_per_s") is None else f" {r['gb_per_s']} GB/s"
     return (f"{r['name']:<38} {_fmt(r.get('time_us'), '9.2f')} us  bitwise={_yn(r.get('replay_bitwise_eager'))}"
             f"  determ={_yn(r.get('deterministic'))}  err={_fmt(r.get('max_abs_err'), '.2e')}"
             f"  state_err={_fmt(r.get('state_err'), '.2e')}  scale={_fmt(r.get('out_scale'), '.2e')}"
@@ -584,7 +586,9 @@ def main(argv=None) -> int:
                      capability=list(torch.cuda.get_device_capability(0)) if cuda else None,
                      sm_count=props.multi_processor_count if props else None, l2_bytes=l2 if cuda else None),
         versions=dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
-                      cuda=torch.version.cuda, fla=getattr(fla, "__version__", None), fla_error=FLA_ERROR),
+                      cuda=torch.version.cuda, fla=getattr(fla, "__version__", None), fla_error=FLA_ERROR,
+                      # FLA's chunk rule dispatches to FlashQLA (TileLang) when that package is importable
+                      flash_qla_importable=importlib.util.find_spec("flash_qla") is not None),
         config=dict(smoke=args.smoke, geometry=dict(Hk=geo.Hk, Hv=geo.Hv, Dk=geo.Dk, Dv=geo.Dv, conv_dim=geo.D,
                                                     kernel=geo.W, dtype=str(geo.dtype), state_dtype="float32"),
                     prefill=prefill, prefill_count="T - 5", decode=decode, replays=args.replays,
