@@ -1,0 +1,329 @@
+"""Capture-safe Triton kernels for Qwen3.5's Gated DeltaNet over per-slot state rows.
+
+The state they update in place (one layer's view of each buffer)::
+
+    conv_state  [rows, conv_dim, W-1]    model dtype   the last W-1 inputs of the causal conv
+    state       [rows, Hv, Dk, Dv]       float32       the delta rule's matrix, S[k, v]
+
+A decode row ``i`` owns row ``slots[i]`` when ``live[i]``; a row that is not live
+reads and writes no state (its store masks collapse on the device) and outputs
+zeros. A prefill chunk is one slot's ``T`` tokens of which the first ``count``
+are valid. Slots and counts are read from device tensors and every grid depends
+on shapes only, so each launch can be captured once and replayed.
+
+Semantics are the recipe's reference path (Transformers' modules and delta
+rule): the convolution rounds its sum to the weight dtype before the SiLU;
+``beta = sigmoid(b)`` is rounded to ``b``'s dtype; ``g = -exp(A_log) *
+softplus(a + dt_bias)`` and the recurrence run in float32; q and k are
+L2-normalised (eps 1e-6) and q is scaled by ``Dk ** -0.5``. Value head ``h``
+reads query/key head ``h // (Hv // Hk)`` (Transformers' repeat_interleave).
+
+Launch grids::
+
+    gdn_decode_step       (B, Hv, cdiv(Dv, block_v))   one state tile [Dk, block_v] per program
+    conv1d_decode_step    (B, cdiv(D, block_c))
+    conv1d_prefill_chunk  (cdiv(T, block_t), cdiv(D, block_c))   token block 0 also writes the history
+    gdn_prefill_gates     (cdiv(T, block_t),)
+
+The wrappers allocate only their outputs (``torch.empty``) unless ``out`` is given.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_L2_EPS = 1e-6
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    _check_shape("out", out, shape)
+    return out
+
+
+@triton.jit
+def _softplus(x):
+    # torch's softplus (beta 1, threshold 20)
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _silu_rounded(acc, dtype: tl.constexpr):
+    # The reference rounds the convolution to the weight dtype, then applies SiLU.
+    y = acc.to(dtype).to(tl.float32)
+    return y * tl.sigmoid(y)
+
+
+@triton.jit
+def _decode_step_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, live_ptr, out_ptr,
+    scale,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+    stride_ab, stride_ah, stride_bb, stride_bh, stride_slot, stride_live,
+    stride_ss, stride_sh, stride_sk, stride_sv, stride_ob, stride_oh, stride_od,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = hv // GROUP
+    live = tl.load(live_ptr + row * stride_live) != 0
+    slot = tl.where(live, tl.load(slots_ptr + row * stride_slot), 0).to(tl.int64)
+    kk = tl.arange(0, BK)
+    vv = vb * BV + tl.arange(0, BV)
+    k_in = kk < DK
+    v_in = vv < DV
+    # `live` folded into a bound: Triton's interpreter mis-types scalar & tensor masks.
+    s_mask = (kk[:, None] < tl.where(live, DK, 0)) & v_in[None, :]
+
+    q = tl.load(q_ptr + row * stride_qb + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_kb + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * stride_vb + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + EPS) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
+
+    b_raw = tl.load(b_ptr + row * stride_bb + hv * stride_bh)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_ab + hv * stride_ah).to(tl.float32)
+    g = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * _softplus(a + tl.load(dt_bias_ptr + hv).to(tl.float32))
+
+    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :] * stride_sv
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.where(live, tl.sum(s * q[:, None], 0), 0.0)
+    tl.store(s_ptrs, s, mask=s_mask)
+    tl.store(out_ptr + row * stride_ob + hv * stride_oh + vv * stride_od, o.to(out_ptr.dtype.element_ty), mask=v_in)
+
+
+def gdn_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                    live: torch.Tensor, *, out: torch.Tensor | None = None, block_v: int = 32,
+                    num_warps: int = 4) -> torch.Tensor:
+    """One gated delta-rule step for ``B`` rows, each on its own state row, updated in place.
+
+    q, k ``[B, Hk, Dk]`` and v ``[B, Hv, Dv]`` (any strides, e.g. views of the conv output,
+    before L2 normalisation); a, b ``[B, Hv]`` raw gate inputs; A_log, dt_bias ``[Hv]``;
+    state ``[rows, Hv, Dk, Dv]`` float32; slots, live ``[B]``. Returns ``[B, Hv, Dv]`` in v's
+    dtype (zeros on rows that are not live)."""
+    B, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != B or Hv % Hk != 0:
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: expected q == k "
+                         f"[B, Hk, Dk] and v [B, Hv, Dv] with Hv a multiple of Hk")
+    if state.dtype != torch.float32 or state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"state {state.dtype} {tuple(state.shape)}: expected float32 [rows, {Hv}, {Dk}, {Dv}]")
+    for name, t, shape in (("a", a, (B, Hv)), ("b", b, (B, Hv)), ("A_log", A_log, (Hv,)),
+                           ("dt_bias", dt_bias, (Hv,)), ("slots", slots, (B,)), ("live", live, (B,))):
+        _check_shape(name, t, shape)
+    out = _output(out, (B, Hv, Dv), v)
+    if B == 0:
+        return out
+    block_v = min(block_v, triton.next_power_of_2(Dv))
+    _decode_step_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, state, slots, live, out, Dk ** -0.5,
+        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), slots.stride(0), live.stride(0),
+        *state.stride(), *out.stride(),
+        GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=block_v, EPS=_L2_EPS,
+        num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _conv_step_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, live_ptr, out_ptr, D,
+    stride_xb, stride_xd, stride_ss, stride_sd, stride_sw, stride_wd, stride_ww,
+    stride_ob, stride_od, stride_slot, stride_live,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_in = c < D
+    live = tl.load(live_ptr + row * stride_live) != 0
+    slot = tl.where(live, tl.load(slots_ptr + row * stride_slot), 0).to(tl.int64)
+    s_mask = c < tl.where(live, D, 0)
+    hist = state_ptr + slot * stride_ss + c * stride_sd
+    x = tl.load(x_ptr + row * stride_xb + c * stride_xd, mask=c_in, other=0.0).to(state_ptr.dtype.element_ty)
+
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_in, other=0.0).to(tl.float32)
+    for j in tl.static_range(W - 1):
+        h = tl.load(hist + j * stride_sw, mask=s_mask, other=0.0)
+        acc += tl.load(w_ptr + c * stride_wd + j * stride_ww, mask=c_in, other=0.0).to(tl.float32) * h.to(tl.float32)
+    acc += tl.load(w_ptr + c * stride_wd + (W - 1) * stride_ww, mask=c_in, other=0.0).to(tl.float32) * x.to(tl.float32)
+    # Shift the history left by one: each channel's loads and stores stay in one thread
+    # (1-D vectors of one layout), so the in-place shift needs no barrier.
+    for j in tl.static_range(W - 2):
+        tl.store(hist + j * stride_sw, tl.load(hist + (j + 1) * stride_sw, mask=s_mask, other=0.0), mask=s_mask)
+    tl.store(hist + (W - 2) * stride_sw, x, mask=s_mask)
+    y = tl.where(live, _silu_rounded(acc, w_ptr.dtype.element_ty), 0.0)
+    tl.store(out_ptr + row * stride_ob + c * stride_od, y.to(out_ptr.dtype.element_ty), mask=c_in)
+
+
+def _conv_weight(weight: torch.Tensor, D: int) -> torch.Tensor:
+    w = weight.squeeze(1) if weight.dim() == 3 else weight  # nn.Conv1d's [D, 1, W]
+    if w.dim() != 2 or w.shape[0] != D or w.shape[1] < 2:
+        raise ValueError(f"conv weight has shape {tuple(weight.shape)}, expected [{D}, 1, W] or [{D}, W] with W >= 2")
+    return w
+
+
+def _conv_args(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as [D, W] and the output, after checking every shape against x [N, D]."""
+    if x.dim() != 2:
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected [tokens or rows, channels]")
+    D = x.shape[1]
+    w = _conv_weight(weight, D)
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (D, w.shape[1] - 1):
+        raise ValueError(f"conv_state has shape {tuple(conv_state.shape)}, expected [rows, {D}, {w.shape[1] - 1}]")
+    if bias is not None:
+        _check_shape("conv bias", bias, (D,))
+    return w, _output(out, tuple(x.shape), x)
+
+
+def conv1d_decode_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       slots: torch.Tensor, live: torch.Tensor, *, out: torch.Tensor | None = None,
+                       block_c: int = 256, num_warps: int = 4) -> torch.Tensor:
+    """Causal depthwise conv + SiLU of one new input per row; the history shifts in place.
+
+    x ``[B, D]``; conv_state ``[rows, D, W-1]``; weight ``[D, 1, W]``; bias ``[D]`` or None;
+    slots, live ``[B]``. Returns ``[B, D]`` in x's dtype (zeros on rows that are not live,
+    whose history is left untouched)."""
+    w, out = _conv_args(x, conv_state, weight, bias, out)
+    B, D = x.shape
+    _check_shape("slots", slots, (B,))
+    _check_shape("live", live, (B,))
+    if B == 0:
+        return out
+    block_c = min(block_c, triton.next_power_of_2(D))
+    _conv_step_kernel[(B, triton.cdiv(D, block_c))](
+        x, conv_state, w, bias if bias is not None else w, slots, live, out, D,
+        *x.stride(), *conv_state.stride(), *w.stride(), *out.stride(), slots.stride(0), live.stride(0),
+        W=w.shape[1], HAS_BIAS=bias is not None, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _conv_chunk_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, slot_ptr, count_ptr, out_ptr, T, D,
+    stride_xt, stride_xd, stride_ss, stride_sd, stride_sw, stride_wd, stride_ww, stride_ot, stride_od,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_in = c < D
+    n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), T)
+    hist = state_ptr + tl.load(slot_ptr).to(tl.int64) * stride_ss + c * stride_sd
+    dtype = state_ptr.dtype.element_ty
+
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_in, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(W):
+        p = t + (j - (W - 1))  # input position; p < 0 reads the history (token block 0 only)
+        xv = tl.load(x_ptr + p[:, None] * stride_xt + c[None, :] * stride_xd,
+                     mask=((p >= 0) & (p < T))[:, None] & c_in[None, :], other=0.0).to(dtype)
+        hv = tl.load(hist[None, :] + (p + (W - 1))[:, None] * stride_sw,
+                     mask=(p < 0)[:, None] & c_in[None, :], other=0.0)
+        val = tl.where((p >= 0)[:, None], xv, hv).to(tl.float32)
+        acc += tl.load(w_ptr + c * stride_wd + j * stride_ww, mask=c_in, other=0.0).to(tl.float32)[None, :] * val
+    y = tl.where((t < n)[:, None], _silu_rounded(acc, w_ptr.dtype.element_ty), 0.0)
+    tl.store(out_ptr + t[:, None] * stride_ot + c[None, :] * stride_od, y.to(out_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & c_in[None, :])
+
+    if tb == 0:
+        # The new history is the last W-1 inputs of (history ++ x[:n]). Only this program
+        # reads the old history (BLOCK_T >= W-1); the barrier orders the tile's reads above,
+        # made by other threads of the program, before the writes below. Below, a channel's
+        # loads and stores stay in one thread, and column i is written only after every
+        # column it could still need (n + i' >= i' > i) has been read.
+        tl.debug_barrier()
+        for i in tl.static_range(W - 1):
+            p = n - (W - 1) + i
+            xv = tl.load(x_ptr + tl.maximum(p, 0) * stride_xt + c * stride_xd,
+                         mask=c < tl.where(p >= 0, D, 0), other=0.0).to(dtype)
+            hv = tl.load(hist + (p + (W - 1)) * stride_sw, mask=c < tl.where(p < 0, D, 0), other=0.0)
+            tl.store(hist + i * stride_sw, tl.where(p >= 0, xv, hv), mask=c_in)
+
+
+def conv1d_prefill_chunk(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         slot: torch.Tensor, count: torch.Tensor, *, out: torch.Tensor | None = None,
+                         block_t: int = 32, block_c: int = 128, num_warps: int = 4) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over one slot's chunk, continuing that slot's history.
+
+    x ``[T, D]`` (token-major, any strides); conv_state ``[rows, D, W-1]``; slot and count:
+    integer device tensors whose first element is the slot row and the number of valid
+    tokens. Returns ``[T, D]`` in x's dtype, zeros from token ``count`` on; the slot's
+    history becomes the last W-1 inputs of (history ++ x[:count])."""
+    w, out = _conv_args(x, conv_state, weight, bias, out)
+    T, D = x.shape
+    if slot.numel() < 1 or count.numel() < 1:
+        raise ValueError("slot and count must each hold at least one element")
+    if block_t < w.shape[1] - 1:
+        raise ValueError(f"block_t {block_t} is below the history length {w.shape[1] - 1}")
+    if T == 0:
+        return out
+    block_c = min(block_c, triton.next_power_of_2(D))
+    _conv_chunk_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_c))](
+        x, conv_state, w, bias if bias is not None else w, slot, count, out, T, D,
+        *x.stride(), *conv_state.stride(), *w.stride(), *out.stride(),
+        W=w.shape[1], HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _gates_kernel(
+    a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, count_ptr, g_ptr, beta_ptr, T, H,
+    stride_at, stride_ah, stride_bt, stride_bh, stride_gt, stride_gh, stride_et, stride_eh,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.arange(0, BLOCK_H)
+    h_in = h < H
+    mask = (t < T)[:, None] & h_in[None, :]
+    valid = (t < tl.load(count_ptr))[:, None]
+    a = tl.load(a_ptr + t[:, None] * stride_at + h[None, :] * stride_ah, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t[:, None] * stride_bt + h[None, :] * stride_bh, mask=mask, other=0.0)
+    A = tl.exp(tl.load(a_log_ptr + h, mask=h_in, other=0.0).to(tl.float32))
+    g = -A[None, :] * _softplus(a + tl.load(dt_bias_ptr + h, mask=h_in, other=0.0).to(tl.float32)[None, :])
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype)
+    # Invalid tokens get zero decay and zero beta: the recurrence passes through them.
+    tl.store(g_ptr + t[:, None] * stride_gt + h[None, :] * stride_gh, tl.where(valid, g, 0.0), mask=mask)
+    tl.store(beta_ptr + t[:, None] * stride_et + h[None, :] * stride_eh,
+             tl.where(valid, beta.to(tl.float32), 0.0).to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+def gdn_prefill_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      count: torch.Tensor, *, g_out: torch.Tensor | None = None,
+                      beta_out: torch.Tensor | None = None, block_t: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` (float32) and ``beta = sigmoid(b)`` (b's dtype)
+    for a chunk's ``[T, Hv]`` gate inputs; both are zero from token ``count[0]`` on."""
+    if a.dim() != 2 or b.shape != a.shape:
+        raise ValueError(f"a {tuple(a.shape)} / b {tuple(b.shape)}: expected both [T, Hv]")
+    T, H = a.shape
+    _check_shape("A_log", A_log, (H,))
+    _check_shape("dt_bias", dt_bias, (H,))
+    g = torch.empty((T, H), dtype=torch.float32, device=a.device) if g_out is None else g_out
+    beta = _output(beta_out, (T, H), b)
+    _check_shape("g_out", g, (T, H))
+    if T == 0:
+        return g, beta
+    _gates_kernel[(triton.cdiv(T, block_t),)](
+        a, b, A_log, dt_bias, count, g, beta, T, H, *a.stride(), *b.stride(), *g.stride(), *beta.stride(),
+        BLOCK_T=block_t, BLOCK_H=triton.next_power_of_2(H), num_warps=4,
+    )
+    return g, beta

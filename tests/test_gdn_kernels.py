@@ -1,0 +1,283 @@
+"""Gated DeltaNet Triton kernels (decode step, causal conv, gates) against float64
+references of the recipe's reference path, and against Transformers' own delta rule.
+
+Without CUDA the kernels run in Triton's CPU interpreter (conftest.py sets
+TRITON_INTERPRET=1), so the shapes are tiny. Every call starts from poisoned
+outputs and fresh random state; rows that are not live, and slots no row owns,
+must keep their state bitwise.
+
+bfloat16 is checked loosely: the interpreter truncates fp32 -> bf16 casts
+instead of rounding to nearest, so beta and the outputs can differ from torch's
+rounding by one bf16 ulp; float32 is checked tightly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from flare.prepare.kernels.gdn import (  # noqa: E402
+    conv1d_decode_step,
+    conv1d_prefill_chunk,
+    gdn_decode_step,
+    gdn_prefill_gates,
+)
+
+F64 = torch.float64
+TIGHT = dict(atol=2e-6, rtol=2e-5)
+LOOSE = dict(atol=3e-2, rtol=3e-2)
+ROWS = 7  # state rows: the null row 0 and six slots
+
+
+def transformers_rule(name):
+    """Transformers' torch delta rule, never the flash-linear-attention kernel that its
+    hub-kernel decorator substitutes when ``fla`` is importable."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    return inspect.unwrap(getattr(hf, name))
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen, dtype=F64) * scale).to(dtype).to(DEVICE)
+
+
+def gates_reference(a, b, A_log, dt_bias):
+    """The recipe's gates: g in float32 math (here float64), beta rounded to b's dtype."""
+    g = -A_log.to(F64).exp() * F.softplus(a.to(F64) + dt_bias.to(F64))
+    return g, b.sigmoid().to(F64)
+
+
+def delta_step(S, q, k, v, g, beta):
+    """One gated delta-rule step in float64. S [B, Hv, Dk, Dv]; q, k [B, Hk, Dk]; v [B, Hv, Dv]."""
+    group = v.shape[1] // k.shape[1]
+    q, k = (t.to(F64).repeat_interleave(group, dim=1) for t in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    S = S.to(F64) * g.exp()[..., None, None]
+    delta = (v.to(F64) - (S * k[..., None]).sum(-2)) * beta[..., None]
+    S = S + k[..., None] * delta[..., None, :]
+    return (S * q[..., None]).sum(-2), S
+
+
+class Geometry:
+    def __init__(self, Hk, Hv, Dk, Dv):
+        self.Hk, self.Hv, self.Dk, self.Dv = Hk, Hv, Dk, Dv
+
+    def __repr__(self):
+        return f"Hk{self.Hk}-Hv{self.Hv}-Dk{self.Dk}-Dv{self.Dv}"
+
+
+GEOMETRIES = [Geometry(2, 4, 16, 16), Geometry(2, 2, 16, 8), Geometry(1, 3, 8, 12)]
+
+
+def decode_inputs(geo, B, dtype, seed):
+    gen = _gen(seed)
+    q, k = (_randn(gen, B, geo.Hk, geo.Dk, dtype=dtype) for _ in range(2))
+    v = _randn(gen, B, geo.Hv, geo.Dv, dtype=dtype)
+    a, b = (_randn(gen, B, geo.Hv, dtype=dtype) for _ in range(2))
+    A_log = (torch.rand(geo.Hv, generator=gen, dtype=F64) * 2 - 1).float().to(DEVICE)
+    dt_bias = _randn(gen, geo.Hv, dtype=dtype)
+    state = _randn(gen, ROWS, geo.Hv, geo.Dk, geo.Dv, scale=0.5)
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_step_updates_owned_rows_in_place(geo, dtype):
+    cases = [([3], [True]), ([5, 0], [True, False]), ([2, 6, 0, 1], [True, True, False, True]),
+             ([6, 4, 1, 3], [True, True, True, True]), ([0, 0], [False, False])]
+    for seed, (slots, live) in enumerate(cases):
+        B = len(slots)
+        q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, B, dtype, 100 + seed)
+        before = state.clone()
+        slots_t = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+        live_t = torch.tensor(live, device=DEVICE)
+        out = torch.full((B, geo.Hv, geo.Dv), float("nan"), dtype=dtype, device=DEVICE)
+        gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, slots_t, live_t, out=out, block_v=8)
+
+        g, beta = gates_reference(a, b, A_log, dt_bias)
+        ref_out, ref_state = delta_step(before[slots_t.long()], q, k, v, g, beta)
+        tol = TIGHT if dtype == torch.float32 else LOOSE
+        owned = [s for s, lv in zip(slots, live) if lv]
+        for i, (s, lv) in enumerate(zip(slots, live)):
+            if lv:
+                torch.testing.assert_close(out[i].to(F64), ref_out[i], **tol)
+                torch.testing.assert_close(state[s].to(F64), ref_state[i], **TIGHT if dtype == torch.float32 else tol)
+            else:
+                assert torch.equal(out[i], torch.zeros_like(out[i]))
+        for s in range(ROWS):
+            if s not in owned:
+                assert torch.equal(state[s], before[s]), f"row {s} changed"
+
+
+def test_decode_step_matches_transformers_recurrent_rule():
+    """Three decode steps of one row against Transformers' torch_recurrent_gated_delta_rule
+    over the same three tokens (float32, GVA 2 -> 4)."""
+    geo, steps, slot = GEOMETRIES[0], 3, 4
+    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, steps, torch.float32, 7)
+    initial = state[slot].clone()
+    one = torch.ones(1, dtype=torch.bool, device=DEVICE)
+    outs = [gdn_decode_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1], A_log, dt_bias, state,
+                            torch.tensor([slot], device=DEVICE), one, block_v=16) for t in range(steps)]
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    ref_out, ref_state = transformers_rule("torch_recurrent_gated_delta_rule")(
+        q[None], k[None], v[None], g=g[None], beta=b.sigmoid()[None], initial_state=initial[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(torch.cat(outs), ref_out[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[slot], ref_state[0], atol=1e-5, rtol=1e-5)
+
+
+def conv_inputs(D, W, B_or_T, dtype, seed, bias=True):
+    gen = _gen(seed)
+    x = _randn(gen, B_or_T, D, dtype=dtype)
+    weight = _randn(gen, D, 1, W, dtype=dtype, scale=0.5)
+    b = _randn(gen, D, dtype=dtype, scale=0.1) if bias else None
+    conv_state = _randn(gen, ROWS, D, W - 1, dtype=dtype)
+    return x, weight, b, conv_state
+
+
+def conv_reference(history, x, weight, bias):
+    """The recipe's convolution over (history ++ x): conv1d in the weight dtype, then SiLU."""
+    seq = torch.cat([history, x.transpose(0, 1).to(history.dtype)], dim=1)  # [D, W-1+T]
+    if x.shape[0] == 0:
+        return x.clone(), seq
+    out = F.conv1d(seq[None].to(weight.dtype), weight, bias, groups=weight.shape[0])[0]
+    return F.silu(out).transpose(0, 1).to(x.dtype), seq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("W", [4, 2])
+def test_conv_decode_step_shifts_owned_history(dtype, W):
+    D = 40  # not a multiple of the channel block
+    for seed, (slots, live, bias) in enumerate([([2, 0, 5], [True, False, True], True), ([1], [True], False),
+                                                ([3, 6, 0, 4], [True, True, False, True], True)]):
+        B = len(slots)
+        x, weight, b, conv_state = conv_inputs(D, W, B, dtype, 200 + seed, bias)
+        before = conv_state.clone()
+        out = torch.full((B, D), float("nan"), dtype=dtype, device=DEVICE)
+        conv1d_decode_step(x, conv_state, weight, b, torch.tensor(slots, device=DEVICE),
+                           torch.tensor(live, device=DEVICE), out=out, block_c=16)
+        for i, (s, lv) in enumerate(zip(slots, live)):
+            if not lv:
+                assert torch.equal(out[i], torch.zeros_like(out[i]))
+                continue
+            ref, seq = conv_reference(before[s], x[i:i + 1], weight, b)
+            torch.testing.assert_close(out[i].to(F64), ref[0].to(F64), **TIGHT if dtype == torch.float32 else LOOSE)
+            assert torch.equal(conv_state[s], seq[:, 1:])
+        owned = {s for s, lv in zip(slots, live) if lv}
+        for s in set(range(ROWS)) - owned:
+            assert torch.equal(conv_state[s], before[s]), f"row {s} changed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv_prefill_chunk_continues_history_and_cuts_at_count(dtype):
+    D, W, T, slot = 40, 4, 20, 3  # 3 token blocks of 8 (the last partial), 3 channel blocks of 16
+    for seed, n in enumerate([0, 1, 2, 3, 4, 13, 19, 20]):
+        x, weight, b, conv_state = conv_inputs(D, W, T, dtype, 300 + seed)
+        before = conv_state.clone()
+        out = torch.full((T, D), float("nan"), dtype=dtype, device=DEVICE)
+        conv1d_prefill_chunk(x, conv_state, weight, b, torch.tensor([slot], device=DEVICE),
+                             torch.tensor(n, device=DEVICE), out=out, block_t=8, block_c=16)
+        ref, seq = conv_reference(before[slot], x[:n], weight, b)
+        torch.testing.assert_close(out[:n].to(F64), ref.to(F64), **TIGHT if dtype == torch.float32 else LOOSE)
+        assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+        assert torch.equal(conv_state[slot], seq[:, n:])  # the last W-1 inputs of (history ++ x[:n])
+        for s in set(range(ROWS)) - {slot}:
+            assert torch.equal(conv_state[s], before[s])
+
+
+def test_conv_prefill_then_decode_equals_one_convolution():
+    """A chunk of 9 valid tokens (of 16) then 3 decode steps: the outputs are the
+    convolution of the whole 12-token sequence from the initial history."""
+    D, W, slot = 24, 4, 5
+    x, weight, b, conv_state = conv_inputs(D, W, 16, torch.float32, 400)
+    steps = _randn(_gen(401), 3, D)
+    initial = conv_state[slot].clone()
+    s = torch.tensor([slot], device=DEVICE)
+    one = torch.ones(1, dtype=torch.bool, device=DEVICE)
+    first = conv1d_prefill_chunk(x, conv_state, weight, b, s, torch.tensor([9], device=DEVICE), block_t=4)
+    rest = [conv1d_decode_step(steps[i:i + 1], conv_state, weight, b, s, one) for i in range(3)]
+    ref, seq = conv_reference(initial, torch.cat([x[:9], steps]), weight, b)
+    torch.testing.assert_close(torch.cat([first[:9], *rest]), ref, **TIGHT)
+    assert torch.equal(conv_state[slot], seq[:, -(W - 1):])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_gates_match_recipe_and_zero_past_count(dtype):
+    T, H = 37, 6
+    for seed, n in enumerate([0, 1, 36, 37]):
+        gen = _gen(500 + seed)
+        a, b = (_randn(gen, T, H, dtype=dtype, scale=3.0) for _ in range(2))
+        a[0, 0] = 25.0  # softplus's linear branch
+        A_log = (torch.rand(H, generator=gen, dtype=F64) * 3 - 1).float().to(DEVICE)
+        dt_bias = _randn(gen, H, dtype=dtype)
+        g, beta = gdn_prefill_gates(a, b, A_log, dt_bias, torch.tensor([n], device=DEVICE),
+                                    g_out=torch.full((T, H), float("nan"), device=DEVICE),
+                                    beta_out=torch.full((T, H), float("nan"), dtype=dtype, device=DEVICE))
+        assert g.dtype == torch.float32 and beta.dtype == dtype
+        g_ref, beta_ref = gates_reference(a, b, A_log, dt_bias)
+        torch.testing.assert_close(g[:n].to(F64), g_ref[:n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(beta[:n].to(F64), beta_ref[:n], **TIGHT if dtype == torch.float32 else LOOSE)
+        assert torch.equal(g[n:], torch.zeros_like(g[n:]))
+        assert torch.equal(beta[n:], torch.zeros_like(beta[n:]))
+
+
+def test_prefill_pieces_with_chunk_rule_equal_decode_steps():
+    """The prefill composition the recipe would run (conv chunk, gates zeroed past the
+    count, Transformers' chunked rule over the padded chunk) leaves the same recurrent
+    state as decode steps over the valid tokens; the padded tokens change nothing."""
+    geo, W, T, n, slot = GEOMETRIES[0], 4, 12, 7, 2
+    D = 2 * geo.Hk * geo.Dk + geo.Hv * geo.Dv
+    x, weight, _, conv_state = conv_inputs(D, W, T, torch.float32, 600, bias=False)
+    _, _, _, a, b, A_log, dt_bias, state = decode_inputs(geo, T, torch.float32, 601)
+    conv_dec, state_dec = conv_state.clone(), state.clone()
+    s = torch.tensor([slot], device=DEVICE)
+
+    mixed = conv1d_prefill_chunk(x, conv_state, weight, None, s, torch.tensor(n, device=DEVICE), block_t=4)
+    g, beta = gdn_prefill_gates(a, b, A_log, dt_bias, torch.tensor(n, device=DEVICE))
+    q, k, v = torch.split(mixed, [geo.Hk * geo.Dk, geo.Hk * geo.Dk, geo.Hv * geo.Dv], dim=-1)
+    q, k, v = q.reshape(T, geo.Hk, geo.Dk), k.reshape(T, geo.Hk, geo.Dk), v.reshape(T, geo.Hv, geo.Dv)
+    core, final = transformers_rule("torch_chunk_gated_delta_rule")(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[slot][None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=4)
+
+    one = torch.ones(1, dtype=torch.bool, device=DEVICE)
+    outs = []
+    for t in range(n):
+        m = conv1d_decode_step(x[t:t + 1], conv_dec, weight, None, s, one)
+        qt, kt, vt = torch.split(m, [geo.Hk * geo.Dk, geo.Hk * geo.Dk, geo.Hv * geo.Dv], dim=-1)
+        outs.append(gdn_decode_step(qt.reshape(1, geo.Hk, geo.Dk), kt.reshape(1, geo.Hk, geo.Dk),
+                                    vt.reshape(1, geo.Hv, geo.Dv), a[t:t + 1], b[t:t + 1], A_log, dt_bias,
+                                    state_dec, s, one, block_v=8))
+    assert torch.equal(conv_state, conv_dec)
+    torch.testing.assert_close(core[0, :n], torch.cat(outs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final[0], state_dec[slot], atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_bad_shapes():
+    geo = GEOMETRIES[0]
+    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, 2, torch.float32, 9)
+    slots, live = torch.tensor([1, 2], device=DEVICE), torch.ones(2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="state"):
+        gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state.double(), slots, live)
+    with pytest.raises(ValueError, match="q .* k"):
+        gdn_decode_step(q, k[:, :1], v, a, b, A_log, dt_bias, state, slots, live)
+    with pytest.raises(ValueError, match="slots"):
+        gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, slots[:1], live)
+    x, weight, bias, conv_state = conv_inputs(8, 4, 2, torch.float32, 10)
+    with pytest.raises(ValueError, match="conv_state"):
+        conv1d_decode_step(x, conv_state[:, :, :2], weight, bias, slots, live)
+    with pytest.raises(ValueError, match="block_t"):
+        conv1d_prefill_chunk(x, conv_state, weight, bias, slots, slots, block_t=2)
