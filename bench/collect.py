@@ -8,6 +8,10 @@ derives, per concurrency c:
 
   roofline_tokens_per_s = c * copy bandwidth / weight bytes (one weight read per step)
   roofline_fraction     = replay floor tokens/s / roofline tokens/s
+  step_bytes            = the bytes a decode step of c rows must move (``step_bytes``):
+                          every weight but an untied input embedding, of which c rows
+                          are read, plus each row's recurrent state read and written
+  step_roofline_tokens_per_s, step_roofline_fraction: the same over step_bytes
   runtime_over_floor    = server ITL p50 / floor GPU time per step - 1
   baseline_ratio        = server tokens/s / Transformers tokens/s
 
@@ -25,7 +29,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from flare.core.manifest import BufferRole, load_manifest
+from flare.core.manifest import BufferRole, Manifest, load_manifest
 
 
 def gpu_machine() -> dict:
@@ -44,6 +48,25 @@ def gpu_machine() -> dict:
             out[pkg.replace("-", "_")] = None
     out["python"] = platform.python_version()
     return out
+
+
+def step_bytes(m: Manifest, c: int) -> dict[str, int]:
+    """What a decode step of ``c`` live rows must move through device memory, by part.
+    An input embedding with its own buffer (not tied to the head) is read one row per
+    token; the head and every other weight are read whole. Continuation state other than
+    the hidden vector (recurrent matrices, convolution histories) is read and written
+    once per row. KV reads are left out: the decode scenario's histories are short."""
+    weights = [b for b in m.buffers if b.role == BufferRole.weight]
+    embed = next((b for b in weights if b.name.endswith("embed_tokens.weight")), None)
+    names = {b.name for b in weights}
+    untied = embed is not None and any(n.endswith("lm_head.weight") for n in names)
+    total = sum(b.nbytes for b in weights)
+    embed_rows = c * embed.nbytes // embed.shape[0] if untied else 0
+    state = sum(b.nbytes // b.shape[0] for b in m.buffers
+                if b.name in m.continuation.state and b.name != "state.hidden")
+    return {"weights": total - (embed.nbytes if untied else 0), "embedding_rows": embed_rows,
+            "state_read_write": 2 * c * state,
+            "total": total - (embed.nbytes if untied else 0) + embed_rows + 2 * c * state}
 
 
 def _load(path: Path) -> dict | None:
@@ -71,6 +94,8 @@ def collect(core: str, out_dir: Path, model: str) -> dict:
         if f is None:
             continue
         roofline = int(c) * floor["copy_bandwidth_Bps"] / weight_bytes
+        moved = step_bytes(m, int(c))
+        step_roofline = int(c) * floor["copy_bandwidth_Bps"] / moved["total"]
         base = (hf or {}).get("batches", {}).get(c, {}).get("decode_tokens_per_s")
         one = depth1.get("concurrency", {}).get(c)
         records.append({
@@ -85,6 +110,8 @@ def collect(core: str, out_dir: Path, model: str) -> dict:
             "one_step_itl_ms_p50": one["itl_s_p50"] * 1e3 if one else None,
             "one_step_runtime_over_floor": one["itl_s_p50"] * 1e3 / f["gpu_ms_per_step"] - 1 if one else None,
             "roofline_tokens_per_s": roofline, "roofline_fraction": f["tokens_per_s_gpu"] / roofline,
+            "step_bytes": moved, "step_roofline_tokens_per_s": step_roofline,
+            "step_roofline_fraction": f["tokens_per_s_gpu"] / step_roofline,
             "runtime_over_floor": s["itl_s_p50"] * 1e3 / f["gpu_ms_per_step"] - 1,
             "baseline_decode_tokens_per_s": base,
             "baseline_ratio": s["decode_tokens_per_s"] / base if base else None,

@@ -177,13 +177,21 @@ def main() -> None:
                   f"{res['configuration']['weights_bytes_per_token'] / 1e9:.2f} GB of weights per decode step over "
                   f"{res['configuration']['copy_bandwidth_Bps'] / 1e12:.2f} TB/s measured copy bandwidth."), "",
                   ("| concurrency | flare-serve tok/s | ITL p50 / p99 ms | TTFT ms | floor tok/s | runtime over floor "
-                  "| roofline fraction | Transformers tok/s | Flare / Transformers |"),
+                  "| roofline fraction (all weights / bytes moved) | Transformers tok/s | Flare / Transformers |"),
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in recs:
+            moved = r.get("step_roofline_fraction")  # older runs did not record it
+            frac = f"{r['roofline_fraction'] * 100:.0f} %" + (f" / {moved * 100:.0f} %" if moved else "")
             lines.append(f"| {r['concurrency']} | {r['decode_tokens_per_s']:.0f} | {r['itl_ms_p50']:.2f} / "
                          f"{r['itl_ms_p99']:.2f} | {r['ttft_ms_median']:.1f} | {r['floor_decode_tokens_per_s']:.0f} | "
-                         f"{r['runtime_over_floor'] * 100:+.1f} % | {r['roofline_fraction'] * 100:.0f} % | "
+                         f"{r['runtime_over_floor'] * 100:+.1f} % | {frac} | "
                          f"{_num(r['baseline_decode_tokens_per_s'], '.0f')} | {_num(r['baseline_ratio'], '.2f')} |")
+        if recs and recs[0].get("step_bytes"):
+            sb = recs[0]["step_bytes"]
+            lines += ["", (f"Bytes moved by a decode step of one row: {sb['weights'] / 1e9:.2f} GB of weights read "
+                           f"(an untied input embedding counts only its rows), {sb['embedding_rows'] / 1e3:.0f} KB of "
+                           f"embedding rows, {sb['state_read_write'] / 1e6:.1f} MB of recurrent state read and "
+                           f"written; KV reads left out.")]
         cold = res.get("cold_ttft", {})
         if cold:
             lines += ["", "Cold TTFT: " + ", ".join(f"{n}-token prompt {v['ttft_s'] * 1e3:.1f} ms "

@@ -45,7 +45,9 @@ class Rig:
         return out
 
 
-def load_rig(core: Path, seed: int = 0, *, compiled: bool = False) -> Rig:
+def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: str = "reference") -> Rig:
+    """``attention``: the PagedBatch implementation the programs run (``triton``: the CUDA
+    kernels, here under Triton's CPU interpreter)."""
     m = load_manifest(core)
     mapping = mmap.mmap(-1, m.arena.nbytes)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -60,7 +62,7 @@ def load_rig(core: Path, seed: int = 0, *, compiled: bool = False) -> Rig:
     pm = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
     specs = recipe.weights(pm)
     recipe.bind(pm, specs, views)
-    programs = ProgramSet(recipe, pm, views, m.capacities, m.pages.page_size, "reference", m.continuation)
+    programs = ProgramSet(recipe, pm, views, m.capacities, m.pages.page_size, attention, m.continuation)
     if compiled:
         programs.compile_glue()
     run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}

@@ -1,7 +1,7 @@
 """Fused projections (recipes/fused.py) compute what Transformers' own modules compute.
 
 For each decoder family the recipe fuses (Llama, Mistral, Qwen2 with q/k/v biases,
-Qwen3 with per-head q/k norms), a canonical Transformers layer and the recipe's
+Qwen3 with per-head q/k norms, Qwen3.5 with its output gate), a canonical Transformers layer and the recipe's
 fused twin get the same float64 weights: the attention output, the keys and values
 written to the page pool, and the MLP output must agree to float64 rounding, eager
 and through torch.compile. The built model holds one buffer per fused projection,
@@ -25,6 +25,8 @@ FAMILIES = {
     "mistral": {"sliding_window": None},
     "qwen2": {},  # q/k/v carry biases
     "qwen3": {},  # RMSNorm per head on q and k
+    # Gated attention: q_proj also yields each head's output gate; partial rotary.
+    "qwen3_5_text": {"layer_types": ["full_attention"]},
 }
 
 
@@ -95,7 +97,7 @@ def test_fused_layer_matches_transformers(model_type):
     model, canon, twin = _layer(cfg)
     if model_type == "qwen2":
         assert twin.self_attn.qkv_proj.bias is not None
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_5_text"):
         assert hasattr(twin.self_attn, "q_norm")
     assert not any(hasattr(twin.self_attn, p) for p in ("q_proj", "k_proj", "v_proj"))
     x = torch.randn(1, 19, cfg.hidden_size, dtype=torch.float64)
@@ -231,10 +233,10 @@ def test_a_layer_class_neither_fused_replaced_nor_eager_is_an_error():
     with pytest.raises(RecipeError, match=r"layer 0\.input_layernorm is a LlamaRMSNorm, which the decoder recipe"):
         Forgetful().build(_config("llama"), torch.float32)
 
-    class NoGatedAttention(Qwen35Recipe):
-        eager = Qwen35Recipe.eager - {"Qwen3_5Attention"}
+    class NoNorms(Qwen35Recipe):
+        eager = frozenset()
 
-    with pytest.raises(RecipeError, match=r"layer 1\.self_attn is a Qwen3_5Attention"):
-        NoGatedAttention().build(resolve("qwen3_5-tiny").config, torch.float32)
+    with pytest.raises(RecipeError, match=r"layer 0\.input_layernorm is a Qwen3_5RMSNorm"):
+        NoNorms().build(resolve("qwen3_5-tiny").config, torch.float32)
     # The declared recipes build.
     assert by_name("qwen3_5").build(resolve("qwen3_5-tiny").config, torch.float32).module is not None

@@ -31,6 +31,7 @@ SHAPES = [
     Shape(H=8, KVH=1, D=128, page_size=32),  # GQA 8, D 128
     Shape(H=8, KVH=2, D=64, page_size=64, max_pages=3),  # GQA 4, big pages
     Shape(H=4, KVH=2, D=80, page_size=16),  # head_dim not a power of two
+    Shape(H=8, KVH=2, D=256, page_size=16),  # Qwen3.5's gated attention: head_dim 256
 ]
 IDS = [f"H{s.H}-KVH{s.KVH}-D{s.D}-ps{s.page_size}" for s in SHAPES]
 

@@ -41,6 +41,8 @@ COMPILE = [] if os.environ.get("FLARE_GPU_COMPILE", "1") == "1" else ["--no-comp
 SHAPES = {
     "smollm2-135m-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024"],
+    # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md).
+    "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
 }
 
 

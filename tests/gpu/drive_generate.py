@@ -11,6 +11,10 @@ last ``FOLLOW_UPS`` prompts (prompt + its output + an 11-token tail: a tool
 result appended to a conversation) and an exact repeat of the last prompt (a
 full-prompt hit), recording cached tokens and the prefill work each did.
 
+Phase 3 runs one conversation of ``TURNS`` turns, one request at a time: each
+turn's prompt is the previous prompt, its output and an 11-token tail, so every
+turn but the first continues the previous turn's checkpoints.
+
 ``--roundtrip`` then drives the snapshot and restore programs
 directly: random bytes in one slot's continuation rows and KV tail page are
 snapshotted, another slot is filled with other random bytes and restored, and
@@ -35,6 +39,7 @@ from flare.runtime.request import Request, SamplingParams
 TOKENS = int(__import__("os").environ.get("FLARE_DRIVE_TOKENS", "64"))
 FOLLOW_UPS = int(__import__("os").environ.get("FLARE_DRIVE_FOLLOW_UPS", "10"))
 TAIL = 11
+TURNS = 10  # phase 3: one conversation
 
 
 class _Done:
@@ -160,8 +165,15 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
         follow.append({"source": i, "prompt_tokens": len(prompt), "previous_prompt_tokens": len(prompts[i]),
                        "cached_tokens": r.cached_tokens, "prefill_tokens": sched.prefill_tokens_total - before,
                        "output": r.output})
+    conversation, prompt = [], prompts[0]
+    for turn in range(TURNS):
+        before = sched.prefill_tokens_total
+        (r,) = await _generate(engine, [prompt], TOKENS, [1000 + turn])
+        conversation.append({"prompt_tokens": len(prompt), "cached_tokens": r.cached_tokens,
+                             "prefill_tokens": sched.prefill_tokens_total - before, "output": r.output})
+        prompt = prompt + r.output + rng.integers(100, 1000, TAIL).tolist()
     result = {"executor": kind, "cache": cache, "phase1": [r.output for r in phase1], "follow_ups": follow,
-              "stats": ex.stats()}
+              "conversation": conversation, "stats": ex.stats()}
     while sched.has_work():  # terminal captures still running: the engine owns the executor
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)

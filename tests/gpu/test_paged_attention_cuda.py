@@ -33,6 +33,7 @@ SHAPES = [
     Shape(H=32, KVH=8, D=128, page_size=16, slots=9, max_pages=40),  # Llama-3-8B
     Shape(H=16, KVH=2, D=128, page_size=64, slots=9, max_pages=12),  # GQA 8
     Shape(H=8, KVH=8, D=64, page_size=32, slots=9, max_pages=20),  # MHA
+    Shape(H=16, KVH=4, D=256, page_size=16, slots=9, max_pages=40),  # Qwen3.5-9B gated attention
 ]
 IDS = [f"H{s.H}-KVH{s.KVH}-D{s.D}-ps{s.page_size}" for s in SHAPES]
 

@@ -7,15 +7,16 @@ import json
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import running_server, scrape_metrics
 from tests.gpu.conftest import gpu_core, record
 
-MODEL = "llama-3.2-1b-shape"
+MODELS = ["llama-3.2-1b-shape", "qwen3_5-small-shape"]
 
 
-def _stream(url: str, i: int, n: int) -> dict:
-    body = {"model": f"{MODEL}-gpu", "prompt": f"Request number {i}: the quick brown fox", "max_tokens": n,
+def _stream(url: str, i: int, n: int, model: str) -> dict:
+    body = {"model": f"{model}-gpu", "prompt": f"Request number {i}: the quick brown fox", "max_tokens": n,
             "stream": True, "ignore_eos": True, "seed": i, "stream_options": {"include_usage": True}}
     chunks, finish, usage, t0, first = [], None, None, time.perf_counter(), None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
@@ -38,15 +39,16 @@ def _stream(url: str, i: int, n: int) -> dict:
             "total_s": time.perf_counter() - t0}
 
 
-def test_four_concurrent_streams_and_no_allocation_after_ready(results_dir):
+@pytest.mark.parametrize("MODEL", MODELS)
+def test_four_concurrent_streams_and_no_allocation_after_ready(results_dir, MODEL):
     core = gpu_core(MODEL)
     t0 = time.perf_counter()
     with running_server(core) as srv:
         ready_s = time.perf_counter() - t0
         before = scrape_metrics(srv.url)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda i: _stream(srv.url, i, 64), range(4)))
-        again = _stream(srv.url, 9, 16)
+            results = list(pool.map(lambda i: _stream(srv.url, i, 64, MODEL), range(4)))
+        again = _stream(srv.url, 9, 16, MODEL)
         after = scrape_metrics(srv.url)
     for r in results:
         assert r["finish"] == "length"
@@ -56,6 +58,9 @@ def test_four_concurrent_streams_and_no_allocation_after_ready(results_dir):
         assert after[f"flare_executor_{key}"] == 0, key
     assert after["flare_executor_device_free_now"] == before["flare_executor_device_free_at_ready"]
     assert after["flare_kv_pages_used"] == 0 and after["flare_requests_running"] == 0
+    # No snapshot row leaked: every row is free or holds a published checkpoint.
+    assert (after["flare_prefix_cache_snapshot_rows_free"] + after["flare_prefix_cache_checkpoints"]
+            == after["flare_prefix_cache_snapshot_rows_total"])
     startup = {k.removeprefix("flare_executor_"): v for k, v in after.items() if "startup_" in k}
     record(results_dir, "qualification", {f"{MODEL}-serve": {
         "concurrent_streams": 4, "tokens_each": 64, "results": results, "process_ready_s": ready_s,

@@ -72,11 +72,14 @@ class Replacement:
     instance shares one class (torch.compile guards on a module's type). Each
     instance gets ``state_index``: its position among the modules of this kind, the
     index into the kind's state buffers. ``state`` declares those buffers from the
-    config (each row covering every module of the kind)."""
+    config (each row covering every module of the kind). ``setup`` runs on every
+    instance once its class is replaced (for example to fuse its projections with
+    ``fused.fuse_linears``: checkpoint names stay those of the original modules)."""
 
     original: str  # the Transformers class name
     prepared: Callable[[type], type]
     state: Callable[[Any, DType], Sequence[StateBuffer]] = lambda config, dtype: ()
+    setup: Callable[[nn.Module], None] = lambda module: None
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,7 @@ class Recipe:
             module.__class__ = _PREPARED[key]
             module.state_index = counts[r.original]
             counts[r.original] += 1
+            r.setup(module)
 
     def _check_layers(self, layers: list[nn.Module]) -> None:
         prepared = set(_PREPARED.values())

@@ -13,8 +13,9 @@ tensor parallelism slices each part by its own heads or intermediate rows
 (a rank's buffer is ``[q_r; k_r; v_r]``). The module's own forward is replaced
 by one that mirrors Transformers' decoder attention / MLP with the projection
 fused; only module classes whose forward is known to have exactly this shape
-are fused (``ATTENTION_CLASSES``, ``MLP_CLASSES``); anything else keeps its own
-modules and forward.
+are fused (``ATTENTION_FORWARDS``, ``MLP_CLASSES``); anything else keeps its own
+modules and forward (and the recipe base then requires it to be declared eager).
+Recipes fuse the projections of their prepared modules with ``fuse_linears``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# Transformers classes whose forward is q/k/v projections (+ optional per-head q/k
-# RMSNorm) -> rotary -> attention -> o_proj, and gate/up -> act * up -> down.
-ATTENTION_CLASSES = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"})
-MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+# Transformers MLP classes whose forward is gate/up -> act * up -> down.
+MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP"})
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -64,7 +63,9 @@ class FusedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def _fuse(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+def fuse_linears(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> bool:
+    """Replace ``owner``'s Linear children ``names`` (one input, all with or all without a
+    bias) by one FusedLinear ``fused_name``; False (nothing changed) when they do not fit."""
     mods = [getattr(owner, n, None) for n in names]
     if not all(isinstance(m, nn.Linear) for m in mods):
         return False
@@ -102,6 +103,41 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(out), weights
 
 
+def _gated_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """Qwen3.5's gated attention forward with one q/k/v GEMM: ``q_proj`` yields each head's
+    query followed by its output gate; the attention output is scaled by sigmoid(gate)
+    before ``o_proj``."""
+    from flare.prepare.attention import flare_paged_attention
+
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q_gate, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.sizes, dim=-1)
+    q, gate = torch.chunk(q_gate.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    q = self.q_norm(q.reshape(hidden_shape)).transpose(1, 2)
+    k = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
+    v = v.view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = self.flare_rotary(q, k, cos, sin)
+    out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                                         **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
+    return self.o_proj(out), weights
+
+
+# Transformers attention classes by the fused forward that mirrors theirs: q/k/v projections
+# (+ optional per-head q/k RMSNorm) -> rotary -> attention (-> output gate) -> o_proj.
+ATTENTION_FORWARDS = {
+    "LlamaAttention": _attention_forward,
+    "MistralAttention": _attention_forward,
+    "Qwen2Attention": _attention_forward,
+    "Qwen3Attention": _attention_forward,
+    "Qwen3_5Attention": _gated_attention_forward,
+}
+
+
 def _mlp_forward(self, x):
     gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, dim=-1)
     return self.down_proj(self.act_fn(gate) * up)
@@ -133,11 +169,12 @@ def fuse_projections(layers: list[nn.Module]) -> int:
     n = 0
     for layer in layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attn is not None and type(attn).__name__ in ATTENTION_CLASSES and _fuse(attn, QKV, "qkv_proj"):
+        forward = ATTENTION_FORWARDS.get(type(attn).__name__)
+        if attn is not None and forward is not None and fuse_linears(attn, QKV, "qkv_proj"):
             rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-            _with_forward(attn, _attention_forward, flare_rotary=staticmethod(rotary))
+            _with_forward(attn, forward, flare_rotary=staticmethod(rotary))
             n += 1
-        if mlp is not None and type(mlp).__name__ in MLP_CLASSES and _fuse(mlp, GATE_UP, "gate_up_proj"):
+        if mlp is not None and type(mlp).__name__ in MLP_CLASSES and fuse_linears(mlp, GATE_UP, "gate_up_proj"):
             _with_forward(mlp, _mlp_forward)
             n += 1
     return n

@@ -25,12 +25,15 @@ finished requests) keep their state bitwise.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
 from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
-from flare.prepare.recipes.base import KVGeometry, Recipe, Replacement, StateBuffer
+from flare.prepare.recipes.base import KVGeometry, Recipe, RecipeError, Replacement, StateBuffer
+from flare.prepare.recipes.fused import fuse_linears
 
 CONV_STATE = "state.gdn.conv"
 RECURRENT_STATE = "state.gdn.recurrent"
@@ -38,8 +41,6 @@ LINEAR = "linear_attention"
 
 
 def _prepared_gdn(base: type) -> type:
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
-
     class PagedGatedDeltaNet(base):
         """Qwen3.5's Gated DeltaNet over packed tokens and per-slot state rows.
         ``state_index`` (set by the recipe base) is this layer's index among GDN layers."""
@@ -51,62 +52,124 @@ def _prepared_gdn(base: type) -> type:
                 raise RuntimeError("PagedGatedDeltaNet needs the 'paged' batch with state buffers")
             x = hidden_states[0]  # [T, H]
             T = x.shape[0]
-            conv_rows = paged.state[CONV_STATE].select(1, self.state_index)  # [rows, conv_dim, K-1]
-            rec_rows = paged.state[RECURRENT_STATE].select(1, self.state_index)  # [rows, Hv, Dk, Dv]
-            valid = paged.valid
-            mixed = self.in_proj_qkv(x)  # [T, conv_dim]
-            z = self.in_proj_z(x).reshape(T, -1, self.head_v_dim)
-            b = self.in_proj_b(x)
-            a = self.in_proj_a(x)
-            weight = self.conv1d.weight  # [conv_dim, 1, K]
-            history = self.conv_kernel_size - 1
-            if paged.single_slot:
-                slot = paged.token_slot[:1]
-                conv = conv_rows.index_select(0, slot)[0]  # [conv_dim, K-1]
-                seq = torch.cat([conv, mixed.transpose(0, 1).to(conv.dtype)], dim=1)  # [conv_dim, K-1+T]
-                out = F.conv1d(seq[None].to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)[0]
-                count = valid.sum()
-                keep = torch.arange(history, device=x.device) + count  # the last K-1 valid inputs
-                conv_rows.index_copy_(0, slot, seq.index_select(1, keep)[None])
-                mixed = F.silu(out).transpose(0, 1).to(x.dtype)  # [T, conv_dim]
-            else:
-                slots = paged.token_slot
-                conv = conv_rows.index_select(0, slots)  # [T, conv_dim, K-1]
-                seq = torch.cat([conv, mixed[:, :, None].to(conv.dtype)], dim=2)  # [T, conv_dim, K]
-                out = F.conv1d(seq.to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)[:, :, 0]
-                conv_rows.index_copy_(0, slots, torch.where(valid[:, None, None], seq[:, :, 1:], conv))
-                mixed = F.silu(out).to(x.dtype)
-            query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            query = query.reshape(T, -1, self.head_k_dim)
-            key = key.reshape(T, -1, self.head_k_dim)
-            value = value.reshape(T, -1, self.head_v_dim)
-            beta = b.sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            # Rows that are not valid enter with zero inputs, zero decay and zero beta:
-            # the recurrence passes through them unchanged.
-            m = valid[:, None]
-            query, key, value = (torch.where(m[:, :, None], t, torch.zeros_like(t)) for t in (query, key, value))
-            beta = torch.where(m, beta, torch.zeros_like(beta))
-            g = torch.where(m, g, torch.zeros_like(g))
-            if paged.single_slot:
-                initial = rec_rows.index_select(0, slot)  # [1, Hv, Dk, Dv]
-                core, final = q.torch_chunk_gated_delta_rule(
-                    query[None], key[None], value[None], g=g[None], beta=beta[None], initial_state=initial,
-                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-                rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
-                core = core[0]
-            else:
-                initial = rec_rows.index_select(0, slots)  # [T, Hv, Dk, Dv]
-                core, final = q.torch_recurrent_gated_delta_rule(
-                    query[:, None], key[:, None], value[:, None], g=g[:, None], beta=beta[:, None],
-                    initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
-                rec_rows.index_copy_(0, slots, torch.where(valid[:, None, None, None], final.to(rec_rows.dtype),
-                                                           initial))
-                core = core[:, 0]
+            mixed, z, b, a = self.in_proj(x).split(self.in_proj.sizes, dim=-1)  # q|k|v, z, b, a
+            mix = _mix_triton if paged.impl == "triton" else _mix_torch
+            core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
             core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
             return self.out_proj(core.reshape(1, T, -1))
 
     return PagedGatedDeltaNet
+
+
+def _state_rows(mod, paged: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's convolution history [rows, conv_dim, K-1] and recurrent matrices
+    [rows, Hv, Dk, Dv] (views of the per-slot state buffers)."""
+    return (paged.state[CONV_STATE].select(1, mod.state_index),
+            paged.state[RECURRENT_STATE].select(1, mod.state_index))
+
+
+def _split_heads(mod, mixed: torch.Tensor):
+    """The convolution's output as q, k [T, Hk, Dk] and v [T, Hv, Dv] (views)."""
+    T = mixed.shape[0]
+    query, key, value = torch.split(mixed, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+    return (query.reshape(T, -1, mod.head_k_dim), key.reshape(T, -1, mod.head_k_dim),
+            value.reshape(T, -1, mod.head_v_dim))
+
+
+# The mixers read and write the slots' state rows in place, so torch.compile must not
+# trace them (a mutated state buffer would become a compiled graph's input and output):
+# the compiled layer ends and resumes around them, as around the paged attention.
+
+
+@torch.compiler.disable
+def _mix_torch(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
+    """The reference path: Transformers' convolution and delta rules in torch."""
+    conv_rows, rec_rows = _state_rows(mod, paged)
+    valid = paged.valid
+    weight = mod.conv1d.weight  # [conv_dim, 1, K]
+    history = mod.conv_kernel_size - 1
+    if paged.single_slot:
+        slot = paged.token_slot[:1]
+        conv = conv_rows.index_select(0, slot)[0]  # [conv_dim, K-1]
+        seq = torch.cat([conv, mixed.transpose(0, 1).to(conv.dtype)], dim=1)  # [conv_dim, K-1+T]
+        out = F.conv1d(seq[None].to(weight.dtype), weight, mod.conv1d.bias, groups=mod.conv_dim)[0]
+        count = valid.sum()
+        keep = torch.arange(history, device=mixed.device) + count  # the last K-1 valid inputs
+        conv_rows.index_copy_(0, slot, seq.index_select(1, keep)[None])
+        mixed = F.silu(out).transpose(0, 1).to(mixed.dtype)  # [T, conv_dim]
+    else:
+        slots = paged.token_slot
+        conv = conv_rows.index_select(0, slots)  # [T, conv_dim, K-1]
+        seq = torch.cat([conv, mixed[:, :, None].to(conv.dtype)], dim=2)  # [T, conv_dim, K]
+        out = F.conv1d(seq.to(weight.dtype), weight, mod.conv1d.bias, groups=mod.conv_dim)[:, :, 0]
+        conv_rows.index_copy_(0, slots, torch.where(valid[:, None, None], seq[:, :, 1:], conv))
+        mixed = F.silu(out).to(mixed.dtype)
+    query, key, value = _split_heads(mod, mixed)
+    beta = b.sigmoid()
+    g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
+    # Rows that are not valid enter with zero inputs, zero decay and zero beta:
+    # the recurrence passes through them unchanged.
+    m = valid[:, None]
+    query, key, value = (torch.where(m[:, :, None], t, torch.zeros_like(t)) for t in (query, key, value))
+    beta = torch.where(m, beta, torch.zeros_like(beta))
+    g = torch.where(m, g, torch.zeros_like(g))
+    chunk_rule, recurrent_rule = _torch_delta_rules()
+    if paged.single_slot:
+        initial = rec_rows.index_select(0, slot)  # [1, Hv, Dk, Dv]
+        core, final = chunk_rule(query[None], key[None], value[None], g=g[None], beta=beta[None],
+                                 initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
+        return core[0]
+    initial = rec_rows.index_select(0, slots)  # [T, Hv, Dk, Dv]
+    core, final = recurrent_rule(query[:, None], key[:, None], value[:, None], g=g[:, None], beta=beta[:, None],
+                                 initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    rec_rows.index_copy_(0, slots, torch.where(valid[:, None, None, None], final.to(rec_rows.dtype), initial))
+    return core[:, 0]
+
+
+def _chunk_rule(device: torch.device):
+    if device.type != "cuda":
+        return _torch_delta_rules()[0]
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
+def _torch_delta_rules():
+    """Transformers' torch chunked and recurrent gated delta rules. Transformers swaps
+    in flash-linear-attention's kernels for them when ``fla`` is importable; the
+    reference path is the torch arithmetic on any device, so it unwraps them."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+
+    return inspect.unwrap(q.torch_chunk_gated_delta_rule), inspect.unwrap(q.torch_recurrent_gated_delta_rule)
+
+
+@torch.compiler.disable
+def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
+    """The CUDA path (kernels/gdn.py, docs/gpu.md). Decode: the convolution step and the
+    delta-rule step update each live row's state in place. Prefill: the chunk's
+    convolution (zero past the count, the history cut at it) and gates, then
+    flash-linear-attention's chunked delta rule from the slot's state (Transformers'
+    torch rule under Triton's CPU interpreter, where the Triton pieces are tested)."""
+    from flare.prepare.kernels import gdn as K
+
+    conv_rows, rec_rows = _state_rows(mod, paged)
+    weight, bias = mod.conv1d.weight, mod.conv1d.bias
+    if not paged.single_slot:
+        slots, live = paged.token_slot, paged.valid
+        mixed = K.conv1d_decode_step(mixed, conv_rows, weight, bias, slots, live)
+        query, key, value = _split_heads(mod, mixed)
+        return K.gdn_decode_step(query, key, value, a, b, mod.A_log, mod.dt_bias, rec_rows, slots, live)
+    slot = paged.token_slot[:1]
+    count = paged.valid.sum(dtype=torch.int32).reshape(1)
+    mixed = K.conv1d_prefill_chunk(mixed, conv_rows, weight, bias, slot, count)  # zero past the count
+    g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, count)  # zero past the count: no update
+    query, key, value = _split_heads(mod, mixed)
+    core, final = _chunk_rule(mixed.device)(query[None], key[None], value[None], g=g[None], beta=beta[None],
+                                            initial_state=rec_rows.index_select(0, slot), output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+    rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
+    return core[0]
 
 
 def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
@@ -121,13 +184,23 @@ def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
     ]
 
 
+def _fuse_gdn_inputs(gdn) -> None:
+    """One GEMM for the four input projections of a Gated DeltaNet layer (they share
+    their input): q/k/v for the convolution, the output gate z, beta's b and the decay's a."""
+    if not fuse_linears(gdn, GDN_INPUTS, "in_proj"):
+        raise RecipeError(f"{type(gdn).__name__}: its input projections {GDN_INPUTS} cannot be fused")
+
+
+GDN_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
 class Qwen35Recipe(Recipe):
     name = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_text")
-    # Gated attention (its q_proj also produces the output gate) and the MLP run as
-    # written; no tensor-parallel sharding is declared yet.
-    eager = frozenset({"Qwen3_5RMSNorm", "Qwen3_5Attention", "Qwen3_5MLP"})
-    replacements = (Replacement("Qwen3_5GatedDeltaNet", _prepared_gdn, _gdn_state),)
+    # Gated attention and the MLP are fused (recipes/fused.py); no tensor-parallel
+    # sharding is declared yet.
+    eager = frozenset({"Qwen3_5RMSNorm"})
+    replacements = (Replacement("Qwen3_5GatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),)
 
     def kv_geometry(self, config, tp_size: int = 1) -> KVGeometry:
         t = config.get_text_config()
