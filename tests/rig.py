@@ -45,9 +45,11 @@ class Rig:
         return out
 
 
-def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: str = "reference") -> Rig:
+def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: str = "reference",
+             device: str = "cpu") -> Rig:
     """``attention``: the PagedBatch implementation the programs run (``triton``: the CUDA
-    kernels, here under Triton's CPU interpreter)."""
+    kernels, under Triton's CPU interpreter on the CPU); ``device``: where the arena lives
+    (a reference core's programs run eagerly on a GPU too)."""
     m = load_manifest(core)
     mapping = mmap.mmap(-1, m.arena.nbytes)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -57,6 +59,8 @@ def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: st
         for b, off, n in iter_image(image, m):
             f.seek(off)
             assert f.readinto(host[b.offset : b.offset + n]) == n
+    if device != "cpu":
+        arena = arena.to(device)
     views = arena_views(arena, m.buffers)
     recipe = by_name(m.reference.recipe)
     pm = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])

@@ -12,8 +12,10 @@ result appended to a conversation) and an exact repeat of the last prompt (a
 full-prompt hit), recording cached tokens and the prefill work each did.
 
 Phase 3 runs one conversation of ``TURNS`` turns, one request at a time: each
-turn's prompt is the previous prompt, its output and an 11-token tail, so every
-turn but the first continues the previous turn's checkpoints.
+turn's prompt is the previous prompt, a fixed 20-token assistant reply and an
+11-token tail, so every turn but the first restores the previous prompt's
+checkpoint, and the prompts do not depend on what was generated (cache on and
+off see the same prompts at every turn).
 
 ``--roundtrip`` then drives the snapshot and restore programs
 directly: random bytes in one slot's continuation rows and KV tail page are
@@ -171,7 +173,7 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
         (r,) = await _generate(engine, [prompt], TOKENS, [1000 + turn])
         conversation.append({"prompt_tokens": len(prompt), "cached_tokens": r.cached_tokens,
                              "prefill_tokens": sched.prefill_tokens_total - before, "output": r.output})
-        prompt = prompt + r.output + rng.integers(100, 1000, TAIL).tolist()
+        prompt = prompt + rng.integers(100, 1000, 20 + TAIL).tolist()
     result = {"executor": kind, "cache": cache, "phase1": [r.output for r in phase1], "follow_ups": follow,
               "conversation": conversation, "stats": ex.stats()}
     while sched.has_work():  # terminal captures still running: the engine owns the executor

@@ -106,8 +106,8 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
 
 
 def test_conversation_cache_on_and_off(runs, results_dir):
-    """Ten turns of one conversation: every turn after the first restores at least the
-    previous turn's prompt and prefills only the rest; cache on and off agree."""
+    """Ten turns of one conversation: every turn after the first restores the previous
+    turn's prompt and prefills only the rest; cache on and off agree on every turn."""
     MODEL, _, r = runs
     on, off = r["cuda-on"]["conversation"], r["cuda-off"]["conversation"]
     agree = [_common_prefix(a["output"], b["output"]) for a, b in zip(on, off)]

@@ -251,12 +251,13 @@ def _conv_chunk_kernel(
         # loads and stores stay in one thread, and column i is written only after every
         # column it could still need (n + i' >= i' > i) has been read.
         tl.debug_barrier()
+        # (Names differ from the tile loop's: Triton keeps one type per name across blocks.)
         for i in tl.static_range(W - 1):
-            p = n - (W - 1) + i
-            xv = tl.load(x_ptr + tl.maximum(p, 0) * stride_xt + c * stride_xd,
-                         mask=c < tl.where(p >= 0, D, 0), other=0.0).to(dtype)
-            hv = tl.load(hist + (p + (W - 1)) * stride_sw, mask=c < tl.where(p < 0, D, 0), other=0.0)
-            tl.store(hist + i * stride_sw, tl.where(p >= 0, xv, hv), mask=c_in)
+            src = n - (W - 1) + i
+            new = tl.load(x_ptr + tl.maximum(src, 0) * stride_xt + c * stride_xd,
+                          mask=c < tl.where(src >= 0, D, 0), other=0.0).to(dtype)
+            old = tl.load(hist + (src + (W - 1)) * stride_sw, mask=c < tl.where(src < 0, D, 0), other=0.0)
+            tl.store(hist + i * stride_sw, tl.where(src >= 0, new, old), mask=c_in)
 
 
 def conv1d_prefill_chunk(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

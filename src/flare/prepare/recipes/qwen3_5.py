@@ -113,6 +113,10 @@ def _mix_torch(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     query, key, value = (torch.where(m[:, :, None], t, torch.zeros_like(t)) for t in (query, key, value))
     beta = torch.where(m, beta, torch.zeros_like(beta))
     g = torch.where(m, g, torch.zeros_like(g))
+    # Value heads read key head h // (Hv / Hk): repeated here, since not every Transformers
+    # version's torch rules repeat them themselves.
+    group = value.shape[1] // query.shape[1]
+    query, key = query.repeat_interleave(group, dim=1), key.repeat_interleave(group, dim=1)
     chunk_rule, recurrent_rule = _torch_delta_rules()
     if paged.single_slot:
         initial = rec_rows.index_select(0, slot)  # [1, Hv, Dk, Dv]

@@ -1,0 +1,61 @@
+"""The Gated DeltaNet kernels compile for the H200 (sm_90) here, without a GPU.
+
+Triton's CPU interpreter (which runs the kernels' numerical tests) executes the
+kernel source as Python and accepts code the real compiler rejects: a name
+whose type differs between an ``if`` block and the code before it compiled in
+the interpreter and failed on the H200. This test runs the real front end and
+ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py`` at the
+dtypes and block shapes the recipe launches, so such an error fails CI instead
+of a device call. It runs in a subprocess: the interpreter switch of the test
+session would otherwise stand in for the compiler.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+SCRIPT = textwrap.dedent('''
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flare.prepare.kernels import gdn as K
+
+    def compile_for_sm90(fn, types, constexprs, num_warps=4):
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        print("compiled", fn.__name__)
+
+    bf16 = lambda *names: {n: "*bf16" for n in names}
+    f32 = lambda *names: {n: "*fp32" for n in names}
+    # The recipe's dtypes: bf16 activations and parameters, an fp32 state, int64 slots,
+    # bool live masks, an int32 count.
+    compile_for_sm90(K._decode_step_kernel,
+                     {**bf16("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "out_ptr"),
+                      **f32("state_ptr"), "slots_ptr": "*i64", "live_ptr": "*i1", "scale": "fp32"},
+                     dict(GROUP=2, DK=128, DV=128, BK=128, BV=32, EPS=1e-6))
+    compile_for_sm90(K._conv_step_kernel,
+                     {**bf16("x_ptr", "state_ptr", "w_ptr", "bias_ptr", "out_ptr"), "slots_ptr": "*i64",
+                      "live_ptr": "*i1"}, dict(W=4, HAS_BIAS=False, BLOCK_C=256))
+    compile_for_sm90(K._conv_chunk_kernel,
+                     {**bf16("x_ptr", "state_ptr", "w_ptr", "bias_ptr", "out_ptr"), "slot_ptr": "*i64",
+                      "count_ptr": "*i32"}, dict(W=4, HAS_BIAS=False, BLOCK_T=32, BLOCK_C=128))
+    compile_for_sm90(K._gates_kernel,
+                     {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
+                      "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
+''')
+
+
+def test_gdn_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("compiled") == 4, proc.stdout
