@@ -23,7 +23,7 @@ from flare.runtime.engine import Engine
 from flare.runtime.request import FinishReason, Request
 from flare.server import params as P
 from flare.server import tools as T
-from flare.server.endpoints import message_marks, token_endpoints
+from flare.server.message_ends import message_marks, token_endpoints
 from flare.server.grammar import AnswerFormat, CompiledGrammar, GrammarCompiler, ToolSpec, compose
 from flare.server.output import OutputStream
 from flare.server.parsers import Assembled, Content, Event, OutputParser, ThinkStart, ToolEnd, ToolStart
