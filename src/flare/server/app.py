@@ -20,20 +20,20 @@ from flare.runtime.engine import Engine
 from flare.server.chat import ChatApi
 from flare.server.http import Context, ServerConfig, error_response, guarded
 from flare.server.messages import MessagesApi
-from flare.server.pipeline import Frontend
 from flare.server.responses import ResponsesApi
+from flare.server.served_model import ServedModel
 
-__all__ = ["Frontend", "ServerConfig", "create_app"]
+__all__ = ["ServedModel", "ServerConfig", "create_app"]
 
 
-def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = ServerConfig()) -> Starlette:
-    ctx = Context(engine, frontend, config)
+def create_app(engine: Engine, model: ServedModel, config: ServerConfig = ServerConfig()) -> Starlette:
+    ctx = Context(engine, model, config)
     m = engine.manifest
     chat, responses, messages = ChatApi(ctx), ResponsesApi(ctx), MessagesApi(ctx)
 
     async def models(http: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{
-            "id": frontend.served_name, "object": "model", "created": int(engine.started_wall), "owned_by": "flare",
+            "id": model.served_name, "object": "model", "created": int(engine.started_wall), "owned_by": "flare",
             "max_model_len": m.capacities.context_limit,
         }]})
 
@@ -47,7 +47,7 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
         return JSONResponse(detail, status_code=503)
 
     async def metrics(http: HTTPRequest) -> Response:
-        gauges = {**engine.gauges(), "flare_grammar_compiles_total": frontend.grammars.compiles}
+        gauges = {**engine.gauges(), "flare_grammar_compiles_total": model.grammars.compiles}
         return Response(engine.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     routes = [

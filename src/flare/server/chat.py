@@ -172,10 +172,10 @@ class ChatApi:
             body = decode_body(await ctx.read_body(http), ChatCompletionRequest)
             ctx.check_model(body.model)
             check_unsupported(body)
-            gen = await pipeline.start(ctx.frontend, ctx.engine, chat_spec(body), rid, limits=ctx.config.limits)
+            gen = await pipeline.start(ctx.model, ctx.engine, chat_spec(body), rid, limits=ctx.config.limits)
         except FlareError as e:
             return fail(self.ctx, rid, stage_of(e), e)
-        reasoning = ctx.frontend.manifest.frontend.reasoning_parser.value != "none"
+        reasoning = ctx.model.manifest.frontend.reasoning_parser.value != "none"
         return await self._respond(http, body, gen, chat=True, reasoning=reasoning)
 
     async def completions(self, http: HTTPRequest) -> Response:
@@ -187,7 +187,7 @@ class ChatApi:
             check_unsupported(body)
             if isinstance(body.n, bool) or not 1 <= body.n <= ctx.config.limits.max_n:
                 raise FrontendError(f"n must lie in [1, {ctx.config.limits.max_n}]", param="n")
-            prompts = _prompts(body.prompt, ctx.frontend.codec)
+            prompts = _prompts(body.prompt, ctx.model.codec)
             stops = P.stop_strings(body.stop, ctx.config.limits)
             gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
             try:
@@ -196,11 +196,11 @@ class ChatApi:
                         index = p_i * body.n + j
                         seed = None if body.seed is None else body.seed + index
                         params = P.resolve_sampling(
-                            ctx.frontend.manifest, prompt_len=len(prompt),
+                            ctx.model.manifest, prompt_len=len(prompt),
                             fields={k: getattr(body, k) for k in SAMPLING_FIELDS}, max_tokens=body.max_tokens,
                             seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                             limits=ctx.config.limits)
-                        pipeline.submit(gen, index, prompt, params, OutputStream(ctx.frontend.codec, prompt, stops))
+                        pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops))
             except FlareError:
                 gen.cancel()
                 raise
@@ -229,14 +229,14 @@ class ChatApi:
                         "finish_reason": finish_reason(r.finish.reason)} for r in results]
         return json_response({
             "id": gen.id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": self.ctx.frontend.served_name, "choices": choices,
+            "model": self.ctx.model.served_name, "choices": choices,
             "usage": usage(gen),
         }, gen.id)
 
     async def _sse(self, gen: Generation, chat: bool, reasoning: bool, created: int,
                    include_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        model = self.ctx.frontend.served_name
+        model = self.ctx.model.served_name
 
         def frame(choices: list, usage_=None) -> bytes:
             payload = {"id": gen.id, "object": obj, "created": created, "model": model, "choices": choices}

@@ -18,7 +18,7 @@ from flare.core.errors import (AdmissionError, AuthenticationError, CapacityErro
                                NotFoundError, PayloadTooLargeError)
 from flare.runtime.engine import Engine
 from flare.server import params as P
-from flare.server.pipeline import Frontend
+from flare.server.served_model import ServedModel
 
 json_encoder = msgspec.json.Encoder()
 log = logging.getLogger("flare.server")
@@ -34,7 +34,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class Context:
     engine: Engine
-    frontend: Frontend
+    model: ServedModel
     config: ServerConfig
 
     def report_failure(self, rid: str | None, stage: str, err: FlareError) -> None:
@@ -42,8 +42,8 @@ class Context:
         self.engine.metrics.on_error(err.code)
 
     def check_model(self, name: str) -> None:
-        if name != self.frontend.served_name:
-            raise NotFoundError(f"model {name!r} is not served here (available: {self.frontend.served_name!r})",
+        if name != self.model.served_name:
+            raise NotFoundError(f"model {name!r} is not served here (available: {self.model.served_name!r})",
                                 param="model", code="model_not_found")
 
     async def read_body(self, http: HTTPRequest) -> bytes:

@@ -277,7 +277,7 @@ class MessagesApi:
         try:
             body = decode_body(await ctx.read_body(http), MessagesRequest)
             ctx.check_model(body.model)
-            gen = await pipeline.start(ctx.frontend, ctx.engine, spec(body), rid, limits=ctx.config.limits,
+            gen = await pipeline.start(ctx.model, ctx.engine, spec(body), rid, limits=ctx.config.limits,
                                        call_prefix="toolu_")
         except FlareError as e:
             return fail(self.ctx, rid, stage_of(e), e, envelope=anthropic_error)
@@ -293,7 +293,7 @@ class MessagesApi:
         return json_response({**self._message(gen, blocks.blocks, finish), "usage": self._usage(gen)}, rid)
 
     def _message(self, gen: Generation, blocks: list[dict], finish: Finish | None) -> dict:
-        return {"id": gen.id, "type": "message", "role": "assistant", "model": self.ctx.frontend.served_name,
+        return {"id": gen.id, "type": "message", "role": "assistant", "model": self.ctx.model.served_name,
                 "content": blocks, "stop_reason": None if finish is None else stop_reason(finish, blocks),
                 "stop_sequence": None if finish is None else finish.stop}
 

@@ -321,7 +321,7 @@ class ResponsesApi:
         try:
             body = decode_body(await ctx.read_body(http), ResponsesRequest)
             ctx.check_model(body.model)
-            gen = await pipeline.start(ctx.frontend, ctx.engine, spec(body), rid, limits=ctx.config.limits)
+            gen = await pipeline.start(ctx.model, ctx.engine, spec(body), rid, limits=ctx.config.limits)
         except FlareError as e:
             return fail(self.ctx, rid, stage_of(e), e)
         created = int(time.time())
@@ -348,13 +348,13 @@ class ResponsesApi:
                 status, incomplete = "incomplete", {"reason": "max_output_tokens"}
             else:
                 status = "completed"
-        reasoning_tokens = sum(len(self.ctx.frontend.codec.encode(p["text"], add_special_tokens=False))
+        reasoning_tokens = sum(len(self.ctx.model.codec.encode(p["text"], add_special_tokens=False))
                                for it in output if it["type"] == "reasoning" for p in it.get("content", []))
         out_tokens = gen.completion_tokens
         return {
             "id": gen.id, "object": "response", "created_at": created, "status": status, "error": error,
             "incomplete_details": incomplete, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": self.ctx.frontend.served_name,
+            "max_output_tokens": body.max_output_tokens, "model": self.ctx.model.served_name,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
