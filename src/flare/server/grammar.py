@@ -1,10 +1,10 @@
 """Structured output: the composed output grammar, compiled with llguidance.
 
-The grammar a request decodes under is composed from three parts (seed,
-"Structured output"): the reasoning delimiters of the core's reasoning parser,
-the answer format the client asked for (a JSON schema, any JSON object, a
-regex, or a Lark grammar), and, when tools are callable, the tool-call syntax
-of the core's tool parser with each call's payload held to
+The grammar a request decodes under is composed from three parts
+(docs/agent-api.md, "Structured output"): the reasoning delimiters of the core's
+reasoning parser, the answer format the client asked for (a JSON schema, any JSON
+object, a regex, or a Lark grammar), and, when tools are callable, the tool-call
+syntax of the core's tool parser with each call's payload held to
 ``{"name": <a declared tool>, "arguments": <its parameters schema>}``::
 
     start     : [reasoning] body

@@ -1,4 +1,5 @@
-"""Tool definitions and ``tool_choice``, normalised from every protocol (seed, API contracts).
+"""Tool definitions and ``tool_choice``, normalised from every protocol (docs/agent-api.md,
+"Tools and tool_choice").
 
 * ``none``: the tools are not rendered into the prompt and no output is parsed as a call.
 * ``auto``: the tools are rendered; the model may answer or call.
