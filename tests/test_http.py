@@ -340,3 +340,21 @@ def test_template_variables_the_server_does_not_reserve_are_passed(smol_server):
     # Names that are parameters of the server's own helpers are ordinary template variables.
     r = post(smol_server.url, "/v1/chat/completions", good(chat_template_kwargs={"rendered": 1, "template": 2}))
     assert r.status_code == 200, r.text
+
+
+def nested(levels: int) -> str:
+    """A JSON schema nested ``levels`` objects deep, as text (``json.dumps`` itself stops
+    near 1,000 levels)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+def test_mistyped_input_item_is_a_400_naming_the_field(smol_server):
+    r = post(smol_server.url, "/v1/responses", {"model": MODEL, "input": [{"type": "reasoning", "content": 5}]})
+    assert_error(r, 400, code="invalid_request", param="input[0].content")
+
+
+def test_schema_nested_too_deep_is_a_400_naming_the_field(smol_server):
+    raw = ('{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "response_format": '
+           '{"type": "json_schema", "json_schema": {"name": "d", "schema": %s}}}' % (MODEL, nested(5000))).encode()
+    r = post(smol_server.url, "/v1/chat/completions", None, raw)
+    assert_error(r, 400, code="grammar_too_complex", param="response_format.json_schema.schema")

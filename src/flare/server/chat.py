@@ -22,9 +22,10 @@ from flare.core.errors import FlareError, FrontendError
 from flare.runtime.request import FinishReason
 from flare.server import params as P
 from flare.server import pipeline
+from flare.server import protocol as W
 from flare.server import tools as T
-from flare.server.grammar import AnswerFormat
-from flare.server.http import (Context, as_flare_error, decode_body, fail, json_encoder, json_response, stage_of,
+from flare.server.decode import decode_body
+from flare.server.http import (Context, as_flare_error, fail, json_encoder, json_response, stage_of,
                                unless_disconnected)
 from flare.server.output import OutputStream
 from flare.server.parsers import Content, Reasoning, ToolArgs, ToolStart
@@ -33,8 +34,6 @@ from flare.server.protocol import ChatCompletionRequest, CompletionRequest, Imag
 from flare.server.text import TextCodec
 
 log = logging.getLogger("flare.server")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
 
 
 # ---------------------------------------------------------------------------
@@ -56,78 +55,17 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def chat_tools(tools: list[dict] | None) -> list[T.Tool]:
-    out = []
-    for i, t in enumerate(tools or []):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise FrontendError('each tool must be {"type": "function", "function": {...}}', param=param)
-        fn = t["function"]
-        unknown = set(fn) - {"name", "description", "parameters", "strict"}
-        if unknown:
-            raise FrontendError(f"unknown tool function fields {sorted(unknown)}", param=f"{param}.function")
-        out.append(T.make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), fn.get("strict"),
-                               f"{param}.function"))
-    T.check_unique(out, "tools")
-    return out
-
-
-def chat_tool_choice(value: Any, tools: list[T.Tool]) -> T.ToolChoice:
-    if value is None:
-        return T.AUTO if tools else T.NONE
-    if value in ("none", "auto", "required"):
-        return T.choose(tools, value, None, "tool_choice")
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
-        return T.choose(tools, "named", value["function"].get("name"), "tool_choice")
-    raise FrontendError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                        '{"name": ...}}', param="tool_choice")
-
-
-def answer_format(rf: dict | None, param: str = "response_format") -> AnswerFormat | None:
-    """OpenAI ``response_format`` plus two Flare extensions: ``{"type": "regex", "regex":
-    ...}`` and ``{"type": "grammar", "grammar": <Lark, llguidance dialect>}``."""
-    if rf is None:
-        return None
-    kind = rf.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return AnswerFormat("json_object", param=param)
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-            raise FrontendError("json_schema needs a schema object", param=f"{param}.json_schema.schema")
-        return AnswerFormat("json_schema", js["schema"], param=f"{param}.json_schema.schema")
-    if kind == "regex":
-        return AnswerFormat("regex", rf.get("regex"), param=f"{param}.regex")
-    if kind == "grammar":
-        return AnswerFormat("grammar", rf.get("grammar"), param=f"{param}.grammar")
-    raise FrontendError(f"unknown response_format type {kind!r}", param=f"{param}.type")
-
-
-def thinking_kwargs(effort: str | None) -> dict:
-    """Reasoning effort -> the ``enable_thinking`` template switch (templates that do not
-    read it ignore it)."""
-    if effort is None:
-        return {}
-    if effort not in ("none", "minimal", "low", "medium", "high"):
-        raise FrontendError(f"unknown reasoning effort {effort!r}", param="reasoning_effort")
-    return {"enable_thinking": effort not in ("none", "minimal")}
-
-
 def chat_spec(body: ChatCompletionRequest) -> ChatSpec:
-    tools = chat_tools(body.tools)
-    choice = chat_tool_choice(body.tool_choice, tools)
+    check_unsupported(body)
+    tools = T.declare(body.tools)
     return ChatSpec(
-        messages=_message_dicts(body),
-        sampling={k: getattr(body, k) for k in SAMPLING_FIELDS},
+        messages=_message_dicts(body), sampling=W.sampling(body),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, n=body.n,
-        tools=tuple(tools), tool_choice=choice,
+        seed=body.seed, stop=W.stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        n=body.n, tools=tuple(tools), tool_choice=T.tool_choice(tools, body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        answer=answer_format(body.response_format),
-        template_kwargs={**thinking_kwargs(body.reasoning_effort), **(body.chat_template_kwargs or {})},
+        answer=W.answer_format(body.response_format, "response_format"),
+        template_kwargs={**W.thinking_kwargs(body.reasoning_effort), **(body.chat_template_kwargs or {})},
         add_generation_prompt=body.add_generation_prompt,
     )
 
@@ -171,7 +109,6 @@ class ChatApi:
         try:
             body = decode_body(await ctx.read_body(http), ChatCompletionRequest)
             ctx.check_model(body.model)
-            check_unsupported(body)
             gen = await pipeline.start(ctx.model, ctx.engine, chat_spec(body), rid, limits=ctx.config.limits)
         except FlareError as e:
             return fail(self.ctx, rid, stage_of(e), e)
@@ -197,7 +134,7 @@ class ChatApi:
                         seed = None if body.seed is None else body.seed + index
                         params = P.resolve_sampling(
                             ctx.model.manifest, prompt_len=len(prompt),
-                            fields={k: getattr(body, k) for k in SAMPLING_FIELDS}, max_tokens=body.max_tokens,
+                            fields=W.sampling(body), max_tokens=body.max_tokens,
                             seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                             limits=ctx.config.limits)
                         pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops))

@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the protocol mappers: bounded bodies, typed decoding,
-error envelopes, disconnect watching, and the context every handler receives."""
+"""HTTP plumbing shared by the protocol mappers: bounded bodies, error envelopes,
+disconnect watching, and the context every handler receives."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from flare.core.errors import (AdmissionError, AuthenticationError, CapacityError, FlareError, FrontendError,
-                               NotFoundError, PayloadTooLargeError)
+from flare.core.errors import (AdmissionError, AuthenticationError, CapacityError, FlareError, NotFoundError,
+                               PayloadTooLargeError)
 from flare.runtime.engine import Engine
 from flare.server import params as P
 from flare.server.served_model import ServedModel
@@ -58,16 +58,6 @@ class Context:
                 raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
-
-
-def decode_body(body: bytes, kind: type):
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        path = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else None
-        raise FrontendError(f"invalid request: {e}", param=path, code="invalid_request") from None
-    except msgspec.DecodeError as e:
-        raise FrontendError(f"request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 def stage_of(err: FlareError) -> str:

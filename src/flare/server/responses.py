@@ -6,7 +6,8 @@ items tool results, ``reasoning`` items the next assistant turn's reasoning) and
 run through the shared pipeline. Output items are built from the parsed events
 in arrival order (reasoning, message, function calls) by one ``_Items`` builder,
 used by the streaming and the non-streaming paths alike, so both return the same
-items. Nothing is stored: ``previous_response_id`` and ``store: true`` are refused.
+items. Nothing is stored: ``previous_response_id``, ``store: true`` and
+``item_reference`` items are refused.
 
 Stream: ``response.created``, ``response.in_progress``, per item
 ``output_item.added`` / content or argument deltas / ``output_item.done``, then
@@ -19,80 +20,45 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
-import msgspec
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 
 from flare.core.errors import FlareError, FrontendError
 from flare.runtime.request import FinishReason
 from flare.server import pipeline
+from flare.server import protocol as W
 from flare.server import tools as T
-from flare.server.chat import SAMPLING_FIELDS, answer_format, thinking_kwargs
-from flare.server.http import (Context, decode_body, event_frame, fail, json_response, stage_of,
-                               unless_disconnected)
+from flare.server.decode import decode_body
+from flare.server.http import Context, event_frame, fail, json_response, stage_of, unless_disconnected
 from flare.server.parsers import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
 from flare.server.pipeline import ChatSpec, Finish, Generation
+from flare.server.protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputFile, InputImage,
+                                             ItemContent, MessageItem, ReasoningItem, ResponsesReasoning,
+                                             ResponsesRequest)
 
 log = logging.getLogger("flare.server")
-
-
-class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True):
-    model: str
-    input: str | list[dict]
-    instructions: str | None = None
-    tools: list[dict] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    text: dict | None = None
-    reasoning: dict | None = None
-    store: bool | None = None
-    previous_response_id: str | None = None
-    include: list[str] | None = None
-    truncation: str | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None  # end-user id: logged, never interpreted
-    # Flare extensions (as on chat completions)
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------
 # request mapping
 
 
-def _text(content: Any, param: str) -> str:
+def _text(content: str | list[ItemContent], param: str) -> str:
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise FrontendError("content must be a string or a list of text parts", param=param)
-    out = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise FrontendError(f"content part {kind!r} is not supported by this model's core",
+        if isinstance(part, (InputImage, InputFile)):
+            raise FrontendError(f"content part {part.__struct_config__.tag!r} is not supported by this model's core",
                                 param=f"{param}[{j}]", code="unsupported")
-        out.append(part.get("text", ""))
-    return "\n".join(out)
+    return "\n".join(part.text for part in content)
 
 
 def input_messages(body: ResponsesRequest) -> list[dict]:
     messages: list[dict] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        return messages + [{"role": "user", "content": body.input}]
     reasoning: str | None = None
 
     def assistant() -> dict:
@@ -106,75 +72,26 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
             messages.append(last)
         return last
 
-    for i, item in enumerate(body.input):
+    for i, item in enumerate(body.items()):
         param = f"input[{i}]"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise FrontendError(f"unknown message role {role!r}", param=f"{param}.role")
-            text = _text(item.get("content"), f"{param}.content")
-            if role == "assistant":
-                msg = assistant()
-                msg["content"] += text
+        if isinstance(item, MessageItem):
+            text = _text(item.content, f"{param}.content")
+            if item.role == "assistant":
+                assistant()["content"] += text
             else:
-                messages.append({"role": "system" if role == "developer" else role, "content": text})
-        elif kind == "function_call":
-            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("name"), str):
-                raise FrontendError("function_call items need call_id and name", param=param)
-            msg = assistant()
-            msg.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
-                "name": item["name"], "arguments": item.get("arguments", "{}")}})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise FrontendError("function_call_output items need a call_id", param=param)
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(item.get("output", ""), f"{param}.output")})
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+                messages.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+        elif isinstance(item, FunctionCallItem):
+            assistant().setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": {
+                "name": item.name, "arguments": item.arguments}})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output, f"{param}.output")})
+        elif isinstance(item, ReasoningItem):
+            reasoning = "\n".join(p.text for p in item.content or item.summary)
         else:
-            raise FrontendError(f"input item type {kind!r} is not supported", param=f"{param}.type",
-                                code="unsupported")
+            raise FrontendError("this server is stateless: item_reference is not supported (send the item itself)",
+                                param=f"{param}.type", code="unsupported")
     return messages
-
-
-def response_tools(tools: list[dict] | None) -> list[T.Tool]:
-    out = []
-    for i, t in enumerate(tools or []):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise FrontendError(f"tool type {kind!r} is not supported (only function tools)", param=f"{param}.type",
-                                code="unsupported")
-        unknown = set(t) - {"type", "name", "description", "parameters", "strict"}
-        if unknown:
-            raise FrontendError(f"unknown tool fields {sorted(unknown)}", param=param)
-        out.append(T.make_tool(t.get("name"), t.get("description"), t.get("parameters"), t.get("strict"), param))
-    T.check_unique(out, "tools")
-    return out
-
-
-def response_tool_choice(value: Any, tools: list[T.Tool]) -> T.ToolChoice:
-    if value is None:
-        return T.AUTO if tools else T.NONE
-    if value in ("none", "auto", "required"):
-        return T.choose(tools, value, None, "tool_choice")
-    if isinstance(value, dict) and value.get("type") == "function":
-        return T.choose(tools, "named", value.get("name"), "tool_choice")
-    raise FrontendError('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
-                        param="tool_choice")
-
-
-def _format(body: ResponsesRequest):
-    fmt = (body.text or {}).get("format")
-    if fmt is None:
-        return None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise FrontendError("json_schema needs a schema object", param="text.format.schema")
-        return answer_format({"type": "json_schema", "json_schema": fmt}, "text.format")
-    return answer_format(fmt, "text.format")
 
 
 def spec(body: ResponsesRequest) -> ChatSpec:
@@ -188,24 +105,22 @@ def spec(body: ResponsesRequest) -> ChatSpec:
         raise FrontendError("include is not supported", param="include", code="unsupported")
     if body.truncation not in (None, "disabled"):
         raise FrontendError("only truncation \"disabled\" is supported", param="truncation", code="unsupported")
-    if body.text and set(body.text) - {"format"}:
-        raise FrontendError(f"unsupported text options {sorted(set(body.text) - {'format'})}", param="text",
-                            code="unsupported")
-    reasoning = body.reasoning or {}
-    if set(reasoning) - {"effort", "summary"} or reasoning.get("summary") is not None:
-        raise FrontendError("only reasoning.effort is supported (reasoning text is returned as reasoning items, "
-                            "without summaries)", param="reasoning", code="unsupported")
-    tools = response_tools(body.tools)
+    reasoning = body.reasoning or ResponsesReasoning()
+    if reasoning.summary is not None:
+        raise FrontendError("reasoning summaries are not supported (reasoning text is returned as reasoning items)",
+                            param="reasoning.summary", code="unsupported")
+    tools = T.declare(body.tools)
     return ChatSpec(
-        messages=input_messages(body),
-        sampling={k: getattr(body, k) for k in SAMPLING_FIELDS},
-        max_tokens=body.max_output_tokens, seed=body.seed,
-        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        tools=tuple(tools), tool_choice=response_tool_choice(body.tool_choice, tools),
+        messages=input_messages(body), sampling=W.sampling(body), max_tokens=body.max_output_tokens, seed=body.seed,
+        stop=W.stop_list(body.stop), tools=tuple(tools), tool_choice=T.tool_choice(tools, body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        answer=_format(body),
-        template_kwargs={**thinking_kwargs(reasoning.get("effort")), **(body.chat_template_kwargs or {})},
+        answer=W.answer_format(body.text and body.text.format, "text.format"),
+        template_kwargs={**W.thinking_kwargs(reasoning.effort), **(body.chat_template_kwargs or {})},
     )
+
+
+# ---------------------------------------------------------------------------
+# output items
 
 
 # ---------------------------------------------------------------------------
@@ -357,7 +272,7 @@ class ResponsesApi:
             "max_output_tokens": body.max_output_tokens, "model": self.ctx.model.served_name,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
-            "reasoning": {"effort": (body.reasoning or {}).get("effort"), "summary": None},
+            "reasoning": {"effort": body.reasoning and body.reasoning.effort, "summary": None},
             "store": False, "temperature": body.temperature, "top_p": body.top_p,
             "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
