@@ -1,8 +1,9 @@
 """The HTTP frontend (Starlette): routes and the small endpoints.
 
 Protocol mapping lives in its own modules, all over one request pipeline
-(``pipeline.py``): OpenAI Chat Completions and Completions (``chat.py``),
-OpenAI Responses (``responses.py``), Anthropic Messages (``messages.py``).
+(``pipeline.py``) and one handler (``handler.py``): OpenAI Chat Completions and
+Completions (``chat.py``), OpenAI Responses (``responses.py``), Anthropic Messages
+(``messages.py``); their request bodies are typed in ``protocol.py``.
 Every failure before a response starts is an HTTP error in the protocol's
 envelope; a failure after SSE headers ends the stream with the protocol's error
 event. Client disconnects cancel the engine requests.
@@ -17,10 +18,10 @@ from starlette.routing import Route
 
 from flare.core.errors import FrontendError, NotFoundError
 from flare.runtime.engine import Engine
-from flare.server.chat import ChatApi
+from flare.server.chat import ChatCompletions, Completions
 from flare.server.http import Context, ServerConfig, error_response, guarded
-from flare.server.messages import MessagesApi
-from flare.server.responses import ResponsesApi
+from flare.server.messages import Messages
+from flare.server.responses import Responses
 from flare.server.served_model import ServedModel
 
 __all__ = ["ServedModel", "ServerConfig", "create_app"]
@@ -29,7 +30,6 @@ __all__ = ["ServedModel", "ServerConfig", "create_app"]
 def create_app(engine: Engine, model: ServedModel, config: ServerConfig = ServerConfig()) -> Starlette:
     ctx = Context(engine, model, config)
     m = engine.manifest
-    chat, responses, messages = ChatApi(ctx), ResponsesApi(ctx), MessagesApi(ctx)
 
     async def models(http: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -52,10 +52,10 @@ def create_app(engine: Engine, model: ServedModel, config: ServerConfig = Server
 
     routes = [
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/chat/completions", guarded(ctx, chat.chat_completions), methods=["POST"]),
-        Route("/v1/completions", guarded(ctx, chat.completions), methods=["POST"]),
-        Route("/v1/responses", guarded(ctx, responses.create), methods=["POST"]),
-        Route("/v1/messages", guarded(ctx, messages.create), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(ctx, ChatCompletions(ctx)), methods=["POST"]),
+        Route("/v1/completions", guarded(ctx, Completions(ctx)), methods=["POST"]),
+        Route("/v1/responses", guarded(ctx, Responses(ctx)), methods=["POST"]),
+        Route("/v1/messages", guarded(ctx, Messages(ctx)), methods=["POST"]),
         Route("/v1/models", guarded(ctx, models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]

@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the protocol mappers: bounded bodies, error envelopes,
-disconnect watching, and the context every handler receives."""
+"""HTTP plumbing shared by the endpoints: bounded bodies, error envelopes, disconnect
+watching, and the context every handler receives."""
 
 from __future__ import annotations
 
@@ -110,10 +110,6 @@ def guarded(ctx: "Context", handler):
 def error_response(err: FlareError, request_id: str | None = None) -> JSONResponse:
     headers = {"x-request-id": request_id} if request_id else None
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
-
-
-def as_flare_error(err: BaseException | None) -> FlareError:
-    return err if isinstance(err, FlareError) else FlareError(str(err))
 
 
 def json_response(payload: dict, request_id: str) -> Response:

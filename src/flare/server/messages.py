@@ -19,23 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
-from typing import AsyncIterator
-
-from starlette.requests import Request as HTTPRequest
-from starlette.responses import Response, StreamingResponse
 
 from flare.core.errors import FlareError, FrontendError
 from flare.runtime.request import FinishReason
-from flare.server import pipeline
 from flare.server import protocol as W
 from flare.server import tools as T
-from flare.server.decode import decode_body
-from flare.server.http import Context, event_frame, fail, json_response, stage_of, unless_disconnected
-from flare.server.parsers import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
-from flare.server.pipeline import ChatSpec, Finish, Generation
+from flare.server.handler import Endpoint, OutputParts, Presenter
+from flare.server.parsers import ToolStart
+from flare.server.pipeline import ChatSpec, Finish, Generation, Update
 from flare.server.protocol_messages import (ImageBlock, MessagesRequest, MessagesToolChoice, RedactedThinkingBlock,
                                            TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
+from flare.server.served_model import ServedModel
 
 log = logging.getLogger("flare.server")
 
@@ -129,56 +123,30 @@ def spec(body: MessagesRequest) -> ChatSpec:
 # output blocks
 
 
-class _Blocks:
-    """Content blocks from parsed events; ``feed`` returns stream events."""
+class _Blocks(OutputParts):
+    """Content blocks (thinking, text, tool_use) and their stream events."""
 
-    def __init__(self):
-        self.blocks: list[dict] = []
-        self._open: dict | None = None
-        self._json = ""
+    def new_part(self, kind: str, start: ToolStart | None) -> dict:
+        if kind == "call":
+            return {"type": "tool_use", "id": start.id, "name": start.name, "input": {}}
+        return {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "", "signature": ""}
 
-    def feed(self, events: list[Event]) -> list[dict]:
-        out: list[dict] = []
-        for e in events:
-            if isinstance(e, (Content, Reasoning)):
-                if not e.text:
-                    continue
-                kind = "text" if isinstance(e, Content) else "thinking"
-                if self._open is None or self._open["type"] != kind:
-                    out += self._close()
-                    start = {"type": "text", "text": ""} if kind == "text" else \
-                        {"type": "thinking", "thinking": "", "signature": ""}
-                    out += self._start(start)
-                self._open[kind] += e.text
-                delta = {"type": "text_delta", "text": e.text} if kind == "text" else \
-                    {"type": "thinking_delta", "thinking": e.text}
-                out.append({"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta})
-            elif isinstance(e, ToolStart):
-                out += self._close()
-                out += self._start({"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
-                self._json = ""
-            elif isinstance(e, ToolArgs) and e.text:
-                self._json += e.text
-                out.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
-                            "delta": {"type": "input_json_delta", "partial_json": e.text}})
-            elif isinstance(e, ToolEnd):
-                self._open["input"] = json.loads(self._json)  # the parser validated it as an object
-                out += self._close()
-        return out
+    def opened(self, index: int, block: dict) -> list[dict]:
+        return [{"type": "content_block_start", "index": index, "content_block": dict(block)}]
 
-    def _start(self, block: dict) -> list[dict]:
-        self._open = block
-        self.blocks.append(block)
-        return [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)}]
+    def delta(self, index: int, block: dict, text: str) -> list[dict]:
+        kind = block["type"]
+        if kind == "tool_use":
+            delta = {"type": "input_json_delta", "partial_json": text}
+        else:
+            block[kind] += text
+            delta = {"type": f"{kind}_delta", kind: text}
+        return [{"type": "content_block_delta", "index": index, "delta": delta}]
 
-    def _close(self) -> list[dict]:
-        if self._open is None:
-            return []
-        self._open = None
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
-
-    def finish(self) -> list[dict]:
-        return self._close()
+    def closed(self, index: int, block: dict, text: str) -> list[dict]:
+        if block["type"] == "tool_use":
+            block["input"] = json.loads(text)  # the parser validated it as an object
+        return [{"type": "content_block_stop", "index": index}]
 
 
 def stop_reason(finish: Finish, blocks: list[dict]) -> str:
@@ -189,65 +157,48 @@ def stop_reason(finish: Finish, blocks: list[dict]) -> str:
     return "stop_sequence" if finish.stop is not None else "end_turn"
 
 
-class MessagesApi:
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
+class _Message(Presenter):
+    def __init__(self, model: ServedModel, body: MessagesRequest, gen: Generation, created: int):
+        super().__init__(model, body, gen, created)
+        self.blocks = _Blocks()
+        self.finish: Finish | None = None
 
-    async def create(self, http: HTTPRequest) -> Response:
-        ctx = self.ctx
-        rid = "msg_" + uuid.uuid4().hex[:24]
-        try:
-            body = decode_body(await ctx.read_body(http), MessagesRequest)
-            ctx.check_model(body.model)
-            gen = await pipeline.start(ctx.model, ctx.engine, spec(body), rid, limits=ctx.config.limits,
-                                       call_prefix="toolu_")
-        except FlareError as e:
-            return fail(self.ctx, rid, stage_of(e), e, envelope=anthropic_error)
-        if body.stream:
-            return StreamingResponse(self._sse(gen), media_type="text/event-stream",
-                                     headers={"x-request-id": rid, "cache-control": "no-cache"})
-        blocks = _Blocks()
-        finish = await unless_disconnected(http, gen.assemble(blocks), gen.cancel)
-        if finish is None:
-            return Response(status_code=499)
-        if finish.error is not None:
-            return fail(self.ctx, rid, "execution", finish.error, envelope=anthropic_error)
-        return json_response({**self._message(gen, blocks.blocks, finish), "usage": self._usage(gen)}, rid)
-
-    def _message(self, gen: Generation, blocks: list[dict], finish: Finish | None) -> dict:
-        return {"id": gen.id, "type": "message", "role": "assistant", "model": self.ctx.model.served_name,
+    def _message(self, finish: Finish | None) -> dict:
+        blocks = self.blocks.parts
+        return {"id": self.gen.id, "type": "message", "role": "assistant", "model": self.model.served_name,
                 "content": blocks, "stop_reason": None if finish is None else stop_reason(finish, blocks),
                 "stop_sequence": None if finish is None else finish.stop}
 
-    def _usage(self, gen: Generation) -> dict:
+    def _usage(self) -> dict:
         # Anthropic's accounting: input_tokens excludes what was read from the cache.
-        cached = gen.cached_tokens
-        return {"input_tokens": gen.prompt_tokens - cached, "cache_read_input_tokens": cached,
-                "output_tokens": gen.completion_tokens}
+        cached = self.gen.cached_tokens
+        return {"input_tokens": self.gen.prompt_tokens - cached, "cache_read_input_tokens": cached,
+                "output_tokens": self.gen.completion_tokens}
 
-    async def _sse(self, gen: Generation) -> AsyncIterator[bytes]:
-        blocks = _Blocks()
+    def opening(self) -> list:
+        start = {**self._message(None), "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0}}
+        return [{"type": "message_start", "message": start}]
 
-        completed = False
-        try:
-            start = {**self._message(gen, [], None), "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}
-            yield event_frame({"type": "message_start", "message": start})
-            finish = None
-            async for u in gen.updates():
-                if u.finish is not None and u.finish.error is not None:
-                    self.ctx.report_failure(gen.id, "streaming", u.finish.error)
-                    yield event_frame(anthropic_error(u.finish.error))
-                    return
-                for e in blocks.feed(u.events):
-                    yield event_frame(e)
-                finish = u.finish or finish
-            for e in blocks.finish():
-                yield event_frame(e)
-            yield event_frame({"type": "message_delta",
-                       "delta": {"stop_reason": stop_reason(finish, blocks.blocks), "stop_sequence": finish.stop},
-                       "usage": self._usage(gen)})
-            yield event_frame({"type": "message_stop"})
-            completed = True
-        finally:
-            if not completed:
-                gen.cancel()
+    def update(self, u: Update) -> list:
+        self.finish = u.finish or self.finish
+        return self.blocks.feed(u.events)
+
+    def closing(self) -> list:
+        return self.blocks.close() + [
+            {"type": "message_delta", "delta": {"stop_reason": stop_reason(self.finish, self.blocks.parts),
+                                                "stop_sequence": self.finish.stop}, "usage": self._usage()},
+            {"type": "message_stop"}]
+
+    def failure(self, finish: Finish) -> list:
+        return [anthropic_error(finish.error)]
+
+    def body(self) -> dict:
+        return {**self._message(self.finish), "usage": self._usage()}
+
+
+class Messages(Endpoint):
+    body_type, id_prefix, presenter, call_prefix = MessagesRequest, "msg_", _Message, "toolu_"
+    spec = staticmethod(spec)
+
+    def envelope(self, err: FlareError) -> dict:
+        return anthropic_error(err)

@@ -26,7 +26,7 @@ from flare.server import tools as T
 from flare.server.grammar import AnswerFormat, CompiledGrammar, ToolSpec, compose
 from flare.server.message_ends import message_marks, token_endpoints
 from flare.server.output import OutputStream
-from flare.server.parsers import Assembled, Content, Event, OutputParser, ThinkStart, ToolEnd, ToolStart
+from flare.server.parsers import Content, Event, OutputParser, ThinkStart, ToolEnd, ToolStart
 from flare.server.parsers import start_for
 from flare.server.served_model import ServedModel
 
@@ -64,13 +64,6 @@ class Update:
     index: int
     events: list[Event]
     finish: Finish | None = None
-
-
-@dataclass
-class ChoiceResult:
-    index: int
-    output: Assembled
-    finish: Finish
 
 
 class _Policy:
@@ -196,36 +189,11 @@ class Generation:
             for fut in pending:
                 fut.cancel()
 
-    async def assemble(self, into) -> Finish | None:
-        """Feed every update's events to ``into`` (an object with ``feed(events)`` and
-        ``finish()``, as the Responses and Messages assemblers are); the last finish."""
-        finish = None
-        async for u in self.updates():
-            into.feed(u.events)
-            finish = u.finish or finish
-        into.finish()
-        return finish
-
-    async def results(self) -> list[ChoiceResult]:
-        outputs = {c.index: Assembled() for c in self.choices}
-        finishes: dict[int, Finish] = {}
-        async for u in self.updates():
-            outputs[u.index].add(u.events)
-            if u.finish is not None:
-                finishes[u.index] = u.finish
-                if u.finish.error is not None:
-                    self.cancel()  # the whole response fails: free the other choices now
-        return [ChoiceResult(i, outputs[i], finishes[i]) for i in sorted(outputs)]
-
 
 def _ids(prefix: str):
     base = uuid.uuid4().hex[:16]
     counter = itertools.count()
     return lambda: f"{prefix}{base}{next(counter):04d}"
-
-
-def first_error(results: list[ChoiceResult]) -> FlareError | None:
-    return next((r.finish.error for r in results if r.finish.error is not None), None)
 
 
 # Variables the server passes to every chat template itself.

@@ -18,25 +18,18 @@ after the stream started is ``response.failed`` carrying the typed error.
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from typing import AsyncIterator
 
-from starlette.requests import Request as HTTPRequest
-from starlette.responses import Response, StreamingResponse
-
-from flare.core.errors import FlareError, FrontendError
+from flare.core.errors import FrontendError
 from flare.runtime.request import FinishReason
-from flare.server import pipeline
 from flare.server import protocol as W
 from flare.server import tools as T
-from flare.server.decode import decode_body
-from flare.server.http import Context, event_frame, fail, json_response, stage_of, unless_disconnected
-from flare.server.parsers import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
-from flare.server.pipeline import ChatSpec, Finish, Generation
+from flare.server.handler import Endpoint, OutputParts, Presenter
+from flare.server.parsers import ToolStart
+from flare.server.pipeline import ChatSpec, Finish, Generation, Update
 from flare.server.protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputFile, InputImage,
                                              ItemContent, MessageItem, ReasoningItem, ResponsesReasoning,
                                              ResponsesRequest)
+from flare.server.served_model import ServedModel
 
 log = logging.getLogger("flare.server")
 
@@ -123,20 +116,19 @@ def spec(body: ResponsesRequest) -> ChatSpec:
 # output items
 
 
-# ---------------------------------------------------------------------------
-# output items
+def _text_part(item_type: str, text: str) -> dict:
+    if item_type == "message":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "reasoning_text", "text": text}
 
 
-class _Items:
-    """Output items from parsed events. ``feed`` returns the stream events for them;
-    ``items`` is the finished list. One open item at a time: an event of another
-    kind closes it."""
+class _Items(OutputParts):
+    """Output items (reasoning, message, function_call) and their stream events, which
+    carry sequence numbers."""
 
     def __init__(self, rid: str):
+        super().__init__()
         self.rid = rid
-        self.items: list[dict] = []
-        self._open: dict | None = None
-        self._text = ""
         self.sequence = 0
 
     def event(self, kind: str, **fields) -> dict:
@@ -144,115 +136,59 @@ class _Items:
         self.sequence += 1
         return e
 
-    def _new_id(self, prefix: str) -> str:
-        return f"{prefix}_{self.rid[5:]}{len(self.items):03d}"
-
-    def feed(self, events: list[Event]) -> list[dict]:
-        out: list[dict] = []
-        for e in events:
-            if isinstance(e, (Content, Reasoning)):
-                if not e.text:
-                    continue
-                kind = "message" if isinstance(e, Content) else "reasoning"
-                if self._open is None or self._open["type"] != kind:
-                    out += self._close()
-                    out += self._start_text(kind)
-                self._text += e.text
-                idx = len(self.items) - 1
-                if kind == "message":
-                    out.append(self.event("response.output_text.delta", item_id=self._open["id"], output_index=idx,
-                                          content_index=0, delta=e.text, logprobs=[]))
-                else:
-                    out.append(self.event("response.reasoning_text.delta", item_id=self._open["id"],
-                                          output_index=idx, content_index=0, delta=e.text))
-            elif isinstance(e, ToolStart):
-                out += self._close()
-                item = {"type": "function_call", "id": self._new_id("fc"), "call_id": e.id, "name": e.name,
-                        "arguments": "", "status": "in_progress"}
-                self._open = item
-                self.items.append(item)
-                out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                      item=dict(item)))
-            elif isinstance(e, ToolArgs) and e.text:
-                self._open["arguments"] += e.text
-                out.append(self.event("response.function_call_arguments.delta", item_id=self._open["id"],
-                                      output_index=len(self.items) - 1, delta=e.text))
-            elif isinstance(e, ToolEnd):
-                out += self._close()
-        return out
-
-    def _start_text(self, kind: str) -> list[dict]:
-        if kind == "message":
-            item = {"type": "message", "id": self._new_id("msg"), "role": "assistant", "status": "in_progress",
+    def new_part(self, kind: str, start: ToolStart | None) -> dict:
+        base = f"{self.rid[5:]}{len(self.parts):03d}"
+        if kind == "call":
+            return {"type": "function_call", "id": f"fc_{base}", "call_id": start.id, "name": start.name,
+                    "arguments": "", "status": "in_progress"}
+        if kind == "text":
+            return {"type": "message", "id": f"msg_{base}", "role": "assistant", "status": "in_progress",
                     "content": []}
-            part = {"type": "output_text", "text": "", "annotations": []}
-        else:
-            item = {"type": "reasoning", "id": self._new_id("rs"), "summary": [], "content": [],
-                    "status": "in_progress"}
-            part = {"type": "reasoning_text", "text": ""}
-        self._open, self._text = item, ""
-        self.items.append(item)
-        idx = len(self.items) - 1
-        return [self.event("response.output_item.added", output_index=idx, item=dict(item, content=[])),
-                self.event("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
-                           part=part)]
+        return {"type": "reasoning", "id": f"rs_{base}", "summary": [], "content": [], "status": "in_progress"}
 
-    def _close(self) -> list[dict]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        idx = len(self.items) - 1
-        item["status"] = "completed"
-        out = []
-        if item["type"] == "function_call":
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                  name=item["name"], arguments=item["arguments"]))
-        else:
-            if item["type"] == "message":
-                part = {"type": "output_text", "text": self._text, "annotations": []}
-                out.append(self.event("response.output_text.done", item_id=item["id"], output_index=idx,
-                                      content_index=0, text=self._text, logprobs=[]))
-            else:
-                part = {"type": "reasoning_text", "text": self._text}
-                out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
-                                      content_index=0, text=self._text))
-            item["content"] = [part]
-            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=idx,
-                                  content_index=0, part=part))
-        out.append(self.event("response.output_item.done", output_index=idx, item=dict(item)))
+    def opened(self, index: int, item: dict) -> list[dict]:
+        out = [self.event("response.output_item.added", output_index=index, item=dict(item))]
+        if item["type"] != "function_call":
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part=_text_part(item["type"], "")))
         return out
 
-    def finish(self) -> list[dict]:
-        return self._close()
+    def delta(self, index: int, item: dict, text: str) -> list[dict]:
+        if item["type"] == "function_call":
+            item["arguments"] += text
+            return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=text)]
+        if item["type"] == "message":
+            return [self.event("response.output_text.delta", item_id=item["id"], output_index=index,
+                               content_index=0, delta=text, logprobs=[])]
+        return [self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                           content_index=0, delta=text)]
+
+    def closed(self, index: int, item: dict, text: str) -> list[dict]:
+        item["status"] = "completed"
+        if item["type"] == "function_call":
+            out = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              name=item["name"], arguments=item["arguments"])]
+        else:
+            part = _text_part(item["type"], text)
+            item["content"] = [part]
+            done = {"logprobs": []} if item["type"] == "message" else {}
+            out = [self.event(f"response.{part['type']}.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=text, **done),
+                   self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                              content_index=0, part=part)]
+        return out + [self.event("response.output_item.done", output_index=index, item=dict(item))]
 
 
-class ResponsesApi:
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
+class _Response(Presenter):
+    def __init__(self, model: ServedModel, body: ResponsesRequest, gen: Generation, created: int):
+        super().__init__(model, body, gen, created)
+        self.items = _Items(gen.id)
+        self.finish: Finish | None = None
+        self.final: dict | None = None
 
-    async def create(self, http: HTTPRequest) -> Response:
-        ctx = self.ctx
-        rid = "resp_" + uuid.uuid4().hex[:24]
-        try:
-            body = decode_body(await ctx.read_body(http), ResponsesRequest)
-            ctx.check_model(body.model)
-            gen = await pipeline.start(ctx.model, ctx.engine, spec(body), rid, limits=ctx.config.limits)
-        except FlareError as e:
-            return fail(self.ctx, rid, stage_of(e), e)
-        created = int(time.time())
-        if body.stream:
-            return StreamingResponse(self._sse(body, gen, created), media_type="text/event-stream",
-                                     headers={"x-request-id": rid, "cache-control": "no-cache"})
-        items = _Items(rid)
-        finish = await unless_disconnected(http, gen.assemble(items), gen.cancel)
-        if finish is None:
-            return Response(status_code=499)
-        if finish.error is not None:
-            return fail(self.ctx, rid, "execution", finish.error)
-        return json_response(self._object(body, gen, created, items.items, finish), rid)
-
-    def _object(self, body: ResponsesRequest, gen: Generation, created: int, output: list[dict],
-                finish: Finish | None) -> dict:
+    def _object(self, output: list[dict], finish: Finish | None) -> dict:
+        body, gen = self.request, self.gen
         status, incomplete, error = "in_progress", None, None
         if finish is not None:
             if finish.error is not None:
@@ -263,13 +199,13 @@ class ResponsesApi:
                 status, incomplete = "incomplete", {"reason": "max_output_tokens"}
             else:
                 status = "completed"
-        reasoning_tokens = sum(len(self.ctx.model.codec.encode(p["text"], add_special_tokens=False))
+        reasoning_tokens = sum(len(self.model.codec.encode(p["text"], add_special_tokens=False))
                                for it in output if it["type"] == "reasoning" for p in it.get("content", []))
         out_tokens = gen.completion_tokens
         return {
-            "id": gen.id, "object": "response", "created_at": created, "status": status, "error": error,
+            "id": gen.id, "object": "response", "created_at": self.created, "status": status, "error": error,
             "incomplete_details": incomplete, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": self.ctx.model.served_name,
+            "max_output_tokens": body.max_output_tokens, "model": self.model.served_name,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": {"effort": body.reasoning and body.reasoning.effort, "summary": None},
@@ -283,30 +219,28 @@ class ResponsesApi:
                 "total_tokens": gen.prompt_tokens + out_tokens},
         }
 
-    async def _sse(self, body: ResponsesRequest, gen: Generation, created: int) -> AsyncIterator[bytes]:
-        items = _Items(gen.id)
+    def opening(self) -> list:
+        snapshot = self._object([], None)
+        return [self.items.event("response.created", response=snapshot),
+                self.items.event("response.in_progress", response=snapshot)]
 
-        completed = False
-        try:
-            snapshot = self._object(body, gen, created, [], None)
-            yield event_frame(items.event("response.created", response=snapshot))
-            yield event_frame(items.event("response.in_progress", response=snapshot))
-            finish = None
-            async for u in gen.updates():
-                if u.finish is not None and u.finish.error is not None:
-                    self.ctx.report_failure(gen.id, "streaming", u.finish.error)
-                    failed = self._object(body, gen, created, items.items, u.finish)
-                    yield event_frame(items.event("response.failed", response=failed))
-                    return
-                for e in items.feed(u.events):
-                    yield event_frame(e)
-                finish = u.finish or finish
-            for e in items.finish():
-                yield event_frame(e)
-            final = self._object(body, gen, created, items.items, finish)
-            kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-            yield event_frame(items.event(kind, response=final))
-            completed = True
-        finally:
-            if not completed:
-                gen.cancel()
+    def update(self, u: Update) -> list:
+        self.finish = u.finish or self.finish
+        return self.items.feed(u.events)
+
+    def closing(self) -> list:
+        out = self.items.close()
+        self.final = self._object(self.items.parts, self.finish)
+        kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
+        return out + [self.items.event(kind, response=self.final)]
+
+    def failure(self, finish: Finish) -> list:
+        return [self.items.event("response.failed", response=self._object(self.items.parts, finish))]
+
+    def body(self) -> dict:
+        return self.final
+
+
+class Responses(Endpoint):
+    body_type, id_prefix, presenter = ResponsesRequest, "resp_", _Response
+    spec = staticmethod(spec)
