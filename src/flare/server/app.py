@@ -3,7 +3,7 @@
 Protocol mapping lives in its own modules, all over one request pipeline
 (``pipeline.py``) and one handler (``handler.py``): OpenAI Chat Completions and
 Completions (``chat.py``), OpenAI Responses (``responses.py``), Anthropic Messages
-(``messages.py``); their request bodies are typed in ``protocol.py``.
+(``messages.py``); their request bodies are typed in ``protocol*.py``.
 Every failure before a response starts is an HTTP error in the protocol's
 envelope; a failure after SSE headers ends the stream with the protocol's error
 event. Client disconnects cancel the engine requests.
