@@ -55,7 +55,7 @@ from flare.core.sampling_params import NEUTRAL
 from flare.runtime.reference import ReferenceExecutor
 from flare.runtime.request import Request
 from flare.runtime.scheduler import Scheduler
-from flare.server.endpoints import message_marks, token_endpoints
+from flare.server.message_ends import message_marks, token_endpoints
 from flare.server.params import resolve_sampling
 from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec

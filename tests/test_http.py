@@ -340,3 +340,97 @@ def test_template_variables_the_server_does_not_reserve_are_passed(smol_server):
     # Names that are parameters of the server's own helpers are ordinary template variables.
     r = post(smol_server.url, "/v1/chat/completions", good(chat_template_kwargs={"rendered": 1, "template": 2}))
     assert r.status_code == 200, r.text
+
+
+def nested(levels: int) -> str:
+    """A JSON schema nested ``levels`` objects deep, as text (``json.dumps`` itself stops
+    near 1,000 levels)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}' + "}}" * levels
+
+
+def test_mistyped_input_item_is_a_400_naming_the_field(smol_server):
+    r = post(smol_server.url, "/v1/responses", {"model": MODEL, "input": [{"type": "reasoning", "content": 5}]})
+    assert_error(r, 400, code="invalid_request", param="input[0].content")
+
+
+def test_schema_nested_too_deep_is_a_400_naming_the_field(smol_server):
+    raw = ('{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "response_format": '
+           '{"type": "json_schema", "json_schema": {"name": "d", "schema": %s}}}' % (MODEL, nested(5000))).encode()
+    r = post(smol_server.url, "/v1/chat/completions", None, raw)
+    assert_error(r, 400, code="grammar_too_complex", param="response_format.json_schema.schema")
+
+
+DEEP_CASES = [
+    # (path, body text with DEEP where the nesting goes, status code or the Messages message, param)
+    ("/v1/chat/completions",
+     '{"model": "%s", "messages": [{"role": "user", "content": "[{\\"quoted\\\\\\" ]] }"}], "tools": ['
+     '{"type": "function", "function": {"name": "a", "description": "] } [", "parameters": {"type": "object"}}}, '
+     '{"type": "function", "function": {"name": "b", "parameters": DEEP}}]}', "grammar_too_complex",
+     "tools[1].function.parameters"),
+    ("/v1/chat/completions", '{"model": "%s", "messages": [], "chat_template_kwargs": {"x": [1, DEEP]}}',
+     "nesting_too_deep", "chat_template_kwargs"),
+    ("/v1/completions", '{"model": "%s", "prompt": [[1, 2], DEEP]}', "nesting_too_deep", "prompt[1]"),
+    ("/v1/responses", '{"model": "%s", "input": "x", "text": {"format": {"type": "json_schema", "schema": DEEP}}}',
+     "grammar_too_complex", "text.format.schema"),
+    ("/v1/responses", '{"model": "%s", "input": [{"role": "user", "content": "x"}, DEEP]}', "nesting_too_deep",
+     "input[1]"),
+    ("/v1/messages", '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], '
+     '"output_config": {"format": {"type": "json_schema", "schema": DEEP}}}',
+     "output_config.format.schema is nested more than 48 levels deep", None),
+    ("/v1/messages", '{"model": "%s", "max_tokens": 2, "messages": [{"role": "assistant", "content": ['
+     '{"type": "text", "text": "{{"}, {"type": "tool_use", "id": "t", "name": "f", "input": {"q": DEEP}}]}]}',
+     "messages[0].content[1].input is nested more than 128 levels deep", None),
+]
+
+
+@pytest.mark.parametrize("path,template,expected,param", DEEP_CASES, ids=[
+    "chat-tool-parameters", "chat-template-kwargs", "completions-prompt", "responses-text-format", "responses-input",
+    "messages-output-config", "messages-tool-use-input"])
+def test_nesting_is_bounded_on_every_endpoint(smol_server, path, template, expected, param):
+    """Nesting past the bound anywhere is a 400 before decoding, naming the field (in a
+    JSON schema, as a grammar too complex); brackets and escaped quotes inside strings
+    before it do not count."""
+    raw = (template % MODEL).replace("DEEP", nested(3000)).encode()
+    r = post(smol_server.url, path, None, raw)
+    if path == "/v1/messages":
+        assert r.status_code == 400 and r.json()["error"] == {"type": "invalid_request_error", "message": expected}
+    else:
+        assert_error(r, 400, code=expected, param=param)
+    ok = post(smol_server.url, path, None, (template % MODEL).replace("DEEP", nested(2)).encode())
+    assert ok.status_code < 500, ok.text
+
+
+def test_responses_and_messages_items_are_typed(smol_server):
+    url = smol_server.url
+    for items, param, code in [
+        ([{"type": "item_reference", "id": "msg_1"}], "input[0].type", "unsupported"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}], "input[0].content[0]",
+         "unsupported"),
+        ([{"role": "user", "content": [{"type": "input_text", "text": 3}]}], "input[0].content[0].text",
+         "invalid_request"),
+        ([{"type": "function_call", "call_id": "c"}], "input[0]", "invalid_request"),  # no name
+        ([{"role": "robot", "content": "x"}], "input[0].role", "invalid_request"),
+    ]:
+        assert_error(post(url, "/v1/responses", {"model": MODEL, "input": items}), 400, code=code, param=param)
+    # The shapes the SDKs send back are accepted: an item without "type", output items, reasoning.
+    ok = post(url, "/v1/responses", {"model": MODEL, "max_output_tokens": 2, "input": [
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Hello", "annotations": []}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Again"}]}]})
+    assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete"), ok.text
+    for block, message in [({"type": "image", "source": {"type": "url", "url": "x"}}, "not supported"),
+                           ({"type": "redacted_thinking", "data": "x"}, "not supported"),
+                           ({"type": "tool_use", "id": "t"}, "missing required field `name`")]:
+        r = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": [block]}]})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    ok = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
+                                    "messages": [{"role": "user", "content": [
+                                        {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]},
+                                        {"role": "assistant", "content": [
+                                            {"type": "thinking", "thinking": "hm", "signature": "sig"},
+                                            {"type": "text", "text": "Hello"}]},
+                                        {"role": "user", "content": "Again"}]})
+    assert ok.status_code == 200 and ok.json()["stop_reason"] in ("end_turn", "max_tokens"), ok.text

@@ -1,8 +1,9 @@
 """The HTTP frontend (Starlette): routes and the small endpoints.
 
 Protocol mapping lives in its own modules, all over one request pipeline
-(``pipeline.py``): OpenAI Chat Completions and Completions (``chat.py``),
-OpenAI Responses (``responses.py``), Anthropic Messages (``messages.py``).
+(``pipeline.py``) and one handler (``handler.py``): OpenAI Chat Completions and
+Completions (``chat.py``), OpenAI Responses (``responses.py``), Anthropic Messages
+(``messages.py``); their request bodies are typed in ``protocol*.py``.
 Every failure before a response starts is an HTTP error in the protocol's
 envelope; a failure after SSE headers ends the stream with the protocol's error
 event. Client disconnects cancel the engine requests.
@@ -17,23 +18,22 @@ from starlette.routing import Route
 
 from flare.core.errors import FrontendError, NotFoundError
 from flare.runtime.engine import Engine
-from flare.server.chat import ChatApi
+from flare.server.chat import ChatCompletions, Completions
 from flare.server.http import Context, ServerConfig, error_response, guarded
-from flare.server.messages import MessagesApi
-from flare.server.pipeline import Frontend
-from flare.server.responses import ResponsesApi
+from flare.server.messages import Messages
+from flare.server.responses import Responses
+from flare.server.served_model import ServedModel
 
-__all__ = ["Frontend", "ServerConfig", "create_app"]
+__all__ = ["ServedModel", "ServerConfig", "create_app"]
 
 
-def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = ServerConfig()) -> Starlette:
-    ctx = Context(engine, frontend, config)
+def create_app(engine: Engine, model: ServedModel, config: ServerConfig = ServerConfig()) -> Starlette:
+    ctx = Context(engine, model, config)
     m = engine.manifest
-    chat, responses, messages = ChatApi(ctx), ResponsesApi(ctx), MessagesApi(ctx)
 
     async def models(http: HTTPRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{
-            "id": frontend.served_name, "object": "model", "created": int(engine.started_wall), "owned_by": "flare",
+            "id": model.served_name, "object": "model", "created": int(engine.started_wall), "owned_by": "flare",
             "max_model_len": m.capacities.context_limit,
         }]})
 
@@ -47,15 +47,15 @@ def create_app(engine: Engine, frontend: Frontend, config: ServerConfig = Server
         return JSONResponse(detail, status_code=503)
 
     async def metrics(http: HTTPRequest) -> Response:
-        gauges = {**engine.gauges(), "flare_grammar_compiles_total": frontend.grammars.compiles}
+        gauges = {**engine.gauges(), "flare_grammar_compiles_total": model.grammars.compiles}
         return Response(engine.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     routes = [
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/chat/completions", guarded(ctx, chat.chat_completions), methods=["POST"]),
-        Route("/v1/completions", guarded(ctx, chat.completions), methods=["POST"]),
-        Route("/v1/responses", guarded(ctx, responses.create), methods=["POST"]),
-        Route("/v1/messages", guarded(ctx, messages.create), methods=["POST"]),
+        Route("/v1/chat/completions", guarded(ctx, ChatCompletions(ctx)), methods=["POST"]),
+        Route("/v1/completions", guarded(ctx, Completions(ctx)), methods=["POST"]),
+        Route("/v1/responses", guarded(ctx, Responses(ctx)), methods=["POST"]),
+        Route("/v1/messages", guarded(ctx, Messages(ctx)), methods=["POST"]),
         Route("/v1/models", guarded(ctx, models), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]

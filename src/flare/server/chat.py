@@ -10,31 +10,26 @@ headers, an error event ends the stream without ``[DONE]``.
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgspec
-from starlette.requests import Request as HTTPRequest
-from starlette.responses import Response, StreamingResponse
 
 from flare.core.errors import FlareError, FrontendError
 from flare.runtime.request import FinishReason
 from flare.server import params as P
 from flare.server import pipeline
+from flare.server import protocol as W
 from flare.server import tools as T
-from flare.server.grammar import AnswerFormat
-from flare.server.http import (Context, as_flare_error, decode_body, fail, json_encoder, json_response, stage_of,
-                               unless_disconnected)
+from flare.server.handler import Endpoint, Presenter
+from flare.server.http import json_encoder
 from flare.server.output import OutputStream
-from flare.server.parsers import Content, Reasoning, ToolArgs, ToolStart
-from flare.server.pipeline import ChatSpec, ChoiceResult, Generation
+from flare.server.parsers import Assembled, Content, Reasoning, ToolArgs, ToolStart
+from flare.server.pipeline import ChatSpec, Finish, Generation, Update
 from flare.server.protocol import ChatCompletionRequest, CompletionRequest, ImagePart, check_unsupported
+from flare.server.served_model import ServedModel
 from flare.server.text import TextCodec
 
 log = logging.getLogger("flare.server")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
 
 
 # ---------------------------------------------------------------------------
@@ -56,232 +51,19 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def chat_tools(tools: list[dict] | None) -> list[T.Tool]:
-    out = []
-    for i, t in enumerate(tools or []):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-            raise FrontendError('each tool must be {"type": "function", "function": {...}}', param=param)
-        fn = t["function"]
-        unknown = set(fn) - {"name", "description", "parameters", "strict"}
-        if unknown:
-            raise FrontendError(f"unknown tool function fields {sorted(unknown)}", param=f"{param}.function")
-        out.append(T.make_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), fn.get("strict"),
-                               f"{param}.function"))
-    T.check_unique(out, "tools")
-    return out
-
-
-def chat_tool_choice(value: Any, tools: list[T.Tool]) -> T.ToolChoice:
-    if value is None:
-        return T.AUTO if tools else T.NONE
-    if value in ("none", "auto", "required"):
-        return T.choose(tools, value, None, "tool_choice")
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
-        return T.choose(tools, "named", value["function"].get("name"), "tool_choice")
-    raise FrontendError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                        '{"name": ...}}', param="tool_choice")
-
-
-def answer_format(rf: dict | None, param: str = "response_format") -> AnswerFormat | None:
-    """OpenAI ``response_format`` plus two Flare extensions: ``{"type": "regex", "regex":
-    ...}`` and ``{"type": "grammar", "grammar": <Lark, llguidance dialect>}``."""
-    if rf is None:
-        return None
-    kind = rf.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return AnswerFormat("json_object", param=param)
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-            raise FrontendError("json_schema needs a schema object", param=f"{param}.json_schema.schema")
-        return AnswerFormat("json_schema", js["schema"], param=f"{param}.json_schema.schema")
-    if kind == "regex":
-        return AnswerFormat("regex", rf.get("regex"), param=f"{param}.regex")
-    if kind == "grammar":
-        return AnswerFormat("grammar", rf.get("grammar"), param=f"{param}.grammar")
-    raise FrontendError(f"unknown response_format type {kind!r}", param=f"{param}.type")
-
-
-def thinking_kwargs(effort: str | None) -> dict:
-    """Reasoning effort -> the ``enable_thinking`` template switch (templates that do not
-    read it ignore it)."""
-    if effort is None:
-        return {}
-    if effort not in ("none", "minimal", "low", "medium", "high"):
-        raise FrontendError(f"unknown reasoning effort {effort!r}", param="reasoning_effort")
-    return {"enable_thinking": effort not in ("none", "minimal")}
-
-
 def chat_spec(body: ChatCompletionRequest) -> ChatSpec:
-    tools = chat_tools(body.tools)
-    choice = chat_tool_choice(body.tool_choice, tools)
+    check_unsupported(body)
+    tools = T.declare(body.tools)
     return ChatSpec(
-        messages=_message_dicts(body),
-        sampling={k: getattr(body, k) for k in SAMPLING_FIELDS},
+        messages=_message_dicts(body), sampling=W.sampling(body),
         max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, n=body.n,
-        tools=tuple(tools), tool_choice=choice,
+        seed=body.seed, stop=W.stop_list(body.stop), stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        n=body.n, tools=tuple(tools), tool_choice=T.tool_choice(tools, body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
-        answer=answer_format(body.response_format),
-        template_kwargs={**thinking_kwargs(body.reasoning_effort), **(body.chat_template_kwargs or {})},
+        answer=W.answer_format(body.response_format, "response_format"),
+        template_kwargs={**W.thinking_kwargs(body.reasoning_effort), **(body.chat_template_kwargs or {})},
         add_generation_prompt=body.add_generation_prompt,
     )
-
-
-# ---------------------------------------------------------------------------
-# responses
-
-
-def finish_reason(r: FinishReason | None, tool_calls: bool = False) -> str | None:
-    if r is None:
-        return None
-    if r == FinishReason.length:
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
-
-
-def usage(gen: Generation) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
-
-
-def _message(r: ChoiceResult, reasoning: bool) -> dict:
-    o = r.output
-    msg: dict[str, Any] = {"role": "assistant", "content": o.content if (o.content or not o.tool_calls) else None}
-    if reasoning:
-        msg["reasoning_content"] = o.reasoning or None
-    if o.tool_calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in o.tool_calls]
-    return msg
-
-
-class ChatApi:
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-
-    async def chat_completions(self, http: HTTPRequest) -> Response:
-        ctx = self.ctx
-        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-        try:
-            body = decode_body(await ctx.read_body(http), ChatCompletionRequest)
-            ctx.check_model(body.model)
-            check_unsupported(body)
-            gen = await pipeline.start(ctx.frontend, ctx.engine, chat_spec(body), rid, limits=ctx.config.limits)
-        except FlareError as e:
-            return fail(self.ctx, rid, stage_of(e), e)
-        reasoning = ctx.frontend.manifest.frontend.reasoning_parser.value != "none"
-        return await self._respond(http, body, gen, chat=True, reasoning=reasoning)
-
-    async def completions(self, http: HTTPRequest) -> Response:
-        ctx = self.ctx
-        rid = "cmpl-" + uuid.uuid4().hex[:24]
-        try:
-            body = decode_body(await ctx.read_body(http), CompletionRequest)
-            ctx.check_model(body.model)
-            check_unsupported(body)
-            if isinstance(body.n, bool) or not 1 <= body.n <= ctx.config.limits.max_n:
-                raise FrontendError(f"n must lie in [1, {ctx.config.limits.max_n}]", param="n")
-            prompts = _prompts(body.prompt, ctx.frontend.codec)
-            stops = P.stop_strings(body.stop, ctx.config.limits)
-            gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
-            try:
-                for p_i, prompt in enumerate(prompts):
-                    for j in range(body.n):
-                        index = p_i * body.n + j
-                        seed = None if body.seed is None else body.seed + index
-                        params = P.resolve_sampling(
-                            ctx.frontend.manifest, prompt_len=len(prompt),
-                            fields={k: getattr(body, k) for k in SAMPLING_FIELDS}, max_tokens=body.max_tokens,
-                            seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                            limits=ctx.config.limits)
-                        pipeline.submit(gen, index, prompt, params, OutputStream(ctx.frontend.codec, prompt, stops))
-            except FlareError:
-                gen.cancel()
-                raise
-        except FlareError as e:
-            return fail(self.ctx, rid, stage_of(e), e)
-        return await self._respond(http, body, gen, chat=False, reasoning=False)
-
-    async def _respond(self, http: HTTPRequest, body, gen: Generation, *, chat: bool, reasoning: bool) -> Response:
-        created = int(time.time())
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, chat, reasoning, created, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"x-request-id": gen.id, "cache-control": "no-cache"})
-        results = await unless_disconnected(http, gen.results(), gen.cancel)
-        if results is None:
-            return Response(status_code=499)
-        err = pipeline.first_error(results)
-        if err is not None:
-            return fail(self.ctx, gen.id, "execution", err)
-        if chat:
-            choices = [{"index": r.index, "message": _message(r, reasoning), "logprobs": None,
-                        "finish_reason": finish_reason(r.finish.reason, bool(r.output.tool_calls))} for r in results]
-        else:
-            choices = [{"index": r.index, "text": r.output.content, "logprobs": None,
-                        "finish_reason": finish_reason(r.finish.reason)} for r in results]
-        return json_response({
-            "id": gen.id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": self.ctx.frontend.served_name, "choices": choices,
-            "usage": usage(gen),
-        }, gen.id)
-
-    async def _sse(self, gen: Generation, chat: bool, reasoning: bool, created: int,
-                   include_usage: bool) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        model = self.ctx.frontend.served_name
-
-        def frame(choices: list, usage_=None) -> bytes:
-            payload = {"id": gen.id, "object": obj, "created": created, "model": model, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage_
-            return b"data: " + json_encoder.encode(payload) + b"\n\n"
-
-        def choice(index: int, delta: dict | None = None, text: str = "", finish: str | None = None) -> dict:
-            if chat:
-                return {"index": index, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-
-        completed = False
-        called: set[int] = set()
-        try:
-            if chat:
-                yield frame([choice(c.index, {"role": "assistant", "content": ""}) for c in gen.choices])
-            async for u in gen.updates():
-                if u.finish is not None and u.finish.error is not None:
-                    err = as_flare_error(u.finish.error)
-                    self.ctx.report_failure(gen.id, "streaming", err)
-                    yield b"data: " + json_encoder.encode(err.envelope()) + b"\n\n"
-                    return
-                for e in u.events:
-                    if isinstance(e, Content) and e.text:
-                        yield frame([choice(u.index, {"content": e.text}, e.text)])
-                    elif isinstance(e, Reasoning) and e.text and chat:
-                        yield frame([choice(u.index, {"reasoning_content": e.text})])
-                    elif isinstance(e, ToolStart):
-                        called.add(u.index)
-                        yield frame([choice(u.index, {"tool_calls": [{
-                            "index": e.index, "id": e.id, "type": "function",
-                            "function": {"name": e.name, "arguments": ""}}]})])
-                    elif isinstance(e, ToolArgs) and e.text:
-                        yield frame([choice(u.index, {"tool_calls": [{
-                            "index": e.index, "function": {"arguments": e.text}}]})])
-                if u.finish is not None:
-                    yield frame([choice(u.index, finish=finish_reason(u.finish.reason, u.index in called))])
-            if include_usage:
-                yield frame([], usage(gen))
-            yield b"data: [DONE]\n\n"
-            completed = True
-        finally:
-            if not completed:  # client disconnected (generator closed) or error: free the work
-                gen.cancel()
 
 
 def _is_ids(x) -> bool:
@@ -304,3 +86,148 @@ def _prompts(prompt, codec: TextCodec) -> list[list[int]]:
     if any(not p for p in prompts):
         raise FrontendError("prompt must not be empty", param="prompt", code="empty_prompt")
     return prompts
+
+
+# ---------------------------------------------------------------------------
+# responses
+
+
+def finish_reason(r: FinishReason | None, tool_calls: bool = False) -> str | None:
+    if r is None:
+        return None
+    if r == FinishReason.length:
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
+
+
+def usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+
+def _message(o: Assembled, reasoning: bool) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": o.content if (o.content or not o.tool_calls) else None}
+    if reasoning:
+        msg["reasoning_content"] = o.reasoning or None
+    if o.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in o.tool_calls]
+    return msg
+
+
+_DONE = object()  # the stream's last event, ``data: [DONE]``
+
+
+class _Choices(Presenter):
+    """A chat or text completion's choices: chunks as they come, the whole at the end."""
+
+    chat = True
+
+    def __init__(self, model: ServedModel, body: ChatCompletionRequest | CompletionRequest, gen: Generation,
+                 created: int):
+        super().__init__(model, body, gen, created)
+        self.reasoning = self.chat and model.manifest.frontend.reasoning_parser.value != "none"
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.outputs = {c.index: Assembled() for c in gen.choices}
+        self.finishes: dict[int, Finish] = {}
+        self.called: set[int] = set()
+
+    def _chunk(self, choices: list, usage_=None) -> dict:
+        payload = {"id": self.gen.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.model.served_name, "choices": choices}
+        if self.include_usage:
+            payload["usage"] = usage_
+        return payload
+
+    def _choice(self, index: int, delta: dict | None = None, text: str = "", finish: str | None = None) -> dict:
+        if self.chat:
+            return {"index": index, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def opening(self) -> list:
+        if not self.chat:
+            return []
+        return [self._chunk([self._choice(c.index, {"role": "assistant", "content": ""}) for c in self.gen.choices])]
+
+    def update(self, u: Update) -> list:
+        self.outputs[u.index].add(u.events)
+        out = []
+        for e in u.events:
+            if isinstance(e, Content) and e.text:
+                out.append(self._chunk([self._choice(u.index, {"content": e.text}, e.text)]))
+            elif isinstance(e, Reasoning) and e.text and self.chat:
+                out.append(self._chunk([self._choice(u.index, {"reasoning_content": e.text})]))
+            elif isinstance(e, ToolStart):
+                self.called.add(u.index)
+                out.append(self._chunk([self._choice(u.index, {"tool_calls": [{
+                    "index": e.index, "id": e.id, "type": "function",
+                    "function": {"name": e.name, "arguments": ""}}]})]))
+            elif isinstance(e, ToolArgs) and e.text:
+                out.append(self._chunk([self._choice(u.index, {"tool_calls": [{
+                    "index": e.index, "function": {"arguments": e.text}}]})]))
+        if u.finish is not None:
+            self.finishes[u.index] = u.finish
+            out.append(self._chunk([self._choice(u.index, finish=finish_reason(u.finish.reason,
+                                                                              u.index in self.called))]))
+        return out
+
+    def closing(self) -> list:
+        return ([self._chunk([], usage(self.gen))] if self.include_usage else []) + [_DONE]
+
+    def failure(self, finish: Finish) -> list:
+        return [finish.error.envelope()]
+
+    def body(self) -> dict:
+        choices = []
+        for i in sorted(self.outputs):
+            o, reason = self.outputs[i], self.finishes[i].reason
+            if self.chat:
+                choices.append({"index": i, "message": _message(o, self.reasoning), "logprobs": None,
+                                "finish_reason": finish_reason(reason, bool(o.tool_calls))})
+            else:
+                choices.append({"index": i, "text": o.content, "logprobs": None,
+                                "finish_reason": finish_reason(reason)})
+        return {"id": self.gen.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model.served_name, "choices": choices, "usage": usage(self.gen)}
+
+    def frame(self, event) -> bytes:
+        return b"data: [DONE]\n\n" if event is _DONE else b"data: " + json_encoder.encode(event) + b"\n\n"
+
+
+class _TextChoices(_Choices):
+    chat = False
+
+
+class ChatCompletions(Endpoint):
+    body_type, id_prefix, presenter = ChatCompletionRequest, "chatcmpl-", _Choices
+    spec = staticmethod(chat_spec)
+
+
+class Completions(Endpoint):
+    """Text completions: prompts as given (no template, parser or grammar)."""
+
+    body_type, id_prefix, presenter = CompletionRequest, "cmpl-", _TextChoices
+
+    async def start(self, body: CompletionRequest, rid: str) -> Generation:
+        ctx = self.ctx
+        check_unsupported(body)
+        limits = ctx.config.limits
+        if isinstance(body.n, bool) or not 1 <= body.n <= limits.max_n:
+            raise FrontendError(f"n must lie in [1, {limits.max_n}]", param="n")
+        prompts = _prompts(body.prompt, ctx.model.codec)
+        stops = P.stop_strings(body.stop, limits)
+        gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
+        try:
+            for p_i, prompt in enumerate(prompts):
+                for j in range(body.n):
+                    index = p_i * body.n + j
+                    seed = None if body.seed is None else body.seed + index
+                    params = P.resolve_sampling(
+                        ctx.model.manifest, prompt_len=len(prompt), fields=W.sampling(body), max_tokens=body.max_tokens,
+                        seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, limits=limits)
+                    pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops))
+        except FlareError:
+            gen.cancel()
+            raise
+        return gen

@@ -1,7 +1,7 @@
 """``flare-serve CORE``: load a runtime core and serve it over HTTP.
 
 Startup order: validate the core, start the executor and the engine (the
-frontend's tokenizer, template and grammar compiler load meanwhile on another
+served model's tokenizer, template and grammar compiler load meanwhile on another
 thread), and only then bind the socket; a startup failure exits non-zero with
 no endpoint bound.
 """
@@ -69,7 +69,7 @@ async def serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from flare.runtime.engine import Engine
-    from flare.server.app import Frontend, ServerConfig, create_app
+    from flare.server.app import ServedModel, ServerConfig, create_app
     from flare.server.params import Limits
 
     t0 = time.perf_counter()
@@ -81,9 +81,10 @@ async def serve(a: argparse.Namespace) -> int:
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
-    # The frontend needs only the manifest: it loads while the executor uploads and builds.
+    # The served model's tokenizer, template and grammar compiler need only the manifest:
+    # they load while the executor uploads and builds.
     started, loaded = await asyncio.gather(
-        engine.start(), asyncio.to_thread(Frontend, str(core), engine, a.served_model_name,
+        engine.start(), asyncio.to_thread(ServedModel, str(core), engine, a.served_model_name,
                                           grammar_timeout_s=a.grammar_compile_timeout),
         return_exceptions=True)
     if isinstance(started, BaseException) or isinstance(loaded, BaseException):
@@ -94,9 +95,9 @@ async def serve(a: argparse.Namespace) -> int:
             log.error("startup failed: %s (%s)", err.message, err.code)
             return 3
         raise err
-    frontend = loaded
+    model = loaded
     limits = Limits(max_n=a.max_n, max_stop_strings=a.max_stop, max_tokens_cap=a.max_tokens_limit)
-    app = create_app(engine, frontend, ServerConfig(max_body_bytes=a.max_body_bytes, limits=limits,
+    app = create_app(engine, model, ServerConfig(max_body_bytes=a.max_body_bytes, limits=limits,
                                                     api_key=a.api_key))
     # uvicorn waits for open connections after the signal; the engine's drain (started
     # by the signal) ends every stream within the grace period, so this bound is a backstop.
@@ -104,12 +105,12 @@ async def serve(a: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=a.shutdown_grace + 5, access_log=False)
     server = _keep_signals(uvicorn.Server, engine, a.shutdown_grace)(config)
     log.info("ready in %.2f s (%.2f s after process start): serving %s on http://%s:%d", time.perf_counter() - t0,
-             _process_age_s(), frontend.served_name, a.host, a.port)
+             _process_age_s(), model.served_name, a.host, a.port)
     try:
         await server.serve()
     finally:
         await engine.shutdown(grace_s=5.0)
-        frontend.close()
+        model.close()
         _report_modules()
     return 0 if server.started else 4
 

@@ -1,10 +1,10 @@
 """Structured output: the composed output grammar, compiled with llguidance.
 
-The grammar a request decodes under is composed from three parts (seed,
-"Structured output"): the reasoning delimiters of the core's reasoning parser,
-the answer format the client asked for (a JSON schema, any JSON object, a
-regex, or a Lark grammar), and, when tools are callable, the tool-call syntax
-of the core's tool parser with each call's payload held to
+The grammar a request decodes under is composed from three parts
+(docs/agent-api.md, "Structured output"): the reasoning delimiters of the core's
+reasoning parser, the answer format the client asked for (a JSON schema, any JSON
+object, a regex, or a Lark grammar), and, when tools are callable, the tool-call
+syntax of the core's tool parser with each call's payload held to
 ``{"name": <a declared tool>, "arguments": <its parameters schema>}``::
 
     start     : [reasoning] body
@@ -69,9 +69,14 @@ class ToolSpec:
     parameters: dict | None
 
 
+def too_deep(param: str, limit: int = MAX_DEPTH) -> GrammarError:
+    return GrammarError(f"{param} is nested more than {limit} levels deep", param=param, code="grammar_too_complex")
+
+
 def check_depth(value: Any, param: str, limit: int = MAX_DEPTH) -> None:
     """Reject JSON nested deeper than ``limit`` containers (iteratively: a deep value
-    must not exhaust the interpreter's recursion either)."""
+    must not exhaust the interpreter's recursion either; request bodies are bounded
+    before decoding, ``decode.MAX_NESTING``)."""
     stack = [(value, 1)]
     while stack:
         v, d = stack.pop()
@@ -82,8 +87,7 @@ def check_depth(value: Any, param: str, limit: int = MAX_DEPTH) -> None:
         else:
             continue
         if d > limit:
-            raise GrammarError(f"{param} is nested more than {limit} levels deep", param=param,
-                               code="grammar_too_complex")
+            raise too_deep(param, limit)
         stack.extend((c, d + 1) for c in children)
 
 

@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the protocol mappers: bounded bodies, typed decoding,
-error envelopes, disconnect watching, and the context every handler receives."""
+"""HTTP plumbing shared by the endpoints: bounded bodies, error envelopes, disconnect
+watching, and the context every handler receives."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from flare.core.errors import (AdmissionError, AuthenticationError, CapacityError, FlareError, FrontendError,
-                               NotFoundError, PayloadTooLargeError)
+from flare.core.errors import (AdmissionError, AuthenticationError, CapacityError, FlareError, NotFoundError,
+                               PayloadTooLargeError)
 from flare.runtime.engine import Engine
 from flare.server import params as P
-from flare.server.pipeline import Frontend
+from flare.server.served_model import ServedModel
 
 json_encoder = msgspec.json.Encoder()
 log = logging.getLogger("flare.server")
@@ -34,7 +34,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class Context:
     engine: Engine
-    frontend: Frontend
+    model: ServedModel
     config: ServerConfig
 
     def report_failure(self, rid: str | None, stage: str, err: FlareError) -> None:
@@ -42,8 +42,8 @@ class Context:
         self.engine.metrics.on_error(err.code)
 
     def check_model(self, name: str) -> None:
-        if name != self.frontend.served_name:
-            raise NotFoundError(f"model {name!r} is not served here (available: {self.frontend.served_name!r})",
+        if name != self.model.served_name:
+            raise NotFoundError(f"model {name!r} is not served here (available: {self.model.served_name!r})",
                                 param="model", code="model_not_found")
 
     async def read_body(self, http: HTTPRequest) -> bytes:
@@ -58,16 +58,6 @@ class Context:
                 raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
             chunks.append(chunk)
         return b"".join(chunks)
-
-
-def decode_body(body: bytes, kind: type):
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        path = str(e).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(e) else None
-        raise FrontendError(f"invalid request: {e}", param=path, code="invalid_request") from None
-    except msgspec.DecodeError as e:
-        raise FrontendError(f"request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 def stage_of(err: FlareError) -> str:
@@ -120,10 +110,6 @@ def guarded(ctx: "Context", handler):
 def error_response(err: FlareError, request_id: str | None = None) -> JSONResponse:
     headers = {"x-request-id": request_id} if request_id else None
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
-
-
-def as_flare_error(err: BaseException | None) -> FlareError:
-    return err if isinstance(err, FlareError) else FlareError(str(err))
 
 
 def json_response(payload: dict, request_id: str) -> Response:

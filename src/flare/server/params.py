@@ -1,4 +1,5 @@
-"""Turning request fields into resolved sampling parameters (seed rules).
+"""Turning request fields into resolved sampling parameters (the rules below; DESIGN.md,
+"Sampling", for the sampler they feed).
 
 * Missing values take the core's declared defaults.
 * Values outside the core's declared range clamp to the nearest endpoint; a

@@ -23,37 +23,12 @@ from flare.runtime.engine import Engine
 from flare.runtime.request import FinishReason, Request
 from flare.server import params as P
 from flare.server import tools as T
-from flare.server.endpoints import message_marks, token_endpoints
-from flare.server.grammar import AnswerFormat, CompiledGrammar, GrammarCompiler, ToolSpec, compose
+from flare.server.grammar import AnswerFormat, CompiledGrammar, ToolSpec, compose
+from flare.server.message_ends import message_marks, token_endpoints
 from flare.server.output import OutputStream
-from flare.server.parsers import Assembled, Content, Event, OutputParser, ThinkStart, ToolEnd, ToolStart
+from flare.server.parsers import Content, Event, OutputParser, ThinkStart, ToolEnd, ToolStart
 from flare.server.parsers import start_for
-from flare.server.template import ChatTemplate
-from flare.server.text import TextCodec
-
-
-class Frontend:
-    """What the server needs from a core besides the engine: tokenizer, template,
-    parser selection, grammar compiler, names."""
-
-    def __init__(self, core_dir: str, engine: Engine, served_name: str | None = None, *,
-                 grammar_timeout_s: float = 5.0):
-        m = engine.manifest
-        self.manifest = m
-        self.served_name = served_name or m.frontend.served_name
-        self.codec = TextCodec(f"{core_dir}/{m.frontend.tokenizer}")
-        self.template = None
-        if m.frontend.chat_template is not None:
-            with open(f"{core_dir}/{m.frontend.chat_template}") as f:
-                self.template = ChatTemplate(f.read(), dict(m.frontend.special_tokens))
-        self.grammars = GrammarCompiler(f"{core_dir}/{m.frontend.tokenizer}", vocab_size=m.capacities.vocab_size,
-                                        eos_ids=m.frontend.eos_ids, timeout_s=grammar_timeout_s)
-
-    def marker(self, text: str) -> str:
-        return self.grammars.marker(text, self.codec.encode(text, add_special_tokens=False))
-
-    def close(self) -> None:
-        self.grammars.close()
+from flare.server.served_model import ServedModel
 
 
 @dataclass(frozen=True)
@@ -89,13 +64,6 @@ class Update:
     index: int
     events: list[Event]
     finish: Finish | None = None
-
-
-@dataclass
-class ChoiceResult:
-    index: int
-    output: Assembled
-    finish: Finish
 
 
 class _Policy:
@@ -221,27 +189,6 @@ class Generation:
             for fut in pending:
                 fut.cancel()
 
-    async def assemble(self, into) -> Finish | None:
-        """Feed every update's events to ``into`` (an object with ``feed(events)`` and
-        ``finish()``, as the Responses and Messages assemblers are); the last finish."""
-        finish = None
-        async for u in self.updates():
-            into.feed(u.events)
-            finish = u.finish or finish
-        into.finish()
-        return finish
-
-    async def results(self) -> list[ChoiceResult]:
-        outputs = {c.index: Assembled() for c in self.choices}
-        finishes: dict[int, Finish] = {}
-        async for u in self.updates():
-            outputs[u.index].add(u.events)
-            if u.finish is not None:
-                finishes[u.index] = u.finish
-                if u.finish.error is not None:
-                    self.cancel()  # the whole response fails: free the other choices now
-        return [ChoiceResult(i, outputs[i], finishes[i]) for i in sorted(outputs)]
-
 
 def _ids(prefix: str):
     base = uuid.uuid4().hex[:16]
@@ -249,34 +196,30 @@ def _ids(prefix: str):
     return lambda: f"{prefix}{base}{next(counter):04d}"
 
 
-def first_error(results: list[ChoiceResult]) -> FlareError | None:
-    return next((r.finish.error for r in results if r.finish.error is not None), None)
-
-
 # Variables the server passes to every chat template itself.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
-def _render(fe: Frontend, spec: ChatSpec, messages: list[dict], tools: list[dict] | None,
+def _render(model: ServedModel, spec: ChatSpec, messages: list[dict], tools: list[dict] | None,
             bare: bool) -> tuple[str, list[int], tuple[int, ...], str]:
     """The prompt text and tokens, the checkpoint endpoints (token counts where complete
     messages end in this rendering), and, when ``bare``, the rendering without the
     generation prompt."""
     kw = spec.template_kwargs
-    text = fe.template.render(messages, tools=tools, add_generation_prompt=spec.add_generation_prompt, **kw)
-    prompt, offsets = fe.codec.encode_with_offsets(text, add_special_tokens=False)
-    endpoints = token_endpoints(offsets, message_marks(fe.template, messages, text, tools=tools, **kw))
+    text = model.template.render(messages, tools=tools, add_generation_prompt=spec.add_generation_prompt, **kw)
+    prompt, offsets = model.codec.encode_with_offsets(text, add_special_tokens=False)
+    endpoints = token_endpoints(offsets, message_marks(model.template, messages, text, tools=tools, **kw))
     without = text
     if bare and spec.add_generation_prompt:
-        without = fe.template.render(messages, tools=tools, add_generation_prompt=False, **kw)
+        without = model.template.render(messages, tools=tools, add_generation_prompt=False, **kw)
     return text, prompt, endpoints, without
 
 
-async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *, limits: P.Limits,
+async def start(model: ServedModel, engine: Engine, spec: ChatSpec, request_id: str, *, limits: P.Limits,
                 call_prefix: str = "call_") -> Generation:
     """Render, tokenize, compile and submit. Raises FlareError before anything runs."""
-    m = fe.manifest
-    if fe.template is None:
+    m = model.manifest
+    if model.template is None:
         raise UnprocessableError("this core has no chat template; use /v1/completions", param="messages")
     if not spec.messages:
         raise FrontendError("messages must not be empty", param="messages", code="empty_messages")
@@ -284,7 +227,7 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
         raise FrontendError(f"n must lie in [1, {limits.max_n}]", param="n")
     tools = T.offered(list(spec.tools), spec.tool_choice)
     tool_format = m.frontend.tool_parser
-    if tools and (tool_format == ToolParser.none or not fe.template.accepts_tools):
+    if tools and (tool_format == ToolParser.none or not model.template.accepts_tools):
         raise FrontendError("this model's core does not support tools (its chat template does not render them "
                             "or it declares no tool-call parser)", param="tools", code="unsupported")
     messages = spec.messages
@@ -297,7 +240,7 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
     rendered_tools = [t.template_entry() for t in tools] or None
     think = m.frontend.reasoning_parser == ReasoningParser.think
     # Rendering, tokenizing and finding message ends grow with the conversation: off the loop.
-    text, prompt, endpoints, bare = await asyncio.to_thread(_render, fe, spec, messages, rendered_tools, think)
+    text, prompt, endpoints, bare = await asyncio.to_thread(_render, model, spec, messages, rendered_tools, think)
     think_start = None
     if think:
         think_start = ThinkStart.closed
@@ -314,7 +257,7 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
         params = P.resolve_sampling(m, prompt_len=len(prompt), fields=spec.sampling, max_tokens=spec.max_tokens,
                                     seed=seed, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
                                     limits=limits)
-        stream = OutputStream(fe.codec, prompt, stops)
+        stream = OutputStream(model.codec, prompt, stops)
         req = Request(prompt, params, stream, request_id=f"{request_id}-{index}", endpoints=endpoints)
         engine.scheduler.validate(req)
         requests.append(req)
@@ -327,8 +270,8 @@ async def start(fe: Frontend, engine: Engine, spec: ChatSpec, request_id: str, *
         grammar = await asyncio.to_thread(compose, spec.answer, think_start=think_start,
                                           tools=[ToolSpec(t.name, t.parameters) for t in tools] or None,
                                           tool_format=tool_format, parallel=spec.parallel_tool_calls,
-                                          marker=fe.marker)
-        compiled = await fe.grammars.compile(grammar, param=spec.answer.param)
+                                          marker=model.marker)
+        compiled = await model.grammars.compile(grammar, param=spec.answer.param)
     try:
         for index, req in enumerate(requests):
             parser = None

@@ -1,4 +1,5 @@
-"""Tool definitions and ``tool_choice``, normalised from every protocol (seed, API contracts).
+"""Tool definitions and ``tool_choice``, normalised from every protocol (docs/agent-api.md,
+"Tools and tool_choice").
 
 * ``none``: the tools are not rendered into the prompt and no output is parsed as a call.
 * ``auto``: the tools are rendered; the model may answer or call.
@@ -72,6 +73,14 @@ def make_tool(name: Any, description: Any, parameters: Any, strict: Any, param: 
     return Tool(name, description, parameters)
 
 
+def declare(definitions, param: str = "tools") -> list[Tool]:
+    """The tools a request declares, from any protocol's definitions (each knows its
+    ``tool(param)``); a name declared twice is refused."""
+    tools = [d.tool(f"{param}[{i}]") for i, d in enumerate(definitions or ())]
+    check_unique(tools, param)
+    return tools
+
+
 def check_unique(tools: list[Tool], param: str) -> None:
     seen = set()
     for i, t in enumerate(tools):
@@ -89,6 +98,16 @@ def choose(tools: list[Tool], mode: str, name: str | None, param: str) -> ToolCh
     if choice.mode == ChoiceMode.required and not tools:
         raise FrontendError("tool_choice requires a tool call but no tools are declared", param=param)
     return choice
+
+
+def tool_choice(tools: list[Tool], value, param: str = "tool_choice") -> ToolChoice:
+    """``value``: None (auto when tools are declared, else none), a mode name, or a
+    named choice (anything with ``.name``)."""
+    if value is None:
+        return AUTO if tools else NONE
+    if isinstance(value, str):
+        return choose(tools, value, None, param)
+    return choose(tools, "named", value.name, param)
 
 
 def offered(tools: list[Tool], choice: ToolChoice) -> list[Tool]:

@@ -1,4 +1,4 @@
-"""Message endpoints: template marks mapped through token offsets, never inside a
+"""Message ends (``flare.server.message_ends``): template marks mapped through token offsets, never inside a
 token, the open assistant header excluded."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flare.server.endpoints import message_marks, token_endpoints
+from flare.server.message_ends import message_marks, token_endpoints
 from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec
 
@@ -102,7 +102,7 @@ def test_prefixes_the_template_refuses_give_no_mark():
 
 
 def test_marks_come_from_the_most_recent_messages_only(chatml):
-    from flare.server.endpoints import RECENT_MESSAGES
+    from flare.server.message_ends import RECENT_MESSAGES
 
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(40)]
     text = chatml.render(msgs, add_generation_prompt=True)

@@ -1,4 +1,5 @@
-"""Checkpoint endpoints of a rendered conversation: where complete messages end.
+"""Message ends of a rendered conversation: the token counts where complete messages
+end, the prompt's candidate checkpoints (``Request.endpoints``).
 
 The frontend renders the conversation once for the prompt. A message's end is
 a character mark in that text: the length of the rendering of the
