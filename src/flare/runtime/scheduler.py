@@ -87,22 +87,24 @@ class Scheduler:
         return -(-tokens // self.page_size)
 
     def validate(self, req: Request) -> None:
-        """Reject what can never run, before anything is queued (HTTP 400)."""
+        """Reject what can never run, before anything is queued (HTTP 400). Errors name the
+        runtime's fields (``prompt``, ``max_tokens``, ``stop_token_ids``, ``endpoints``);
+        the server maps them to its protocol's request fields."""
         n = len(req.prompt)
         if n == 0:
-            raise FrontendError("the prompt is empty", param="messages", code="empty_prompt")
+            raise FrontendError("the prompt is empty", param="prompt", code="empty_prompt")
         limit = self.caps.context_limit
         if n + req.params.max_tokens > limit:
             if n >= limit:
                 raise AdmissionError(
-                    f"this model's context limit is {limit} tokens; the prompt has {n}", param="messages")
+                    f"this model's context limit is {limit} tokens; the prompt has {n}", param="prompt")
             raise AdmissionError(
                 f"this model's context limit is {limit} tokens; the prompt has {n} and max_tokens asks for "
                 f"{req.params.max_tokens} more", param="max_tokens")
         if self.pages_for(n) + 1 > self.pages.total:
             raise AdmissionError(
                 f"the prompt needs {self.pages_for(n) + 1} KV pages; the pool holds {self.pages.total}",
-                param="messages", code="kv_capacity_exceeded")
+                param="prompt", code="kv_capacity_exceeded")
         stops = len(req.params.stop_token_ids) + (0 if req.params.ignore_eos else len(self.m.frontend.eos_ids))
         if stops > self.caps.stop_ids:
             raise FrontendError(f"at most {self.caps.stop_ids} stop token ids (EOS included) are supported",

@@ -201,6 +201,7 @@ class _TextChoices(_Choices):
 
 class ChatCompletions(Endpoint):
     body_type, id_prefix, presenter = ChatCompletionRequest, "chatcmpl-", _Choices
+    request_fields = {"prompt": "messages"}
     spec = staticmethod(chat_spec)
 
 

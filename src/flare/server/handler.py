@@ -130,6 +130,9 @@ class Endpoint:
     id_prefix: str
     presenter: type[Presenter]
     call_prefix = "call_"
+    # The engine's validation names runtime fields (runtime/scheduler.py): the ones this
+    # protocol calls otherwise, by their request field.
+    request_fields: dict[str, str] = {}
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -153,6 +156,7 @@ class Endpoint:
             ctx.check_model(body.model)
             gen = await self.start(body, rid)
         except FlareError as e:
+            e.param = self.request_fields.get(e.param, e.param)
             return fail(ctx, rid, stage_of(e), e, envelope=self.envelope)
         shape = self.presenter(ctx.model, body, gen, int(time.time()))
         if body.stream:

@@ -198,6 +198,7 @@ class _Message(Presenter):
 
 class Messages(Endpoint):
     body_type, id_prefix, presenter, call_prefix = MessagesRequest, "msg_", _Message, "toolu_"
+    request_fields = {"prompt": "messages"}
     spec = staticmethod(spec)
 
     def envelope(self, err: FlareError) -> dict:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from flare.core.errors import FrontendError
+from flare.core.sampling_params import SAMPLING_NAMES, SAMPLING_PARAMS
 from flare.server import tools as T
 from flare.server.grammar import AnswerFormat
 
@@ -34,8 +35,12 @@ class Body(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 JsonSchema = Annotated[dict[str, Any], msgspec.Meta(extra={"json_schema": True})]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 ToolMode = Literal["none", "auto", "required"]
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
+SAMPLING_FIELDS = SAMPLING_NAMES
+# The optional sampling fields every generation body accepts, one per sampling parameter
+# (flare.core.sampling_params): None takes the core's default. Bodies subclass it with
+# kw_only=True, so their own required fields may follow these optional ones.
+SamplingFields = msgspec.defstruct("SamplingFields", [(p.name, p.type | None, None) for p in SAMPLING_PARAMS],
+                                   bases=(Body,), module=__name__)
 
 
 class FunctionDefinition(Body):
@@ -203,19 +208,12 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(Body):
+class _Sampling(SamplingFields, kw_only=True):
     """Fields shared by chat and text completions. Extensions beyond OpenAI's
     (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos) follow vLLM."""
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     seed: int | None = None
     n: int = 1
     stream: bool = False

@@ -7,7 +7,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from flare.server.protocol import Body, CacheControl, FlatJsonSchemaFormat, MessagesTool
+from flare.server.protocol import Body, CacheControl, FlatJsonSchemaFormat, MessagesTool, SamplingFields
 
 
 class _Block(Body, kw_only=True, tag_field="type"):
@@ -67,24 +67,18 @@ class OutputConfig(Body):
     format: FlatJsonSchemaFormat | None = None
 
 
-class MessagesRequest(Body):
+class MessagesRequest(SamplingFields, kw_only=True):
     model: str
     max_tokens: int
     messages: list[MessageParam]
     system: str | list[TextBlock] | None = None
     tools: list[MessagesTool] | None = None
     tool_choice: MessagesToolChoice | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
     metadata: dict | None = None  # {"user_id": ...}: logged, never interpreted
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
-    # Flare extensions
+    # Flare extensions (the sampling fields besides Anthropic's temperature, top_p and
+    # top_k come from SamplingFields)
     seed: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 from flare.server.decode import convert
-from flare.server.protocol import Body, ReasoningEffort, ResponsesFormat, ResponsesTool, TextPart, ToolMode
+from flare.server.protocol import (Body, ReasoningEffort, ResponsesFormat, ResponsesTool, SamplingFields, TextPart,
+                                   ToolMode)
 
 
 class InputText(Body, tag="input_text", tag_field="type"):
@@ -96,7 +97,7 @@ class ResponsesReasoning(Body):
     summary: str | None = None  # only null: reasoning is returned as reasoning items, without summaries
 
 
-class ResponsesRequest(Body):
+class ResponsesRequest(SamplingFields, kw_only=True):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -104,8 +105,6 @@ class ResponsesRequest(Body):
     tool_choice: ToolMode | ResponsesNamedChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     stream: bool = False
     text: ResponsesText | None = None
     reasoning: ResponsesReasoning | None = None
@@ -115,13 +114,9 @@ class ResponsesRequest(Body):
     truncation: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None  # end-user id: logged, never interpreted
-    # Flare extensions (as on chat completions)
+    # Flare extensions (as on chat completions; the sampling fields besides OpenAI's
+    # temperature and top_p come from SamplingFields)
     seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

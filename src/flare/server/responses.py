@@ -243,4 +243,5 @@ class _Response(Presenter):
 
 class Responses(Endpoint):
     body_type, id_prefix, presenter = ResponsesRequest, "resp_", _Response
+    request_fields = {"prompt": "input", "max_tokens": "max_output_tokens"}
     spec = staticmethod(spec)
