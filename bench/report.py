@@ -186,8 +186,9 @@ def main() -> None:
                          f"{r['itl_ms_p99']:.2f} | {r['ttft_ms_median']:.1f} | {r['floor_decode_tokens_per_s']:.0f} | "
                          f"{r['runtime_over_floor'] * 100:+.1f} % | {frac} | "
                          f"{_num(r['baseline_decode_tokens_per_s'], '.0f')} | {_num(r['baseline_ratio'], '.2f')} |")
-        if recs and recs[0].get("step_bytes"):
-            sb = recs[0]["step_bytes"]
+        one = next((r for r in recs if r["concurrency"] == 1 and r.get("step_bytes")), None)
+        if one:
+            sb = one["step_bytes"]
             lines += ["", (f"Bytes moved by a decode step of one row: {sb['weights'] / 1e9:.2f} GB of weights read "
                            f"(an untied input embedding counts only its rows), {sb['embedding_rows'] / 1e3:.0f} KB of "
                            f"embedding rows, {sb['state_read_write'] / 1e6:.1f} MB of recurrent state read and "

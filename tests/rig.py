@@ -3,7 +3,7 @@
 The arena is one anonymous shared mapping filled from the core's image (only
 the pages a program touches are ever backed), the recipe's model is bound to
 views of it, and programs are driven with the writes the scheduler stages
-(``Scheduler._queue_admission`` / ``_prefill_step`` / ``_decode_step`` and the
+(``StepEncoder.admission`` / ``prefill`` / ``decode`` and the
 checkpoint steps). Shared by the program, hybrid-recipe and snapshot tests.
 """
 
@@ -21,8 +21,7 @@ from flare.core import interface as io
 from flare.core.image import iter_image
 from flare.core.manifest import Manifest, ProgramKind, load_manifest
 from flare.core.sampling_params import NEUTRAL
-from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
-from flare.prepare.recipes import by_name
+from flare.prepare.programs import ProgramSet, arena_views
 
 
 @dataclass
@@ -62,15 +61,11 @@ def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: st
     if device != "cpu":
         arena = arena.to(device)
     views = arena_views(arena, m.buffers)
-    recipe = by_name(m.reference.recipe)
-    pm = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype])
-    specs = recipe.weights(pm)
-    recipe.bind(pm, specs, views)
-    programs = ProgramSet(recipe, pm, views, m.capacities, m.pages.page_size, attention, m.continuation)
+    programs = ProgramSet.for_core(m, views, attention)
     if compiled:
         programs.compile_glue()
     run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
-    r = Rig(core, m, arena, views, run, pm.module, specs)
+    r = Rig(core, m, arena, views, run, programs.model.module, programs.recipe.weights(programs.model))
     # Pages in a scrambled order: page tables are never the identity or contiguous.
     r.free_pages = random.Random(seed).sample(range(1, m.pages.num_pages), m.pages.num_pages - 1)
     return r

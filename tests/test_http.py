@@ -282,6 +282,8 @@ def assert_error(r: httpx.Response, status: int, *, code: str | None = None, par
          None, 400, "context_length_exceeded", "prompt"),
         ("responses_over_context", "/v1/responses", {"model": MODEL, "input": "word " * 2100}, None, 400,
          "context_length_exceeded", "input"),
+        ("responses_empty_input", "/v1/responses", {"model": MODEL, "input": []}, None, 400, "empty_messages",
+         "input"),
         ("responses_max_output_tokens_over_context", "/v1/responses",
          {"model": MODEL, "input": "Hi", "max_output_tokens": 2040}, None, 400, "context_length_exceeded",
          "max_output_tokens"),

@@ -627,7 +627,7 @@ def test_validation_rejects_what_can_never_run(tiny_core):
     sched = Scheduler(small_manifest(tiny_core, num_pages=12, slots=2))
     with pytest.raises(AdmissionError, match="pool holds 11") as e:
         sched.add(make_request("X", 161, 10, seed=0))  # 11 pages of prompt + 1
-    assert (e.value.code, e.value.param) == ("kv_capacity_exceeded", "messages")
+    assert (e.value.code, e.value.param) == ("kv_capacity_exceeded", "prompt")
     sched.add(make_request("Y", 160, 10, seed=0))  # 10 pages + 1: fits the whole pool
     with pytest.raises(AdmissionError, match="the prompt has 1000 and max_tokens asks for 25") as e:
         sched.add(make_request("Z", 1000, 25, seed=0))

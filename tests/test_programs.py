@@ -4,7 +4,7 @@ The programs run in-process exactly as the reference worker runs them: the
 arena is one flat uint8 mapping filled from the core's arena image, the
 recipe's model is bound to views of it, and every program reads and writes
 named arena buffers. They are driven with the same writes the scheduler stages
-(see ``Scheduler._queue_admission`` / ``_prefill_step`` / ``_decode_step``).
+(see ``StepEncoder.admission`` / ``prefill`` / ``decode``).
 The reference is the canonical ``LlamaForCausalLM`` (eager attention) with the
 weights read separately from the image file, in float32 and in float64.
 

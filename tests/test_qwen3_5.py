@@ -199,7 +199,7 @@ def test_triton_path_matches_the_reference_path(hybrid_core, stream):
     prompts = {1: stream[:37], 2: stream[50:120], 4: stream[130:139]}
     out = {}
     for impl, r in rigs.items():
-        untouched = {n: r.v[n][3].clone() for n in ("state.gdn.conv", "state.gdn.recurrent")}
+        untouched = {(n, s): r.v[n][s].clone() for n in ("state.gdn.conv", "state.gdn.recurrent") for s in (0, 3)}
         logits = []
         for slot, p in prompts.items():
             admit(r, slot, p, r.pages(8), seed=slot)
@@ -207,8 +207,8 @@ def test_triton_path_matches_the_reference_path(hybrid_core, stream):
         for step in range(3):
             rows, _ = decode(r, [1, 2, 4], [stream[200 + step], stream[250 + step], stream[280 + step]])
             logits.append(rows)
-        for n, t in untouched.items():
-            assert torch.equal(r.v[n][3], t), (impl, n)
+        for (n, s), t in untouched.items():
+            assert torch.equal(r.v[n][s], t), (impl, n, s)
         out[impl] = (logits, {n: r.v[n][[0, 1, 2, 4]].clone() for n in ("state.gdn.conv", "state.gdn.recurrent")})
     (ref_logits, ref_state), (tri_logits, tri_state) = out["reference"], out["triton"]
     for a, b in zip(ref_logits, tri_logits):

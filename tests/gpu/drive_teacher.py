@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from flare.core import interface as io
-from flare.core.manifest import load_manifest
+from flare.core.manifest import ProgramKind, load_manifest
 from flare.core.sampling_params import NEUTRAL
 from flare.runtime.cuda_tp import open_executor
 
@@ -37,6 +37,10 @@ async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
                                          stop_ids=(), stop_capacity=c.stop_ids, pages=range(1, n_pages + 1),
                                          max_pages=c.max_pages_per_slot, mask_on=False).items():
             ex.write(name, value, slot)
+        # Admission's first admit chunk clears the slot's continuation state: a hybrid's
+        # recurrent and convolution rows must not carry the previous prompt's state.
+        ex.write(io.AdmitInput.buffer, io.pack(io.AdmitInput(slot, 0, clear=1, mode=io.AdmitMode.prompt)))
+        ex.submit(m.programs_of(ProgramKind.admit)[0].name)
         prefix, tail = ids[: len(ids) - steps], ids[len(ids) - steps :]
         rows = []
         for start in range(0, len(prefix), c.prefill_chunk):

@@ -56,7 +56,9 @@ def torch_delta_rules():
     except ImportError:
         yield
         return
-    saved = {n: getattr(q, n) for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")}
+    rules = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    convs = ("causal_conv1d_fn", "causal_conv1d_update")  # hub-substituted too, when installed
+    saved = {n: getattr(q, n) for n in (*rules, *convs) if hasattr(q, n)}
 
     def repeated(rule):
         def run(query, key, value, *args, **kwargs):
@@ -65,7 +67,7 @@ def torch_delta_rules():
         return run
 
     for n, f in saved.items():
-        setattr(q, n, repeated(inspect.unwrap(f)))
+        setattr(q, n, repeated(inspect.unwrap(f)) if n in rules else inspect.unwrap(f))
     try:
         yield
     finally:

@@ -22,11 +22,12 @@ sampling columns (``flare.core.sampling_params``) complete the interface.
 from __future__ import annotations
 
 import enum
-from typing import Mapping, NamedTuple, Sequence, TypeVar
+from typing import NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
-from flare.core.sampling_params import INTEGER_STATE, float_row
+from flare.core.errors import ExecutionError
+from flare.core.sampling_params import INTEGER_STATE, float_row, getter
 
 
 class Status(enum.IntEnum):
@@ -113,7 +114,8 @@ def unpack(cls: type[Row], values) -> Row:
     """A record (or input row) read back from the device, as Python ints."""
     values = list(values)
     if len(values) != len(cls._fields):
-        raise ValueError(f"{cls.__name__} has {len(cls._fields)} fields, got {len(values)} values")
+        raise ExecutionError(f"{cls.__name__} has {len(cls._fields)} fields, got {len(values)} values",
+                             code="bad_completion")
     return cls(*(int(v) for v in values))
 
 
@@ -139,7 +141,7 @@ def slot_state(*, pending: int, generated: int, max_new: int, seed: int, samplin
     stops[: len(stop_ids)] = stop_ids
     table = np.zeros(max_pages, np.int32)
     table[: len(pages)] = pages
-    get = sampling.get if isinstance(sampling, Mapping) else lambda n: getattr(sampling, n)
+    get = getter(sampling)
     rows = {
         "state.len": np.int32(0),
         "state.pending": np.int32(pending),

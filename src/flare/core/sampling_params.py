@@ -27,12 +27,14 @@ class SamplingParam(NamedTuple):
     # has its own int32 per-slot buffer ``state.<name>``.
     column: int | None
     # Values replay qualification (``runtime/qualify.py``) draws per slot: the neutral value
-    # and active ones, so every path of the sampler is exercised.
+    # and active ones, so every path of the sampler is exercised; with ``probe_range`` set,
+    # a uniform draw from it instead. Changing either changes every core's golden inputs.
     probes: tuple[float, ...]
+    probe_range: tuple[float, float] | None = None
 
 
 SAMPLING_PARAMS: tuple[SamplingParam, ...] = (
-    SamplingParam("temperature", float, 1.0, (0.01, 2.0), 0, (0.3, 0.7, 1.0, 1.5)),
+    SamplingParam("temperature", float, 1.0, (0.01, 2.0), 0, (), probe_range=(0.3, 1.5)),
     # 0 disables top-k (a negative request value too, as vLLM's -1).
     SamplingParam("top_k", int, 0, (0, 1 << 30), None, (0, 1, 20, 50)),
     SamplingParam("top_p", float, 1.0, (0.01, 1.0), 1, (1.0, 0.95, 0.8)),
@@ -65,14 +67,19 @@ def column(name: str) -> int:
     return c
 
 
+def getter(values):
+    """Read parameter values by name from a mapping or from an object with one attribute
+    per parameter (resolved SamplingParams)."""
+    return values.get if isinstance(values, Mapping) else lambda n: getattr(values, n)
+
+
 def float_row(values) -> np.ndarray:
-    """The float32 ``state.sampling`` row of resolved values (a mapping or an object with
-    one attribute per parameter)."""
-    get = values.get if isinstance(values, Mapping) else lambda n: getattr(values, n)
+    """The float32 ``state.sampling`` row of resolved values (see ``getter``)."""
+    get = getter(values)
     return np.array([get(n) for n in SAMPLING_COLUMNS], np.float32)
 
 
 def penalizes(values) -> bool:
     """Whether any penalty differs from its neutral value (it then reads the histogram)."""
-    get = values.get if isinstance(values, Mapping) else lambda n: getattr(values, n)
+    get = getter(values)
     return any(get(n) != BY_NAME[n].neutral for n in PENALTIES)

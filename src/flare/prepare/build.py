@@ -177,7 +177,6 @@ class _CudaArena:
             from flare.prepare.parallel import CudaTransport
 
             self.tp.attach_cuda(CudaTransport(views[TP_EXCHANGE], views[TP_FLAGS], views[TP_PEERS]))
-        self.views = views
         return views
 
     def pool(self):

@@ -28,6 +28,7 @@ from flare.core.interface import AdmitInput, AdmitMode, Completion, PrefillInput
 from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
 from flare.core.sampling_params import INTEGER_STATE, column
 from flare.prepare.attention import PagedBatch
+from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import PreparedModel, Recipe
 from flare.prepare.sampling import apply_token_mask, choose, scores, uniform
 
@@ -77,6 +78,23 @@ class ProgramSet:
         self._decode_inputs = self._decode_inputs_eager
         self._select = self._select_eager
         self._commit_rows = self._commit_rows_eager
+
+    @classmethod
+    def for_core(cls, m, views: dict[str, torch.Tensor], attention: str = "reference",
+                 tp: TensorParallel = SINGLE) -> "ProgramSet":
+        """A loaded core's programs over ``views`` of its arena: the recipe named by the
+        manifest builds its model for this rank, checks the core has every weight buffer
+        it needs and binds them (the reference worker and the tests' rig)."""
+        from flare.prepare.recipes import by_name
+
+        recipe = by_name(m.reference.recipe)
+        model = recipe.build(recipe.config_from_json(m.reference.config), TORCH_DTYPES[m.reference.dtype], tp=tp)
+        specs = recipe.weights(model)
+        missing = [s.buffer for s in specs if s.buffer not in views]
+        if missing:
+            raise RuntimeError(f"core lacks weight buffers the recipe needs: {missing[:5]}")
+        recipe.bind(model, specs, views)
+        return cls(recipe, model, views, m.capacities, m.pages.page_size, attention, m.continuation)
 
     def compile_glue(self) -> None:
         """torch.compile (Inductor) the pure elementwise and integer pieces of the sampling

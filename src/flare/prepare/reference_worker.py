@@ -27,24 +27,14 @@ def main() -> int:
 
         from flare.core.manifest import load_manifest
         from flare.prepare.parallel import join_group
-        from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
-        from flare.prepare.recipes import by_name
+        from flare.prepare.programs import ProgramSet, arena_views
 
         m = load_manifest(core_dir)
         tp = join_group(rank, m.parallel.tp_size, addr)
         with open(arena_path, "r+b") as f:
             mm = mmap.mmap(f.fileno(), m.arena.nbytes)
         arena = torch.frombuffer(mm, dtype=torch.uint8)
-        views = arena_views(arena, m.buffers)
-        recipe = by_name(m.reference.recipe)
-        config = recipe.config_from_json(m.reference.config)
-        model = recipe.build(config, TORCH_DTYPES[m.reference.dtype], tp=tp)
-        specs = recipe.weights(model)
-        missing = [s.buffer for s in specs if s.buffer not in views]
-        if missing:
-            raise RuntimeError(f"core lacks weight buffers the recipe needs: {missing[:5]}")
-        recipe.bind(model, specs, views)
-        programs = ProgramSet(recipe, model, views, m.capacities, m.pages.page_size, "reference", m.continuation)
+        programs = ProgramSet.for_core(m, arena_views(arena, m.buffers), tp=tp)
         table = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}
     except Exception:
         traceback.print_exc()

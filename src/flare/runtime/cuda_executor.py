@@ -363,7 +363,8 @@ class CudaExecutor:
         finally:
             for event in self.events:
                 d.cuEventDestroy(event)
-            self.rebuilder.destroy()
+            if self.rebuilder is not None:
+                self.rebuilder.destroy()
             for pinned in [self.staging, self.readback, *(c for cs in self._completion_copies.values() for c in cs)]:
                 pinned.free()
             self.arena.release()

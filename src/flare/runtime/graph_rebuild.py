@@ -69,8 +69,8 @@ class GraphRebuilder:
                 raise ManifestError(f"kernel image {img.sha} is {len(data)} bytes, expected {img.nbytes}",
                                     param="kernels")
             modules[img.sha] = ck(d.cuModuleLoadData(data), f"cuModuleLoadData {img.sha[:12]}")
+            self._modules.append(modules[img.sha])  # owned (unloaded by destroy) as soon as loaded
             self.counts["module_loads"] += 1
-        self._modules = list(modules.values())
         functions = []
         for kf in table.functions:
             r = d.cuModuleGetFunction(modules[kf.image], kf.name.encode())

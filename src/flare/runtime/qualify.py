@@ -46,6 +46,13 @@ def _fill(b, rng: np.random.Generator) -> np.ndarray:
     return np.zeros(b.shape, NUMPY_DTYPES[b.dtype])
 
 
+def _probe(rng: np.random.Generator, param, rows: int) -> np.ndarray:
+    """One value per slot for a sampling parameter (the draws of ABI 4's golden inputs)."""
+    if param.probe_range is not None:
+        return rng.uniform(*param.probe_range, rows)
+    return rng.choice(param.probes, rows)
+
+
 @dataclass
 class BaseState:
     buffers: dict[str, np.ndarray]
@@ -69,8 +76,8 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     state["state.seed"][:] = rng.integers(-(1 << 62), 1 << 62, rows)
     state["state.counter"][:] = rng.integers(0, 1000, rows)
     for name, buffer in INTEGER_STATE.items():
-        state[buffer][:] = rng.choice(BY_NAME[name].probes, rows)
-    state["state.sampling"][:] = np.stack([rng.choice(BY_NAME[n].probes, rows) for n in SAMPLING_COLUMNS], -1)
+        state[buffer][:] = _probe(rng, BY_NAME[name], rows)
+    state["state.sampling"][:] = np.stack([_probe(rng, BY_NAME[n], rows) for n in SAMPLING_COLUMNS], -1)
     stops = np.full((rows, c.stop_ids), -1, np.int32)
     stops[:, : len(m.frontend.eos_ids)] = m.frontend.eos_ids
     state["state.stop_ids"][:] = stops

@@ -243,5 +243,6 @@ class _Response(Presenter):
 
 class Responses(Endpoint):
     body_type, id_prefix, presenter = ResponsesRequest, "resp_", _Response
-    request_fields = {"prompt": "input", "max_tokens": "max_output_tokens"}
+    # The chat pipeline names the conversation "messages": Responses calls it "input".
+    request_fields = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens"}
     spec = staticmethod(spec)

@@ -113,10 +113,6 @@ def _mix_torch(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     query, key, value = (torch.where(m[:, :, None], t, torch.zeros_like(t)) for t in (query, key, value))
     beta = torch.where(m, beta, torch.zeros_like(beta))
     g = torch.where(m, g, torch.zeros_like(g))
-    # Value heads read key head h // (Hv / Hk): repeated here, since not every Transformers
-    # version's torch rules repeat them themselves.
-    group = value.shape[1] // query.shape[1]
-    query, key = query.repeat_interleave(group, dim=1), key.repeat_interleave(group, dim=1)
     chunk_rule, recurrent_rule = _torch_delta_rules()
     if paged.single_slot:
         initial = rec_rows.index_select(0, slot)  # [1, Hv, Dk, Dv]
@@ -134,18 +130,32 @@ def _mix_torch(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
 def _chunk_rule(device: torch.device):
     if device.type != "cuda":
         return _torch_delta_rules()[0]
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        raise RecipeError("the qwen3_5 recipe's CUDA path needs flash-linear-attention's chunked delta rule: "
+                          "pip install 'flare[cuda]' (fla-core)") from e
     return chunk_gated_delta_rule
 
 
 def _torch_delta_rules():
-    """Transformers' torch chunked and recurrent gated delta rules. Transformers swaps
-    in flash-linear-attention's kernels for them when ``fla`` is importable; the
-    reference path is the torch arithmetic on any device, so it unwraps them."""
+    """Transformers' torch chunked and recurrent gated delta rules, over q/k/v in
+    [B, T, heads, dim]. Transformers swaps in flash-linear-attention's kernels for them
+    when ``fla`` is importable; the reference path is the torch arithmetic on any
+    device, so it unwraps them. Value heads read key head h // (Hv / Hk): the query and
+    key heads are repeated here, since Transformers' torch rules repeat them only from
+    5.23 on (before, its layer did)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as q
 
-    return inspect.unwrap(q.torch_chunk_gated_delta_rule), inspect.unwrap(q.torch_recurrent_gated_delta_rule)
+    def repeated(rule):
+        def run(query, key, value, *args, **kwargs):
+            group = value.shape[2] // query.shape[2]
+            return rule(query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2), value,
+                        *args, **kwargs)
+        return run
+
+    return (repeated(inspect.unwrap(q.torch_chunk_gated_delta_rule)),
+            repeated(inspect.unwrap(q.torch_recurrent_gated_delta_rule)))
 
 
 @torch.compiler.disable
