@@ -48,26 +48,21 @@ def teacher_forced(core, prompts: list[list[int]], steps: int) -> dict:
 
 @contextlib.contextmanager
 def torch_delta_rules():
-    """Transformers' Qwen3.5 runs its torch gated delta rules (heads repeated for the
-    value heads first: not every Transformers version's torch rules do it) instead of
-    the kernels its hub decorator substituted. A no-op for other models."""
+    """Transformers' Qwen3.5 runs its torch gated delta rules (the recipe's reference
+    rules: unwrapped, heads repeated for the value heads) and torch convolutions instead
+    of the kernels its hub decorator substituted. A no-op for other models."""
     try:
         from transformers.models.qwen3_5 import modeling_qwen3_5 as q
     except ImportError:
         yield
         return
-    rules = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    from flare.prepare.recipes.qwen3_5 import _torch_delta_rules
+
+    rules = dict(zip(("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"), _torch_delta_rules()))
     convs = ("causal_conv1d_fn", "causal_conv1d_update")  # hub-substituted too, when installed
     saved = {n: getattr(q, n) for n in (*rules, *convs) if hasattr(q, n)}
-
-    def repeated(rule):
-        def run(query, key, value, *args, **kwargs):
-            group = value.shape[2] // query.shape[2]
-            return rule(query.repeat_interleave(group, 2), key.repeat_interleave(group, 2), value, *args, **kwargs)
-        return run
-
     for n, f in saved.items():
-        setattr(q, n, repeated(inspect.unwrap(f)) if n in rules else inspect.unwrap(f))
+        setattr(q, n, rules[n] if n in rules else inspect.unwrap(f))
     try:
         yield
     finally:
