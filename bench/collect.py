@@ -87,6 +87,8 @@ def collect(core: str, out_dir: Path, model: str) -> dict:
               "kv_pages": m.pages.num_pages, "page_size": m.pages.page_size,
               "decode_capacities": list(m.capacities.decode_capacities), "snapshot_rows": m.capacities.snapshot_rows,
               "baseline": "transformers generate, static cache, built-in torch.compile",
+              # Per batch, the mode the baseline ran (default-eager where static/compiled failed).
+              "baseline_modes": (hf or {}).get("modes"),
               "client": serve.get("options", {})}
     records = []
     for c, s in serve.get("concurrency", {}).items():

@@ -35,31 +35,47 @@ def load(core: str):
     return model.eval(), m
 
 
+def _measure(model, b: int, tokens: int) -> dict:
+    ids = torch.randint(1000, 30000, (b, 32), device="cuda")
+    kw = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, pad_token_id=0)
+    model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)  # compile + warm up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    torch.cuda.synchronize()
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t
+    new = out.shape[1] - ids.shape[1]
+    return {"total_s": total, "prefill_s": prefill, "new_tokens": new,
+            "decode_tokens_per_s": b * (new - 1) / (total - prefill), "itl_s": (total - prefill) / (new - 1)}
+
+
 def main(a) -> None:
     model, m = load(a.core)
     # Static cache: generate() compiles the forward itself (CompileConfig, CUDA graphs),
-    # the path Transformers documents as its fastest for single-stream decode.
-    model.generation_config.cache_implementation = "static"
-    results = {"core": a.core, "torch": torch.__version__, "tokens": a.tokens, "batches": {}}
+    # the path Transformers documents as its fastest for single-stream decode. A model
+    # whose static cache or compiled forward fails there runs its default cache, eager
+    # (its own fastest kernels, e.g. flash-linear-attention's, still apply); the mode
+    # that ran is recorded.
+    results = {"core": a.core, "torch": torch.__version__, "tokens": a.tokens, "batches": {}, "modes": {}}
     for b in a.batches:
-        ids = torch.randint(1000, 30000, (b, 32), device="cuda")
-        kw = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, pad_token_id=0)
-        model.generate(ids, max_new_tokens=a.tokens, min_new_tokens=a.tokens, **kw)  # compile + warm up
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        torch.cuda.synchronize()
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=a.tokens, min_new_tokens=a.tokens, **kw)
-        torch.cuda.synchronize()
-        total = time.perf_counter() - t
-        new = out.shape[1] - ids.shape[1]
-        results["batches"][b] = {"total_s": total, "prefill_s": prefill, "new_tokens": new,
-                                 "decode_tokens_per_s": b * (new - 1) / (total - prefill),
-                                 "itl_s": (total - prefill) / (new - 1)}
-        print(b, results["batches"][b], flush=True)
-    json.dump(results, open(a.out, "w"), indent=1)
+        for mode in ("static-compiled", "default-eager"):
+            model.generation_config.cache_implementation = "static" if mode == "static-compiled" else None
+            if mode == "default-eager":
+                model.generation_config.disable_compile = True
+            try:
+                results["batches"][b] = _measure(model, b, a.tokens)
+                results["modes"][b] = mode
+                break
+            except Exception as e:  # recorded, then the next mode
+                results.setdefault("failures", []).append({"batch": b, "mode": mode, "error": repr(e)[:2000]})
+                print(f"batch {b}: {mode} failed: {e!r}"[:2000], flush=True)
+                torch._dynamo.reset()
+        print(b, results["modes"].get(b), results["batches"].get(b), flush=True)
+        json.dump(results, open(a.out, "w"), indent=1)  # what finished, should a later batch time out
 
 
 if __name__ == "__main__":

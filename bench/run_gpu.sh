@@ -7,39 +7,50 @@
 #          LONG_PROMPT=1  also prefill a 64K-token prompt (context limit 66560 unless CONTEXT_LIMIT
 #                         is set); without it the 64K size is recorded as skipped (over the limit)
 #          SCENARIOS      serve_bench scenarios (default: all)
+#          PREFILL_PROMPTS cold prefill sizes (default 4096,65536)
+#          STEPS          which steps to run (default: all, in order): prepare floor timeline serve
+#                         depth1 baseline collect. The core and the raw files live in .cache/ of
+#                         the checkout, which a warm device keeps between calls: a run too long
+#                         for one call is split into calls of a few steps each.
 # A --context-limit among the prepare options overrides CONTEXT_LIMIT (it comes last).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 FINAL=${OUT:-/tmp/flare-bench}; mkdir -p "$FINAL"
 # Everything is written to a work folder; $OUT receives the joined serving JSON and one
 # archive of the raw files (the device returns at most 8 files per call).
-OUT=$(mktemp -d /tmp/flare-bench-work.XXXX)
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; fi
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD FLARE_CACHE_DIR=${FLARE_CACHE_DIR:-/tmp/flare-cache}
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD FLARE_CACHE_DIR=${FLARE_CACHE_DIR:-$PWD/.cache/flare}
 MODEL=$1; shift
 if [ "${LONG_PROMPT:-0}" = 1 ]; then CONTEXT_LIMIT=${CONTEXT_LIMIT:-66560}; else CONTEXT_LIMIT=${CONTEXT_LIMIT:-8192}; fi
 PREP=(--context-limit "$CONTEXT_LIMIT" "$@")
 # One core per option set: a core prepared with another context limit is never reused.
-CORE=/tmp/bench-core-$MODEL-$(echo "${PREP[*]}" | md5sum | cut -c1-8)
-if [ ! -f $CORE/manifest.json ]; then
+KEY=$MODEL-$(echo "${PREP[*]}" | md5sum | cut -c1-8)
+CORE=$PWD/.cache/bench-core-$KEY
+OUT=$PWD/.cache/bench-work-$KEY; mkdir -p $OUT
+STEPS=" ${STEPS:-prepare floor timeline serve depth1 baseline collect} "
+step() { [[ "$STEPS" == *" $1 "* ]]; }
+if step prepare && [ ! -f $CORE/manifest.json ]; then
   t0=$SECONDS
   python3 -m flare.prepare.cli $MODEL --out $CORE --device cuda "${PREP[@]}" 2>&1 | grep -v "^  " | tail -12
   echo "prepare_s $((SECONDS - t0))" | tee $OUT/prepare_time-$MODEL.txt
   cp $CORE/prepare_report.json $OUT/prepare_report-$MODEL.json
 fi
-python3 -m bench.floor $CORE $OUT/floor-$MODEL.json 200
-python3 -m bench.timeline $CORE $OUT/timeline-$MODEL.json --batches 1,4 2>&1 | tee $OUT/timeline-$MODEL.txt
+step floor && python3 -m bench.floor $CORE $OUT/floor-$MODEL.json 200
+step timeline && python3 -m bench.timeline $CORE $OUT/timeline-$MODEL.json --batches 1,4 2>&1 | tee $OUT/timeline-$MODEL.txt
 PORT=8391
+if step serve; then
 python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL > $OUT/serve-$MODEL.log 2>&1 &
 SRV=$!
 for i in $(seq 1 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.25; done
 curl -s localhost:$PORT/metrics | grep startup > $OUT/startup-$MODEL.txt
 python3 -m bench.serve_bench http://127.0.0.1:$PORT $MODEL $OUT/serve-$MODEL.json \
   --scenarios ${SCENARIOS:-decode,cold,prefill,prefix,agent,interference} \
-  --cold-prompts 512,4096 --prefill-prompts 4096,65536 --prefix-tokens 4096 --tail-tokens 11
+  --cold-prompts 512,4096 --prefill-prompts ${PREFILL_PROMPTS:-4096,65536} --prefix-tokens 4096 --tail-tokens 11
 curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens|engine_" > $OUT/metrics-$MODEL.txt
 kill $SRV; wait $SRV
+fi
 # The same decode scenario with one step at a time: the host gap that two steps in flight hide.
+if step depth1; then
 python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL --steps-in-flight 1 \
   > $OUT/serve-$MODEL-depth1.log 2>&1 &
 SRV=$!
@@ -47,7 +58,10 @@ for i in $(seq 1 240); do curl -sf localhost:$PORT/health >/dev/null && break; s
 python3 -m bench.serve_bench http://127.0.0.1:$PORT $MODEL $OUT/serve-$MODEL-depth1.json --scenarios decode
 curl -s localhost:$PORT/metrics | grep -E "engine_" > $OUT/metrics-$MODEL-depth1.txt
 kill $SRV; wait $SRV
-timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json
-python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json
-cp $OUT/serving-$MODEL-*.json $OUT/timeline-$MODEL.json $OUT/timeline-$MODEL.txt "$FINAL"/ 2>/dev/null
+fi
+step baseline && timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json 2>&1 | tee $OUT/hf-$MODEL.log
+if step collect; then
+  python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json
+  cp $OUT/serving-$MODEL-*.json $OUT/timeline-$MODEL.json $OUT/timeline-$MODEL.txt "$FINAL"/ 2>/dev/null
+fi
 tar czf "$FINAL/bench-raw-$MODEL.tgz" -C $OUT .

@@ -1,7 +1,14 @@
 #!/bin/bash
 # The GPU suite on a CUDA machine (the H200 device). Wheels for packages the
 # machine lacks travel in .whl/ (git-ignored). Results land in $OUT.
-#   usage: tests/gpu/run_on_device.sh [pytest args]
+#   usage: tests/gpu/run_on_device.sh [pytest args]      one pytest process
+#          tests/gpu/run_on_device.sh --phase prepare     prepare every shape's core in parallel, then
+#                                                         the tests that tolerate other GPU processes,
+#                                                         in parallel (kernels, numerics, generation)
+#          tests/gpu/run_on_device.sh --phase alone       the tests that compare device-wide free
+#                                                         memory (replay, serve), one process, nothing beside
+# The two phases together are the whole suite; run `alone` right after `prepare` on the
+# warm machine so that the cores in .cache/ are reused.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/flare-out}; mkdir -p "$OUT"
@@ -14,6 +21,51 @@ export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH
 export FLARE_CACHE_DIR=$PWD/.cache/flare FLARE_TEST_CACHE=$PWD/.cache/device-cores FLARE_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers, cuda.bindings as cb; print('versions', torch.__version__, triton.__version__, transformers.__version__, cb.__version__)"
-[ $# -gt 0 ] || set -- tests/gpu/test_load_errors.py tests/gpu/test_paged_attention_cuda.py tests/gpu/test_replay.py \
-  tests/gpu/test_numerics.py tests/gpu/test_generation.py tests/gpu/test_serve.py
-python3 -m pytest -v -rA -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log"
+PYTEST=(python3 -m pytest -v -rA -p no:cacheprovider)
+G=tests/gpu
+# Several pytest processes: each writes its own results folder; one JSON and one log come back.
+parallel() {  # parallel NAME "pytest args" NAME "pytest args" ...
+  local pids=() names=() rc=0
+  while [ $# -gt 0 ]; do
+    mkdir -p /tmp/gpu-results/$1
+    FLARE_RESULTS_DIR=/tmp/gpu-results/$1 "${PYTEST[@]}" $2 > /tmp/gpu-results/$1.log 2>&1 &
+    pids+=($!); names+=($1); shift 2
+  done
+  for i in "${!pids[@]}"; do
+    wait ${pids[$i]}; local r=$?
+    echo "${names[$i]}: exit $r; $(tail -1 /tmp/gpu-results/${names[$i]}.log)"
+    [ $r -eq 0 ] || rc=1
+  done
+  return $rc
+}
+collect() {  # merge the processes' results into $OUT/qualification-PHASE.json and their logs
+  python3 - "$1" <<'PY'
+import json, pathlib, sys
+merged = {}
+for f in sorted(pathlib.Path("/tmp/gpu-results").glob("*/qualification.json")):
+    merged.update(json.loads(f.read_text()))
+pathlib.Path(__import__("os").environ["OUT"], f"qualification-{sys.argv[1]}.json").write_text(json.dumps(merged, indent=1))
+PY
+  cat /tmp/gpu-results/*.log > "$OUT/pytest-$1.log"
+}
+case "$1" in
+  --phase)
+    rm -rf /tmp/gpu-results; mkdir -p /tmp/gpu-results
+    if [ "$2" = prepare ]; then
+      t0=$SECONDS
+      for m in $(python3 -c "from tests.gpu.conftest import SHAPES; print(*SHAPES)"); do
+        python3 -c "import sys; from tests.gpu.conftest import gpu_core; print(gpu_core(sys.argv[1]))" $m \
+          > /tmp/gpu-results/prepare-$m.log 2>&1 &
+      done
+      parallel kernels "$G/test_paged_attention_cuda.py $G/test_load_errors.py"; rc=$?
+      wait; echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback /tmp/gpu-results/prepare-*.log
+      parallel numerics "$G/test_numerics.py" dense "$G/test_generation.py -k smollm2" \
+        hybrid "$G/test_generation.py -k qwen3_5"; rc=$((rc | $?))
+    else
+      parallel alone "$G/test_replay.py $G/test_serve.py"; rc=$?
+    fi
+    collect "$2"; exit $rc;;
+esac
+[ $# -gt 0 ] || set -- $G/test_load_errors.py $G/test_paged_attention_cuda.py $G/test_replay.py \
+  $G/test_numerics.py $G/test_generation.py $G/test_serve.py
+"${PYTEST[@]}" "$@" 2>&1 | tee "$OUT/pytest.log"
