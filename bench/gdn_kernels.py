@@ -19,7 +19,11 @@ layer 1 is used, so every state access is a strided view as in the real buffers)
 * prefill[T].rule.*   ``fla`` (chunk_gated_delta_rule from the slot's nonzero state,
   gathered and scattered) vs ``torch_chunk`` (the chunked algorithm of Transformers'
   torch_chunk_gated_delta_rule, re-written here in float32, gathered and scattered).
-* prefill[T].layer.ours+fla   conv + gates + FLA chunk rule, as the recipe would chain them.
+* prefill[T].rule.ours_recurrent[bv,w]   Flare's token-by-token prefill (the state tile in
+  registers over the chunk, in place): bitwise the same wherever a chunk starts, which the
+  chunked forms are not (``split_invariant``: the chunk prefilled whole against cut at
+  T/2 - 3 and continued, state and outputs compared bit for bit).
+* prefill[T].layer.ours+fla / ours   conv + gates + FLA's chunk rule / Flare's recurrent rule.
 
 Each candidate runs R calls on R input sets (rotating inputs and state rows so that
 L2 does not hold them, about 3x L2 in all); its time is the median over replays of
@@ -62,6 +66,7 @@ from flare.prepare.kernels.gdn import (  # noqa: E402
     conv1d_prefill_chunk,
     gdn_decode_step,
     gdn_prefill_gates,
+    gdn_prefill_recurrent,
 )
 
 try:
@@ -322,7 +327,7 @@ class Bench:
         return cases
 
     # prefill ----------------------------------------------------------------------
-    def prefill_cases(self, T):
+    def prefill_cases(self, T, ours_configs):
         g = self.geo
         n = max(T - 5, 1)
         R = self.rotations(T * g.D * 2 * 2 + g.Hv * g.Dk * g.Dv * 4 * 2)
@@ -374,10 +379,33 @@ class Bench:
             rec_l.index_copy_(0, s["slot"], ht[None])
             return (o.to(g.dtype),)
 
-        def layer(s):
+        def layer(s, rule):
             mixed = conv1d_prefill_chunk(s["x"], conv_l, self.weight, None, s["slot"], s["count"])
             gg, beta = gdn_prefill_gates(s["a"], s["b"], self.A_log, self.dt_bias, s["count"])
-            return (fla_rule(s, *g.split(mixed), gg, beta),)
+            return (rule(s, *g.split(mixed), gg, beta),)
+
+        def ours_rule(s, q, k, v, gg, beta, bv=16, warps=1):
+            return gdn_prefill_recurrent(q, k, v, gg, beta, rec_l, s["slot"], s["count"], block_v=bv,
+                                         num_warps=warps)
+
+        def split_invariant(bv, warps):
+            """Whole chunk vs cut at T/2 - 3 and continued: bitwise equal state and outputs."""
+            cut = max(T // 2 - 3, 1)
+            q, k, v = g.split(s0["mixed"])
+            slot = torch.tensor([1], device=self.device)
+            rec_l[1].copy_(h0)
+            whole = gdn_prefill_recurrent(q, k, v, s0["g"], s0["beta"], rec_l, slot, s0["count"], block_v=bv,
+                                          num_warps=warps)
+            state_whole = rec_l[1].clone()
+            rec_l[1].copy_(h0)
+            first = gdn_prefill_recurrent(q, k, v, s0["g"], s0["beta"], rec_l, slot,
+                                          torch.tensor([cut], device=self.device), block_v=bv, num_warps=warps)
+            second = gdn_prefill_recurrent(q[cut:], k[cut:], v[cut:], s0["g"][cut:], s0["beta"][cut:], rec_l, slot,
+                                           torch.tensor([n - cut], device=self.device), block_v=bv, num_warps=warps)
+            same = torch.equal(rec_l[1], state_whole) and torch.equal(
+                torch.cat([first[:cut], second[:n - cut]]), whole[:n])
+            rec_l[1].copy_(h0)
+            return same
 
         cases = []
         for bt, bc in ((32, 128), (64, 64)):
@@ -398,10 +426,18 @@ class Bench:
             cases.append(Case(f"prefill[{T}].rule.fla", [
                 (lambda s=s: (fla_rule(s, *g.split(s["mixed"]), s["g"], s["beta"]),)) for s in sets],
                 [rec, conv], rule_check, "q/k/v zero and g = beta = 0 past the count"))
-            cases.append(Case(f"prefill[{T}].layer.ours+fla", [(lambda s=s: layer(s)) for s in sets], [rec, conv],
-                              notes="conv + gates + gather + FLA chunk + scatter; parts checked separately"))
+            cases.append(Case(f"prefill[{T}].layer.ours+fla", [(lambda s=s: layer(s, fla_rule)) for s in sets],
+                              [rec, conv], notes="conv + gates + gather + FLA chunk + scatter; parts checked separately"))
         else:
             cases.append(Case(f"prefill[{T}].rule.fla", [], [], notes=f"fla not importable: {FLA_ERROR}"))
+        for bv, warps in ours_configs:
+            def check(outs, state, bv=bv, warps=warps):
+                return {**rule_check(outs, state), "split_invariant": split_invariant(bv, warps)}
+            cases.append(Case(f"prefill[{T}].rule.ours_recurrent[bv{bv},w{warps}]", [
+                (lambda s=s, bv=bv, warps=warps: (ours_rule(s, *g.split(s["mixed"]), s["g"], s["beta"], bv, warps),))
+                for s in sets], [rec, conv], check, "token by token, in place"))
+        cases.append(Case(f"prefill[{T}].layer.ours", [(lambda s=s: layer(s, ours_rule)) for s in sets], [rec, conv],
+                          notes="conv + gates + Flare's recurrent rule, in place; parts checked separately"))
         cases.append(Case(f"prefill[{T}].rule.torch_chunk", [(lambda s=s: torch_rule(s)) for s in sets],
                           [rec, conv], rule_check, "float32, chunk 64, solve_triangular"))
         return cases
@@ -537,6 +573,7 @@ def _line(r):
     if r.get("error"):
         return f"{r['name']:<38} ERROR {r['error'][:160]}"
     extra = "" if r.get("history_exact") is None else f" hist_exact={_yn(r['history_exact'])}"
+    extra += "" if r.get("split_invariant") is None else f" split_inv={_yn(r['split_invariant'])}"
     extra += "" if r.get("gb_per_s") is None else f" {r['gb_per_s']} GB/s"
     return (f"{r['name']:<38} {_fmt(r.get('time_us'), '9.2f')} us  bitwise={_yn(r.get('replay_bitwise_eager'))}"
             f"  determ={_yn(r.get('deterministic'))}  err={_fmt(r.get('max_abs_err'), '.2e')}"
@@ -566,6 +603,7 @@ def main(argv=None) -> int:
     prefill = [int(x) for x in (args.prefill or ("16" if args.smoke else "128,2048")).split(",")]
     decode = [int(x) for x in (args.decode or ("1,2" if args.smoke else "1,4")).split(",")]
     ours = [(16, 1)] if args.smoke else [(8, 1), (16, 2), (32, 4), (64, 4)]
+    ours_prefill = [(16, 1)] if args.smoke else [(8, 1), (16, 1), (32, 1), (32, 2), (64, 4)]
     device = "cuda" if cuda else "cpu"
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 0
     bench = Bench(geo, device, 3 * l2)
@@ -576,7 +614,7 @@ def main(argv=None) -> int:
         print(line, flush=True)
 
     cases = [c for B in decode for c in bench.decode_cases(B, ours)]
-    cases += [c for T in prefill for c in bench.prefill_cases(T)]
+    cases += [c for T in prefill for c in bench.prefill_cases(T, ours_prefill)]
     cases.sort(key=run_order)
     results = run(cases, args, cuda, started, log)
 

@@ -31,7 +31,7 @@ def load(core: str):
     if unexpected or any("lm_head" not in k for k in missing):
         raise RuntimeError(f"the core's weights do not fill the model: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config, device="cuda")
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.model.config, device="cuda")
     return model.eval(), m
 
 

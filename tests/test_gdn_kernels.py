@@ -29,6 +29,7 @@ from flare.prepare.kernels.gdn import (  # noqa: E402
     conv1d_prefill_chunk,
     gdn_decode_step,
     gdn_prefill_gates,
+    gdn_prefill_recurrent,
 )
 
 F64 = torch.float64
@@ -266,6 +267,55 @@ def test_prefill_pieces_with_chunk_rule_equal_decode_steps():
     torch.testing.assert_close(final[0], state_dec[slot], atol=1e-5, rtol=1e-5)
 
 
+def _prefill_inputs(geo, T, dtype, seed):
+    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, T, dtype, seed)
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+def _recurrent(q, k, v, g, beta, state, slot, n, **kw):
+    out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=DEVICE)
+    return gdn_prefill_recurrent(q, k, v, g, beta, state, torch.tensor([slot], device=DEVICE),
+                                 torch.tensor([n], dtype=torch.int32, device=DEVICE), out=out, **kw)
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=repr)
+def test_prefill_recurrent_matches_float64_steps_and_zeroes_past_count(geo):
+    """The chunk's valid tokens follow the float64 recurrence from the slot's state; the
+    state of every other row is untouched; outputs past the count are zeros."""
+    T, n, slot = 9, 6, 3
+    q, k, v, a, b, A_log, dt_bias, state = _prefill_inputs(geo, T, torch.float32, 700)
+    g, beta = gdn_prefill_gates(a, b, A_log, dt_bias, torch.tensor(n, device=DEVICE))
+    before = state.clone()
+    out = _recurrent(q, k, v, g, beta, state, slot, n, block_v=8)
+    S = before[slot][None].to(F64)
+    for t in range(n):
+        o, S = delta_step(S, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1].to(F64), beta[t:t + 1].to(F64))
+        torch.testing.assert_close(out[t].to(F64), o[0], **TIGHT)
+    torch.testing.assert_close(state[slot].to(F64), S[0], **TIGHT)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    others = [r for r in range(ROWS) if r != slot]
+    assert torch.equal(state[others], before[others])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefill_recurrent_is_bitwise_invariant_to_where_chunks_split(dtype):
+    """What makes a hybrid prefix hit exact: a prompt prefilled in one chunk and the same
+    prompt restored at a boundary and continued (another chunk start, another capacity,
+    padding) leave bitwise the same state and outputs."""
+    geo, n, slot = GEOMETRIES[0], 11, 2
+    q, k, v, a, b, A_log, dt_bias, state = _prefill_inputs(geo, 16, dtype, 701)
+    g, beta = gdn_prefill_gates(a, b, A_log, dt_bias, torch.tensor(16, device=DEVICE))
+    whole = state.clone()
+    out_whole = _recurrent(q[:16], k[:16], v[:16], g, beta, whole, slot, n)
+    for cut in (1, 4, 7):
+        split = state.clone()
+        first = _recurrent(q[:8], k[:8], v[:8], g[:8], beta[:8], split, slot, cut)
+        rest = slice(cut, 16)  # a padded chunk from the cut
+        second = _recurrent(q[rest], k[rest], v[rest], g[rest], beta[rest], split, slot, n - cut)
+        assert torch.equal(split, whole), cut
+        assert torch.equal(torch.cat([first[:cut], second[:n - cut]]), out_whole[:n]), cut
+
+
 def test_rejects_bad_shapes():
     geo = GEOMETRIES[0]
     q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, 2, torch.float32, 9)
@@ -276,6 +326,11 @@ def test_rejects_bad_shapes():
         gdn_decode_step(q, k[:, :1], v, a, b, A_log, dt_bias, state, slots, live)
     with pytest.raises(ValueError, match="slots"):
         gdn_decode_step(q, k, v, a, b, A_log, dt_bias, state, slots[:1], live)
+    g = torch.zeros(2, geo.Hv, device=DEVICE)
+    with pytest.raises(ValueError, match="beta"):
+        gdn_prefill_recurrent(q, k, v, g, b[:1], state, slots, slots)
+    with pytest.raises(ValueError, match="state"):
+        gdn_prefill_recurrent(q, k, v, g, b, state[:, :1], slots, slots)
     x, weight, bias, conv_state = conv_inputs(8, 4, 2, torch.float32, 10)
     with pytest.raises(ValueError, match="conv_state"):
         conv1d_decode_step(x, conv_state[:, :, :2], weight, bias, slots, live)

@@ -42,6 +42,10 @@ SCRIPT = textwrap.dedent('''
                      {**bf16("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "out_ptr"),
                       **f32("state_ptr"), "slots_ptr": "*i64", "live_ptr": "*i1", "scale": "fp32"},
                      dict(GROUP=2, DK=128, DV=128, BK=128, BV=32, EPS=1e-6))
+    compile_for_sm90(K._prefill_recurrent_kernel,
+                     {**bf16("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "out_ptr"), **f32("g_ptr", "state_ptr"),
+                      "slot_ptr": "*i64", "count_ptr": "*i32", "scale": "fp32"},
+                     dict(GROUP=2, DK=128, DV=128, BK=128, BV=16, EPS=1e-6), num_warps=1)
     compile_for_sm90(K._conv_step_kernel,
                      {**bf16("x_ptr", "state_ptr", "w_ptr", "bias_ptr", "out_ptr"), "slots_ptr": "*i64",
                       "live_ptr": "*i1"}, dict(W=4, HAS_BIAS=False, BLOCK_C=256))
@@ -58,4 +62,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 4, proc.stdout
+    assert proc.stdout.count("compiled") == 5, proc.stdout

@@ -104,10 +104,11 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
 
 def test_conversation_cache_on_and_off(runs, results_dir):
     """Ten turns of one conversation: every turn after the first restores the previous
-    turn's prompt and prefills only the rest. Cache on and off compute each prompt with
-    other prefill partitions (restored prefix + suffix against whole chunks), so BF16
-    rounding can flip a near-tie of the random model's greedy choice: the first tokens
-    must agree as often as the reference comparison's; every divergence is recorded."""
+    turn's prompt and prefills only the rest, and generates exactly the tokens the same
+    prompt gives with the cache off (prefilled whole). Each prefill row's arithmetic
+    does not depend on where its chunk starts: the GEMMs treat rows alike, the delta
+    rule runs token by token, and the attention's key splits hold one key block each at
+    these lengths (docs/gpu.md)."""
     MODEL, _, r = runs
     on, off = r["cuda-on"]["conversation"], r["cuda-off"]["conversation"]
     agree = [_common_prefix(a["output"], b["output"]) for a, b in zip(on, off)]
@@ -121,7 +122,7 @@ def test_conversation_cache_on_and_off(runs, results_dir):
         assert t["prefill_tokens"] == t["prompt_tokens"] - t["cached_tokens"], summary
     for t in off:
         assert t["cached_tokens"] == 0 and t["prefill_tokens"] == t["prompt_tokens"], summary
-    assert sum(a > 0 for a in agree) >= FIRST_TOKEN_AGREEMENT * len(agree), summary
+    assert [a["output"] for a in on] == [b["output"] for b in off], summary
 
 
 def test_snapshot_restore_round_trip_is_bitwise_on_the_gpu(runs, results_dir):

@@ -21,9 +21,16 @@ reads query/key head ``h // (Hv // Hk)`` (Transformers' repeat_interleave).
 Launch grids::
 
     gdn_decode_step       (B, Hv, cdiv(Dv, block_v))   one state tile [Dk, block_v] per program
+    gdn_prefill_recurrent (Hv, cdiv(Dv, block_v))      the tile stays in registers over the chunk
     conv1d_decode_step    (B, cdiv(D, block_c))
     conv1d_prefill_chunk  (cdiv(T, block_t), cdiv(D, block_c))   token block 0 also writes the history
     gdn_prefill_gates     (cdiv(T, block_t),)
+
+Prefill runs the recurrence token by token (``gdn_prefill_recurrent``), not a chunked
+(WY) form: each token's update is the same arithmetic wherever a chunk starts, so a
+state is bitwise the same whether a prompt was prefilled in one chunk or restored from
+a checkpoint and continued. A chunked form's rounding depends on where its chunks
+begin, which would make a prefix-cache hit change the tokens (docs/gpu.md).
 
 The wrappers allocate only their outputs (``torch.empty``) unless ``out`` is given.
 """
@@ -133,6 +140,81 @@ def gdn_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         q, k, v, a, b, A_log, dt_bias, state, slots, live, out, Dk ** -0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), slots.stride(0), live.stride(0),
         *state.stride(), *out.stride(),
+        GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=block_v, EPS=_L2_EPS,
+        num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _prefill_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, count_ptr, out_ptr, T, scale,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ss, stride_sh, stride_sk, stride_sv,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    hv = tl.program_id(0)
+    vb = tl.program_id(1)
+    hk = hv // GROUP
+    n = tl.minimum(tl.maximum(tl.load(count_ptr), 0), T)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    kk = tl.arange(0, BK)
+    vv = vb * BV + tl.arange(0, BV)
+    k_in = kk < DK
+    v_in = vv < DV
+    s_mask = k_in[:, None] & v_in[None, :]
+    s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :] * stride_sv
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    for t in range(0, n):
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + hv * stride_gh)
+        beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + EPS) * scale
+        k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
+        s = s * tl.exp(g)
+        delta = (v - tl.sum(s * k[:, None], 0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], 0)
+        tl.store(out_ptr + t * stride_ot + hv * stride_oh + vv * stride_od, o.to(out_ptr.dtype.element_ty), mask=v_in)
+    tl.store(s_ptrs, s, mask=s_mask)
+    zero = tl.zeros([BV], tl.float32).to(out_ptr.dtype.element_ty)
+    for t in range(n, T):  # tokens past the count: zeros, as the chunk's other outputs
+        tl.store(out_ptr + t * stride_ot + hv * stride_oh + vv * stride_od, zero, mask=v_in)
+
+
+def gdn_prefill_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor, slot: torch.Tensor, count: torch.Tensor, *,
+                          out: torch.Tensor | None = None, block_v: int = 16, num_warps: int = 1) -> torch.Tensor:
+    """The gated delta rule over one slot's chunk, token by token, from and into that
+    slot's state row (in place).
+
+    q, k ``[T, Hk, Dk]`` and v ``[T, Hv, Dv]`` (any strides, before L2 normalisation);
+    g ``[T, Hv]`` float32 and beta ``[T, Hv]`` as ``gdn_prefill_gates`` gives them; state
+    ``[rows, Hv, Dk, Dv]`` float32; slot and count: integer device tensors whose first
+    element is the slot row and the number of valid tokens. Returns ``[T, Hv, Dv]`` in
+    v's dtype, zeros from token ``count`` on."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != T or Hv % Hk != 0:
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: expected q == k "
+                         f"[T, Hk, Dk] and v [T, Hv, Dv] with Hv a multiple of Hk")
+    if state.dtype != torch.float32 or state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"state {state.dtype} {tuple(state.shape)}: expected float32 [rows, {Hv}, {Dk}, {Dv}]")
+    _check_shape("g", g, (T, Hv))
+    _check_shape("beta", beta, (T, Hv))
+    if slot.numel() < 1 or count.numel() < 1:
+        raise ValueError("slot and count must each hold at least one element")
+    out = _output(out, (T, Hv, Dv), v)
+    if T == 0:
+        return out
+    block_v = min(block_v, triton.next_power_of_2(Dv))
+    _prefill_recurrent_kernel[(Hv, triton.cdiv(Dv, block_v))](
+        q, k, v, g, beta, state, slot, count, out, T, Dk ** -0.5,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *state.stride(), *out.stride(),
         GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=block_v, EPS=_L2_EPS,
         num_warps=num_warps,
     )
