@@ -589,6 +589,7 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=120.0, help="skip the candidates left after this many seconds")
     p.add_argument("--prefill", default=None, help="chunk sizes, comma separated (default 128,2048)")
     p.add_argument("--decode", default=None, help="batch sizes, comma separated (default 1,4)")
+    p.add_argument("--only", default=None, help="run only candidates whose name holds one of these, comma separated")
     return p.parse_args(argv)
 
 
@@ -615,6 +616,8 @@ def main(argv=None) -> int:
 
     cases = [c for B in decode for c in bench.decode_cases(B, ours)]
     cases += [c for T in prefill for c in bench.prefill_cases(T, ours_prefill)]
+    if args.only:
+        cases = [c for c in cases if any(w in c.name for w in args.only.split(","))]
     cases.sort(key=run_order)
     results = run(cases, args, cuda, started, log)
 

@@ -144,13 +144,12 @@ def test_teacher_forced_logits_match_transformers(gpu_shape_core, results_dir):
 
 
 def test_hybrid_triton_path_matches_the_reference_path_on_the_gpu(results_dir):
-    """The hybrid's CUDA path (kernels/gdn.py: convolution, gates, the delta rule token
-    by token in prefill and decode; the Triton paged attention) against its reference
-    path (Transformers' torch rules), both eager on the GPU in float32 over one
-    reference core's weights: prefill chunks of several lengths, then decode steps of a
-    batch with a padded row. No compile, no graphs, no BF16: what differs is only the
-    kernels (the bound was set when flash-linear-attention's TF32 chunk rule ran here;
-    the error is recorded)."""
+    """The hybrid's CUDA path (kernels/gdn.py, flash-linear-attention's chunk rule, the
+    Triton paged attention) against its reference path (Transformers' torch rules),
+    both eager on the GPU in float32 over one reference core's weights: prefill chunks
+    of several lengths, then decode steps of a batch with a padded row. No compile, no
+    graphs, no BF16: what differs is only the kernels. FLA's chunk rule computes its dot
+    products in TF32, so the bound is TF32's, not FP32's."""
     import torch
 
     from tests.conftest import HYBRID_OPTS, prepare_core

@@ -26,11 +26,14 @@ Launch grids::
     conv1d_prefill_chunk  (cdiv(T, block_t), cdiv(D, block_c))   token block 0 also writes the history
     gdn_prefill_gates     (cdiv(T, block_t),)
 
-Prefill runs the recurrence token by token (``gdn_prefill_recurrent``), not a chunked
-(WY) form: each token's update is the same arithmetic wherever a chunk starts, so a
-state is bitwise the same whether a prompt was prefilled in one chunk or restored from
-a checkpoint and continued. A chunked form's rounding depends on where its chunks
-begin, which would make a prefix-cache hit change the tokens (docs/gpu.md).
+``gdn_prefill_recurrent`` runs a prefill chunk's recurrence token by token: each token's
+update is the same arithmetic wherever a chunk starts, so a state is bitwise the same
+whether a prompt was prefilled whole or restored from a checkpoint and continued; a
+chunked (WY) form rounds differently for every chunk start. The recipe does not use it
+yet: on the H200 it takes 5.6x flash-linear-attention's chunked rule at 2,048 tokens
+(1.49 ms against 0.27 ms per layer), and with it 6 of 10 turns of the GPU conversation
+test were identical cache on and off (3 of 10 with the chunked rule): something else
+still rounds by chunk, suspected the prefill GEMMs of different capacities (docs/gpu.md).
 
 The wrappers allocate only their outputs (``torch.empty``) unless ``out`` is given.
 """
@@ -167,12 +170,26 @@ def _prefill_recurrent_kernel(
     s_mask = k_in[:, None] & v_in[None, :]
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :] * stride_sv
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    # Each token's inputs are loaded one iteration ahead (registers carried round the
+    # loop), so their latency overlaps the previous token's update instead of stalling it.
+    # (The row after the last is clamped to the chunk's last: read, never used.)
+    q_n = tl.load(q_ptr + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0)
+    k_n = tl.load(k_ptr + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0)
+    v_n = tl.load(v_ptr + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0)
+    g_n = tl.load(g_ptr + hv * stride_gh)
+    b_n = tl.load(beta_ptr + hv * stride_bh)
     for t in range(0, n):
-        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * stride_gt + hv * stride_gh)
-        beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh).to(tl.float32)
+        q = q_n.to(tl.float32)
+        k = k_n.to(tl.float32)
+        v = v_n.to(tl.float32)
+        g = g_n
+        beta = b_n.to(tl.float32)
+        nx = tl.minimum(t + 1, T - 1)
+        q_n = tl.load(q_ptr + nx * stride_qt + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0)
+        k_n = tl.load(k_ptr + nx * stride_kt + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0)
+        v_n = tl.load(v_ptr + nx * stride_vt + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0)
+        g_n = tl.load(g_ptr + nx * stride_gt + hv * stride_gh)
+        b_n = tl.load(beta_ptr + nx * stride_bt + hv * stride_bh)
         q = q / tl.sqrt(tl.sum(q * q, 0) + EPS) * scale
         k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
         s = s * tl.exp(g)

@@ -127,6 +127,17 @@ def _mix_torch(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     return core[:, 0]
 
 
+def _chunk_rule(device: torch.device):
+    if device.type != "cuda":
+        return _torch_delta_rules()[0]
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        raise RecipeError("the qwen3_5 recipe's CUDA path needs flash-linear-attention's chunked delta rule: "
+                          "pip install 'flare[cuda]' (fla-core)") from e
+    return chunk_gated_delta_rule
+
+
 def _torch_delta_rules():
     """Transformers' torch chunked and recurrent gated delta rules, over q/k/v in
     [B, T, heads, dim]. Transformers swaps in flash-linear-attention's kernels for them
@@ -151,9 +162,9 @@ def _torch_delta_rules():
 def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     """The CUDA path (kernels/gdn.py, docs/gpu.md). Decode: the convolution step and the
     delta-rule step update each live row's state in place. Prefill: the chunk's
-    convolution (zero past the count, the history cut at it) and gates, then the delta
-    rule token by token from the slot's state, in place: bitwise the same wherever the
-    chunk starts, so a prefix-cache hit gives the tokens a cold prompt gives."""
+    convolution (zero past the count, the history cut at it) and gates, then
+    flash-linear-attention's chunked delta rule from the slot's state (Transformers'
+    torch rule under Triton's CPU interpreter, where the Triton pieces are tested)."""
     from flare.prepare.kernels import gdn as K
 
     conv_rows, rec_rows = _state_rows(mod, paged)
@@ -168,7 +179,11 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     mixed = K.conv1d_prefill_chunk(mixed, conv_rows, weight, bias, slot, count)  # zero past the count
     g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, count)  # zero past the count: no update
     query, key, value = _split_heads(mod, mixed)
-    return K.gdn_prefill_recurrent(query, key, value, g, beta, rec_rows, slot, count)
+    core, final = _chunk_rule(mixed.device)(query[None], key[None], value[None], g=g[None], beta=beta[None],
+                                            initial_state=rec_rows.index_select(0, slot), output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
+    rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
+    return core[0]
 
 
 def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
