@@ -59,6 +59,20 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor
     return out
 
 
+def _rule_geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor,
+                   lead: str) -> tuple[int, int, int, int, int]:
+    """(rows or tokens, Hk, Dk, Hv, Dv) of a delta rule's inputs, after checking q, k
+    ``[lead, Hk, Dk]``, v ``[lead, Hv, Dv]`` and a float32 state ``[rows, Hv, Dk, Dv]``."""
+    n, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != n or Hv % Hk != 0:
+        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: expected q == k "
+                         f"[{lead}, Hk, Dk] and v [{lead}, Hv, Dv] with Hv a multiple of Hk")
+    if state.dtype != torch.float32 or state.shape[1:] != (Hv, Dk, Dv):
+        raise ValueError(f"state {state.dtype} {tuple(state.shape)}: expected float32 [rows, {Hv}, {Dk}, {Dv}]")
+    return n, Hk, Dk, Hv, Dv
+
+
 @triton.jit
 def _softplus(x):
     # torch's softplus (beta 1, threshold 20)
@@ -125,13 +139,7 @@ def gdn_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     before L2 normalisation); a, b ``[B, Hv]`` raw gate inputs; A_log, dt_bias ``[Hv]``;
     state ``[rows, Hv, Dk, Dv]`` float32; slots, live ``[B]``. Returns ``[B, Hv, Dv]`` in v's
     dtype (zeros on rows that are not live)."""
-    B, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != B or Hv % Hk != 0:
-        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: expected q == k "
-                         f"[B, Hk, Dk] and v [B, Hv, Dv] with Hv a multiple of Hk")
-    if state.dtype != torch.float32 or state.shape[1:] != (Hv, Dk, Dv):
-        raise ValueError(f"state {state.dtype} {tuple(state.shape)}: expected float32 [rows, {Hv}, {Dk}, {Dv}]")
+    B, Hk, Dk, Hv, Dv = _rule_geometry(q, k, v, state, "B")
     for name, t, shape in (("a", a, (B, Hv)), ("b", b, (B, Hv)), ("A_log", A_log, (Hv,)),
                            ("dt_bias", dt_bias, (Hv,)), ("slots", slots, (B,)), ("live", live, (B,))):
         _check_shape(name, t, shape)
@@ -214,13 +222,7 @@ def gdn_prefill_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     ``[rows, Hv, Dk, Dv]`` float32; slot and count: integer device tensors whose first
     element is the slot row and the number of valid tokens. Returns ``[T, Hv, Dv]`` in
     v's dtype, zeros from token ``count`` on."""
-    T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != T or Hv % Hk != 0:
-        raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} / v {tuple(v.shape)}: expected q == k "
-                         f"[T, Hk, Dk] and v [T, Hv, Dv] with Hv a multiple of Hk")
-    if state.dtype != torch.float32 or state.shape[1:] != (Hv, Dk, Dv):
-        raise ValueError(f"state {state.dtype} {tuple(state.shape)}: expected float32 [rows, {Hv}, {Dk}, {Dv}]")
+    T, Hk, Dk, Hv, Dv = _rule_geometry(q, k, v, state, "T")
     _check_shape("g", g, (T, Hv))
     _check_shape("beta", beta, (T, Hv))
     if slot.numel() < 1 or count.numel() < 1:
