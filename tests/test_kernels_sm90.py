@@ -1,10 +1,10 @@
-"""The Gated DeltaNet kernels compile for the H200 (sm_90) here, without a GPU.
+"""The Gated DeltaNet and mixture-of-experts kernels compile for the H200 (sm_90) here, without a GPU.
 
 Triton's CPU interpreter (which runs the kernels' numerical tests) executes the
 kernel source as Python and accepts code the real compiler rejects: a name
 whose type differs between an ``if`` block and the code before it compiled in
 the interpreter and failed on the H200. This test runs the real front end and
-ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py`` at the
+ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py`` and ``kernels/moe.py`` at the
 dtypes and block shapes the recipe launches, so such an error fails CI instead
 of a device call. It runs in a subprocess: the interpreter switch of the test
 session would otherwise stand in for the compiler.
@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
 
     from flare.prepare.kernels import gdn as K
+    from flare.prepare.kernels import moe as M
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4):
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -52,6 +53,11 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._conv_chunk_kernel,
                      {**bf16("x_ptr", "state_ptr", "w_ptr", "bias_ptr", "out_ptr"), "slot_ptr": "*i64",
                       "count_ptr": "*i32"}, dict(W=4, HAS_BIAS=False, BLOCK_T=32, BLOCK_C=128))
+    for gate_up in (True, False):
+        compile_for_sm90(M._grouped_kernel,
+                         {**bf16("a_ptr", "w_ptr", "out_ptr"), "order_ptr": "*i32", "tile_expert_ptr": "*i32",
+                          "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"},
+                         dict(GATE_UP=gate_up, BM=16, BN=64, BK=64))
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
@@ -62,4 +68,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 5, proc.stdout
+    assert proc.stdout.count("compiled") == 7, proc.stdout

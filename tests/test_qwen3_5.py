@@ -68,15 +68,18 @@ def _gated_norm64(self, x, gate):
 
 
 @contextlib.contextmanager
-def float64_islands(model):
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+def float64_islands(model, module: str = "qwen3_5", family: str = "Qwen3_5"):
+    """``module``: Transformers' model folder (``qwen3_5``, ``qwen3_5_moe``); ``family``: its
+    class prefix (``Qwen3_5``, ``Qwen3_5Moe``)."""
+    import importlib
 
+    q = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     saved = q.torch_chunk_gated_delta_rule
     q.torch_chunk_gated_delta_rule = exact_delta_rule
     for mod in model.modules():
-        if isinstance(mod, q.Qwen3_5RMSNorm):
+        if isinstance(mod, getattr(q, f"{family}RMSNorm")):
             mod.forward = types.MethodType(_norm64, mod)
-        elif isinstance(mod, q.Qwen3_5RMSNormGated):
+        elif isinstance(mod, getattr(q, f"{family}RMSNormGated")):
             mod.forward = types.MethodType(_gated_norm64, mod)
     try:
         yield

@@ -20,6 +20,10 @@ QUALIFIED = {
     "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"], name="llama-tiny-qualified"),
     "qwen3_5-tiny": lambda: prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--qualify", "3"],
                                          name="qwen3_5-tiny-qualified"),
+    "qwen3-moe-tiny": lambda: prepare_core("qwen3-moe-tiny", [*TINY_OPTS, "--qualify", "3"],
+                                           name="qwen3-moe-tiny-qualified"),
+    "qwen3_5-moe-tiny": lambda: prepare_core("qwen3_5-moe-tiny", [*HYBRID_OPTS, "--qualify", "3"],
+                                             name="qwen3_5-moe-tiny-qualified"),
 }
 
 

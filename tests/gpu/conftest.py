@@ -43,6 +43,8 @@ SHAPES = {
     "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024"],
     # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md).
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
+    "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
 }
 
 

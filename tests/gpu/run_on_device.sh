@@ -60,7 +60,7 @@ case "$1" in
       done
       # Load errors first: they reserve the core's address range, which torch's
       # allocations in the kernel tests could otherwise take.
-      parallel kernels "$G/test_load_errors.py $G/test_paged_attention_cuda.py"; rc=$?
+      parallel kernels "$G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_moe_kernels.py"; rc=$?
       wait; echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback /tmp/gpu-results/prepare-*.log
       parallel numerics "$G/test_numerics.py"; rc=$((rc | $?))
     else
@@ -68,6 +68,6 @@ case "$1" in
     fi
     collect "$2"; exit $rc;;
 esac
-[ $# -gt 0 ] || set -- $G/test_load_errors.py $G/test_paged_attention_cuda.py $G/test_replay.py \
+[ $# -gt 0 ] || set -- $G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_moe_kernels.py $G/test_replay.py \
   $G/test_numerics.py $G/test_generation.py $G/test_serve.py
 "${PYTEST[@]}" "$@" 2>&1 | tee "$OUT/pytest.log"

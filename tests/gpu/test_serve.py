@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import running_server, scrape_metrics
 from tests.gpu.conftest import gpu_core, record
 
-MODELS = ["llama-3.2-1b-shape", "qwen3_5-small-shape"]
+MODELS = ["llama-3.2-1b-shape", "qwen3_5-small-shape", "qwen3-moe-small-shape"]
 
 
 def _stream(url: str, i: int, n: int, model: str) -> dict:

@@ -133,6 +133,9 @@ class PreparedModel:
 
     module: nn.Module
     tp: TensorParallel
+    # Prepared modules whose forward Transformers calls without the batch (a class with
+    # ``reads_batch``): forward_tokens hands it to them as ``flare_paged``.
+    batch_readers: tuple[nn.Module, ...] = ()
 
 
 _PREPARED: dict[tuple[int, type], type] = {}
@@ -202,7 +205,8 @@ class Recipe:
         self._check_layers(layers)
         if tp.active:
             _attach_collectives(model, tp, self.sharding)
-        return PreparedModel(model, tp)
+        readers = tuple(m for m in model.modules() if getattr(type(m), "reads_batch", False))
+        return PreparedModel(model, tp, readers)
 
     def check_divisible(self, config, tp_size: int) -> None:
         if not self.sharding:
@@ -339,6 +343,8 @@ class Recipe:
     def forward_tokens(self, pm: PreparedModel, tokens: torch.Tensor, positions: torch.Tensor,
                        batch: PagedBatch) -> torch.Tensor:
         """Final-normed hidden states ``[T, H]`` for packed tokens."""
+        for m in pm.batch_readers:
+            m.flare_paged = batch
         out = pm.module.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, paged=batch)
         return out.last_hidden_state[0]
 

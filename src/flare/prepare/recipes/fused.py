@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 # Transformers MLP classes whose forward is gate/up -> act * up -> down.
-MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP"})
+MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3_5MoeMLP"})
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -134,7 +134,9 @@ ATTENTION_FORWARDS = {
     "MistralAttention": _attention_forward,
     "Qwen2Attention": _attention_forward,
     "Qwen3Attention": _attention_forward,
+    "Qwen3MoeAttention": _attention_forward,
     "Qwen3_5Attention": _gated_attention_forward,
+    "Qwen3_5MoeAttention": _gated_attention_forward,
 }
 
 

@@ -34,6 +34,7 @@ from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
 from flare.prepare.recipes.base import KVGeometry, Recipe, RecipeError, Replacement, StateBuffer
 from flare.prepare.recipes.fused import fuse_linears
+from flare.prepare.recipes.moe import prepared_moe
 
 CONV_STATE = "state.gdn.conv"
 RECURRENT_STATE = "state.gdn.recurrent"
@@ -220,3 +221,15 @@ class Qwen35Recipe(Recipe):
         t = config.get_text_config()
         attn = sum(1 for kind in t.layer_types if kind != LINEAR)
         return KVGeometry(attn, t.num_key_value_heads, t.head_dim)
+
+
+class Qwen35MoeRecipe(Qwen35Recipe):
+    """Qwen3.5-MoE (Qwen3.5/3.6-35B-A3B): the hybrid's Gated DeltaNet and gated attention,
+    and in every layer routed experts with a gated shared expert (``recipes/moe.py``)."""
+
+    name = "qwen3_5_moe"
+    model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
+    eager = frozenset({"Qwen3_5MoeRMSNorm"})
+    replacements = (Replacement("Qwen3_5MoeGatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),
+                    Replacement("Qwen3_5MoeSparseMoeBlock", prepared_moe))
+

@@ -1,0 +1,208 @@
+"""Capture-safe mixture-of-experts: routing, the expert plan, and grouped expert GEMMs.
+
+A routed layer computes, for each token ``t`` and each of its ``k`` experts ``e``::
+
+    y[t] = sum_j  w[t, j] * down[e_j] @ (act(gate[e_j] @ x[t]) * (up[e_j] @ x[t]))
+
+Transformers' expert loop picks the experts on the host (``nonzero``, a Python loop),
+which a CUDA graph cannot hold. Here every shape is static and every decision is read on
+the device, so the whole layer is captured once and replayed:
+
+* ``route``: the router's logits and softmax in float32, the top ``k`` by a stable sort
+  (ties go to the lower expert index, deterministically), renormalised where the model
+  says so. Rows that are not valid (padding of a program's capacity) get no expert: their
+  ids are ``E`` (a sentinel) and their weights zero, so they read no expert weights.
+* ``plan``: the (token, slot) pairs sorted by expert, and a static list of row tiles of
+  ``block_m`` pairs, each within one expert (``tile_expert`` = -1 for unused tiles). At
+  most ``min(P, cdiv(P, block_m) + E)`` tiles for ``P = T * k`` pairs: a decode step of
+  one token has 8 tiles, not one per expert.
+* ``grouped_gate_up`` / ``grouped_down``: one program per (tile, block of output
+  features) reads its expert's weight rows once for the whole tile (tensor cores,
+  ``tl.dot``), gathering the tile's input rows; the first computes the gate and up rows
+  together and writes ``act(gate) * up``, the second the expert outputs per pair.
+* ``combine``: the weighted sum over each token's ``k`` pairs, in slot order (no atomics:
+  the result does not depend on scheduling).
+
+Weights stay in Transformers' layout: ``gate_up_proj [E, 2I, H]`` (gate rows, then up
+rows) and ``down_proj [E, H, I]``; each program reads whole contiguous rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.nn import functional as F
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+          valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 ``[T, k]``, expert ids int64 ``[T, k]``) for hidden rows ``x [T, H]``
+    and a router ``weight [E, H]``; rows with ``valid`` False get ids ``E`` and weight 0."""
+    E = weight.shape[0]
+    probs = torch.softmax(F.linear(x.float(), weight.float()), dim=-1)
+    top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top, ids = top[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if valid is not None:
+        ids = torch.where(valid[:, None], ids, E)
+        top = torch.where(valid[:, None], top, 0.0)
+    return top, ids
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The pairs of a routed batch grouped by expert (every tensor on the device)."""
+
+    order: torch.Tensor  # [P] pair indices (t * k + j) sorted by expert, sentinel pairs last
+    tile_expert: torch.Tensor  # [tiles] the expert of each row tile, -1 when unused
+    tile_start: torch.Tensor  # [tiles] the tile's first row in ``order``
+    tile_end: torch.Tensor  # [tiles] one past the expert's last row in ``order``
+    block_m: int
+
+
+def max_tiles(pairs: int, experts: int, block_m: int) -> int:
+    """Row tiles a plan may need: each expert's rows round up to whole tiles, and a
+    non-empty expert has at least one pair."""
+    return max(1, min(pairs, triton.cdiv(pairs, block_m) + experts))
+
+
+def plan(ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
+    """Group the pairs of ``ids [T, k]`` (values in ``0..E``, ``E`` = no expert) by expert."""
+    flat = ids.reshape(-1).long()
+    P = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    counts = counts.scatter_add(0, flat, torch.ones_like(flat))[:num_experts]
+    tiles = (counts + block_m - 1) // block_m
+    tiles_end = torch.cumsum(tiles, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    t = torch.arange(max_tiles(P, num_experts, block_m), device=ids.device)
+    e = torch.searchsorted(tiles_end, t, right=True)
+    used = e < num_experts
+    ec = torch.clamp(e, max=num_experts - 1)
+    first_tile = tiles_end[ec] - tiles[ec]
+    tile_start = starts[ec] + (t - first_tile) * block_m
+    return Plan(order.to(torch.int32), torch.where(used, ec, -1).to(torch.int32), tile_start.to(torch.int32),
+                (starts[ec] + counts[ec]).to(torch.int32), block_m)
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, w_ptr, out_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    N, K, ROW_DIV,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    GATE_UP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile)
+    if e >= 0:
+        rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BM)
+        in_tile = rows < tl.load(tile_end_ptr + tile)
+        pair = tl.load(order_ptr + rows, mask=in_tile, other=0)
+        src = pair // ROW_DIV  # gate/up: the pair's token row of x; down: the pair's own row
+        n = nb * BN + tl.arange(0, BN)
+        n_in = n < N
+        w_rows = w_ptr + e.to(tl.int64) * stride_we
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_up = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_in = kk < K
+            a = tl.load(a_ptr + src[:, None].to(tl.int64) * stride_am + kk[None, :] * stride_ak,
+                        mask=in_tile[:, None] & k_in[None, :], other=0.0)
+            w = tl.load(w_rows + n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                        mask=n_in[None, :] & k_in[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+            if GATE_UP:  # the up rows follow the N gate rows
+                wu = tl.load(w_rows + (n[None, :] + N) * stride_wn + kk[:, None] * stride_wk,
+                             mask=n_in[None, :] & k_in[:, None], other=0.0)
+                acc_up = tl.dot(a, wu, acc_up)
+        dtype = out_ptr.dtype.element_ty
+        if GATE_UP:
+            # Transformers rounds each projection to the model dtype, then act(gate) * up.
+            g = acc.to(dtype).to(tl.float32)
+            act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
+            res = act * acc_up.to(dtype).to(tl.float32)
+        else:
+            res = acc
+        tl.store(out_ptr + pair[:, None].to(tl.int64) * stride_om + n[None, :] * stride_on, res.to(dtype),
+                 mask=in_tile[:, None] & n_in[None, :])
+
+
+def _blocks(block_m: int, n: int, k: int, block_n: int, block_k: int) -> tuple[int, int, int]:
+    return block_m, min(block_n, max(16, triton.next_power_of_2(n))), min(block_k, max(16, triton.next_power_of_2(k)))
+
+
+def _launch(a, w, out, p: Plan, n: int, row_div: int, gate_up: bool, block_n: int, block_k: int,
+            num_warps: int) -> torch.Tensor:
+    K = a.shape[1]
+    BM, BN, BK = _blocks(p.block_m, n, K, block_n, block_k)
+    grid = (p.tile_expert.numel(), triton.cdiv(n, BN))
+    _grouped_kernel[grid](
+        a, w, out, p.order, p.tile_expert, p.tile_start, p.tile_end, n, K, row_div,
+        *a.stride(), *w.stride(), *out.stride(),
+        GATE_UP=gate_up, BM=BM, BN=BN, BK=BK, num_warps=num_warps,
+    )
+    return out
+
+
+def grouped_gate_up(x: torch.Tensor, gate_up: torch.Tensor, p: Plan, top_k: int, *, block_n: int = 64,
+                    block_k: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """``act(gate[e] @ x[t]) * (up[e] @ x[t])`` for every planned pair, ``[P, I]`` in x's
+    dtype (rows of sentinel pairs are left unwritten). x ``[T, H]``; gate_up ``[E, 2I, H]``."""
+    E, two_i, H = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != H or two_i % 2:
+        raise ValueError(f"x {tuple(x.shape)} / gate_up {tuple(gate_up.shape)}: expected [T, H] and [E, 2I, H]")
+    out = torch.empty((p.order.numel(), two_i // 2), dtype=x.dtype, device=x.device)
+    return _launch(x, gate_up, out, p, two_i // 2, top_k, True, block_n, block_k, num_warps)
+
+
+def grouped_down(h: torch.Tensor, down: torch.Tensor, p: Plan, *, block_n: int = 64, block_k: int = 64,
+                 num_warps: int = 4) -> torch.Tensor:
+    """``down[e] @ h[pair]`` for every planned pair, ``[P, H]`` (sentinel rows unwritten).
+    h ``[P, I]``; down ``[E, H, I]``."""
+    E, H, I = down.shape
+    if h.dim() != 2 or h.shape[1] != I:
+        raise ValueError(f"h {tuple(h.shape)} / down {tuple(down.shape)}: expected [P, I] and [E, H, I]")
+    out = torch.empty((h.shape[0], H), dtype=h.dtype, device=h.device)
+    return _launch(h, down, out, p, H, 1, False, block_n, block_k, num_warps)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``sum_j weights[t, j] * y[t * k + j]`` in float32, in slot order, as ``[T, H]`` in y's
+    dtype; sentinel pairs (never written) count zero."""
+    T, k = ids.shape
+    yy = y.view(T, k, -1).float()
+    yy = torch.where((ids < num_experts)[:, :, None], yy, 0.0)
+    return (yy * weights[:, :, None]).sum(dim=1).to(y.dtype)
+
+
+def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+    """The routed experts of ``x [T, H]`` with the Triton grouped GEMMs. ``block_m``: rows per
+    tile (16, the smallest tensor-core tile, for few pairs; 64 for prefill chunks)."""
+    T, k = ids.shape
+    bm = block_m or (16 if T * k <= 256 else 64)
+    p = plan(ids, gate_up.shape[0], bm)
+    h = grouped_gate_up(x, gate_up, p, k)
+    return combine(grouped_down(h, down, p), weights, ids, gate_up.shape[0])
+
+
+def experts_torch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """The reference: each pair's expert weights gathered and applied with torch ops, in the
+    same roundings (projections to x's dtype, act(gate) * up in x's dtype)."""
+    E = gate_up.shape[0]
+    T, k = ids.shape
+    safe = torch.clamp(ids, max=E - 1).reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)  # [P, H]
+    gu = torch.bmm(gate_up[safe], xs[:, :, None])[:, :, 0]  # [P, 2I]
+    g, u = gu.chunk(2, dim=-1)
+    h = F.silu(g) * u
+    y = torch.bmm(down[safe], h[:, :, None])[:, :, 0]  # [P, H]
+    return combine(y, weights, ids, E)

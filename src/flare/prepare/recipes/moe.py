@@ -1,0 +1,68 @@
+"""Routed experts as a prepared module, and the Qwen3-MoE recipe.
+
+Transformers' sparse MoE blocks (``Qwen3MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock``,
+...) route with a ``gate`` (the router, ``weight [E, H]``, ``top_k``,
+``norm_topk_prob``) and run ``experts`` (``gate_up_proj [E, 2I, H]``, ``down_proj
+[E, H, I]``) in a loop over the experts that were hit, chosen on the host: it cannot be
+captured. ``prepared_moe`` gives such a block a forward over static shapes
+(``kernels/moe.py``): the router in float32 with deterministic ties, padded rows routed
+nowhere, the grouped expert GEMMs on the CUDA path (``paged.impl == "triton"``) or the
+same arithmetic in torch on the reference path, and the shared expert with its sigmoid
+gate where the block has one. Parameter names are Transformers' (``mlp.gate.weight``,
+``mlp.experts.gate_up_proj``, ...), so checkpoints load as they are.
+
+The block's forward is called without the program's batch (Transformers' decoder layer
+passes it only to attention); the recipe base hands it the batch before each forward
+(``Recipe.forward_tokens``: modules of a class with ``reads_batch`` get ``flare_paged``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from flare.prepare.attention import PagedBatch
+from flare.prepare.kernels import moe as K
+from flare.prepare.recipes.base import Recipe, Replacement
+
+
+def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
+    """The routed experts' output for hidden rows ``x [T, H]``."""
+    gate, experts = block.gate, block.experts
+    valid = paged.valid if paged is not None else None
+    # Qwen3.5-MoE's router always renormalises (it has no norm_topk_prob).
+    weights, ids = K.route(x, gate.weight, gate.top_k, getattr(gate, "norm_topk_prob", True), valid)
+    impl = K.experts_triton if paged is not None and paged.impl == "triton" else K.experts_torch
+    return impl(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+
+
+def prepared_moe(base: type) -> type:
+    class PreparedSparseMoe(base):
+        """A Transformers sparse MoE block over static shapes (module docstring)."""
+
+        reads_batch = True
+        flare_paged: PagedBatch | None = None
+
+        # Outside the compiled layer: the batch is a plain attribute (a compiled forward
+        # would guard on it per program), and the plan and kernels run as written.
+        @torch.compiler.disable
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            out = _routed(self, x, self.flare_paged)
+            shared = getattr(self, "shared_expert", None)
+            if shared is not None:
+                out = out + F.sigmoid(self.shared_expert_gate(x)) * shared(x)
+            return out.reshape(hidden_states.shape)
+
+    return PreparedSparseMoe
+
+
+class Qwen3MoeRecipe(Recipe):
+    """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention (fused q/k/v with
+    per-head q/k norms), routed experts in every sparse layer, dense MLPs (fused
+    gate/up) in ``mlp_only_layers``. No tensor-parallel sharding is declared yet."""
+
+    name = "qwen3_moe"
+    model_types = ("qwen3_moe",)
+    eager = frozenset({"Qwen3MoeRMSNorm"})
+    replacements = (Replacement("Qwen3MoeSparseMoeBlock", prepared_moe),)

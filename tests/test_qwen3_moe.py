@@ -1,0 +1,162 @@
+"""Numerical acceptance of the routed-expert recipe: the qwen3-moe-tiny core's programs
+(routed experts through ``recipes/moe.py``, a dense MLP layer, paged attention) against
+Transformers' own ``Qwen3MoeForCausalLM`` on the same weights, teacher-forced.
+
+Bound as in ``test_qwen3_5.py``: ``err32 = max |hf32 - hf64|`` is the rounding error of
+one float32 evaluation; Flare evaluates the same function in float32 in another order,
+so ``|flare - hf32| <= 4 * err32`` (+ 1e-6). The router is part of the function: a token
+whose k-th and (k+1)-th router probabilities were within rounding of each other could
+route differently in the two evaluations, and the bound would fail loudly at that row;
+with these weights the smallest such gap is reported and must exceed the rounding.
+The CUDA path's grouped expert kernels (``paged.impl == "triton"``, here under Triton's
+CPU interpreter) are compared with the reference path on the same core."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import TINY_OPTS, prepare_core
+from tests.rig import admit, decode, load_rig, prefill
+
+LENGTHS = (5, 16, 17, 40, 129)
+DECODE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def moe_core():
+    return prepare_core("qwen3-moe-tiny", TINY_OPTS)
+
+
+@pytest.fixture(scope="module")
+def rig(moe_core):
+    return load_rig(moe_core)
+
+
+@pytest.fixture(scope="module")
+def stream() -> list[int]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, 40000, (max(LENGTHS) + DECODE_STEPS,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_models(rig):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from flare.prepare.recipes import by_name
+
+    recipe = by_name(rig.m.reference.recipe)
+    config = recipe.config_from_json(rig.m.reference.config)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # the expert loop as written (grouped_mm has no float64)
+    state = recipe.checkpoint_state(rig.m.reference.config, load_file(str(rig.core / rig.m.arena.image)))
+    models = []
+    for dtype in (torch.float32, torch.float64):
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
+        missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+        assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+        models.append(model.eval())
+    return models
+
+
+def router_calls(model, x: torch.Tensor, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(router input, router logits) of ``layers`` in one forward of ``model`` over ``x``."""
+    captured = []
+    hooks = [model.model.layers[i].mlp.gate.register_forward_hook(lambda m, a, out: captured.append((a[0], out[0])))
+             for i in layers]
+    model(input_ids=x)
+    for h in hooks:
+        h.remove()
+    return captured
+
+
+def teacher_forced_errors(rig, stream, lengths, steps, l32, groups, split: bool = False) -> dict:
+    """Max |flare - hf32| over every prefill row (each prompt in its own slot, cut at a third
+    of its length when ``split``) and over ``steps`` decode steps of the slot ``groups``."""
+    head = rig.model.lm_head.weight.detach().double()
+    worst = {"prefill": 0.0, "decode": 0.0}
+    for slot, L in enumerate(lengths, start=1):
+        admit(rig, slot, stream[:L], rig.pages(-(-(L + steps) // 16)), seed=slot)
+        hidden, _, _ = prefill(rig, slot, stream[:L], splits=(L // 3,) if split else ())
+        worst["prefill"] = max(worst["prefill"], float((hidden.double() @ head.T - l32[:L]).abs().max()))
+    for step in range(steps):
+        for group in groups:
+            logits, _ = decode(rig, group, [stream[lengths[s - 1] + step] for s in group])
+            for row, s in enumerate(group):
+                pos = lengths[s - 1] + step
+                worst["decode"] = max(worst["decode"], float((logits[row].double() - l32[pos]).abs().max()))
+    return worst
+
+
+def routing_agreement(calls32, calls64, gates) -> dict:
+    """Flare's router (``kernels.moe.route``, float32) on each layer's router input against
+    Transformers' float64 top-k: the expert sets must be equal for every token whose k-th
+    and (k+1)-th float64 probabilities differ by more than twice the float32 router's own
+    error (measured: Transformers' float32 probabilities against float64); closer ties
+    are counted, not judged."""
+    from flare.prepare.kernels.moe import route
+
+    err = max(float((torch.softmax(o32.double(), -1) - torch.softmax(o64, -1)).abs().max())
+              for (_, o32), (_, o64) in zip(calls32, calls64))
+    tokens = near = bad = 0
+    for (x64, o64), gate in zip(calls64, gates):
+        p = torch.softmax(o64, dim=-1)
+        top, ids64 = p.sort(dim=-1, descending=True, stable=True)
+        k = gate.top_k
+        _, ids = route(x64.float(), gate.weight.float(), k, True)
+        same = (ids.sort(-1).values == ids64[:, :k].sort(-1).values).all(-1)
+        clear = (top[:, k - 1] - top[:, k]) > 2 * err
+        tokens += len(same)
+        near += int((~clear).sum())
+        bad += int((~same & clear).sum())
+    return {"tokens": tokens, "router_err_hf32": err, "near_ties": near, "disagreements_outside_rounding": bad}
+
+
+def test_prepared_model_routes_through_the_prepared_block(rig):
+    from flare.prepare.recipes.moe import Qwen3MoeRecipe
+
+    assert rig.m.reference.recipe == Qwen3MoeRecipe.name
+    mlps = [type(layer.mlp).__name__ for layer in rig.model.model.layers]
+    assert mlps == ["PreparedSparseMoe", "FusedQwen3MoeMLP"]  # layer 1 is in mlp_only_layers
+
+
+def test_logits_match_transformers_and_routing_gaps_exceed_rounding(rig, hf_models, stream):
+    hf32, hf64 = hf_models
+    with torch.inference_mode():
+        x = torch.tensor([stream])
+        l32 = hf32(input_ids=x).logits[0].double()
+        l64 = hf64(input_ids=x).logits[0]
+        calls = [router_calls(model, x, [0]) for model in (hf32, hf64)]  # layer 0 routes
+    routing = routing_agreement(*calls, [hf64.model.layers[0].mlp.gate])
+    err32 = float((l32 - l64).abs().max())
+    slots = list(range(1, len(LENGTHS) + 1))
+    # Decode batches of 4 and 1 (the capacities 4 and 1).
+    worst = teacher_forced_errors(rig, stream, LENGTHS, DECODE_STEPS, l32, (slots[:4], slots[4:]))
+    bound = 4 * err32 + 1e-6
+    print("\nqwen3_moe acceptance:", json.dumps({"err_hf32": err32, "bound": bound, "routing": routing,
+                                                  "max|flare-hf32|": worst, "logit_scale": float(l64.abs().max())}))
+    assert routing["disagreements_outside_rounding"] == 0, routing
+    assert worst["prefill"] <= bound and worst["decode"] <= bound, (worst, bound)
+
+
+def triton_matches_reference(core, stream) -> None:
+    """The CUDA path (Triton kernels, under the CPU interpreter here) against the reference
+    path on one core: two prefills cut inside a chunk, then two decode steps of a batch."""
+    rigs = {impl: load_rig(core, seed=3, attention=impl) for impl in ("reference", "triton")}
+    out = {}
+    for impl, r in rigs.items():
+        logits = []
+        for slot, L in ((1, 37), (2, 9)):
+            admit(r, slot, stream[:L], r.pages(4), seed=slot)
+            logits.append(prefill(r, slot, stream[:L], splits=(5,))[1][None])
+        for step in range(2):
+            logits.append(decode(r, [1, 2], [stream[100 + step], stream[120 + step]])[0])
+        out[impl] = torch.cat(logits)
+    torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4)
+
+
+def test_triton_experts_match_the_reference_path(moe_core, stream):
+    triton_matches_reference(moe_core, stream)
