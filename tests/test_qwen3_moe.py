@@ -160,3 +160,37 @@ def triton_matches_reference(core, stream) -> None:
 
 def test_triton_experts_match_the_reference_path(moe_core, stream):
     triton_matches_reference(moe_core, stream)
+
+
+def test_tp2_splits_the_experts_and_matches_tp1(moe_core, hf_models):
+    """TP=2 (each rank half the experts and half the heads; the router replicated; partial
+    expert outputs all-reduced) against TP=1 through the runtime executor, teacher-forced:
+    within 6 x the float32 rounding of the network (test_tensor_parallel.py's bound), and
+    the same greedy tokens."""
+    import asyncio
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from flare.core.manifest import load_manifest, rank_images
+    from tests.test_tensor_parallel import FORCED_STEPS, _drive, _prompts
+
+    tp2 = prepare_core("qwen3-moe-tiny", [*TINY_OPTS, "--tp", "2"])
+    m = load_manifest(moe_core)
+    rank0 = load_file(str(rank_images(tp2, load_manifest(tp2))[0]))
+    assert rank0["w.model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4  # of 8 experts
+    assert rank0["w.model.layers.0.mlp.gate.weight"].shape[0] == 8  # the router sees all of them
+    prompts = _prompts(m.capacities.sampling_vocab)
+    rng = np.random.default_rng(8)
+    forced = [rng.integers(3, m.capacities.sampling_vocab, FORCED_STEPS).tolist() for _ in prompts]
+    r1, r2 = asyncio.run(_drive(moe_core, prompts, forced)), asyncio.run(_drive(tp2, prompts, forced))
+    hf32, hf64 = hf_models
+    with torch.inference_mode():
+        err32 = max(float((hf32(torch.tensor([p + f])).logits[0].double()
+                           - hf64(torch.tensor([p + f])).logits[0]).abs().max()) for p, f in zip(prompts, forced))
+    bound = 6 * err32 + 1e-6
+    pairs = list(zip(r1["prefill_logits"], r2["prefill_logits"])) + list(zip(r1["decode_logits"], r2["decode_logits"]))
+    worst = max(float(np.abs(a.astype(np.float64) - b).max()) for a, b in pairs)
+    print(f"\nqwen3_moe TP=2 vs TP=1: err32 {err32:.3g}, bound {bound:.3g}, max {worst:.3g}")
+    assert worst <= bound
+    assert r1["greedy"] == r2["greedy"]

@@ -206,6 +206,8 @@ class Recipe:
         if tp.active:
             _attach_collectives(model, tp, self.sharding)
         readers = tuple(m for m in model.modules() if getattr(type(m), "reads_batch", False))
+        for m in readers:  # prepared modules that run their own collectives read the rank here
+            m.flare_tp = tp
         return PreparedModel(model, tp, readers)
 
     def check_divisible(self, config, tp_size: int) -> None:

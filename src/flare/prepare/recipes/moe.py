@@ -23,17 +23,29 @@ from torch.nn import functional as F
 
 from flare.prepare.attention import PagedBatch
 from flare.prepare.kernels import moe as K
+from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import Recipe, Replacement
+from flare.prepare.recipes.decoder import DECODER_SHARDING
 
 
 def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
-    """The routed experts' output for hidden rows ``x [T, H]``."""
+    """The routed experts' output for hidden rows ``x [T, H]``. With tensor parallelism
+    each rank holds a contiguous slice of the experts: the (replicated) router picks among
+    all of them, a rank computes the pairs routed to its own, and the partial outputs are
+    all-reduced."""
     gate, experts = block.gate, block.experts
     valid = paged.valid if paged is not None else None
     # Qwen3.5-MoE's router always renormalises (it has no norm_topk_prob).
     weights, ids = K.route(x, gate.weight, gate.top_k, getattr(gate, "norm_topk_prob", True), valid)
+    local = experts.gate_up_proj.shape[0]
+    split = local != gate.weight.shape[0]
+    if split:
+        ids = ids - block.flare_tp.rank * local
+        outside = (ids < 0) | (ids >= local)
+        ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
     impl = K.experts_triton if paged is not None and paged.impl == "triton" else K.experts_torch
-    return impl(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    out = impl(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    return block.flare_tp.all_reduce(out) if split else out
 
 
 def prepared_moe(base: type) -> type:
@@ -42,6 +54,7 @@ def prepared_moe(base: type) -> type:
 
         reads_batch = True
         flare_paged: PagedBatch | None = None
+        flare_tp: TensorParallel = SINGLE  # set by the recipe base for a tensor-parallel rank
 
         # Outside the compiled layer: the batch is a plain attribute (a compiled forward
         # would guard on it per program), and the plan and kernels run as written.
@@ -60,9 +73,13 @@ def prepared_moe(base: type) -> type:
 class Qwen3MoeRecipe(Recipe):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention (fused q/k/v with
     per-head q/k norms), routed experts in every sparse layer, dense MLPs (fused
-    gate/up) in ``mlp_only_layers``. No tensor-parallel sharding is declared yet."""
+    gate/up) in ``mlp_only_layers``. Tensor parallelism: attention heads and dense MLPs
+    as the decoder recipe's, the experts split across ranks (dim 0 of both expert
+    tensors), the router replicated."""
 
     name = "qwen3_moe"
     model_types = ("qwen3_moe",)
+    sharding = {**DECODER_SHARDING, "mlp.experts": 0}
+    divided_dims = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "num_experts", "vocab_size")
     eager = frozenset({"Qwen3MoeRMSNorm"})
     replacements = (Replacement("Qwen3MoeSparseMoeBlock", prepared_moe),)
