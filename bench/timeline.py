@@ -31,7 +31,7 @@ import numpy as np
 from cuda.bindings import driver as d
 
 from bench.floor import _setup_slots, copy_bandwidth, gpu_ms_per_step
-from bench.kernels import op_of
+from bench.kernels import op_of, part_of
 from flare.core import graph as G
 from flare.core.manifest import load_manifest
 from flare.runtime.cuda_driver import ck
@@ -131,13 +131,13 @@ def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarr
             weights = [t for t in touched if t.startswith("w.")]
             layer = next((int(g.group(1)) for t in touched if (g := _LAYER.search(t))), None)
             row.update(function=node.function, name=name if len(name) <= 96 else name[:93] + "...", op=op_of(name),
-                       layer=layer, weights=[w[2:] for w in weights])
+                       layer=layer, weights=[w[2:] for w in weights], part=part_of(weights))
             if row["op"] == "matmul" and len(weights) == 1 and t > 0:
                 row["bytes"] = m.buffer(weights[0]).nbytes
                 row["GBps"] = round(row["bytes"] / (t / 1e3) / 1e9, 1)
         else:
             kind = type(node).__name__.removesuffix("Node").lower()
-            row.update(function=None, name=kind, op=kind, layer=None, weights=[])
+            row.update(function=None, name=kind, op=kind, layer=None, weights=[], part=None)
         rows.append(row)
     fill_layers(rows)
     return rows
@@ -145,19 +145,27 @@ def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarr
 
 def fill_layers(rows: list[dict]) -> None:
     """Kernels without a layer weight: head before the first layer, tail after the last,
-    otherwise the layer of the previous kernel (a residual add ends its layer's work)."""
+    otherwise the layer of the previous kernel (a residual add ends its layer's work);
+    likewise their part (``bench.kernels.part_of``): the part before them, else "other"."""
     known = [k for k, r in enumerate(rows) if r["layer"] is not None]
     for k, r in enumerate(rows):
         if r["layer"] is None:
             j = bisect.bisect_left(known, k)
             r["layer"] = "head" if j == 0 else "tail" if j == len(known) else rows[known[j - 1]]["layer"]
+    part = "other"
+    for r in rows:
+        part = r["part"] = r.get("part") or (part if r["layer"] not in ("head", "tail") else "other")
 
 
 def _summary(rows: list[dict]) -> dict:
     total = sum(r["ms"] for r in rows)
     ops: dict[str, dict] = {}
+    parts: dict[str, dict] = {}
     layers: dict[object, dict] = {}
     for r in rows:
+        p = parts.setdefault(r.get("part") or "other", {"ms": 0.0, "count": 0})  # older files: no parts
+        p["ms"] += r["ms"]
+        p["count"] += 1
         o = ops.setdefault(r["op"], {"ms": 0.0, "count": 0})
         o["ms"] += r["ms"]
         o["count"] += 1
@@ -176,7 +184,9 @@ def _summary(rows: list[dict]) -> dict:
                 "min_ms": layers[body_idx[0]]["ms"], "max_ms": layers[body_idx[-1]]["ms"],
                 "kernels": layers[med]["count"], "ops_ms": layers[med]["ops"]}
     keys = sorted(layers, key=lambda k: (k == "tail", k != "head", k if isinstance(k, int) else 0))
-    return {"timed_sum_ms": total, "ops": ops, "layers": {str(k): layers[k] for k in keys}, "layer_body": body}
+    parts = dict(sorted(parts.items(), key=lambda kv: -kv[1]["ms"]))
+    return {"timed_sum_ms": total, "ops": ops, "parts": parts, "layers": {str(k): layers[k] for k in keys},
+            "layer_body": body}
 
 
 def profile(ex: CudaExecutor, m, batch: int, launches: int, spans: list) -> dict:
@@ -206,6 +216,7 @@ def _print(r: dict, roofline_ms: float) -> None:
         print(f"  {n['ms'] * 1e3:8.1f} us  {n['op']:<10} {n['layer']!s:>5} {gb:>10}  {n['name'][:70]}")
     for op, o in r["ops"].items():
         print(f"  {op:<10} {o['ms']:8.3f} ms  {o['count']:4d} nodes  {o['fraction_of_sum']:6.1%}")
+    print("  by part: " + ", ".join(f"{p} {v['ms']:.3f} ms ({v['count']})" for p, v in r["parts"].items()))
     if b := r["layer_body"]:
         print(f"  layer body: median {b['median_ms']:.3f} ms (layer {b['median_layer']}, {b['kernels']} kernels), "
               f"min {b['min_ms']:.3f}, max {b['max_ms']:.3f} over {b['layers']} layers")

@@ -57,6 +57,23 @@ def test_kernels_without_weights_take_the_layer_around_them():
     assert [r["layer"] for r in rows] == ["head", 0, 0, 1, "tail"]
 
 
+def test_parts_of_a_routed_layer_follow_the_weights_read():
+    from bench.kernels import part_of
+
+    names = [["w.model.layers.0.input_layernorm.weight"], ["w.model.layers.0.self_attn.qkv_proj.weight"], [],
+             ["w.model.layers.0.mlp.gate.weight"], [], [], ["w.model.layers.0.mlp.experts.gate_up_proj"],
+             ["w.model.layers.0.mlp.experts.down_proj"], [],
+             ["w.model.layers.0.mlp.shared_expert.gate_up_proj.weight"],
+             ["w.model.layers.0.mlp.shared_expert_gate.weight"], ["w.model.layers.1.linear_attn.in_proj.weight"],
+             ["w.lm_head.weight"], []]
+    rows = [{"layer": 0 if w and "layers" in w[0] else None, "part": part_of(w)} for w in names]
+    rows[2]["layer"] = rows[4]["layer"] = rows[5]["layer"] = rows[8]["layer"] = 0
+    T.fill_layers(rows)
+    assert [r["part"] for r in rows] == ["norm", "attention", "attention", "router", "router", "router", "experts",
+                                         "experts", "experts", "shared_expert", "shared_expert", "gdn", "head",
+                                         "other"]
+
+
 def test_operator_classes():
     assert op_of("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_splitK_TNT") == "matmul"
     assert op_of("_ZN8cublasLt19splitKreduce_kernelILi32ELi16Eif13__nv_bfloat16") == "splitk_reduce"

@@ -1,0 +1,170 @@
+"""Routed-expert kernels at Qwen3-30B-A3B's and Qwen3.5-35B-A3B's layer geometry: GPU time
+per layer, capture, accuracy, and the active-bytes bandwidth.
+
+usage: python bench/moe_kernels.py --out RESULT.json [--replays 100] [--budget-s 150]
+       python bench/moe_kernels.py --smoke --out /tmp/moe-smoke.json   (CPU, Triton interpreter, tiny, float32)
+
+Per geometry and token count T (decode 1 and 4, prefill chunks of 128 and 2,048), the
+router's choices come from random hidden rows and a random router (so the experts a
+batch hits are as many as real routing would hit, not one), and each candidate computes
+the routed experts' weighted sum for the chunk:
+
+* ``ours[bm,bn,bk,w]``  kernels/moe.py: route + plan + grouped gate/up + grouped down + sum,
+  as the recipe runs it (block_m 16 for decode, 64 for prefill).
+* ``ours.plan``         route + plan alone (the fixed cost before any expert GEMM).
+* ``torch_grouped_mm``  torch._grouped_mm over the pairs sorted by expert (offsets on the
+  device), where this torch has it for the dtype.
+* ``torch_gather``      the reference: each pair's expert weights gathered, two bmm.
+
+``active_bytes`` is what a step must read: the union of the experts the batch routes to
+(their gate/up and down rows) plus the router; ``gb_per_s`` = active_bytes / time.
+Timing, capture and checks are bench/gdn_kernels.py's (``measure``): a median over graph
+replays of R rotating input sets, bitwise replay against eager, determinism, and the
+error of the first set against a float64 loop over pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # the interpreter switch is read when Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.gdn_kernels import Case, _line, run  # noqa: E402
+from flare.prepare.kernels import moe as K  # noqa: E402
+
+F64 = torch.float64
+GEOMETRIES = {  # name: (E, k, H, I)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "qwen3_5-35b-a3b": (256, 8, 2048, 512),
+}
+
+
+def loop64(x, w, ids, gate_up, down):
+    E = gate_up.shape[0]
+    out = torch.zeros(x.shape, dtype=F64, device=x.device)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < E:
+                g, u = (gate_up[e].to(F64) @ x[t].to(F64)).chunk(2)
+                out[t] += float(w[t, j]) * (down[e].to(F64) @ (F.silu(g) * u))
+    return out
+
+
+def grouped_mm_candidate(x, w, ids, gate_up, down):
+    """torch._grouped_mm over the pairs sorted by expert: offsets from a device cumsum."""
+    E = gate_up.shape[0]
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
+    xs = x[order // k]
+    gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+    g, u = gu.chunk(2, dim=-1)
+    y = torch._grouped_mm((F.silu(g) * u).to(x.dtype), down.transpose(1, 2), offs=offs)
+    out = torch.empty_like(y).index_copy_(0, order, y)
+    return K.combine(out, w, ids, E)
+
+
+def cases_for(name, geo, T, device, dtype, rotations, configs):
+    E, k, H, I = geo
+    g = torch.Generator(device="cpu").manual_seed(T)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(dtype).to(device)
+    down = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(dtype).to(device)
+    router = torch.randn(E, H, generator=g).to(dtype).to(device)
+    sets = []
+    for _ in range(rotations):
+        x = torch.randn(T, H, generator=g).to(dtype).to(device)
+        w, ids = K.route(x, router, k, True)
+        sets.append((x, w, ids))
+    x0, w0, ids0 = sets[0]
+    hit = torch.unique(ids0).numel()
+    active = hit * 3 * H * I * gate_up.element_size() + router.numel() * router.element_size()
+
+    def check(outs, state):
+        ref = loop64(x0, w0, ids0, gate_up, down) if T <= 4 else None
+        got = outs[0]
+        if ref is None:  # long chunks: the torch reference instead of a float64 loop
+            ref = K.experts_torch(x0.double(), w0.double(), ids0, gate_up.double(), down.double())
+        return dict(max_abs_err=float((got.double() - ref).abs().max()), out_scale=float(ref.abs().max()),
+                    experts_hit=hit)
+
+    tag = f"{name}[T{T}]"
+    out = []
+    for bm, bn, bk, warps in configs:
+        if (T <= 4) != (bm == 16):
+            continue
+
+        def ours(x, w, ids, bm=bm, bn=bn, bk=bk, warps=warps):
+            p = K.plan(ids, E, bm)
+            h = K.grouped_gate_up(x, gate_up, p, k, block_n=bn, block_k=bk, num_warps=warps)
+            return (K.combine(K.grouped_down(h, down, p, block_n=bn, block_k=bk, num_warps=warps), w, ids, E),)
+        out.append(Case(f"{tag}.ours[bm{bm},bn{bn},bk{bk},w{warps}]",
+                        [(lambda s=s, f=ours: f(*s)) for s in sets], [], check, bytes_per_call=active))
+    out.append(Case(f"{tag}.ours.plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))
+                                         for s in sets], [], None, "route + plan only"))
+    if hasattr(torch, "_grouped_mm") and device == "cuda":
+        out.append(Case(f"{tag}.torch_grouped_mm", [(lambda s=s: (grouped_mm_candidate(*s, gate_up, down),))
+                                                    for s in sets], [], check, bytes_per_call=active))
+    if T <= 128:
+        out.append(Case(f"{tag}.torch_gather", [(lambda s=s: (K.experts_torch(*s, gate_up, down),)) for s in sets],
+                        [], check, bytes_per_call=active))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--replays", type=int, default=100)
+    p.add_argument("--budget-s", type=float, default=150.0)
+    p.add_argument("--tokens", default=None, help="token counts, comma separated (default 1,4,128,2048)")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
+        return 2
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    geos = GEOMETRIES if cuda else {"tiny": (8, 2, 32, 48)}
+    tokens = [int(t) for t in (args.tokens or ("1,4,128,2048" if cuda else "1,4,24")).split(",")]
+    configs = ([(16, 64, 64, 4), (16, 128, 64, 4), (16, 32, 128, 4), (64, 64, 64, 4), (64, 128, 64, 8)] if cuda
+               else [(16, 32, 32, 4), (64, 32, 32, 4)])
+    if args.smoke:
+        args.replays = 2
+    cases = []
+    for name, geo in geos.items():
+        for T in tokens:
+            rot = max(1, min(16, (3 * 50 << 20) // (T * geo[1] * 3 * geo[2] * geo[3] * 2 + 1))) if cuda else 2
+            cases += cases_for(name, geo, T, device, dtype, rot, configs)
+    results = run(cases, args, cuda, started, lambda line: print(line, flush=True))
+    report = dict(
+        machine=dict(device=torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"),
+        versions=dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__),
+        config=dict(smoke=args.smoke, geometries=geos, tokens=tokens, dtype=str(dtype), replays=args.replays,
+                    configs=configs),
+        results=results, wall_s=round(time.perf_counter() - started, 1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print(f"\n== routed experts, per layer ({report['machine']['device']}); {report['wall_s']} s")
+    for r in results:
+        print(_line(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
