@@ -64,8 +64,7 @@ def main(a) -> None:
     for b in a.batches:
         for mode in ("static-compiled", "default-eager"):
             model.generation_config.cache_implementation = "static" if mode == "static-compiled" else None
-            if mode == "default-eager":
-                model.generation_config.disable_compile = True
+            model.generation_config.disable_compile = mode == "default-eager"
             try:
                 results["batches"][b] = _measure(model, b, a.tokens)
                 results["modes"][b] = mode

@@ -35,10 +35,13 @@ if step prepare && [ ! -f $CORE/manifest.json ]; then
   echo "prepare_s $((SECONDS - t0))" | tee $OUT/prepare_time-$MODEL.txt
   cp $CORE/prepare_report.json $OUT/prepare_report-$MODEL.json
 fi
-step floor && python3 -m bench.floor $CORE $OUT/floor-$MODEL.json 200
-step timeline && python3 -m bench.timeline $CORE $OUT/timeline-$MODEL.json --batches 1,4 2>&1 | tee $OUT/timeline-$MODEL.txt
+# Each step first removes what it writes (a failed step leaves no older file behind);
+# collect joins what the steps run in this work folder left, across calls.
+step floor && rm -f $OUT/floor-$MODEL.json && python3 -m bench.floor $CORE $OUT/floor-$MODEL.json 200
+step timeline && rm -f $OUT/timeline-$MODEL.* && python3 -m bench.timeline $CORE $OUT/timeline-$MODEL.json --batches 1,4 2>&1 | tee $OUT/timeline-$MODEL.txt
 PORT=8391
 if step serve; then
+rm -f $OUT/serve-$MODEL.json $OUT/serve-$MODEL.log $OUT/startup-$MODEL.txt $OUT/metrics-$MODEL.txt
 python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL > $OUT/serve-$MODEL.log 2>&1 &
 SRV=$!
 for i in $(seq 1 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.25; done
@@ -51,6 +54,7 @@ kill $SRV; wait $SRV
 fi
 # The same decode scenario with one step at a time: the host gap that two steps in flight hide.
 if step depth1; then
+rm -f $OUT/serve-$MODEL-depth1.* $OUT/metrics-$MODEL-depth1.txt
 python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL --steps-in-flight 1 \
   > $OUT/serve-$MODEL-depth1.log 2>&1 &
 SRV=$!
@@ -59,9 +63,10 @@ python3 -m bench.serve_bench http://127.0.0.1:$PORT $MODEL $OUT/serve-$MODEL-dep
 curl -s localhost:$PORT/metrics | grep -E "engine_" > $OUT/metrics-$MODEL-depth1.txt
 kill $SRV; wait $SRV
 fi
-step baseline && timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json 2>&1 | tee $OUT/hf-$MODEL.log
+step baseline && rm -f $OUT/hf-$MODEL.* && timeout ${HF_TIMEOUT:-300} python3 -m bench.hf_baseline $CORE $OUT/hf-$MODEL.json 2>&1 | tee $OUT/hf-$MODEL.log
 if step collect; then
+  rm -f $OUT/serving-$MODEL-*.json
   python3 -m bench.collect $CORE $OUT $MODEL $OUT/serving-$MODEL-$(date +%F).json
-  cp $OUT/serving-$MODEL-*.json $OUT/timeline-$MODEL.json $OUT/timeline-$MODEL.txt "$FINAL"/ 2>/dev/null
+  cp $OUT/serving-$MODEL-$(date +%F).json $OUT/timeline-$MODEL.json $OUT/timeline-$MODEL.txt "$FINAL"/ 2>/dev/null
 fi
 tar czf "$FINAL/bench-raw-$MODEL.tgz" -C $OUT .

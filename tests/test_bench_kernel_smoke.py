@@ -1,6 +1,7 @@
 """The kernel benchmarks run end to end on the CPU (--smoke: Triton's interpreter, tiny
 shapes) and every candidate that can run here reports no error and an accuracy within
-its float32 rounding: the GPU session spends its time measuring, not fixing scripts."""
+its dtype's rounding (the GDN smoke runs in bfloat16, the experts in float32): the GPU
+session spends its time measuring, not fixing scripts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed")
 
 
-@pytest.mark.parametrize("script", ["bench/gdn_kernels.py", "bench/moe_kernels.py"])
-def test_kernel_benchmark_smoke(script, tmp_path):
+@pytest.mark.parametrize("script, rel", [("bench/gdn_kernels.py", 2e-2), ("bench/moe_kernels.py", 1e-5)])
+def test_kernel_benchmark_smoke(script, rel, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], capture_output=True, text=True,
                           timeout=600)
@@ -25,4 +26,4 @@ def test_kernel_benchmark_smoke(script, tmp_path):
     assert ran and not errors, errors
     for r in ran:
         if r.get("max_abs_err") is not None:
-            assert r["max_abs_err"] <= 5e-2 * max(r.get("out_scale") or 1.0, 1.0), r
+            assert r["max_abs_err"] <= rel * max(r.get("out_scale") or 1.0, 1.0), r

@@ -267,11 +267,6 @@ def test_prefill_pieces_with_chunk_rule_equal_decode_steps():
     torch.testing.assert_close(final[0], state_dec[slot], atol=1e-5, rtol=1e-5)
 
 
-def _prefill_inputs(geo, T, dtype, seed):
-    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, T, dtype, seed)
-    return q, k, v, a, b, A_log, dt_bias, state
-
-
 def _recurrent(q, k, v, g, beta, state, slot, n, **kw):
     out = torch.full(v.shape, float("nan"), dtype=v.dtype, device=DEVICE)
     return gdn_prefill_recurrent(q, k, v, g, beta, state, torch.tensor([slot], device=DEVICE),
@@ -283,7 +278,7 @@ def test_prefill_recurrent_matches_float64_steps_and_zeroes_past_count(geo):
     """The chunk's valid tokens follow the float64 recurrence from the slot's state; the
     state of every other row is untouched; outputs past the count are zeros."""
     T, n, slot = 9, 6, 3
-    q, k, v, a, b, A_log, dt_bias, state = _prefill_inputs(geo, T, torch.float32, 700)
+    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, T, torch.float32, 700)
     g, beta = gdn_prefill_gates(a, b, A_log, dt_bias, torch.tensor(n, device=DEVICE))
     before = state.clone()
     out = _recurrent(q, k, v, g, beta, state, slot, n, block_v=8)
@@ -303,7 +298,7 @@ def test_prefill_recurrent_is_bitwise_invariant_to_where_chunks_split(dtype):
     prompt restored at a boundary and continued (another chunk start, another capacity,
     padding) leave bitwise the same state and outputs."""
     geo, n, slot = GEOMETRIES[0], 11, 2
-    q, k, v, a, b, A_log, dt_bias, state = _prefill_inputs(geo, 16, dtype, 701)
+    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, 16, dtype, 701)
     g, beta = gdn_prefill_gates(a, b, A_log, dt_bias, torch.tensor(16, device=DEVICE))
     whole = state.clone()
     out_whole = _recurrent(q[:16], k[:16], v[:16], g, beta, whole, slot, n)

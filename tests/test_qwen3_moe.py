@@ -7,7 +7,8 @@ one float32 evaluation; Flare evaluates the same function in float32 in another 
 so ``|flare - hf32| <= 4 * err32`` (+ 1e-6). The router is part of the function: a token
 whose k-th and (k+1)-th router probabilities were within rounding of each other could
 route differently in the two evaluations, and the bound would fail loudly at that row;
-with these weights the smallest such gap is reported and must exceed the rounding.
+``routing_agreement`` counts such near-ties and requires Flare's router to pick
+Transformers' float64 experts for every other token.
 The CUDA path's grouped expert kernels (``paged.impl == "triton"``, here under Triton's
 CPU interpreter) are compared with the reference path on the same core."""
 

@@ -175,12 +175,14 @@ class Range(_Frozen):
     hi: float
 
 
-# Complete defaults declared by the recipe, one field per sampling parameter
-# (``flare.core.sampling_params``), and ``ranges`` bounding request values (out-of-range
-# values clamp). A parameter without a range is fixed at its default.
+# Complete defaults, one field per sampling parameter (``flare.core.sampling_params``),
+# ``ranges`` bounding request values (out-of-range values clamp; a parameter without a
+# range is fixed at its default), and where the defaults came from (``source``: a named
+# config's [sampling], a checkpoint's generation_config.json, flare-prepare --sampling
+# over either, or neutral). Informational: the runtime uses the values, not the source.
 SamplingDefaults = msgspec.defstruct(
     "SamplingDefaults",
-    [*((p.name, p.type) for p in SAMPLING_PARAMS), ("ranges", Mapping[str, Range])],
+    [*((p.name, p.type) for p in SAMPLING_PARAMS), ("ranges", Mapping[str, Range]), ("source", str, "neutral")],
     bases=(_Frozen,),
     module=__name__,
 )

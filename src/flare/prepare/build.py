@@ -30,22 +30,29 @@ from flare.prepare import recipes
 from flare.prepare.layout import align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
 from flare.prepare.plan import (GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
-                                buffer_requests, continuation_rows, partial_manifest, plan_capacities, program_table)
+                                buffer_requests, continuation_rows, partial_manifest, plan_capacities, program_table,
+                                sampling_defaults)
 from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
+from flare.core.sampling_params import NEUTRAL
 from flare.prepare.sources import ModelSource
 
 __all__ = ["Options", "PrepareError", "prepare"]
 
 
 def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str], None], session=None,
-            tp: TensorParallel = SINGLE) -> mf.Manifest | None:
+            tp: TensorParallel = SINGLE, started: float | None = None) -> mf.Manifest | None:
     """Prepare and export a core. ``session`` is a CudaSession for --device cuda
     (begun before torch initialised CUDA), None for the CPU reference path. With
     tensor parallelism every rank calls this with its group; each writes its rank's
-    image, rank 0 the manifest and the shared files (other ranks return None)."""
-    t0 = time.time()
+    image, rank 0 the manifest and the shared files (other ranks return None).
+    ``started``: when the flare-prepare command started (time.time()), so the times
+    reported count its imports, the CUDA session and the model's loading too."""
+    t0 = started if started is not None else time.time()
     recipe = _recipe_for(src)
     _check_request(opts, session, tp)
+    defaults, source = sampling_defaults(src, opts)
+    shown = {k: v for k, v in defaults.items() if k == "temperature" or v != NEUTRAL[k]}
+    progress(f"sampling defaults ({source}): " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     target = _CudaArena(session, opts, tp) if opts.device == "cuda" else _CpuArena()
     dtype = DType(opts.resolved_dtype())
 

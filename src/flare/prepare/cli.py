@@ -47,6 +47,22 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(_gpu_count())]
 
 
+def _sampling(text: str) -> dict[str, float]:
+    from flare.core.sampling_params import SAMPLING_PARAMS
+
+    types = {p.name: p.type for p in SAMPLING_PARAMS}
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in types:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE with NAME one of {', '.join(types)}")
+        try:
+            out[name.strip()] = types[name.strip()](value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: {value!r} is not a {types[name.strip()].__name__}") from None
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flare-prepare", description=__doc__)
     p.add_argument("model", help="config name from configs/, a Hugging Face directory, or a .gguf file")
@@ -77,10 +93,14 @@ def parser() -> argparse.ArgumentParser:
                    help="tensor-parallel ranks: one preparation process per rank (CPU reference path; "
                         "see docs/tensor-parallel.md)")
     p.add_argument("--served-name", default=None, help="model id the server reports (default: config or dir name)")
+    p.add_argument("--sampling", type=_sampling, default={},
+                   help="sampling defaults over the model's, e.g. temperature=0.6,top_p=0.95 (default: a named "
+                        "config's [sampling], else the checkpoint's generation_config.json, else neutral)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()
     a = parser().parse_args(argv)
     args = {
         "model": a.model,
@@ -101,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "reserve_gib": a.gpu_reserve,
         "qualify": a.qualify,
         "tp_size": a.tp,
+        "sampling": a.sampling,
+        "started_at": started,  # the worker's clock starts here: "done in" is the command's wall time
     }
     if a.tp < 1:
         print(f"flare-prepare: error: --tp must be at least 1, got {a.tp}", file=sys.stderr)

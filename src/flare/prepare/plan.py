@@ -47,6 +47,7 @@ class Options:
     tp_rank: int = 0
     tp_addr: str | None = None  # host:port of rank 0's gloo store (TP > 1)
     served_name: str | None = None
+    sampling: dict = field(default_factory=dict)  # flare-prepare --sampling: over the source's defaults
     extra: dict = field(default_factory=dict)
 
     def resolved_dtype(self) -> str:
@@ -213,13 +214,27 @@ def _rank_base(base: int, rank: int, r: int) -> int:
     return rank_base(rank_base(base, -rank), r)
 
 
+def sampling_defaults(src, opts: Options) -> tuple[dict, str]:
+    """The core's sampling defaults and their source: the model source's (a named config's
+    [sampling], a checkpoint's generation_config.json, or neutral), then ``--sampling``
+    over them. A default outside its declared range is an error (requests would clamp
+    away from it)."""
+    s = {**src.sampling, **opts.sampling}
+    source = f"--sampling over {src.sampling_source}" if opts.sampling else src.sampling_source
+    for k, v in opts.sampling.items():
+        lo, hi = src.ranges.get(k, (v, v))
+        if k in src.ranges and not lo <= v <= hi:
+            raise PrepareError(f"--sampling {k}={v} is outside the range [{lo}, {hi}] the model declares")
+    return s, source
+
+
 def partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,
                       device) -> mf.Manifest:
     import transformers
 
     from flare import __version__
 
-    s = src.sampling
+    s, source = sampling_defaults(src, opts)
     ranges = {k: mf.Range(lo=lo, hi=hi) for k, (lo, hi) in src.ranges.items()}
     if "top_k" in ranges:
         hi = min(ranges["top_k"].hi, caps.sampling_vocab)
@@ -261,7 +276,8 @@ def partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, con
             tool_parser=mf.ToolParser(src.tool_parser),
             reasoning_parser=mf.ReasoningParser(src.reasoning_parser),
         ),
-        sampling=mf.SamplingDefaults(**{p.name: p.type(s[p.name]) for p in SAMPLING_PARAMS}, ranges=ranges),
+        sampling=mf.SamplingDefaults(**{p.name: p.type(s[p.name]) for p in SAMPLING_PARAMS}, ranges=ranges,
+                                     source=source),
         reference=mf.Reference(recipe=recipe.name, config=recipe.config_json(src.config), dtype=opts.resolved_dtype()),
         continuation=continuation,
         kernels="kernels.json" if device else None,

@@ -44,6 +44,7 @@ class ModelSource:
     frontend: FrontendAssets
     sampling: dict[str, Any]
     ranges: dict[str, tuple[float, float]]
+    sampling_source: str
     tool_parser: str
     reasoning_parser: str
     # Called with (param_name -> destination tensor); fills every destination.
@@ -145,16 +146,29 @@ def _convert_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
     return out
 
 
-def _sampling_from(spec: dict) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
-    # Cores without declared defaults sample from the model's distribution as it is.
+# The sampling fields of a checkpoint's generation_config.json that become a core's defaults
+# (as vLLM reads them; ``do_sample`` is not consulted).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _sampling_from(spec: dict, generation: dict | None = None
+                   ) -> tuple[dict[str, Any], dict[str, tuple[float, float]], str]:
+    """(defaults, ranges, source). A named config's [sampling] wins; otherwise a
+    checkpoint's generation_config.json sampling fields; otherwise neutral (the model's
+    distribution as it is)."""
     sampling = dict(NEUTRAL)
     declared = spec.get("sampling", {})
     ranges_in = declared.get("ranges", {})
-    for k, v in declared.items():
-        if k == "ranges":
-            continue
+    values = {k: v for k, v in declared.items() if k != "ranges"}
+    source = "config [sampling]" if values else "neutral"
+    if not values and generation:
+        values = {k: generation[k] for k in GENERATION_CONFIG_FIELDS if generation.get(k) is not None}
+        source = "generation_config.json" if values else source
+    for k, v in values.items():
         if k not in SAMPLING_NAMES:
             raise SourceError(f"unknown sampling default {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise SourceError(f"sampling default {k} = {v!r} is not a number")
         sampling[k] = v
     ranges = {}
     for k, v in ranges_in.items():
@@ -163,7 +177,7 @@ def _sampling_from(spec: dict) -> tuple[dict[str, Any], dict[str, tuple[float, f
         ranges[k] = (float(v[0]), float(v[1]))
     if not spec:  # ranges wide enough to be useful
         ranges = {p.name: p.range for p in SAMPLING_PARAMS}
-    return sampling, ranges
+    return sampling, ranges, source
 
 
 def _frontend_from_tokenizer(tok: Any, config: Any, extra_eos: tuple[int, ...] = ()) -> FrontendAssets:
@@ -203,12 +217,12 @@ def _from_hf_dir(path: Path, *, name: str, spec: dict, progress: Callable[[str],
     progress(f"loading tokenizer from {path}")
     tok = AutoTokenizer.from_pretrained(str(path))
     gen_eos: tuple[int, ...] = ()
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        v = json.loads(gen.read_text()).get("eos_token_id")
-        gen_eos = tuple(v) if isinstance(v, list) else ((v,) if isinstance(v, int) else ())
+    gen_file = path / "generation_config.json"
+    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    v = generation.get("eos_token_id")
+    gen_eos = tuple(v) if isinstance(v, list) else ((v,) if isinstance(v, int) else ())
     frontend = _frontend_from_tokenizer(tok, config, gen_eos)
-    sampling, ranges = _sampling_from(spec)
+    sampling, ranges, sampling_source = _sampling_from(spec, generation)
     fe = spec.get("frontend", {})
 
     def load_weights(dest: dict[str, Any]) -> None:
@@ -235,6 +249,7 @@ def _from_hf_dir(path: Path, *, name: str, spec: dict, progress: Callable[[str],
         frontend=frontend,
         sampling=sampling,
         ranges=ranges,
+        sampling_source=sampling_source,
         tool_parser=fe.get("tool_parser", "none"),
         reasoning_parser=fe.get("reasoning_parser", "none"),
         load_weights=load_weights,
@@ -261,7 +276,7 @@ def _random(name: str, spec: dict, progress: Callable[[str], None]) -> ModelSour
     else:
         raise SourceError(f"random config {name!r} must name tokenizer_dir or tokenizer_from")
     seed = int(src.get("seed", 0))
-    sampling, ranges = _sampling_from(spec)
+    sampling, ranges, sampling_source = _sampling_from(spec)
     fe = spec.get("frontend", {})
 
     def load_weights(dest: dict[str, Any]) -> None:
@@ -273,6 +288,7 @@ def _random(name: str, spec: dict, progress: Callable[[str], None]) -> ModelSour
         frontend=frontend,
         sampling=sampling,
         ranges=ranges,
+        sampling_source=sampling_source,
         tool_parser=fe.get("tool_parser", "none"),
         reasoning_parser=fe.get("reasoning_parser", "none"),
         load_weights=load_weights,

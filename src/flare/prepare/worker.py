@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-_T0 = time.time()
+_T0 = time.time()  # replaced by flare-prepare's own start (``started_at``): one clock for every line
 
 
 def progress(msg: str) -> None:
@@ -24,7 +24,9 @@ def main() -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    global _T0
     args = json.loads(sys.argv[1])
+    _T0 = args.pop("started_at", _T0)
     out = Path(args.pop("out"))
     model = args.pop("model")
     session = None
@@ -57,7 +59,7 @@ def main() -> int:
     try:
         progress(f"loading {model}")
         src = resolve(model, progress=progress)
-        prepare(src, opts, out, progress, session=session, tp=tp)
+        prepare(src, opts, out, progress, session=session, tp=tp, started=_T0)
     except (PrepareError, SourceError, UnsupportedArchitecture) as e:
         print(f"flare-prepare: error: {e}", file=sys.stderr, flush=True)
         return 2

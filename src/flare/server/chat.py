@@ -205,6 +205,11 @@ class ChatCompletions(Endpoint):
     spec = staticmethod(chat_spec)
 
 
+# OpenAI's legacy Completions API generates 16 tokens when max_tokens is absent (chat
+# generates until the context limit).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 class Completions(Endpoint):
     """Text completions: prompts as given (no template, parser or grammar)."""
 
@@ -218,14 +223,19 @@ class Completions(Endpoint):
             raise FrontendError(f"n must lie in [1, {limits.max_n}]", param="n")
         prompts = _prompts(body.prompt, ctx.model.codec)
         stops = P.stop_strings(body.stop, limits)
+        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_cap or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        context = ctx.model.manifest.capacities.context_limit
         gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
         try:
             for p_i, prompt in enumerate(prompts):
                 for j in range(body.n):
                     index = p_i * body.n + j
                     seed = None if body.seed is None else body.seed + index
+                    # The default fits what the context leaves (an explicit value that does not is a 400).
+                    max_tokens = body.max_tokens if body.max_tokens is not None else max(
+                        1, min(default, context - len(prompt)))
                     params = P.resolve_sampling(
-                        ctx.model.manifest, prompt_len=len(prompt), fields=W.sampling(body), max_tokens=body.max_tokens,
+                        ctx.model.manifest, prompt_len=len(prompt), fields=W.sampling(body), max_tokens=max_tokens,
                         seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, limits=limits)
                     pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops))
         except FlareError:

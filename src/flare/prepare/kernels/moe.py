@@ -8,9 +8,11 @@ Transformers' expert loop picks the experts on the host (``nonzero``, a Python l
 which a CUDA graph cannot hold. Here every shape is static and every decision is read on
 the device, so the whole layer is captured once and replayed:
 
-* ``route``: the router's logits and softmax in float32, the top ``k`` by a stable sort
-  (ties go to the lower expert index, deterministically), renormalised where the model
-  says so. Rows that are not valid (padding of a program's capacity) get no expert: their
+* ``route``: the router's logits in the model dtype and its softmax in float32, as
+  Transformers computes them, the top ``k`` by a stable sort (ties go to the lower
+  expert index, deterministically), renormalised where the model says so; the weights
+  stay float32 (Transformers rounds them to the model dtype) and the weighted sum runs
+  in float32. Rows that are not valid (padding of a program's capacity) get no expert: their
   ids are ``E`` (a sentinel) and their weights zero, so they read no expert weights.
 * ``plan``: the (token, slot) pairs sorted by expert, and a static list of row tiles of
   ``block_m`` pairs, each within one expert (``tile_expert`` = -1 for unused tiles). At
@@ -42,7 +44,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
     """(weights float32 ``[T, k]``, expert ids int64 ``[T, k]``) for hidden rows ``x [T, H]``
     and a router ``weight [E, H]``; rows with ``valid`` False get ids ``E`` and weight 0."""
     E = weight.shape[0]
-    probs = torch.softmax(F.linear(x.float(), weight.float()), dim=-1)
+    probs = torch.softmax(F.linear(x, weight).float(), dim=-1)
     top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     top, ids = top[:, :top_k], ids[:, :top_k]
     if renormalize:

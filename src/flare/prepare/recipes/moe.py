@@ -5,10 +5,11 @@ Transformers' sparse MoE blocks (``Qwen3MoeSparseMoeBlock``, ``Qwen3NextSparseMo
 ``norm_topk_prob``) and run ``experts`` (``gate_up_proj [E, 2I, H]``, ``down_proj
 [E, H, I]``) in a loop over the experts that were hit, chosen on the host: it cannot be
 captured. ``prepared_moe`` gives such a block a forward over static shapes
-(``kernels/moe.py``): the router in float32 with deterministic ties, padded rows routed
-nowhere, the grouped expert GEMMs on the CUDA path (``paged.impl == "triton"``) or the
-same arithmetic in torch on the reference path, and the shared expert with its sigmoid
-gate where the block has one. Parameter names are Transformers' (``mlp.gate.weight``,
+(``kernels/moe.py``): the router as Transformers computes it with deterministic ties,
+padded rows routed nowhere, the grouped expert GEMMs on the CUDA path (any CUDA tensor,
+or ``paged.impl == "triton"`` under Triton's CPU interpreter) or the same arithmetic in
+torch on the CPU reference path, and the shared expert with its sigmoid gate where the
+block has one. The experts' activation must be SiLU (checked when the block is replaced). Parameter names are Transformers' (``mlp.gate.weight``,
 ``mlp.experts.gate_up_proj``, ...), so checkpoints load as they are.
 
 The block's forward is called without the program's batch (Transformers' decoder layer
@@ -24,7 +25,7 @@ from torch.nn import functional as F
 from flare.prepare.attention import PagedBatch
 from flare.prepare.kernels import moe as K
 from flare.prepare.parallel import SINGLE, TensorParallel
-from flare.prepare.recipes.base import Recipe, Replacement
+from flare.prepare.recipes.base import Recipe, RecipeError, Replacement
 from flare.prepare.recipes.decoder import DECODER_SHARDING
 
 
@@ -43,7 +44,9 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
         ids = ids - block.flare_tp.rank * local
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
-    impl = K.experts_triton if paged is not None and paged.impl == "triton" else K.experts_torch
+    # The torch form gathers every pair's weights: a CPU reference, never a CUDA program.
+    triton = x.is_cuda or (paged is not None and paged.impl == "triton")
+    impl = K.experts_triton if triton else K.experts_torch
     out = impl(x, weights, ids, experts.gate_up_proj, experts.down_proj)
     return block.flare_tp.all_reduce(out) if split else out
 
@@ -70,6 +73,14 @@ def prepared_moe(base: type) -> type:
     return PreparedSparseMoe
 
 
+def check_moe(block) -> None:
+    """The grouped kernels compute act(gate) * up with SiLU."""
+    act = getattr(block.experts, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        raise RecipeError(f"{type(block).__name__}: experts with activation {type(act).__name__} are not supported "
+                          f"(the grouped kernels compute SiLU)")
+
+
 class Qwen3MoeRecipe(Recipe):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention (fused q/k/v with
     per-head q/k norms), routed experts in every sparse layer, dense MLPs (fused
@@ -82,4 +93,4 @@ class Qwen3MoeRecipe(Recipe):
     sharding = {**DECODER_SHARDING, "mlp.experts": 0}
     divided_dims = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "num_experts", "vocab_size")
     eager = frozenset({"Qwen3MoeRMSNorm"})
-    replacements = (Replacement("Qwen3MoeSparseMoeBlock", prepared_moe),)
+    replacements = (Replacement("Qwen3MoeSparseMoeBlock", prepared_moe, setup=check_moe),)

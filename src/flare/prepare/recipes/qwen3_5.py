@@ -34,7 +34,7 @@ from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
 from flare.prepare.recipes.base import KVGeometry, Recipe, RecipeError, Replacement, StateBuffer
 from flare.prepare.recipes.fused import fuse_linears
-from flare.prepare.recipes.moe import prepared_moe
+from flare.prepare.recipes.moe import check_moe, prepared_moe
 
 CONV_STATE = "state.gdn.conv"
 RECURRENT_STATE = "state.gdn.recurrent"
@@ -231,5 +231,5 @@ class Qwen35MoeRecipe(Qwen35Recipe):
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
     eager = frozenset({"Qwen3_5MoeRMSNorm"})
     replacements = (Replacement("Qwen3_5MoeGatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),
-                    Replacement("Qwen3_5MoeSparseMoeBlock", prepared_moe))
+                    Replacement("Qwen3_5MoeSparseMoeBlock", prepared_moe, setup=check_moe))
 

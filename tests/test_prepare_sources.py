@@ -1,0 +1,93 @@
+"""flare-prepare's model sources and command line: where a core's sampling defaults come
+from (a named config's [sampling], else a checkpoint's generation_config.json, else
+neutral; --sampling over any of them, recorded with its source in the manifest), and the
+time it reports (the command's own wall time)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flare.core.sampling_params import NEUTRAL
+from flare.prepare.sources import configs_dir, resolve
+
+CPU = ["--device", "cpu", "--context-limit", "256", "--prefill-chunk-size", "128", "--kv-pages", "32",
+       "--decode-capacities", "1,2"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint directory as Transformers writes one, with SmolLM2's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama-hf")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=49152, max_position_embeddings=512, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(configs_dir() / "tokenizers" / "smollm2" / f, d / f)
+    (d / "generation_config.json").unlink(missing_ok=True)
+    return d
+
+
+def _with_generation_config(hf_dir: Path, tmp_path: Path, fields: dict) -> Path:
+    d = tmp_path / "model"
+    shutil.copytree(hf_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "do_sample": True, **fields}))
+    return d
+
+
+def test_generation_config_sampling_fields_become_the_defaults(hf_dir, tmp_path):
+    d = _with_generation_config(hf_dir, tmp_path, {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                                   "max_new_tokens": 99})
+    src = resolve(str(d))
+    assert src.sampling_source == "generation_config.json"
+    assert src.sampling == {**NEUTRAL, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+
+
+def test_without_generation_config_the_defaults_are_neutral(hf_dir):
+    src = resolve(str(hf_dir))
+    assert src.sampling_source == "neutral" and src.sampling == NEUTRAL
+
+
+def test_a_named_configs_sampling_wins():
+    src = resolve("smollm2-135m-shape")
+    assert src.sampling_source == "config [sampling]"
+
+
+def _prepare(model: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flare.prepare.cli", model, "--out", str(out), *CPU, *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_sampling_option_overrides_and_is_recorded_with_its_source(hf_dir, tmp_path):
+    d = _with_generation_config(hf_dir, tmp_path, {"temperature": 0.7, "top_p": 0.8})
+    t0 = time.time()
+    proc = _prepare(str(d), tmp_path / "core", "--sampling", "temperature=0.6,min_p=0.05")
+    wall = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = json.loads((tmp_path / "core" / "manifest.json").read_text())["sampling"]
+    assert (s["temperature"], s["top_p"], s["min_p"]) == (0.6, 0.8, 0.05)
+    assert s["source"] == "--sampling over generation_config.json"
+    assert "sampling defaults (--sampling over generation_config.json): temperature=0.6, top_p=0.8, min_p=0.05" \
+        in proc.stdout
+    # The reported time is the command's: the clock of its last line, close to the wall time.
+    clock, done = map(float, re.search(r"\[flare-prepare +([0-9.]+)s\] done in ([0-9.]+) s", proc.stdout).groups())
+    assert abs(done - clock) <= 0.1 and done <= wall and done >= 0.6 * wall, (done, clock, wall)
+
+
+@pytest.mark.parametrize("value, message", [("temperature=9", "outside the range"),
+                                            ("tempo=1", "expected NAME=VALUE"), ("top_k=x", "is not a int")])
+def test_bad_sampling_options_are_errors(value, message, tmp_path):
+    proc = _prepare("llama-tiny", tmp_path / "core", "--sampling", value)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1000:]
+    assert not (tmp_path / "core" / "manifest.json").exists()
