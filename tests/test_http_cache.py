@@ -98,6 +98,24 @@ def test_completions_report_cached_tokens(smol_server, smol_core):
     assert usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
 
 
+def test_messages_stream_reports_cached_input_at_message_start(smol_server):
+    """Anthropic's message_start is sent once the request is admitted: its usage already
+    splits the cached input from the new, as the final usage does."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=smol_server.url, api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="smollm2-135m-instruct", max_tokens=3, extra_body={"seed": 4},
+              messages=[{"role": "user", "content": "Name three rivers of France, one per line."}])
+    first = claude.messages.create(**kw)
+    assert first.usage.cache_read_input_tokens == 0
+    with claude.messages.stream(**kw) as s:
+        start = next(e for e in s if e.type == "message_start").message.usage
+        final = s.get_final_message().usage
+    assert start.cache_read_input_tokens > 0 and start.output_tokens == 0, (start, final)
+    assert (start.input_tokens, start.cache_read_input_tokens) == (final.input_tokens, final.cache_read_input_tokens)
+    assert start.input_tokens + start.cache_read_input_tokens == first.usage.input_tokens
+
+
 def test_no_prefix_cache_flag(tiny_core):
     with running_server(tiny_core, "--no-prefix-cache") as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)

@@ -34,6 +34,10 @@ class Presenter(ABC):
     """One response in its protocol's shape, fed every update of its generation.
     Events are what ``frame`` turns into SSE bytes (the stream only)."""
 
+    # The opening events report what admission decided (cached tokens): the stream sends
+    # them with the first update instead of at once.
+    opens_after_admission = False
+
     def __init__(self, model: ServedModel, body, gen: Generation, created: int):
         self.model, self.request, self.gen, self.created = model, body, gen, created
 
@@ -171,11 +175,17 @@ class Endpoint:
         return json_response(shape.body(), rid)
 
     async def _stream(self, gen: Generation, shape: Presenter) -> AsyncIterator[bytes]:
+        opened = not shape.opens_after_admission
         try:
-            for e in shape.opening():
-                yield shape.frame(e)
+            if opened:
+                for e in shape.opening():
+                    yield shape.frame(e)
             async with aclosing(gen.updates()) as updates:
                 async for u in updates:
+                    if not opened:  # the first update comes after admission (or is its failure)
+                        opened = True
+                        for e in shape.opening():
+                            yield shape.frame(e)
                     if u.finish is not None and u.finish.error is not None:
                         self.ctx.report_failure(gen.id, "streaming", u.finish.error)
                         for e in shape.failure(u.finish):
@@ -183,6 +193,9 @@ class Endpoint:
                         return
                     for e in shape.update(u):
                         yield shape.frame(e)
+            if not opened:
+                for e in shape.opening():
+                    yield shape.frame(e)
             for e in shape.closing():
                 yield shape.frame(e)
         finally:

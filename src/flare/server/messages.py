@@ -158,6 +158,8 @@ def stop_reason(finish: Finish, blocks: list[dict]) -> str:
 
 
 class _Message(Presenter):
+    opens_after_admission = True  # message_start's usage splits cached from uncached input
+
     def __init__(self, model: ServedModel, body: MessagesRequest, gen: Generation, created: int):
         super().__init__(model, body, gen, created)
         self.blocks = _Blocks()
@@ -176,7 +178,7 @@ class _Message(Presenter):
                 "output_tokens": self.gen.completion_tokens}
 
     def opening(self) -> list:
-        start = {**self._message(None), "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0}}
+        start = {**self._message(None), "usage": {**self._usage(), "output_tokens": 0}}
         return [{"type": "message_start", "message": start}]
 
     def update(self, u: Update) -> list:
