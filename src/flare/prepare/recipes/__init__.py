@@ -9,11 +9,11 @@ from __future__ import annotations
 from flare.prepare.recipes.base import Recipe, RecipeError
 from flare.prepare.recipes.decoder import DecoderRecipe
 from flare.prepare.recipes.moe import Qwen3MoeRecipe
-from flare.prepare.recipes.qwen3_5 import Qwen35MoeRecipe, Qwen35Recipe
+from flare.prepare.recipes.qwen3_5 import Qwen35MoeRecipe, Qwen35Recipe, Qwen3NextRecipe
 
 __all__ = ["Recipe", "RecipeError", "UnsupportedArchitecture", "by_name", "for_model_type"]
 
-_RECIPES = {r.name: r for r in (DecoderRecipe(), Qwen35Recipe(), Qwen3MoeRecipe(), Qwen35MoeRecipe())}
+_RECIPES = {r.name: r for r in (DecoderRecipe(), Qwen35Recipe(), Qwen3MoeRecipe(), Qwen35MoeRecipe(), Qwen3NextRecipe())}
 
 
 class UnsupportedArchitecture(ValueError):

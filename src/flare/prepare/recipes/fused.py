@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 # Transformers MLP classes whose forward is gate/up -> act * up -> down.
-MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP"})
+MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP"})
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -137,6 +137,7 @@ ATTENTION_FORWARDS = {
     "Qwen3MoeAttention": _attention_forward,
     "Qwen3_5Attention": _gated_attention_forward,
     "Qwen3_5MoeAttention": _gated_attention_forward,
+    "Qwen3NextAttention": _gated_attention_forward,
 }
 
 

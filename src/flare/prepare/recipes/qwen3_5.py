@@ -41,25 +41,50 @@ RECURRENT_STATE = "state.gdn.recurrent"
 LINEAR = "linear_attention"
 
 
-def _prepared_gdn(base: type) -> type:
-    class PagedGatedDeltaNet(base):
-        """Qwen3.5's Gated DeltaNet over packed tokens and per-slot state rows.
-        ``state_index`` (set by the recipe base) is this layer's index among GDN layers."""
+def _qwen3_5_inputs(mod, x: torch.Tensor):
+    """Qwen3.5: one fused projection whose columns are q|k|v (the convolution's input),
+    z, b, a."""
+    return mod.in_proj(x).split(mod.in_proj.sizes, dim=-1)
 
-        state_index: int
 
-        def forward(self, hidden_states, cache=None, attention_mask=None, paged: PagedBatch | None = None, **kwargs):
-            if paged is None or paged.state is None:
-                raise RuntimeError("PagedGatedDeltaNet needs the 'paged' batch with state buffers")
-            x = hidden_states[0]  # [T, H]
-            T = x.shape[0]
-            mixed, z, b, a = self.in_proj(x).split(self.in_proj.sizes, dim=-1)  # q|k|v, z, b, a
-            mix = _mix_triton if paged.impl == "triton" else _mix_torch
-            core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
-            core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-            return self.out_proj(core.reshape(1, T, -1))
+def _qwen3_next_inputs(mod, x: torch.Tensor):
+    """Qwen3-Next: the fused in_proj_qkvz|in_proj_ba, grouped per key head as Transformers'
+    ``fix_query_key_value_ordering`` reads them; returns q|k|v (the convolution's input),
+    z, b, a as Qwen3.5's projection gives them."""
+    T = x.shape[0]
+    qkvz, ba = mod.in_proj(x).split(mod.in_proj.sizes, dim=-1)
+    q, k, v, z, b, a = mod.fix_query_key_value_ordering(qkvz[None], ba[None])
+    return torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1), z[0], b[0], a[0]
 
-    return PagedGatedDeltaNet
+
+def _prepared_gdn_with(inputs):
+    def prepared(base: type) -> type:
+        class PagedGatedDeltaNet(base):
+            """A Gated DeltaNet (Qwen3.5, Qwen3-Next) over packed tokens and per-slot state
+            rows. ``state_index`` (set by the recipe base) is this layer's index among GDN
+            layers."""
+
+            state_index: int
+
+            def forward(self, hidden_states, cache=None, attention_mask=None, paged: PagedBatch | None = None,
+                        **kwargs):
+                if paged is None or paged.state is None:
+                    raise RuntimeError("PagedGatedDeltaNet needs the 'paged' batch with state buffers")
+                x = hidden_states[0]  # [T, H]
+                T = x.shape[0]
+                mixed, z, b, a = inputs(self, x)  # q|k|v, z, b, a
+                mix = _mix_triton if paged.impl == "triton" else _mix_torch
+                core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
+                core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+                return self.out_proj(core.reshape(1, T, -1))
+
+        return PagedGatedDeltaNet
+
+    return prepared
+
+
+_prepared_gdn = _prepared_gdn_with(_qwen3_5_inputs)
+_prepared_next_gdn = _prepared_gdn_with(_qwen3_next_inputs)
 
 
 def _state_rows(mod, paged: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,6 +232,13 @@ def _fuse_gdn_inputs(gdn) -> None:
 
 
 GDN_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+NEXT_GDN_INPUTS = ("in_proj_qkvz", "in_proj_ba")
+
+
+def _fuse_next_gdn_inputs(gdn) -> None:
+    """One GEMM for Qwen3-Next's two input projections (they share their input)."""
+    if not fuse_linears(gdn, NEXT_GDN_INPUTS, "in_proj"):
+        raise RecipeError(f"{type(gdn).__name__}: its input projections {NEXT_GDN_INPUTS} cannot be fused")
 
 
 class Qwen35Recipe(Recipe):
@@ -232,4 +264,16 @@ class Qwen35MoeRecipe(Qwen35Recipe):
     eager = frozenset({"Qwen3_5MoeRMSNorm"})
     replacements = (Replacement("Qwen3_5MoeGatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),
                     Replacement("Qwen3_5MoeSparseMoeBlock", prepared_moe, setup=check_moe))
+
+
+class Qwen3NextRecipe(Qwen35Recipe):
+    """Qwen3-Next (Qwen3-Next-80B-A3B): Gated DeltaNet layers (their q/k/v/z and b/a
+    projections grouped per key head) and gated attention, 3 to 1, and routed experts
+    (top 10 of 512) with a gated shared expert in every sparse layer."""
+
+    name = "qwen3_next"
+    model_types = ("qwen3_next",)
+    eager = frozenset({"Qwen3NextRMSNorm"})
+    replacements = (Replacement("Qwen3NextGatedDeltaNet", _prepared_next_gdn, _gdn_state, _fuse_next_gdn_inputs),
+                    Replacement("Qwen3NextSparseMoeBlock", prepared_moe, setup=check_moe))
 

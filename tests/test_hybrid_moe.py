@@ -1,6 +1,8 @@
-"""Numerical acceptance of the Qwen3.5-MoE recipe (Gated DeltaNet + gated attention +
-routed experts with a gated shared expert): the qwen3_5-moe-tiny core's programs against
-Transformers' ``Qwen3_5MoeForCausalLM`` on the same weights, teacher-forced, with the
+"""Numerical acceptance of the hybrid mixture-of-experts recipes, Qwen3.5-MoE and
+Qwen3-Next (Gated DeltaNet + gated attention + routed experts with a gated shared
+expert; Qwen3-Next groups its GDN projections per key head): each tiny core's programs
+against Transformers' ``Qwen3_5MoeForCausalLM`` / ``Qwen3NextForCausalLM`` on the same
+weights, teacher-forced, with the
 bound of ``test_qwen3_5.py`` (``|flare - hf32| <= 4 * err32``, the float64 model with
 float64 delta rule and norms); the router's decisions must not be within rounding. Then
 the CUDA path (GDN and grouped expert kernels under Triton's CPU interpreter) against
@@ -22,9 +24,13 @@ LENGTHS = (7, 16, 65, 130)
 DECODE_STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def core():
-    return prepare_core("qwen3_5-moe-tiny", HYBRID_OPTS)
+# config -> (Transformers module, its class prefix): for the float64 delta rule and norms.
+FAMILIES = {"qwen3_5-moe-tiny": ("qwen3_5_moe", "Qwen3_5Moe"), "qwen3-next-tiny": ("qwen3_next", "Qwen3Next")}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    return request.param, prepare_core(request.param, HYBRID_OPTS)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +57,15 @@ def _hf(rig, dtype):
     return model.eval()
 
 
-def test_logits_match_transformers(core, stream):
+def test_logits_match_transformers(family, stream):
+    name, core = family
     rig = load_rig(core)
     assert [type(layer.mlp).__name__ for layer in rig.model.model.layers] == ["PreparedSparseMoe"] * 4
     hf32, hf64 = _hf(rig, torch.float32), _hf(rig, torch.float64)
     x = torch.tensor([stream])
     with torch.inference_mode():
         l32 = hf32(input_ids=x).logits[0].double()
-        with float64_islands(hf64, "qwen3_5_moe", "Qwen3_5Moe"):
+        with float64_islands(hf64, *FAMILIES[name]):
             l64 = hf64(input_ids=x).logits[0]
             calls = [router_calls(model, x, range(4)) for model in (hf32, hf64)]  # every layer routes
     routing = routing_agreement(*calls, [layer.mlp.gate for layer in hf64.model.layers])
@@ -66,11 +73,11 @@ def test_logits_match_transformers(core, stream):
     slots = list(range(1, len(LENGTHS) + 1))
     worst = teacher_forced_errors(rig, stream, LENGTHS, DECODE_STEPS, l32, (slots,), split=True)
     bound = 4 * err32 + 1e-6
-    print("\nqwen3_5_moe acceptance:", json.dumps({"err_hf32": err32, "bound": bound, "routing": routing,
+    print(f"\n{name} acceptance:", json.dumps({"err_hf32": err32, "bound": bound, "routing": routing,
                                                     "max|flare-hf32|": worst}))
     assert routing["disagreements_outside_rounding"] == 0, routing
     assert worst["prefill"] <= bound and worst["decode"] <= bound, (worst, bound)
 
 
-def test_triton_path_matches_the_reference_path(core, stream):
-    triton_matches_reference(core, stream)
+def test_triton_path_matches_the_reference_path(family, stream):
+    triton_matches_reference(family[1], stream)
