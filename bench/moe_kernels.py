@@ -9,9 +9,11 @@ router's choices come from random hidden rows and a random router (so the expert
 batch hits are as many as real routing would hit, not one), and each candidate computes
 the routed experts' weighted sum for the chunk:
 
-* ``ours[bm,bn,bk,w]``  kernels/moe.py: route + plan + grouped gate/up + grouped down + sum,
-  as the recipe runs it (block_m 16 for decode, 64 for prefill).
-* ``ours.plan``         route + plan alone (the fixed cost before any expert GEMM).
+* ``ours[bm,bn,bk,w]``  kernels/moe.py as the recipe runs it: the router GEMM, route and plan
+  (one fused launch, ``route_plan``, up to 128 pairs; torch ops beyond), grouped gate/up,
+  grouped down, the weighted sum (block_m 16 for decode, 64 for prefill).
+* ``ours.route_plan`` / ``ours.route+plan``  the fixed cost before any expert GEMM: the
+  fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces.
 * ``torch_grouped_mm``  torch._grouped_mm over the pairs sorted by expert (offsets on the
   device), where this torch has it for the dtype.
 * ``torch_gather``      the reference: each pair's expert weights gathered, two bmm.
@@ -110,13 +112,22 @@ def cases_for(name, geo, T, device, dtype, rotations, configs):
             continue
 
         def ours(x, w, ids, bm=bm, bn=bn, bk=bk, warps=warps):
-            p = K.plan(ids, E, bm)
+            logits = F.linear(x, router)
+            if T * k <= K.FUSED_PLAN_PAIRS:
+                w, ids, p = K.route_plan(logits, k, True, None, bm)
+            else:
+                w, ids = K.route_logits(logits, k, True)
+                p = K.plan(ids, E, bm)
             h = K.grouped_gate_up(x, gate_up, p, k, block_n=bn, block_k=bk, num_warps=warps)
             return (K.combine(K.grouped_down(h, down, p, block_n=bn, block_k=bk, num_warps=warps), w, ids, E),)
         out.append(Case(f"{tag}.ours[bm{bm},bn{bn},bk{bk},w{warps}]",
                         [(lambda s=s, f=ours: f(*s)) for s in sets], [], check, bytes_per_call=active))
-    out.append(Case(f"{tag}.ours.plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))
-                                         for s in sets], [], None, "route + plan only"))
+    out.append(Case(f"{tag}.ours.route+plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))
+                                               for s in sets], [], None, "router GEMM, route and plan as torch ops"))
+    if T * k <= K.FUSED_PLAN_PAIRS:
+        out.append(Case(f"{tag}.ours.route_plan", [(lambda s=s: (K.route_plan(F.linear(s[0], router), k, True, None,
+                                                                              16)[2].order,)) for s in sets],
+                        [], None, "router GEMM and the fused route_plan launch"))
     if hasattr(torch, "_grouped_mm") and device == "cuda":
         out.append(Case(f"{tag}.torch_grouped_mm", [(lambda s=s: (grouped_mm_candidate(*s, gate_up, down),))
                                                     for s in sets], [], check, bytes_per_call=active))

@@ -23,6 +23,8 @@ from flare.prepare.kernels.moe import (  # noqa: E402
     max_tiles,
     plan,
     route,
+    route_logits,
+    route_plan,
 )
 
 F64 = torch.float64
@@ -108,6 +110,41 @@ def test_grouped_experts_match_the_pair_loop(T, block_m, dtype):
     torch.testing.assert_close(got.cpu().to(F64), ref, **tol)
     assert torch.equal(got[~valid].cpu(), torch.zeros_like(got[~valid].cpu()))
     torch.testing.assert_close(experts_torch(x, w, ids, gate_up, down).cpu().to(F64), ref, **tol)
+
+
+def _tiles(p):
+    """(expert, first row, end row) of every used tile, in order."""
+    return [(e, a, b) for e, a, b in zip(p.tile_expert.tolist(), p.tile_start.tolist(), p.tile_end.tolist()) if e >= 0]
+
+
+@pytest.mark.parametrize("T,E,k,bm", [(1, 8, 2, 16), (3, 8, 3, 16), (4, 16, 8, 16), (8, 128, 8, 16), (5, 6, 4, 2),
+                                      (16, 8, 8, 16)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_fused_route_plan_equals_route_then_plan(T, E, k, bm, renorm):
+    """The one-launch decode path (top-k by repeated maxima, order and tiles by pairwise
+    comparisons) gives route + plan's ids, order and tiles exactly and their weights to
+    float32 rounding, with padded rows and exact ties (a repeated logit row) included;
+    (5, 6, 4, 2) puts several tiles in one expert, (16, 8, 8, 16) is 128 pairs."""
+    g = torch.Generator().manual_seed(T * 31 + E)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    if T > 2:
+        logits[2] = 0.0  # every expert ties: the lowest indices win
+    valid = torch.ones(T, dtype=torch.bool, device=DEVICE)
+    if T > 1:
+        valid[1] = False
+    w_ref, ids_ref = route_logits(logits, k, renorm, valid)
+    p_ref = plan(ids_ref, E, bm)
+    w, ids, p = route_plan(logits, k, renorm, valid, bm)
+    assert torch.equal(ids.cpu(), ids_ref.cpu())
+    torch.testing.assert_close(w.cpu(), w_ref.cpu(), atol=1e-6, rtol=1e-6)
+    assert torch.equal(p.order.cpu(), p_ref.order.cpu())
+    assert p.tile_expert.numel() == p_ref.tile_expert.numel()
+    assert _tiles(p) == _tiles(p_ref)
+
+
+def test_fused_route_plan_refuses_large_batches():
+    with pytest.raises(ValueError, match="at most"):
+        route_plan(torch.zeros(17, 8), 8, True, None, 16)
 
 
 def test_combine_ignores_unwritten_sentinel_rows():

@@ -14,6 +14,9 @@ the device, so the whole layer is captured once and replayed:
   stay float32 (Transformers rounds them to the model dtype) and the weighted sum runs
   in float32. Rows that are not valid (padding of a program's capacity) get no expert: their
   ids are ``E`` (a sentinel) and their weights zero, so they read no expert weights.
+* ``route_plan``: both in one program for a batch of at most 128 pairs (decode): top k by
+  repeated maxima, the order and tiles by comparing every two pairs, so a decode step
+  pays one launch for them instead of the dozens of small kernels of the torch ops.
 * ``plan``: the (token, slot) pairs sorted by expert, and a static list of row tiles of
   ``block_m`` pairs, each within one expert (``tile_expert`` = -1 for unused tiles). At
   most ``min(P, cdiv(P, block_m) + E)`` tiles for ``P = T * k`` pairs: a decode step of
@@ -43,8 +46,14 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
           valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 ``[T, k]``, expert ids int64 ``[T, k]``) for hidden rows ``x [T, H]``
     and a router ``weight [E, H]``; rows with ``valid`` False get ids ``E`` and weight 0."""
-    E = weight.shape[0]
-    probs = torch.softmax(F.linear(x, weight).float(), dim=-1)
+    return route_logits(F.linear(x, weight), top_k, renormalize, valid)
+
+
+def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` from the router's logits ``[T, E]``."""
+    E = logits.shape[1]
+    probs = torch.softmax(logits.float(), dim=-1)
     top, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     top, ids = top[:, :top_k], ids[:, :top_k]
     if renormalize:
@@ -90,6 +99,96 @@ def plan(ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
     tile_start = starts[ec] + (t - first_tile) * block_m
     return Plan(order.to(torch.int32), torch.where(used, ec, -1).to(torch.int32), tile_start.to(torch.int32),
                 (starts[ec] + counts[ec]).to(torch.int32), block_m)
+
+
+# A batch of at most this many pairs is routed and planned by one program (decode).
+FUSED_PLAN_PAIRS = 128
+
+
+@triton.jit
+def _route_plan_kernel(
+    logits_ptr, valid_ptr, w_ptr, ids_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    T, E, stride_lt, stride_le,
+    K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+    BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr,
+):
+    """``route`` then ``plan`` for a small batch in one program: softmax, top-k by repeated
+    maxima (ties to the lower index), renormalisation, and the pairs' order and row tiles
+    from comparisons between every two pairs (no sort, no scatter of shared addresses)."""
+    t = tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    t_in = t < T
+    live = t_in & (tl.load(valid_ptr + t, mask=t_in, other=0) != 0)
+    x = tl.load(logits_ptr + t[:, None] * stride_lt + e[None, :] * stride_le,
+                mask=t_in[:, None] & (e[None, :] < E), other=0.0).to(tl.float32)
+    x = tl.where(e[None, :] < E, x, float("-inf"))  # rows past T stay finite (their results are not stored)
+    m = tl.max(x, 1)
+    ex = tl.exp(x - m[:, None])
+    prob = ex / tl.sum(ex, 1)[:, None]
+    prob = tl.where(e[None, :] < E, prob, -1.0)
+    j = tl.arange(0, BK)
+    top = tl.zeros([BT, BK], tl.float32)
+    sel = tl.zeros([BT, BK], tl.int32)
+    for i in tl.static_range(K):
+        v = tl.max(prob, 1)
+        idx = tl.min(tl.where(prob == v[:, None], e[None, :], BE), 1)
+        top = tl.where(j[None, :] == i, v[:, None], top)
+        sel = tl.where(j[None, :] == i, idx[:, None], sel)
+        prob = tl.where(e[None, :] == idx[:, None], -1.0, prob)
+    if RENORM:
+        top = top / tl.sum(tl.where(j[None, :] < K, top, 0.0), 1)[:, None]
+    sel = tl.where(live[:, None], sel, E)
+    top = tl.where(live[:, None], top, 0.0)
+    out_mask = t_in[:, None] & (j[None, :] < K)
+    tl.store(w_ptr + t[:, None] * K + j[None, :], top, mask=out_mask)
+    tl.store(ids_ptr + t[:, None] * K + j[None, :], sel.to(tl.int64), mask=out_mask)
+
+    # The pairs, flattened in a padded space q = t * BK + j; real pair index t * K + j.
+    ids = tl.reshape(tl.where(out_mask, sel, E + 1), [BP])  # padding sorts after the sentinel
+    qi = tl.arange(0, BP)
+    real = (qi // BK < T) & (qi % BK < K)
+    pair = (qi // BK) * K + qi % BK
+    a_id = ids[:, None]
+    b_id = ids[None, :]
+    before = (b_id < a_id) | ((b_id == a_id) & (qi[None, :] < qi[:, None]))  # [p, q]: q sorts before p
+    rank = tl.sum(before.to(tl.int32), 1)
+    tl.store(order_ptr + rank, pair.to(tl.int32), mask=real)
+    start = tl.sum((b_id < a_id).to(tl.int32), 1)  # the first row of p's expert
+    count = tl.sum((b_id == a_id).to(tl.int32), 1)
+    head = real & (ids < E) & ((rank - start) % BM == 0)  # p starts a tile of its expert
+    tile = tl.sum((head[None, :] & (rank[None, :] < rank[:, None])).to(tl.int32), 1)
+    # Tile slot s takes the pair that starts it (at most one): a masked reduction per slot.
+    s = tl.arange(0, MT)
+    hit = head[None, :] & (tile[None, :] == s[:, None])
+    any_hit = tl.sum(hit.to(tl.int32), 1) > 0
+    tl.store(tile_expert_ptr + s, tl.where(any_hit, tl.max(tl.where(hit, ids[None, :], -1), 1), -1))
+    tl.store(tile_start_ptr + s, tl.max(tl.where(hit, rank[None, :], 0), 1))
+    tl.store(tile_end_ptr + s, tl.max(tl.where(hit, (start + count)[None, :], 0), 1))
+
+
+def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch.Tensor | None,
+               block_m: int) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+    """``route`` and ``plan`` in one launch from the router's logits ``[T, E]`` (at most
+    ``FUSED_PLAN_PAIRS`` pairs): the same ids, order and tiles, weights to float32 rounding."""
+    T, E = logits.shape
+    P = T * top_k
+    if P > FUSED_PLAN_PAIRS:
+        raise ValueError(f"{P} pairs: route_plan serves at most {FUSED_PLAN_PAIRS} (use route and plan)")
+    dev = logits.device
+    if valid is None:
+        valid = torch.ones(T, dtype=torch.bool, device=dev)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
+    MT = max_tiles(P, E, block_m)
+    order = torch.empty(P, dtype=torch.int32, device=dev)
+    tiles = [torch.empty(triton.next_power_of_2(MT), dtype=torch.int32, device=dev) for _ in range(3)]
+    BT, BK = triton.next_power_of_2(T), triton.next_power_of_2(top_k)
+    _route_plan_kernel[(1,)](
+        logits, valid, weights, ids, order, *tiles, T, E, *logits.stride(),
+        K=top_k, RENORM=renormalize, BM=block_m, BT=BT, BE=triton.next_power_of_2(E), BK=BK, BP=BT * BK,
+        MT=triton.next_power_of_2(MT), num_warps=8 if BT * BK > 64 else 4,
+    )
+    return weights, ids, Plan(order, tiles[0][:MT], tiles[1][:MT], tiles[2][:MT], block_m)
 
 
 @triton.jit
@@ -184,13 +283,17 @@ def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_exper
     return (yy * weights[:, :, None]).sum(dim=1).to(y.dtype)
 
 
+def block_m_for(pairs: int) -> int:
+    """Rows per tile: 16 (the smallest tensor-core tile) for few pairs, 64 for prefill chunks."""
+    return 16 if pairs <= 256 else 64
+
+
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
-    """The routed experts of ``x [T, H]`` with the Triton grouped GEMMs. ``block_m``: rows per
-    tile (16, the smallest tensor-core tile, for few pairs; 64 for prefill chunks)."""
+                   down: torch.Tensor, *, block_m: int | None = None, p: Plan | None = None) -> torch.Tensor:
+    """The routed experts of ``x [T, H]`` with the Triton grouped GEMMs, over ``p`` (planned
+    here when not given, with ``block_m`` rows per tile)."""
     T, k = ids.shape
-    bm = block_m or (16 if T * k <= 256 else 64)
-    p = plan(ids, gate_up.shape[0], bm)
+    p = p or plan(ids, gate_up.shape[0], block_m or block_m_for(T * k))
     h = grouped_gate_up(x, gate_up, p, k)
     return combine(grouped_down(h, down, p), weights, ids, gate_up.shape[0])
 

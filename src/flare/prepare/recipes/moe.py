@@ -37,15 +37,21 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     gate, experts = block.gate, block.experts
     valid = paged.valid if paged is not None else None
     # Qwen3.5-MoE's router always renormalises (it has no norm_topk_prob).
-    weights, ids = K.route(x, gate.weight, gate.top_k, getattr(gate, "norm_topk_prob", True), valid)
+    renorm = getattr(gate, "norm_topk_prob", True)
+    logits = F.linear(x, gate.weight)  # the model dtype, as Transformers computes it
     local = experts.gate_up_proj.shape[0]
     split = local != gate.weight.shape[0]
+    # The torch form gathers every pair's weights: a CPU reference, never a CUDA program.
+    triton = x.is_cuda or (paged is not None and paged.impl == "triton")
+    pairs = x.shape[0] * gate.top_k
+    if triton and not split and pairs <= K.FUSED_PLAN_PAIRS:  # decode: route and plan in one launch
+        weights, ids, p = K.route_plan(logits, gate.top_k, renorm, valid, K.block_m_for(pairs))
+        return K.experts_triton(x, weights, ids, experts.gate_up_proj, experts.down_proj, p=p)
+    weights, ids = K.route_logits(logits, gate.top_k, renorm, valid)
     if split:
         ids = ids - block.flare_tp.rank * local
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
-    # The torch form gathers every pair's weights: a CPU reference, never a CUDA program.
-    triton = x.is_cuda or (paged is not None and paged.impl == "triton")
     impl = K.experts_triton if triton else K.experts_torch
     out = impl(x, weights, ids, experts.gate_up_proj, experts.down_proj)
     return block.flare_tp.all_reduce(out) if split else out
