@@ -61,6 +61,7 @@ def test_logits_match_transformers(family, stream):
     name, core = family
     rig = load_rig(core)
     assert [type(layer.mlp).__name__ for layer in rig.model.model.layers] == ["PreparedSparseMoe"] * 4
+    assert all(hasattr(layer.mlp.shared_expert, "gate_up_proj") for layer in rig.model.model.layers)  # one GEMM
     hf32, hf64 = _hf(rig, torch.float32), _hf(rig, torch.float64)
     x = torch.tensor([stream])
     with torch.inference_mode():

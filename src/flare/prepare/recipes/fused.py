@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 # Transformers MLP classes whose forward is gate/up -> act * up -> down.
-MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP"})
+MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3_5MoeMLP", "Qwen3NextMLP"})
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -177,10 +177,18 @@ def fuse_projections(layers: list[nn.Module]) -> int:
             rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
             _with_forward(attn, forward, flare_rotary=staticmethod(rotary))
             n += 1
-        if mlp is not None and type(mlp).__name__ in MLP_CLASSES and fuse_linears(mlp, GATE_UP, "gate_up_proj"):
-            _with_forward(mlp, _mlp_forward)
+        if mlp is not None and fuse_mlp(mlp):
             n += 1
     return n
+
+
+def fuse_mlp(mlp: nn.Module) -> bool:
+    """One gate/up GEMM for an MLP of a known class (also one inside another module, such
+    as a mixture-of-experts block's shared expert); False when it is not one."""
+    if type(mlp).__name__ in MLP_CLASSES and fuse_linears(mlp, GATE_UP, "gate_up_proj"):
+        _with_forward(mlp, _mlp_forward)
+        return True
+    return False
 
 
 def parts_of(model: nn.Module, param_path: str) -> tuple[tuple[str, int], ...] | None:

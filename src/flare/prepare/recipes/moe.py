@@ -27,6 +27,7 @@ from flare.prepare.kernels import moe as K
 from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import Recipe, RecipeError, Replacement
 from flare.prepare.recipes.decoder import DECODER_SHARDING
+from flare.prepare.recipes.fused import fuse_mlp
 
 
 def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
@@ -80,11 +81,15 @@ def prepared_moe(base: type) -> type:
 
 
 def check_moe(block) -> None:
-    """The grouped kernels compute act(gate) * up with SiLU."""
+    """Run on every replaced block: the grouped kernels compute act(gate) * up with SiLU;
+    a shared expert gets one gate/up GEMM."""
     act = getattr(block.experts, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):
         raise RecipeError(f"{type(block).__name__}: experts with activation {type(act).__name__} are not supported "
                           f"(the grouped kernels compute SiLU)")
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None and not fuse_mlp(shared):
+        raise RecipeError(f"{type(block).__name__}: its shared expert {type(shared).__name__} cannot be fused")
 
 
 class Qwen3MoeRecipe(Recipe):
