@@ -113,7 +113,7 @@ def cases_for(name, geo, T, device, dtype, rotations, configs):
 
         def ours(x, w, ids, bm=bm, bn=bn, bk=bk, warps=warps):
             logits = F.linear(x, router)
-            if T * k <= K.FUSED_PLAN_PAIRS:
+            if K.fits_route_plan(T, k):
                 w, ids, p = K.route_plan(logits, k, True, None, bm)
             else:
                 w, ids = K.route_logits(logits, k, True)
@@ -124,7 +124,7 @@ def cases_for(name, geo, T, device, dtype, rotations, configs):
                         [(lambda s=s, f=ours: f(*s)) for s in sets], [], check, bytes_per_call=active))
     out.append(Case(f"{tag}.ours.route+plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))
                                                for s in sets], [], None, "router GEMM, route and plan as torch ops"))
-    if T * k <= K.FUSED_PLAN_PAIRS:
+    if K.fits_route_plan(T, k):
         out.append(Case(f"{tag}.ours.route_plan", [(lambda s=s: (K.route_plan(F.linear(s[0], router), k, True, None,
                                                                               16)[2].order,)) for s in sets],
                         [], None, "router GEMM and the fused route_plan launch"))

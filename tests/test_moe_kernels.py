@@ -118,13 +118,14 @@ def _tiles(p):
 
 
 @pytest.mark.parametrize("T,E,k,bm", [(1, 8, 2, 16), (3, 8, 3, 16), (4, 16, 8, 16), (8, 128, 8, 16), (5, 6, 4, 2),
-                                      (16, 8, 8, 16)])
+                                      (16, 8, 8, 16), (8, 512, 10, 16)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_fused_route_plan_equals_route_then_plan(T, E, k, bm, renorm):
     """The one-launch decode path (top-k by repeated maxima, order and tiles by pairwise
     comparisons) gives route + plan's ids, order and tiles exactly and their weights to
     float32 rounding, with padded rows and exact ties (a repeated logit row) included;
-    (5, 6, 4, 2) puts several tiles in one expert, (16, 8, 8, 16) is 128 pairs."""
+    (5, 6, 4, 2) puts several tiles in one expert, (16, 8, 8, 16) fills the 128-pair space,
+    (8, 512, 10, 16) is Qwen3-Next's routing (top 10 of 512) at a decode batch of 8."""
     g = torch.Generator().manual_seed(T * 31 + E)
     logits = torch.randn(T, E, generator=g).to(DEVICE)
     if T > 2:
@@ -144,7 +145,7 @@ def test_fused_route_plan_equals_route_then_plan(T, E, k, bm, renorm):
 
 def test_fused_route_plan_refuses_large_batches():
     with pytest.raises(ValueError, match="at most"):
-        route_plan(torch.zeros(17, 8), 8, True, None, 16)
+        route_plan(torch.zeros(9, 8), 10, True, None, 16)  # 16 x 16 padded pairs
 
 
 def test_combine_ignores_unwritten_sentinel_rows():

@@ -159,8 +159,15 @@ def triton_matches_reference(core, stream) -> None:
     torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4)
 
 
-def test_triton_experts_match_the_reference_path(moe_core, stream):
+def test_triton_experts_match_the_reference_path(moe_core, stream, monkeypatch):
+    """... and the CUDA path routes decode steps (and short prefills) in one launch."""
+    from flare.prepare.kernels import moe as K
+
+    calls = []
+    fused = K.route_plan
+    monkeypatch.setattr(K, "route_plan", lambda logits, *a: calls.append(logits.shape[0]) or fused(logits, *a))
     triton_matches_reference(moe_core, stream)
+    assert calls and set(calls) <= {1, 2, 4, 8}, calls  # the decode capacities (the prefills are 128 rows)
 
 
 def test_tp2_splits_the_experts_and_matches_tp1(moe_core, hf_models):

@@ -179,10 +179,11 @@ class Range(_Frozen):
 # ``ranges`` bounding request values (out-of-range values clamp; a parameter without a
 # range is fixed at its default), and where the defaults came from (``source``: a named
 # config's [sampling], a checkpoint's generation_config.json, flare-prepare --sampling
-# over either, or neutral). Informational: the runtime uses the values, not the source.
+# over either, or neutral; 'unknown' in cores made before it was recorded). Informational:
+# the runtime uses the values, not the source.
 SamplingDefaults = msgspec.defstruct(
     "SamplingDefaults",
-    [*((p.name, p.type) for p in SAMPLING_PARAMS), ("ranges", Mapping[str, Range]), ("source", str, "neutral")],
+    [*((p.name, p.type) for p in SAMPLING_PARAMS), ("ranges", Mapping[str, Range]), ("source", str, "unknown")],
     bases=(_Frozen,),
     module=__name__,
 )

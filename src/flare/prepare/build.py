@@ -26,6 +26,7 @@ import torch
 from flare.core import manifest as mf
 from flare.core.image import persistent_buffers, write_image
 from flare.core.manifest import BufferRole, DType
+from flare.core.sampling_params import NEUTRAL
 from flare.prepare import recipes
 from flare.prepare.layout import align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
@@ -33,7 +34,6 @@ from flare.prepare.plan import (GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, O
                                 buffer_requests, continuation_rows, partial_manifest, plan_capacities, program_table,
                                 sampling_defaults)
 from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
-from flare.core.sampling_params import NEUTRAL
 from flare.prepare.sources import ModelSource
 
 __all__ = ["Options", "PrepareError", "prepare"]
@@ -50,9 +50,6 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     t0 = started if started is not None else time.time()
     recipe = _recipe_for(src)
     _check_request(opts, session, tp)
-    defaults, source = sampling_defaults(src, opts)
-    shown = {k: v for k, v in defaults.items() if k == "temperature" or v != NEUTRAL[k]}
-    progress(f"sampling defaults ({source}): " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     target = _CudaArena(session, opts, tp) if opts.device == "cuda" else _CpuArena()
     dtype = DType(opts.resolved_dtype())
 
@@ -64,6 +61,10 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         raise PrepareError(str(e)) from None
     specs = recipe.weights(model)
     caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=target.free_bytes())
+    # Checked before anything is loaded or captured: the manifest would refuse them at the end.
+    defaults, source = sampling_defaults(src, opts, caps.sampling_vocab)
+    shown = {k: v for k, v in defaults.items() if k == "temperature" or v != NEUTRAL[k]}
+    progress(f"sampling defaults ({source}): " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
     continuation = mf.Continuation(state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, dtype)),
                                    tail=KV_TAIL)

@@ -59,7 +59,8 @@ def _sampling(text: str) -> dict[str, float]:
         try:
             out[name.strip()] = types[name.strip()](value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: {value!r} is not a {types[name.strip()].__name__}") from None
+            kind = "an integer" if types[name.strip()] is int else "a number"
+            raise argparse.ArgumentTypeError(f"{item!r}: {value!r} is not {kind}") from None
     return out
 
 
@@ -93,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
                    help="tensor-parallel ranks: one preparation process per rank (CPU reference path; "
                         "see docs/tensor-parallel.md)")
     p.add_argument("--served-name", default=None, help="model id the server reports (default: config or dir name)")
-    p.add_argument("--sampling", type=_sampling, default={},
+    p.add_argument("--sampling", type=_sampling, action="append", default=[],
                    help="sampling defaults over the model's, e.g. temperature=0.6,top_p=0.95 (default: a named "
                         "config's [sampling], else the checkpoint's generation_config.json, else neutral)")
     return p
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "reserve_gib": a.gpu_reserve,
         "qualify": a.qualify,
         "tp_size": a.tp,
-        "sampling": a.sampling,
+        "sampling": {k: v for d in a.sampling for k, v in d.items()},  # repeated: merged, later wins
         "started_at": started,  # the worker's clock starts here: "done in" is the command's wall time
     }
     if a.tp < 1:

@@ -214,17 +214,31 @@ def _rank_base(base: int, rank: int, r: int) -> int:
     return rank_base(rank_base(base, -rank), r)
 
 
-def sampling_defaults(src, opts: Options) -> tuple[dict, str]:
+def sampling_ranges(src, sampling_vocab: int) -> dict[str, tuple[float, float]]:
+    """The ranges the manifest carries: the source's, top_k's bounded by the vocabulary
+    the sampler draws from."""
+    ranges = dict(src.ranges)
+    if "top_k" in ranges:
+        ranges["top_k"] = (ranges["top_k"][0], min(ranges["top_k"][1], sampling_vocab))
+    return ranges
+
+
+def sampling_defaults(src, opts: Options, sampling_vocab: int | None = None) -> tuple[dict, str]:
     """The core's sampling defaults and their source: the model source's (a named config's
     [sampling], a checkpoint's generation_config.json, or neutral), then ``--sampling``
-    over them. A default outside its declared range is an error (requests would clamp
-    away from it)."""
+    over them. With ``sampling_vocab`` (once the capacities are planned), every default
+    must lie inside the range the manifest will carry, and the temperature be positive:
+    a request could never reproduce a default outside them."""
     s = {**src.sampling, **opts.sampling}
     source = f"--sampling over {src.sampling_source}" if opts.sampling else src.sampling_source
-    for k, v in opts.sampling.items():
-        lo, hi = src.ranges.get(k, (v, v))
-        if k in src.ranges and not lo <= v <= hi:
-            raise PrepareError(f"--sampling {k}={v} is outside the range [{lo}, {hi}] the model declares")
+    if sampling_vocab is not None:
+        ranges = sampling_ranges(src, sampling_vocab)
+        for k, v in s.items():
+            lo, hi = ranges.get(k, (v, v))
+            if not lo <= v <= hi or (k == "temperature" and v <= 0):
+                origin = "--sampling" if k in opts.sampling else src.sampling_source
+                raise PrepareError(f"sampling default {k}={v} (from {origin}) is outside the range [{lo}, {hi}]"
+                                   + (" or not positive" if k == "temperature" else ""))
     return s, source
 
 
@@ -234,11 +248,8 @@ def partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, con
 
     from flare import __version__
 
-    s, source = sampling_defaults(src, opts)
-    ranges = {k: mf.Range(lo=lo, hi=hi) for k, (lo, hi) in src.ranges.items()}
-    if "top_k" in ranges:
-        hi = min(ranges["top_k"].hi, caps.sampling_vocab)
-        ranges["top_k"] = mf.Range(lo=ranges["top_k"].lo, hi=hi)
+    s, source = sampling_defaults(src, opts, caps.sampling_vocab)
+    ranges = {k: mf.Range(lo=lo, hi=hi) for k, (lo, hi) in sampling_ranges(src, caps.sampling_vocab).items()}
     return mf.Manifest(
         abi=mf.ABI_VERSION,
         identity=mf.Identity(

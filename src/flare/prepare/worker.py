@@ -49,6 +49,7 @@ def main() -> int:
             return 2
         progress(f"CUDA session: {session.device.name} (sm {session.device.compute_capability}), "
                  f"arena address {session.base:#x}, {session.free_at_start / 2**30:.1f} GiB free")
+    from flare.core.manifest import ManifestError
     from flare.prepare.build import Options, PrepareError, prepare
     from flare.prepare.parallel import SINGLE, leave_group
     from flare.prepare.recipes import UnsupportedArchitecture
@@ -60,7 +61,7 @@ def main() -> int:
         progress(f"loading {model}")
         src = resolve(model, progress=progress)
         prepare(src, opts, out, progress, session=session, tp=tp, started=_T0)
-    except (PrepareError, SourceError, UnsupportedArchitecture) as e:
+    except (PrepareError, SourceError, UnsupportedArchitecture, ManifestError) as e:
         print(f"flare-prepare: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:

@@ -101,8 +101,14 @@ def plan(ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
                 (starts[ec] + counts[ec]).to(torch.int32), block_m)
 
 
-# A batch of at most this many pairs is routed and planned by one program (decode).
+# A batch is routed and planned by one program (decode) when its padded pair space,
+# next_pow2(T) x next_pow2(k), holds at most this many: the pairwise comparisons are
+# [space, space] tiles in registers.
 FUSED_PLAN_PAIRS = 128
+
+
+def fits_route_plan(tokens: int, top_k: int) -> bool:
+    return triton.next_power_of_2(tokens) * triton.next_power_of_2(top_k) <= FUSED_PLAN_PAIRS
 
 
 @triton.jit
@@ -168,12 +174,13 @@ def _route_plan_kernel(
 
 def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch.Tensor | None,
                block_m: int) -> tuple[torch.Tensor, torch.Tensor, Plan]:
-    """``route`` and ``plan`` in one launch from the router's logits ``[T, E]`` (at most
-    ``FUSED_PLAN_PAIRS`` pairs): the same ids, order and tiles, weights to float32 rounding."""
+    """``route`` and ``plan`` in one launch from the router's logits ``[T, E]`` (when
+    ``fits_route_plan``): the same ids, order and used tiles, weights to float32 rounding."""
     T, E = logits.shape
     P = T * top_k
-    if P > FUSED_PLAN_PAIRS:
-        raise ValueError(f"{P} pairs: route_plan serves at most {FUSED_PLAN_PAIRS} (use route and plan)")
+    if not fits_route_plan(T, top_k):
+        raise ValueError(f"{T} tokens x top {top_k}: route_plan serves a padded pair space of at most "
+                         f"{FUSED_PLAN_PAIRS} (use route and plan)")
     dev = logits.device
     if valid is None:
         valid = torch.ones(T, dtype=torch.bool, device=dev)

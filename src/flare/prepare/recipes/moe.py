@@ -44,9 +44,8 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     split = local != gate.weight.shape[0]
     # The torch form gathers every pair's weights: a CPU reference, never a CUDA program.
     triton = x.is_cuda or (paged is not None and paged.impl == "triton")
-    pairs = x.shape[0] * gate.top_k
-    if triton and not split and pairs <= K.FUSED_PLAN_PAIRS:  # decode: route and plan in one launch
-        weights, ids, p = K.route_plan(logits, gate.top_k, renorm, valid, K.block_m_for(pairs))
+    if triton and not split and K.fits_route_plan(x.shape[0], gate.top_k):  # decode: one launch
+        weights, ids, p = K.route_plan(logits, gate.top_k, renorm, valid, K.block_m_for(x.shape[0] * gate.top_k))
         return K.experts_triton(x, weights, ids, experts.gate_up_proj, experts.down_proj, p=p)
     weights, ids = K.route_logits(logits, gate.top_k, renorm, valid)
     if split:
