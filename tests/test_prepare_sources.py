@@ -94,3 +94,26 @@ def test_bad_sampling_options_are_errors(value, message, tmp_path):
     proc = _prepare("qwen3-tiny", tmp_path / "core", "--sampling", value)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "core").exists()
+
+
+@pytest.mark.parametrize("window, context, ok", [(None, 256, True), (512, 256, True), (256, 256, True),
+                                                 (200, 256, False)])
+def test_sliding_window_models_are_held_to_their_window(hf_dir, tmp_path, window, context, ok):
+    """Sliding-window attention is not implemented: a model that declares a window is
+    prepared only with a context no longer than it (where the window changes nothing),
+    and anything longer is a typed error, never a core that attends too far."""
+    d = tmp_path / "mistral-like"
+    shutil.copytree(hf_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    (d / "config.json").write_text(json.dumps(cfg))
+    args = [a for a in CPU if a not in ("256",)]
+    i = args.index("--context-limit")
+    args.insert(i + 1, str(context))
+    proc = subprocess.run([sys.executable, "-m", "flare.prepare.cli", str(d), "--out", str(tmp_path / "core"), *args],
+                          capture_output=True, text=True, timeout=300)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 2 and "sliding window of 200 tokens" in proc.stderr, proc.stderr[-2000:]
+

@@ -166,6 +166,18 @@ class Recipe:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return KVGeometry(config.num_hidden_layers, config.num_key_value_heads // tp_size, head_dim)
 
+    def sliding_window(self, config) -> int | None:
+        """The smallest attention window any layer declares (None: every layer attends to
+        its whole history). Transformers marks windowed layers in ``layer_types``
+        ("sliding_attention"); a config with a ``sliding_window`` and no ``layer_types``
+        (Mistral) windows every layer."""
+        t = config.get_text_config()
+        window = getattr(t, "sliding_window", None)
+        kinds = getattr(t, "layer_types", None)
+        if not window or (kinds is not None and "sliding_attention" not in kinds):
+            return None
+        return int(window)
+
     def hidden_size(self, config) -> int:
         return config.get_text_config().hidden_size
 
