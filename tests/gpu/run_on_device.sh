@@ -54,14 +54,17 @@ case "$1" in
     rm -rf /tmp/gpu-results; mkdir -p /tmp/gpu-results
     if [ "$2" = prepare ]; then
       t0=$SECONDS
+      preps=()
       for m in $(python3 -c "from tests.gpu.conftest import SHAPES; print(*SHAPES)"); do
         python3 -c "import sys; from tests.gpu.conftest import gpu_core; print(gpu_core(sys.argv[1]))" $m \
           > /tmp/gpu-results/prepare-$m.log 2>&1 &
+        preps+=($!)
       done
       # Load errors first: they reserve the core's address range, which torch's
       # allocations in the kernel tests could otherwise take.
       parallel kernels "$G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_moe_kernels.py"; rc=$?
-      wait; echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback /tmp/gpu-results/prepare-*.log
+      for p in "${preps[@]}"; do wait $p || rc=1; done
+      echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback /tmp/gpu-results/prepare-*.log
       parallel numerics "$G/test_numerics.py"; rc=$((rc | $?))
     else
       parallel alone "$G/test_replay.py $G/test_serve.py $G/test_generation.py"; rc=$?
