@@ -346,6 +346,8 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
 8,192 unless `CONTEXT_LIMIT` or `--context-limit` says otherwise), measures
 the replay floor, starts `flare-serve` on it, runs the serving client, then
 the Transformers baseline, and joins the outputs with `bench/collect.py`
+(`STEPS` runs some of these; the core and raw files stay in `.cache/` of the
+checkout, so a run too long for one device call spans several on a warm machine)
 into `serving-MODEL-DATE.json` (machine, versions, core configuration and
 client options in every record; raw samples under `raw`). The client,
 `python -m bench.serve_bench URL MODEL OUT.json --scenarios ...`, speaks only
