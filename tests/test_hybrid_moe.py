@@ -18,7 +18,8 @@ import torch
 from tests.conftest import HYBRID_OPTS, prepare_core
 from tests.rig import load_rig
 from tests.test_qwen3_5 import float64_islands
-from tests.test_qwen3_moe import router_calls, routing_agreement, teacher_forced_errors, triton_matches_reference
+from tests.test_qwen3_moe import (hf_model, router_calls, routing_agreement, teacher_forced_errors,
+                                  triton_matches_reference)
 
 LENGTHS = (7, 16, 65, 130)
 DECODE_STEPS = 4
@@ -39,30 +40,12 @@ def stream() -> list[int]:
     return torch.randint(100, 40000, (max(LENGTHS) + DECODE_STEPS,), generator=g).tolist()
 
 
-def _hf(rig, dtype):
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from flare.prepare.recipes import by_name
-
-    recipe = by_name(rig.m.reference.recipe)
-    config = recipe.config_from_json(rig.m.reference.config)
-    for c in (config, config.get_text_config()):
-        c._attn_implementation = "eager"
-        c._experts_implementation = "eager"  # the expert loop as written (grouped_mm has no float64)
-    state = recipe.checkpoint_state(rig.m.reference.config, load_file(str(rig.core / rig.m.arena.image)))
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    return model.eval()
-
-
 def test_logits_match_transformers(family, stream):
     name, core = family
     rig = load_rig(core)
     assert [type(layer.mlp).__name__ for layer in rig.model.model.layers] == ["PreparedSparseMoe"] * 4
     assert all(hasattr(layer.mlp.shared_expert, "gate_up_proj") for layer in rig.model.model.layers)  # one GEMM
-    hf32, hf64 = _hf(rig, torch.float32), _hf(rig, torch.float64)
+    hf32, hf64 = hf_model(rig, torch.float32), hf_model(rig, torch.float64)
     x = torch.tensor([stream])
     with torch.inference_mode():
         l32 = hf32(input_ids=x).logits[0].double()

@@ -42,8 +42,9 @@ def stream() -> list[int]:
     return torch.randint(100, 40000, (max(LENGTHS) + DECODE_STEPS,), generator=g).tolist()
 
 
-@pytest.fixture(scope="module")
-def hf_models(rig):
+def hf_model(rig, dtype):
+    """Transformers' model of the core's recipe on the core's weights, in ``dtype``, with
+    eager attention and the expert loop as written (grouped_mm has no float64)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -51,16 +52,19 @@ def hf_models(rig):
 
     recipe = by_name(rig.m.reference.recipe)
     config = recipe.config_from_json(rig.m.reference.config)
-    config._attn_implementation = "eager"
-    config._experts_implementation = "eager"  # the expert loop as written (grouped_mm has no float64)
+    for c in (config, config.get_text_config()):
+        c._attn_implementation = "eager"
+        c._experts_implementation = "eager"
     state = recipe.checkpoint_state(rig.m.reference.config, load_file(str(rig.core / rig.m.arena.image)))
-    models = []
-    for dtype in (torch.float32, torch.float64):
-        model = AutoModelForCausalLM.from_config(config).to(dtype)
-        missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-        assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-        models.append(model.eval())
-    return models
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_models(rig):
+    return [hf_model(rig, dtype) for dtype in (torch.float32, torch.float64)]
 
 
 def router_calls(model, x: torch.Tensor, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:

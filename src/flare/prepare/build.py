@@ -62,9 +62,9 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     specs = recipe.weights(model)
     caps, pages = plan_capacities(src, recipe, opts, specs=specs, free_bytes=target.free_bytes())
     # Checked before anything is loaded or captured: the manifest would refuse them at the end.
-    defaults, source = sampling_defaults(src, opts, caps.sampling_vocab)
-    shown = {k: v for k, v in defaults.items() if k == "temperature" or v != NEUTRAL[k]}
-    progress(f"sampling defaults ({source}): " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    sampling = sampling_defaults(src, opts, caps.sampling_vocab)
+    shown = {k: v for k, v in sampling[0].items() if k == "temperature" or v != NEUTRAL[k]}
+    progress(f"sampling defaults ({sampling[1]}): " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
     continuation = mf.Continuation(state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, dtype)),
                                    tail=KV_TAIL)
@@ -86,7 +86,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         programs = target.programs(recipe, model, views, caps, opts, continuation)
         table = program_table(caps, target.graph_files(caps, continuation), continuation)
         partial = partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
-                                   base=target.base, device=target.device)
+                                   base=target.base, device=target.device, sampling=sampling)
         out.mkdir(parents=True, exist_ok=True)
     partial, report = target.finish(programs, partial, views, out / mf.rank_dir(tp.rank, tp.size), opts, progress)
     return _write_core(src, recipe, partial, target, out, tp, progress, t0, {**sizes, **report})

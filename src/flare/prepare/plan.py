@@ -231,32 +231,31 @@ def sampling_ranges(src, sampling_vocab: int) -> dict[str, tuple[float, float]]:
     return ranges
 
 
-def sampling_defaults(src, opts: Options, sampling_vocab: int | None = None) -> tuple[dict, str]:
+def sampling_defaults(src, opts: Options, sampling_vocab: int) -> tuple[dict, str]:
     """The core's sampling defaults and their source: the model source's (a named config's
     [sampling], a checkpoint's generation_config.json, or neutral), then ``--sampling``
-    over them. With ``sampling_vocab`` (once the capacities are planned), every default
-    must lie inside the range the manifest will carry, and the temperature be positive:
-    a request could never reproduce a default outside them."""
+    over them. Every default must lie inside the range the manifest will carry, and the
+    temperature be positive: a request could never reproduce a default outside them."""
     s = {**src.sampling, **opts.sampling}
     source = f"--sampling over {src.sampling_source}" if opts.sampling else src.sampling_source
-    if sampling_vocab is not None:
-        ranges = sampling_ranges(src, sampling_vocab)
-        for k, v in s.items():
-            lo, hi = ranges.get(k, (v, v))
-            if not lo <= v <= hi or (k == "temperature" and v <= 0):
-                origin = "--sampling" if k in opts.sampling else src.sampling_source
-                raise PrepareError(f"sampling default {k}={v} (from {origin}) is outside the range [{lo}, {hi}]"
-                                   + (" or not positive" if k == "temperature" else ""))
+    ranges = sampling_ranges(src, sampling_vocab)
+    for k, v in s.items():
+        lo, hi = ranges.get(k, (v, v))
+        if not lo <= v <= hi or (k == "temperature" and v <= 0):
+            origin = "--sampling" if k in opts.sampling else src.sampling_source
+            raise PrepareError(f"sampling default {k}={v} (from {origin}) is outside the range [{lo}, {hi}]"
+                               + (" or not positive" if k == "temperature" else ""))
     return s, source
 
 
 def partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,
-                      device) -> mf.Manifest:
+                      device, sampling: tuple[dict, str]) -> mf.Manifest:
+    """``sampling``: ``sampling_defaults``' (defaults, source), checked before the build."""
     import transformers
 
     from flare import __version__
 
-    s, source = sampling_defaults(src, opts, caps.sampling_vocab)
+    s, source = sampling
     ranges = {k: mf.Range(lo=lo, hi=hi) for k, (lo, hi) in sampling_ranges(src, caps.sampling_vocab).items()}
     return mf.Manifest(
         abi=mf.ABI_VERSION,
