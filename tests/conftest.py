@@ -8,6 +8,7 @@ and the options, so a change to any of them re-prepares.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -84,14 +85,21 @@ def prepare_core(model: str, opts: list[str], name: str | None = None) -> Path:
     out = CACHE / f"{name or model}-{key}"
     if (out / "manifest.json").is_file():
         return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [sys.executable, "-m", "flare.prepare.cli", model, "--out", str(tmp), *opts]
-    if name:
-        cmd += ["--served-name", name]
-    subprocess.run(cmd, check=True)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # Processes that want the same core (the GPU suite's parallel phases) take turns: the
+    # first prepares it, the others then find it.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "manifest.json").is_file():
+            return out
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "flare.prepare.cli", model, "--out", str(tmp), *opts]
+        if name:
+            cmd += ["--served-name", name]
+        subprocess.run(cmd, check=True)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
     return out
 
 

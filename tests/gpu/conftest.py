@@ -46,6 +46,9 @@ SHAPES = {
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
 }
+# FLARE_GPU_SHAPES=a,b narrows the suite to some shapes (a first look at a new one).
+if os.environ.get("FLARE_GPU_SHAPES"):
+    SHAPES = {m: SHAPES[m] for m in os.environ["FLARE_GPU_SHAPES"].split(",")}
 
 
 def gpu_core(model: str) -> Path:

@@ -5,16 +5,19 @@
 #          tests/gpu/run_on_device.sh --phase prepare     prepare every shape's core in parallel, then
 #                                                         the tests that tolerate other GPU processes,
 #                                                         in parallel (load errors and kernels, numerics)
-#          tests/gpu/run_on_device.sh --phase alone       the tests that compare device-wide free
-#                                                         memory (replay, serve, generation), one
-#                                                         process, nothing beside
+#          tests/gpu/run_on_device.sh --phase alone [FILES] the tests that compare device-wide free
+#                                                         memory (replay, serve, generation, or the
+#                                                         FILES given), one process, nothing beside
+#          tests/gpu/run_on_device.sh --collect NAME      after a phase killed by a time limit: merge
+#                                                         and bundle what it wrote ($OUT holds at most
+#                                                         8 files that come back)
 # The two phases together are the whole suite; run `alone` right after `prepare` on the
 # warm machine so that the cores in .cache/ are reused.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/flare-out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 export PYTHONPATH=$PWD/src:$PWD:$PYTHONPATH
@@ -24,52 +27,63 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers, cuda.bindings as cb; print('versions', torch.__version__, triton.__version__, transformers.__version__, cb.__version__)"
 PYTEST=(python3 -m pytest -v -rA -p no:cacheprovider)
 G=tests/gpu
-# Several pytest processes: each writes its own results folder; one JSON and one log come back.
-parallel() {  # parallel NAME "pytest args" NAME "pytest args" ...
+# Several pytest processes: each writes its own results folder and log under $OUT as it
+# goes (a call cut short by its time limit still returns them); one JSON merges them.
+R=$OUT/gpu-results
+parallel() {  # parallel NAME "pytest args" NAME "pytest args" ...   (NAME=shape: that shape alone)
   local pids=() names=() rc=0
   while [ $# -gt 0 ]; do
-    mkdir -p /tmp/gpu-results/$1
-    FLARE_RESULTS_DIR=/tmp/gpu-results/$1 "${PYTEST[@]}" $2 > /tmp/gpu-results/$1.log 2>&1 &
+    mkdir -p $R/$1
+    FLARE_GPU_SHAPES=${GPU_SHAPES[$1]:-$FLARE_GPU_SHAPES} FLARE_RESULTS_DIR=$R/$1 "${PYTEST[@]}" $2 > $R/$1.log 2>&1 &
     pids+=($!); names+=($1); shift 2
   done
   for i in "${!pids[@]}"; do
     wait ${pids[$i]}; local r=$?
-    echo "${names[$i]}: exit $r; $(tail -1 /tmp/gpu-results/${names[$i]}.log)"
+    echo "${names[$i]}: exit $r; $(tail -1 $R/${names[$i]}.log)"
     [ $r -eq 0 ] || rc=1
   done
   return $rc
 }
-collect() {  # merge the processes' results into $OUT/qualification-PHASE.json and their logs
+collect() {  # merge the processes' results into $OUT/qualification-PHASE.json; bundle the rest
   python3 - "$1" <<'PY'
-import json, pathlib, sys
+import json, os, pathlib, sys
 merged = {}
-for f in sorted(pathlib.Path("/tmp/gpu-results").glob("*/qualification.json")):
+for f in sorted(pathlib.Path(os.environ["OUT"], "gpu-results").glob("*/qualification.json")):
     merged.update(json.loads(f.read_text()))
-pathlib.Path(__import__("os").environ["OUT"], f"qualification-{sys.argv[1]}.json").write_text(json.dumps(merged, indent=1))
+pathlib.Path(os.environ["OUT"], f"qualification-{sys.argv[1]}.json").write_text(json.dumps(merged, indent=1))
 PY
-  cat /tmp/gpu-results/*.log > "$OUT/pytest-$1.log"
+  # A device call returns at most 8 files: the logs and per-process results travel as one.
+  tar czf $OUT/gpu-results-$1.tgz -C $OUT gpu-results && rm -rf $R
 }
+declare -A GPU_SHAPES
+SHAPE_LIST=$(python3 -c "from tests.gpu.conftest import SHAPES; print(*SHAPES)")
 case "$1" in
   --phase)
-    rm -rf /tmp/gpu-results; mkdir -p /tmp/gpu-results
+    mkdir -p $R; PHASE=${PHASE_NAME:-$2}
     if [ "$2" = prepare ]; then
       t0=$SECONDS
       preps=()
-      for m in $(python3 -c "from tests.gpu.conftest import SHAPES; print(*SHAPES)"); do
+      for m in $SHAPE_LIST; do
         python3 -c "import sys; from tests.gpu.conftest import gpu_core; print(gpu_core(sys.argv[1]))" $m \
-          > /tmp/gpu-results/prepare-$m.log 2>&1 &
+          > $R/prepare-$m.log 2>&1 &
         preps+=($!)
       done
       # Load errors first: they reserve the core's address range, which torch's
       # allocations in the kernel tests could otherwise take.
       parallel kernels "$G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_moe_kernels.py"; rc=$?
       for p in "${preps[@]}"; do wait $p || rc=1; done
-      echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback /tmp/gpu-results/prepare-*.log
-      parallel numerics "$G/test_numerics.py"; rc=$((rc | $?))
-    else
-      parallel alone "$G/test_replay.py $G/test_serve.py $G/test_generation.py"; rc=$?
+      echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback $R/prepare-*.log
+      # Numerics: one process per shape, side by side (they share the GPU's memory).
+      args=()
+      for m in $SHAPE_LIST; do GPU_SHAPES[numerics-$m]=$m; args+=(numerics-$m "$G/test_numerics.py"); done
+      parallel "${args[@]}"; rc=$((rc | $?))
+    else  # alone [test files]: all three by default; a call's time limit may want them split
+      shift 2
+      parallel alone "${*:-$G/test_replay.py $G/test_serve.py $G/test_generation.py}"; rc=$?
     fi
-    collect "$2"; exit $rc;;
+    collect "$PHASE"; exit $rc;;
+  --collect)  # after a phase cut short by a time limit: what its processes wrote so far
+    collect "${2:-partial}"; exit 0;;
 esac
 [ $# -gt 0 ] || set -- $G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_moe_kernels.py $G/test_replay.py \
   $G/test_numerics.py $G/test_generation.py $G/test_serve.py

@@ -22,9 +22,9 @@ import tempfile
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import gpu_core, record
+from tests.gpu.conftest import SHAPES, gpu_core, record
 
-MODELS = ["smollm2-135m-shape", "qwen3_5-small-shape"]
+MODELS = [m for m in ["smollm2-135m-shape", "qwen3_5-small-shape", "qwen3-moe-small-shape"] if m in SHAPES]
 PROMPTS = 50
 FIRST_TOKEN_AGREEMENT = 0.9
 

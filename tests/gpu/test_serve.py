@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from tests.conftest import running_server, scrape_metrics
-from tests.gpu.conftest import gpu_core, record
+from tests.gpu.conftest import SHAPES, gpu_core, record
 
-MODELS = ["llama-3.2-1b-shape", "qwen3_5-small-shape", "qwen3-moe-small-shape"]
+MODELS = [m for m in ["llama-3.2-1b-shape", "qwen3_5-small-shape", "qwen3-moe-small-shape"] if m in SHAPES]
 
 
 def _stream(url: str, i: int, n: int, model: str) -> dict:
