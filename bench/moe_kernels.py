@@ -9,14 +9,19 @@ router's choices come from random hidden rows and a random router (so the expert
 batch hits are as many as real routing would hit, not one), and each candidate computes
 the routed experts' weighted sum for the chunk:
 
-* ``ours[bm,bn,bk,w]``  kernels/moe.py as the recipe runs it: the router GEMM, route and plan
+* ``ours[bm,bn,bk,w]``  kernels/moe.py's tiled path (prefill chunks): the router GEMM, route and plan
   (one fused launch, ``route_plan``, up to 128 pairs; torch ops beyond), grouped gate/up,
   grouped down, the weighted sum (block_m 16 for decode, 64 for prefill).
+* ``ours.decode``  the decode path (at most ``DECODE_PAIRS`` pairs): router GEMM,
+  ``route_plan``, a gate/up GEMV program per pair and feature block, and the down GEMVs
+  summed over each token's pairs in place (two expert launches, no tiles);
+  ``decode_gate_up[...]`` / ``decode_down[...]`` sweep one kernel's blocks (the whole
+  expert computation is timed, the other kernel at its default blocks).
 * ``ours.route_plan`` / ``ours.route+plan``  the fixed cost before any expert GEMM: the
   fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces.
 * ``torch_grouped_mm``  torch._grouped_mm over the pairs sorted by expert (offsets on the
   device), where this torch has it for the dtype.
-* ``torch_gather``      the reference: each pair's expert weights gathered, two bmm.
+* ``torch_reference``   (CPU smoke only) the reference path's expert loop on the host.
 
 ``active_bytes`` is what a step must read: the union of the experts the batch routes to
 (their gate/up and down rows) plus the router; ``gb_per_s`` = active_bytes / time.
@@ -51,7 +56,11 @@ F64 = torch.float64
 GEOMETRIES = {  # name: (E, k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "qwen3_5-35b-a3b": (256, 8, 2048, 512),
+    "qwen3-next-80b-a3b": (512, 10, 2048, 512),
 }
+# Decode GEMV blocks (rows, K columns, warps) swept per kernel, the other at its default.
+DECODE_GATE_UP = [(8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 8), (16, 1024, 8), (4, 1024, 4)]
+DECODE_DOWN = [(8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4)]
 
 
 def loop64(x, w, ids, gate_up, down):
@@ -63,6 +72,17 @@ def loop64(x, w, ids, gate_up, down):
             if e < E:
                 g, u = (gate_up[e].to(F64) @ x[t].to(F64)).chunk(2)
                 out[t] += float(w[t, j]) * (down[e].to(F64) @ (F.silu(g) * u))
+    return out
+
+
+def by_expert64(x, w, ids, gate_up, down):
+    """The same sum, one float64 GEMM per expert over the rows routed to it."""
+    out = torch.zeros(x.shape, dtype=F64, device=x.device)
+    for e in range(gate_up.shape[0]):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        if t.numel():
+            g, u = (x[t].to(F64) @ gate_up[e].to(F64).T).chunk(2, dim=-1)
+            out.index_add_(0, t, w[t, j].to(F64)[:, None] * ((F.silu(g) * u) @ down[e].to(F64).T))
     return out
 
 
@@ -79,10 +99,10 @@ def grouped_mm_candidate(x, w, ids, gate_up, down):
     g, u = gu.chunk(2, dim=-1)
     y = torch._grouped_mm((F.silu(g) * u).to(x.dtype), down.transpose(1, 2), offs=offs)
     out = torch.empty_like(y).index_copy_(0, order, y)
-    return K.combine(out, w, ids, E)
+    return K.combine_triton(out, w, ids, E)
 
 
-def cases_for(name, geo, T, device, dtype, rotations, configs):
+def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GATE_UP, DECODE_DOWN)):
     E, k, H, I = geo
     g = torch.Generator(device="cpu").manual_seed(T)
     gate_up = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(dtype).to(device)
@@ -100,13 +120,32 @@ def cases_for(name, geo, T, device, dtype, rotations, configs):
     def check(outs, state):
         ref = loop64(x0, w0, ids0, gate_up, down) if T <= 4 else None
         got = outs[0]
-        if ref is None:  # long chunks: the torch reference instead of a float64 loop
-            ref = K.experts_torch(x0.double(), w0.double(), ids0, gate_up.double(), down.double())
+        if ref is None:  # long chunks: expert by expert in float64 (a pair loop is too slow)
+            ref = by_expert64(x0, w0, ids0, gate_up, down)
         return dict(max_abs_err=float((got.double() - ref).abs().max()), out_scale=float(ref.abs().max()),
                     experts_hit=hit)
 
     tag = f"{name}[T{T}]"
     out = []
+    if T * k <= K.DECODE_PAIRS:
+        def decode(x, w, ids, gu=(16, 512, 4), dn=(4, 512, 4)):
+            logits = F.linear(x, router)
+            w, ids, _ = K.route_plan(logits, k, True, None, 16)
+            return (K.experts_decode(x, w, ids, gate_up, down, gate_up_blocks=gu, down_blocks=dn),)
+        out.append(Case(f"{tag}.ours.decode", [(lambda s=s: decode(*s)) for s in sets], [], check,
+                        "as the recipe runs a decode step: router GEMM, route_plan, the two GEMV kernels",
+                        bytes_per_call=active))
+        expert_bytes = hit * H * I * gate_up.element_size()
+        for gu in sweeps[0]:
+            out.append(Case(f"{tag}.decode_gate_up[bn{gu[0]},bk{gu[1]},w{gu[2]}]",
+                            [(lambda s=s, gu=gu: (K.experts_decode(*s, gate_up, down, gate_up_blocks=gu),))
+                             for s in sets], [], None, "both decode kernels; gate/up blocks swept",
+                            bytes_per_call=3 * expert_bytes))
+        for dn in sweeps[1]:
+            out.append(Case(f"{tag}.decode_down[bn{dn[0]},bk{dn[1]},w{dn[2]}]",
+                            [(lambda s=s, dn=dn: (K.experts_decode(*s, gate_up, down, down_blocks=dn),))
+                             for s in sets], [], None, "both decode kernels; down blocks swept",
+                            bytes_per_call=3 * expert_bytes))
     for bm, bn, bk, warps in configs:
         if (T <= 4) != (bm == 16):
             continue
@@ -119,7 +158,8 @@ def cases_for(name, geo, T, device, dtype, rotations, configs):
                 w, ids = K.route_logits(logits, k, True)
                 p = K.plan(ids, E, bm)
             h = K.grouped_gate_up(x, gate_up, p, k, block_n=bn, block_k=bk, num_warps=warps)
-            return (K.combine(K.grouped_down(h, down, p, block_n=bn, block_k=bk, num_warps=warps), w, ids, E),)
+            return (K.combine_triton(K.grouped_down(h, down, p, block_n=bn, block_k=bk, num_warps=warps), w, ids,
+                                     E),)
         out.append(Case(f"{tag}.ours[bm{bm},bn{bn},bk{bk},w{warps}]",
                         [(lambda s=s, f=ours: f(*s)) for s in sets], [], check, bytes_per_call=active))
     out.append(Case(f"{tag}.ours.route+plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))
@@ -131,8 +171,8 @@ def cases_for(name, geo, T, device, dtype, rotations, configs):
     if hasattr(torch, "_grouped_mm") and device == "cuda":
         out.append(Case(f"{tag}.torch_grouped_mm", [(lambda s=s: (grouped_mm_candidate(*s, gate_up, down),))
                                                     for s in sets], [], check, bytes_per_call=active))
-    if T <= 128:
-        out.append(Case(f"{tag}.torch_gather", [(lambda s=s: (K.experts_torch(*s, gate_up, down),)) for s in sets],
+    if device == "cpu":  # the reference loops over experts on the host: it cannot be captured
+        out.append(Case(f"{tag}.torch_reference", [(lambda s=s: (K.experts_torch(*s, gate_up, down),)) for s in sets],
                         [], check, bytes_per_call=active))
     return out
 
@@ -153,7 +193,7 @@ def main(argv=None) -> int:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     geos = GEOMETRIES if cuda else {"tiny": (8, 2, 32, 48)}
     tokens = [int(t) for t in (args.tokens or ("1,4,128,2048" if cuda else "1,4,24")).split(",")]
-    configs = ([(16, 64, 64, 4), (16, 128, 64, 4), (16, 32, 128, 4), (64, 64, 64, 4), (64, 128, 64, 8)] if cuda
+    configs = ([(16, 32, 128, 4), (64, 64, 64, 4), (64, 128, 64, 8)] if cuda
                else [(16, 32, 32, 4), (64, 32, 32, 4)])
     if args.smoke:
         args.replays = 2
@@ -161,7 +201,8 @@ def main(argv=None) -> int:
     for name, geo in geos.items():
         for T in tokens:
             rot = max(1, min(16, (3 * 50 << 20) // (T * geo[1] * 3 * geo[2] * geo[3] * 2 + 1))) if cuda else 2
-            cases += cases_for(name, geo, T, device, dtype, rot, configs)
+            sweeps = (DECODE_GATE_UP, DECODE_DOWN) if cuda else ([(8, 16, 4)], [(16, 16, 4)])
+            cases += cases_for(name, geo, T, device, dtype, rot, configs, sweeps)
     results = run(cases, args, cuda, started, lambda line: print(line, flush=True))
     report = dict(
         machine=dict(device=torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"),

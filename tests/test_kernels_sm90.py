@@ -57,7 +57,13 @@ SCRIPT = textwrap.dedent('''
         compile_for_sm90(M._grouped_kernel,
                          {**bf16("a_ptr", "w_ptr", "out_ptr"), "order_ptr": "*i32", "tile_expert_ptr": "*i32",
                           "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"},
-                         dict(GATE_UP=gate_up, BM=16, BN=64, BK=64))
+                         dict(GATE_UP=gate_up, BM=16, BN=64, BK=64, PRECISION="tf32"))
+    compile_for_sm90(M._decode_gate_up_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr"), "ids_ptr": "*i64"},
+                     dict(BN=16, BK=512))
+    compile_for_sm90(M._decode_down_kernel, {**bf16("h_ptr", "w_ptr", "out_ptr"), "ids_ptr": "*i64",
+                                             "weights_ptr": "*fp32"}, dict(TOPK=8, BN=4, BK=512))
+    compile_for_sm90(M._combine_kernel, {**bf16("y_ptr", "out_ptr"), "ids_ptr": "*i64", "weights_ptr": "*fp32"},
+                     dict(TOPK=8, BN=512))
     compile_for_sm90(M._route_plan_kernel,
                      {"logits_ptr": "*bf16", "valid_ptr": "*i1", "w_ptr": "*fp32", "ids_ptr": "*i64",
                       "order_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"},
@@ -72,4 +78,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 8, proc.stdout
+    assert proc.stdout.count("compiled") == 11, proc.stdout

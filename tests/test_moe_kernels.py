@@ -18,7 +18,9 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 
 from flare.prepare.kernels.moe import (  # noqa: E402
     combine,
+    combine_triton,
     experts_torch,
+    experts_decode,
     experts_triton,
     max_tiles,
     plan,
@@ -100,7 +102,7 @@ def test_grouped_experts_match_the_pair_loop(T, block_m, dtype):
     gate_up, down = _weights(E, H, I, 1, dtype)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(T, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
-    router = torch.randn(E, H, generator=g).to(DEVICE)
+    router = torch.randn(E, H, generator=g).to(dtype).to(DEVICE)
     valid = torch.ones(T, dtype=torch.bool, device=DEVICE)
     valid[T // 2] = T == 1  # one padded row when there are several
     w, ids = route(x, router, k, True, valid)
@@ -110,6 +112,33 @@ def test_grouped_experts_match_the_pair_loop(T, block_m, dtype):
     torch.testing.assert_close(got.cpu().to(F64), ref, **tol)
     assert torch.equal(got[~valid].cpu(), torch.zeros_like(got[~valid].cpu()))
     torch.testing.assert_close(experts_torch(x, w, ids, gate_up, down).cpu().to(F64), ref, **tol)
+
+
+@pytest.mark.parametrize("T,k", [(1, 3), (3, 3), (8, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
+    """The decode kernels (a GEMV program per pair and feature block, no tl.dot, so bfloat16
+    runs in the CPU interpreter too; down summed over each token's pairs in slot order)
+    against float64, with a padded row and, at (8, 8), experts
+    shared by several tokens; blocks narrower than the features and K not a block multiple."""
+    E, H, I = 8, 40, 24
+    gate_up, down = _weights(E, H, I, 3, dtype)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    router = torch.randn(E, H, generator=g).to(dtype).to(DEVICE)
+    valid = torch.ones(T, dtype=torch.bool, device=DEVICE)
+    valid[T // 2] = T == 1
+    w, ids = route(x, router, k, True, valid)
+    got = experts_decode(x, w, ids, gate_up, down, gate_up_blocks=(8, 16, 4), down_blocks=(16, 16, 4))
+    ref = _loop64(x.cpu(), w.cpu(), ids.cpu(), gate_up.cpu(), down.cpu())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.cpu().to(F64), ref, **tol)
+    assert torch.equal(got[~valid].cpu(), torch.zeros_like(got[~valid].cpu()))
+    # The same roundings as the torch reference and the tiled kernels (whose bfloat16
+    # tl.dot the CPU interpreter gets wrong): equal up to summation order.
+    torch.testing.assert_close(got, experts_torch(x, w, ids, gate_up, down), **tol)
+    if dtype == torch.float32 or DEVICE == "cuda":
+        torch.testing.assert_close(got, experts_triton(x, w, ids, gate_up, down), **tol)
 
 
 def _tiles(p):
@@ -149,8 +178,11 @@ def test_fused_route_plan_refuses_large_batches():
 
 
 def test_combine_ignores_unwritten_sentinel_rows():
+    """Both forms: the torch one (reference path) and the one-launch kernel (tiled path)."""
     y = torch.full((4, 2), float("nan"))
     y[0], y[1], y[2] = 1.0, 2.0, 3.0
     ids = torch.tensor([[0, 1], [2, 4]])  # E = 4: pair 3 is a sentinel, its row never written
     w = torch.tensor([[0.5, 0.5], [1.0, 0.0]])
     assert combine(y, w, ids, 4).tolist() == [[1.5, 1.5], [3.0, 3.0]]
+    dev = [t.to(DEVICE) for t in (y, w, ids)]
+    assert combine_triton(dev[0], dev[1], dev[2], 4).tolist() == [[1.5, 1.5], [3.0, 3.0]]

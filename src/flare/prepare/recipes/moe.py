@@ -42,18 +42,23 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     logits = F.linear(x, gate.weight)  # the model dtype, as Transformers computes it
     local = experts.gate_up_proj.shape[0]
     split = local != gate.weight.shape[0]
-    # The torch form gathers every pair's weights: a CPU reference, never a CUDA program.
+    # The torch form loops over the hit experts on the host: a CPU reference, never captured.
     triton = x.is_cuda or (paged is not None and paged.impl == "triton")
-    if triton and not split and K.fits_route_plan(x.shape[0], gate.top_k):  # decode: one launch
-        weights, ids, p = K.route_plan(logits, gate.top_k, renorm, valid, K.block_m_for(x.shape[0] * gate.top_k))
-        return K.experts_triton(x, weights, ids, experts.gate_up_proj, experts.down_proj, p=p)
-    weights, ids = K.route_logits(logits, gate.top_k, renorm, valid)
+    T, k = x.shape[0], gate.top_k
+    p = None
+    if triton and not split and K.fits_route_plan(T, k):  # route and plan in one launch
+        weights, ids, p = K.route_plan(logits, k, renorm, valid, K.block_m_for(T * k))
+    else:
+        weights, ids = K.route_logits(logits, k, renorm, valid)
     if split:
         ids = ids - block.flare_tp.rank * local
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
-    impl = K.experts_triton if triton else K.experts_torch
-    out = impl(x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    args = (x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    if triton and T * k <= K.DECODE_PAIRS:  # decode: GEMVs of the routed experts, no tiles
+        out = K.experts_decode(*args)
+    else:
+        out = K.experts_triton(*args, p=p) if triton else K.experts_torch(*args)
     return block.flare_tp.all_reduce(out) if split else out
 
 
