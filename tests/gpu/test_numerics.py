@@ -150,10 +150,15 @@ def test_hybrid_triton_path_matches_the_reference_path_on_the_gpu(results_dir):
     of several lengths, then decode steps of a batch with a padded row. No compile, no
     graphs, no BF16: what differs is only the kernels. FLA's chunk rule computes its dot
     products in TF32, so the bound is TF32's, not FP32's."""
+    import pytest
     import torch
 
     from tests.conftest import HYBRID_OPTS, prepare_core
+    from tests.gpu.conftest import SHAPES
     from tests.rig import admit, decode, load_rig, prefill
+
+    if "qwen3_5-small-shape" not in SHAPES:
+        pytest.skip("the hybrid is not among this run's shapes")
 
     core = prepare_core("qwen3_5-small-shape", HYBRID_OPTS)
     rigs = {impl: load_rig(core, seed=3, attention=impl, device="cuda") for impl in ("reference", "triton")}
@@ -175,3 +180,63 @@ def test_hybrid_triton_path_matches_the_reference_path_on_the_gpu(results_dir):
     record(results_dir, "qualification", {"qwen3_5-small-shape-triton-vs-reference-fp32": {
         "max_abs_err": err, "logit_scale": scale}})
     assert err <= 5e-3 * scale, (err, scale)
+
+
+def test_routed_experts_match_transformers(gpu_shape_core, results_dir):
+    """Routing as the captured programs compute it (``kernels/moe.py``: ``route_plan``
+    for decode-sized batches, ``route_logits`` for prefill chunks, over BF16 router
+    logits) against Transformers' FP32 router, on the same rows: the FP32 model's own
+    router inputs at every sparse layer (hooks on each ``gate``), rounded to BF16 for
+    Flare. The programs expose no expert ids, so the routing kernels run here on those
+    rows. The BF16 error of a score is err = max |p_bf16 - p_fp32| (per layer, softmax
+    probabilities), so a k-th/(k+1)-th swap needs a margin <= 2 * err: wherever FP32's
+    margin exceeds that, the routed set must be FP32's."""
+    import pytest
+    import torch
+
+    from flare.core.manifest import load_manifest
+    from flare.prepare.kernels import moe as K
+
+    model_name, core = gpu_shape_core
+    if "num_experts" not in load_manifest(core).reference.config:
+        pytest.skip(f"{model_name} routes no experts")
+    hf32, _ = _hf_model(core, torch.float32)
+    gates = [m for n, m in hf32.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
+    seen: list = []
+    hooks = [g.register_forward_pre_hook(lambda mod, a: seen.append(a[0].reshape(-1, a[0].shape[-1])))
+             for g in gates]
+    rng = np.random.default_rng(1)
+    checked = eligible = mismatched = 0
+    per_layer = []
+    try:
+        for n in (1, 4, 300):
+            x = torch.tensor([rng.integers(0, 30000, n).tolist()], device="cuda")
+            seen.clear()
+            with torch.no_grad():
+                hf32(x)
+            for layer, (g, h) in enumerate(zip(gates, seen)):
+                k, renorm = g.top_k, getattr(g, "norm_topk_prob", True)
+                p32 = torch.softmax(torch.nn.functional.linear(h, g.weight), -1)
+                logits16 = torch.nn.functional.linear(h.bfloat16(), g.weight.bfloat16())
+                err = (torch.softmax(logits16.float(), -1) - p32).abs().max().item()
+                top = p32.topk(k + 1, -1)
+                margin = top.values[:, k - 1] - top.values[:, k]
+                if K.fits_route_plan(n, k):
+                    _, ids, _ = K.route_plan(logits16, k, renorm, None, K.block_m_for(n * k))
+                else:
+                    _, ids = K.route_logits(logits16, k, renorm, None)
+                same = (ids.sort(-1).values == top.indices[:, :k].sort(-1).values).all(-1)
+                ok = margin > 2 * err
+                checked += same.numel()
+                eligible += int(ok.sum())
+                mismatched += int((ok & ~same).sum())
+                per_layer.append({"tokens": n, "layer": layer, "err_bf16_scores": err, "eligible": int(ok.sum()),
+                                  "equal_sets": int(same.sum()), "mismatched_eligible": int((ok & ~same).sum())})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    summary = {"rows": checked, "eligible_rows": eligible, "mismatched_eligible_rows": mismatched,
+               "per_layer": per_layer}
+    record(results_dir, "qualification", {f"{model_name}-routed-experts": summary})
+    assert eligible >= checked // 2, summary  # the check bites on most rows
+    assert mismatched == 0, summary
