@@ -134,6 +134,7 @@ class ServerProcess:
     # loop and the test client need the other core, and two OpenMP threads competing with
     # them (or with anything else running) spin-wait and run ~8x slower than one.
     def __init__(self, core: Path, *extra: str, env: dict | None = None):
+        self.core = core
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(CACHE / f"server-{self.port}.log", "w+")

@@ -122,7 +122,7 @@ def prefill(r: Rig, slot: int, tokens: list[int], *, sample: bool = True, splits
 
 
 def completion(r: Rig, buffer: str, n: int = 1) -> list[io.Completion]:
-    return [io.unpack(io.Completion, row) for row in r.v[buffer][:n]]
+    return [io.completion(row) for row in r.v[buffer][:n]]
 
 
 def decode(r: Rig, slots: list[int], tokens: list[int]) -> tuple[torch.Tensor, list[io.Completion]]:
@@ -163,3 +163,25 @@ def tail_page(r: Rig, pages: list[int], count: int) -> int:
     """The page holding an endpoint's partial tail, or the null page when aligned."""
     ps = r.m.pages.page_size
     return pages[count // ps] if count % ps else r.m.pages.null_page
+
+
+def transformers_model(core: Path, m: Manifest, dtype: torch.dtype) -> torch.nn.Module:
+    """Transformers' model of the core's recipe on the core's weights (its image file), in
+    ``dtype``, with eager attention and expert loops as written (grouped_mm has no float64)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from flare.prepare.recipes import by_name
+
+    recipe = by_name(m.reference.recipe)
+    config = recipe.config_from_json(m.reference.config)
+    for c in (config, config.get_text_config()):
+        c._attn_implementation = "eager"
+        c._experts_implementation = "eager"
+    state = recipe.checkpoint_state(m.reference.config, load_file(str(core / m.arena.image)))
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    assert not unexpected and all("rotary" in k or ("lm_head" in k and tied) for k in missing), (missing, unexpected)
+    model.tie_weights()
+    return model.eval()

@@ -54,7 +54,7 @@ def _decode_run(r, slot: int, steps: int) -> tuple[list[int], torch.Tensor]:
         batch[0] = slot
         v[io.DECODE_SLOTS][:] = batch
         r.run[f"decode.{min(r.m.capacities.decode_capacities)}"]()
-        tokens.append(io.unpack(io.Completion, v[io.DECODE_COMPLETION][0]).token)
+        tokens.append(io.completion(v[io.DECODE_COMPLETION][0]).token)
         logits.append(v["out.logits"][0].clone())
     return tokens, torch.stack(logits)
 

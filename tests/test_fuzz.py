@@ -97,7 +97,9 @@ openai_fields = {
     "n": st.one_of(st.integers(-1, 10), json_values),
     "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=20), json_values),
     "stop_token_ids": st.one_of(st.lists(st.integers(-3, 60000), max_size=20), json_values),
-    "logprobs": json_values, "logit_bias": json_values, "stream_options": json_values,
+    "logprobs": st.one_of(st.booleans(), st.integers(-3, 25), json_values),
+    "top_logprobs": st.one_of(st.integers(-3, 25), json_values),
+    "logit_bias": json_values, "stream_options": json_values,
 }
 chat_fields = {
     **openai_fields,

@@ -47,9 +47,21 @@ def test_runtime_buffer_order_is_abi_4():
 def test_pack_and_unpack():
     assert io.pack(io.PrefillInput(3, 17, 1)).tolist() == [3, 17, 1, 0]
     assert io.pack(io.PrefillInput(3, 17, 1)).dtype == np.int32
-    assert io.unpack(io.Completion, np.array([2, 99, 5, 1], np.int32)) == io.Completion(2, 99, 5, io.Status.stop)
+    assert io.completion(np.array([2, 99, 5, 1], np.int32)) == io.Completion(2, 99, 5, io.Status.stop)
     with pytest.raises(ExecutionError, match="Completion has 4 fields, got 3 values"):
         io.unpack(io.Completion, [1, 2, 3])
+    with pytest.raises(ExecutionError, match="has 4 fields and optionally 1 \\+ 2N"):
+        io.completion([1, 2, 3])
+    # A record with log-probabilities: 4 fields, the sampled value and 2 of the top values as
+    # float32 bits, then the 2 top ids; an even-length block is malformed.
+    block = np.array([-0.5, -0.25, -1.5], np.float32).view(np.int32)
+    record = np.concatenate([[2, 99, 5, 0], block, [99, 7]]).astype(np.int32)
+    assert io.completion(record) == io.Completion(2, 99, 5, io.Status.running)
+    assert io.unpack_logprobs(record, 2) == io.TokenLogprobs(-0.5, (99, 7), (-0.25, -1.5))
+    with pytest.raises(ExecutionError, match="log-probability"):
+        io.completion(record[:-1])
+    with pytest.raises(ExecutionError, match="no block of 3"):
+        io.unpack_logprobs(record, 3)
     rows = io.slot_state(pending=7, generated=2, max_new=9, seed=-5, sampling=dict(
         temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3,
         frequency_penalty=0.4), stop_ids=(2, 5), stop_capacity=4, pages=(6, 8), max_pages=3, mask_on=True)

@@ -346,7 +346,7 @@ def test_padded_and_finished_rows_write_nothing(rig):
     assert zero_pages()
     v["in.decode_slots"][:] = torch.tensor([1, 2, 0, 0], dtype=torch.int32)
     rig.run["decode.4"]()
-    rec = [io.unpack(io.Completion, row) for row in v[io.DECODE_COMPLETION]]
+    rec = [io.completion(row) for row in v[io.DECODE_COMPLETION]]
     L = len(prompts[1])
     assert rec[0].slot == 1 and rec[0].token >= 0 and rec[0].generated == 2
     assert rec[1] == io.Completion(2, -1, 1, io.Status.inactive)

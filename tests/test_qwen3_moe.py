@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_OPTS, prepare_core
-from tests.rig import admit, decode, load_rig, prefill
+from tests.rig import admit, decode, load_rig, prefill, transformers_model
 
 LENGTHS = (5, 16, 17, 40, 129)
 DECODE_STEPS = 4
@@ -43,23 +43,8 @@ def stream() -> list[int]:
 
 
 def hf_model(rig, dtype):
-    """Transformers' model of the core's recipe on the core's weights, in ``dtype``, with
-    eager attention and the expert loop as written (grouped_mm has no float64)."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from flare.prepare.recipes import by_name
-
-    recipe = by_name(rig.m.reference.recipe)
-    config = recipe.config_from_json(rig.m.reference.config)
-    for c in (config, config.get_text_config()):
-        c._attn_implementation = "eager"
-        c._experts_implementation = "eager"
-    state = recipe.checkpoint_state(rig.m.reference.config, load_file(str(rig.core / rig.m.arena.image)))
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-    return model.eval()
+    """Transformers' model of the core's recipe on the core's weights (``tests.rig``)."""
+    return transformers_model(rig.core, rig.m, dtype)
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ class Driver:
                           io.pack(io.PrefillInput(slot, len(chunk), int(start + len(chunk) == len(prompt)))))
             await self.run(f"prefill.{cap}")
             rows.append(self.ex.read("out.prefill_hidden")[: len(chunk)])
-        record = io.unpack(io.Completion, self.ex.read(io.PREFILL_COMPLETION)[0])
+        record = io.completion(self.ex.read(io.PREFILL_COMPLETION)[0])
         return np.concatenate(rows), self.ex.read("out.logits")[0], record.token
 
     async def decode(self, slots: list[int], forced: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +113,7 @@ class Driver:
         batch[: len(slots)] = slots
         self.ex.write(io.DECODE_SLOTS, batch)
         await self.run(f"decode.{cap}")
-        records = [io.unpack(io.Completion, r) for r in self.ex.read(io.DECODE_COMPLETION)[: len(slots)]]
+        records = [io.completion(r) for r in self.ex.read(io.DECODE_COMPLETION)[: len(slots)]]
         return self.ex.read("out.logits")[: len(slots)], np.array([r.token for r in records])
 
 

@@ -17,6 +17,13 @@ Rows by program::
 
 The per-slot request state written at admission (``slot_state``) and the
 sampling columns (``flare.core.sampling_params``) complete the interface.
+
+Log-probabilities: a core prepared with ``max_logprobs`` N > 0 widens every sampling
+record (prefill, resume, decode) by ``logprob_columns(N)`` int32 columns after the
+``Completion`` fields: the sampled token's log-probability, the N largest
+log-probabilities (descending) as float32 bit patterns, then their N token ids. The
+values are ``log_softmax`` of the model's raw logits over the sampling vocabulary
+(before grammar masks, penalties, temperature and filters).
 """
 
 from __future__ import annotations
@@ -96,6 +103,35 @@ class StateCompletion(NamedTuple):
     reserved: int = 0
 
 
+MAX_LOGPROBS = 20  # OpenAI's ceiling for top_logprobs and for the legacy completions' logprobs
+
+
+def logprob_columns(max_logprobs: int) -> int:
+    """int32 columns a sampling record carries after its ``Completion`` fields."""
+    return 1 + 2 * max_logprobs if max_logprobs > 0 else 0
+
+
+class TokenLogprobs(NamedTuple):
+    """The log-probability block of a sampling record, as Python values."""
+
+    logprob: float  # the sampled token's
+    top_ids: tuple[int, ...]  # the N most likely tokens, most likely first
+    top_logprobs: tuple[float, ...]
+
+
+def unpack_logprobs(record, max_logprobs: int) -> TokenLogprobs:
+    """The block after the ``Completion`` fields of one record row (``logprob_columns``)."""
+    n = max_logprobs
+    start = len(Completion._fields)
+    block = np.ascontiguousarray(np.asarray(record)[start : start + logprob_columns(n)], np.int32)
+    if n <= 0 or block.size != 1 + 2 * n:
+        raise ExecutionError(f"a record of {len(record)} columns has no block of {n} log-probabilities",
+                             code="bad_completion")
+    values = block[: 1 + n].view(np.float32)
+    return TokenLogprobs(float(values[0]), tuple(int(i) for i in block[1 + n :]),
+                         tuple(float(v) for v in values[1:]))
+
+
 DECODE_SLOTS = "in.decode_slots"
 TOKENS = "in.tokens"
 PREFILL_COMPLETION = "out.prefill_completion"
@@ -110,13 +146,23 @@ def pack(row: NamedTuple) -> np.ndarray:
     return np.array(row, np.int32)
 
 
-def unpack(cls: type[Row], values) -> Row:
-    """A record (or input row) read back from the device, as Python ints."""
+def unpack(cls: type[Row], values, *, extra: int = 0) -> Row:
+    """A record (or input row) read back from the device, as Python ints; ``extra``
+    columns after the fields (a sampling record's log-probabilities) are left out."""
     values = list(values)
-    if len(values) != len(cls._fields):
+    if len(values) != len(cls._fields) + extra:
         raise ExecutionError(f"{cls.__name__} has {len(cls._fields)} fields, got {len(values)} values",
                              code="bad_completion")
-    return cls(*(int(v) for v in values))
+    return cls(*(int(v) for v in values[: len(cls._fields)]))
+
+
+def completion(record) -> Completion:
+    """A sampling record's ``Completion`` fields, with or without its log-probability block."""
+    extra = len(record) - len(Completion._fields)
+    if extra and (extra < 3 or extra % 2 == 0):
+        raise ExecutionError(f"a sampling record has {len(Completion._fields)} fields and optionally 1 + 2N "
+                             f"log-probability columns, got {len(record)} values", code="bad_completion")
+    return unpack(Completion, record, extra=extra)
 
 
 def columns(cls: type[Row], row):

@@ -132,6 +132,7 @@ class Capacities(_Frozen):
     sampling_vocab: int  # ids >= this are never sampled (padded vocabularies)
     hidden_size: int
     snapshot_rows: int  # checkpoint rows; snapshot buffers have snapshot_rows + 1 rows (row 0 = null)
+    max_logprobs: int = 0  # top log-probabilities each sampling record carries (0: none, not even the sampled one's)
 
 
 class Continuation(_Frozen):
@@ -291,7 +292,7 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
     rows = c.slots + 1
     cmax = max(c.prefill_capacities)
     bmax = max(c.decode_capacities)
-    ncomp = len(COMPLETION_FIELDS)
+    ncomp = len(COMPLETION_FIELDS) + io.logprob_columns(c.max_logprobs)
     return {
         "state.len": (BufferRole.state, DType.int32, (rows,)),
         "state.pending": (BufferRole.state, DType.int32, (rows,)),

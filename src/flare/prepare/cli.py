@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from flare.core import interface as io
+
 
 def _capacities(text: str) -> list[int]:
     try:
@@ -82,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-memory", type=float, default=None, help="KV page budget in GiB")
     p.add_argument("--snapshot-rows", type=int, default=None,
                    help="prefix-cache checkpoint rows (default: 4 per request slot; 0 disables the cache)")
+    p.add_argument("--max-logprobs", type=int, default=io.MAX_LOGPROBS,
+                   help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "
+                        f"OpenAI's limit; 0: requests for log-probabilities are refused)")
     p.add_argument("--attention", choices=("reference", "gather", "triton"), default=None)
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
     p.add_argument("--scratch-memory", type=float, default=4.0,
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_pages": a.kv_pages,
         "kv_memory_gib": a.kv_memory,
         "snapshot_rows": a.snapshot_rows,
+        "max_logprobs": a.max_logprobs,
         "attention": a.attention,
         "compile": not a.no_compile,
         "served_name": a.served_name,

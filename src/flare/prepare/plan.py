@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flare.core import interface as io
 from flare.core import manifest as mf
 from flare.core.manifest import BufferRole, DType, ProgramKind
 from flare.core.sampling_params import SAMPLING_PARAMS
@@ -38,6 +39,7 @@ class Options:
     kv_pages: int | None = None
     kv_memory_gib: float | None = None
     snapshot_rows: int | None = None  # prefix-cache checkpoint rows (default: 4 per slot)
+    max_logprobs: int = io.MAX_LOGPROBS  # top log-probabilities per sampled token (0: no log-probabilities)
     attention: str | None = None  # reference | triton
     compile: bool = True
     scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
@@ -93,6 +95,8 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
     snapshot_rows = 4 * decode_caps[-1] if opts.snapshot_rows is None else opts.snapshot_rows
     if snapshot_rows < 0:
         raise PrepareError(f"--snapshot-rows must not be negative, got {snapshot_rows}")
+    if not 0 <= opts.max_logprobs <= io.MAX_LOGPROBS:
+        raise PrepareError(f"--max-logprobs must lie in [0, {io.MAX_LOGPROBS}], got {opts.max_logprobs}")
     caps = mf.Capacities(
         context_limit=context,
         prefill_chunk=chunk,
@@ -105,6 +109,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         sampling_vocab=min(vocab, src.frontend.tokenizer_vocab),
         hidden_size=recipe.hidden_size(src.config),
         snapshot_rows=snapshot_rows,
+        max_logprobs=min(opts.max_logprobs, vocab),
     )
     geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize

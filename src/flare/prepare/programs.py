@@ -328,4 +328,18 @@ class ProgramSet:
         v["state.counter"].index_copy_(0, slots, counter)
         v["state.done"].index_copy_(0, slots, done)
         v["state.hist"].view(-1).index_add_(0, hist_at, count)
+        if self.caps.max_logprobs:
+            record = torch.cat([record, self._logprobs(logits, tok)], dim=-1)
         completion.copy_(record)
+
+    def _logprobs(self, logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """The record's log-probability block (``interface.logprob_columns``): log_softmax
+        of the raw logits over the sampling vocabulary, the sampled token's value and the
+        top ``max_logprobs`` (torch.topk: exact ties in a fixed but unspecified order),
+        float32 bits then ids as int32.
+        Per-row reductions (eager ATen, as ``choose``): a row's values never depend on the
+        batch it shares."""
+        lp = torch.log_softmax(logits[:, : self.caps.sampling_vocab].float(), dim=-1)
+        chosen = lp.gather(1, tok.clamp(0, self.caps.sampling_vocab - 1)[:, None])
+        top, ids = torch.topk(lp, self.caps.max_logprobs, dim=-1, sorted=True)
+        return torch.cat([torch.cat([chosen, top], dim=-1).view(torch.int32), ids.int()], dim=-1)

@@ -46,7 +46,9 @@ def _penalizes(self) -> bool:
 SamplingParams = msgspec.defstruct(
     "SamplingParams",
     [*((p.name, p.type) for p in SAMPLING_PARAMS),
-     ("seed", int), ("max_tokens", int), ("stop_token_ids", tuple[int, ...], ()), ("ignore_eos", bool, False)],
+     ("seed", int), ("max_tokens", int), ("stop_token_ids", tuple[int, ...], ()), ("ignore_eos", bool, False),
+     # -1: no log-probabilities; n >= 0: each token's, with its n most likely alternatives
+     ("logprobs", int, -1)],
     kw_only=True,
     frozen=True,
     module=__name__,
@@ -59,7 +61,9 @@ class RequestSink(Protocol):
 
     def on_tokens(self, request: "Request", ids: list[int]) -> bool:
         """New visible tokens. Return True when a stop sequence matched: the request
-        then finishes with reason ``stop`` at this submission boundary."""
+        then finishes with reason ``stop`` at this submission boundary. A request with
+        ``params.logprobs >= 0`` is also given ``logprobs=``, one
+        ``interface.TokenLogprobs`` per id."""
 
     def on_finish(self, request: "Request") -> None: ...
 

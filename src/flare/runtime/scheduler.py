@@ -325,7 +325,7 @@ class Scheduler:
             elif step.kind == ProgramKind.restore and req.consumed == len(req.target) and req.output:
                 req.status = Status.DECODING  # a readmission whose whole history was cached
             return
-        rows = [io.unpack(io.Completion, row) for row in records[: len(step.requests)]]
+        rows = [io.completion(row) for row in records[: len(step.requests)]]
         if step is self._ahead:
             self._ahead = None
         for req, row in zip(step.requests, rows):
@@ -344,16 +344,16 @@ class Scheduler:
             if snap is not None:
                 self._maintenance.append(snap)
             if step.sample:
-                self._accept(req, rows[0])
+                self._accept(req, rows[0], records[0])
             return
-        for req, row in zip(step.requests, rows):
+        for req, row, record in zip(step.requests, rows, records):
             if req.finished:
                 continue  # finished after the step ahead was submitted: nothing of its row is kept
             if row.token >= 0:
                 req.consumed += 1  # the pending token was consumed by this decode
-            self._accept(req, row)
+            self._accept(req, row, record)
 
-    def _accept(self, req: Request, row: io.Completion) -> None:
+    def _accept(self, req: Request, row: io.Completion, record) -> None:
         token, status = row.token, row.status
         if token < 0 or req.finished:
             return
@@ -370,7 +370,12 @@ class Scheduler:
                 code="grammar_failed"))
             return
         visible = [token] if status != DeviceStatus.stop else []
-        stop_matched = req.sink.on_tokens(req, visible) if visible else False
+        if not visible:
+            stop_matched = False
+        elif req.params.logprobs >= 0:  # the record's block (the server checked the core has one)
+            stop_matched = req.sink.on_tokens(req, visible, logprobs=[io.unpack_logprobs(record, self.caps.max_logprobs)])
+        else:
+            stop_matched = req.sink.on_tokens(req, visible)
         if status == DeviceStatus.stop or stop_matched:
             self._finish(req, FinishReason.stop, device_done=status == DeviceStatus.stop)
         elif status == DeviceStatus.length:

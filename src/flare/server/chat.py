@@ -10,6 +10,7 @@ headers, an error event ends the stream without ``[DONE]``.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import msgspec
@@ -62,7 +63,7 @@ def chat_spec(body: ChatCompletionRequest) -> ChatSpec:
         parallel_tool_calls=body.parallel_tool_calls is not False,
         answer=W.answer_format(body.response_format, "response_format"),
         template_kwargs={**W.thinking_kwargs(body.reasoning_effort), **(body.chat_template_kwargs or {})},
-        add_generation_prompt=body.add_generation_prompt,
+        add_generation_prompt=body.add_generation_prompt, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
     )
 
 
@@ -117,6 +118,44 @@ def _message(o: Assembled, reasoning: bool) -> dict:
 
 
 _DONE = object()  # the stream's last event, ``data: [DONE]``
+FLOOR_LOGPROB = -9999.0  # what a non-finite log-probability reads as (JSON has no -inf; vLLM's value)
+
+
+def _lp(value: float) -> float:
+    return value if math.isfinite(value) else FLOOR_LOGPROB
+
+
+class _Logprobs:
+    """One choice's log-probabilities in OpenAI's shapes: Chat Completions'
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and the legacy Completions'
+    ``{tokens, token_logprobs, top_logprobs, text_offset}`` (top_logprobs there maps the
+    alternatives' text, the sampled token's included, to their values)."""
+
+    def __init__(self, codec: TextCodec, top: int, chat: bool, offset: int = 0):
+        self.codec, self.top, self.chat, self.offset = codec, top, chat, offset
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        b = self.codec.token_bytes(token_id)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": _lp(logprob), "bytes": list(b)}
+
+    def render(self, pairs: list) -> dict:
+        top = self.top
+        if self.chat:
+            return {"content": [{**self._token(t, lp.logprob),
+                                 "top_logprobs": [self._token(i, v) for i, v in
+                                                  zip(lp.top_ids[:top], lp.top_logprobs[:top])]}
+                                for t, lp in pairs], "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp in pairs:
+            text = self.codec.token_text(t)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_lp(lp.logprob))
+            alts = {self.codec.token_text(i): _lp(v) for i, v in zip(lp.top_ids[:top], lp.top_logprobs[:top])}
+            alts.setdefault(text, _lp(lp.logprob))
+            out["top_logprobs"].append(alts)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
 
 
 class _Choices(Presenter):
@@ -132,6 +171,9 @@ class _Choices(Presenter):
         self.outputs = {c.index: Assembled() for c in gen.choices}
         self.finishes: dict[int, Finish] = {}
         self.called: set[int] = set()
+        top = _logprobs_top(body)
+        self.logprobs = None if top < 0 else {c.index: _Logprobs(model.codec, top, self.chat) for c in gen.choices}
+        self.logprob_pairs: dict[int, list] = {c.index: [] for c in gen.choices}
 
     def _chunk(self, choices: list, usage_=None) -> dict:
         payload = {"id": self.gen.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -152,6 +194,20 @@ class _Choices(Presenter):
 
     def update(self, u: Update) -> list:
         self.outputs[u.index].add(u.events)
+        out = self._events(u)
+        if self.logprobs is not None and u.logprobs:
+            self.logprob_pairs[u.index] += u.logprobs
+            rendered = self.logprobs[u.index].render(u.logprobs)
+            # On the first chunk of this update, or on one of their own before the finish.
+            if out and not out[0]["choices"][0]["finish_reason"]:
+                out[0]["choices"][0]["logprobs"] = rendered
+            else:
+                lone = self._chunk([self._choice(u.index)])
+                lone["choices"][0]["logprobs"] = rendered
+                out.insert(0, lone)
+        return out
+
+    def _events(self, u: Update) -> list:
         out = []
         for e in u.events:
             if isinstance(e, Content) and e.text:
@@ -182,11 +238,14 @@ class _Choices(Presenter):
         choices = []
         for i in sorted(self.outputs):
             o, reason = self.outputs[i], self.finishes[i].reason
+            logprobs = None
+            if self.logprobs is not None:
+                logprobs = _Logprobs(self.model.codec, self.logprobs[i].top, self.chat).render(self.logprob_pairs[i])
             if self.chat:
-                choices.append({"index": i, "message": _message(o, self.reasoning), "logprobs": None,
+                choices.append({"index": i, "message": _message(o, self.reasoning), "logprobs": logprobs,
                                 "finish_reason": finish_reason(reason, bool(o.tool_calls))})
             else:
-                choices.append({"index": i, "text": o.content, "logprobs": None,
+                choices.append({"index": i, "text": o.content, "logprobs": logprobs,
                                 "finish_reason": finish_reason(reason)})
         return {"id": self.gen.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model.served_name, "choices": choices, "usage": usage(self.gen)}
@@ -197,6 +256,13 @@ class _Choices(Presenter):
 
 class _TextChoices(_Choices):
     chat = False
+
+
+def _logprobs_top(body) -> int:
+    """Alternatives per token the presenter shows (the engine checked the values)."""
+    if isinstance(body, CompletionRequest):
+        return -1 if body.logprobs is None or body.logprobs is False else int(body.logprobs)
+    return int(body.top_logprobs or 0) if body.logprobs else -1
 
 
 class ChatCompletions(Endpoint):
@@ -223,6 +289,8 @@ class Completions(Endpoint):
             raise FrontendError(f"n must lie in [1, {limits.max_n}]", param="n")
         prompts = _prompts(body.prompt, ctx.model.codec)
         stops = P.stop_strings(body.stop, limits)
+        logprobs = P.logprobs_count(ctx.model.manifest, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
+                                    chat=False)
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_cap or COMPLETIONS_DEFAULT_MAX_TOKENS)
         context = ctx.model.manifest.capacities.context_limit
         gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
@@ -236,7 +304,8 @@ class Completions(Endpoint):
                         1, min(default, context - len(prompt)))
                     params = P.resolve_sampling(
                         ctx.model.manifest, prompt_len=len(prompt), fields=W.sampling(body), max_tokens=max_tokens,
-                        seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, limits=limits)
+                        seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, limits=limits,
+                        logprobs=logprobs)
                     pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops))
         except FlareError:
             gen.cancel()

@@ -9,7 +9,7 @@ blocks the engine or other requests. The buffer is bounded by the request's
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flare.runtime.request import FinishReason, Request
 from flare.server.text import IncrementalDetokenizer, StopMatcher, TextCodec
@@ -21,6 +21,7 @@ class Chunk:
     finish_reason: FinishReason | None
     error: Exception | None = None
     stop: str | None = None  # the stop string that ended the output (finish_reason stop)
+    logprobs: list = field(default_factory=list)  # (token id, interface.TokenLogprobs), requests that asked
 
 
 class OutputStream:
@@ -28,6 +29,7 @@ class OutputStream:
         self.detok = IncrementalDetokenizer(codec, prompt_ids)
         self.stops = StopMatcher(stops)
         self._pieces: list[str] = []
+        self._logprobs: list = []
         self._finish: FinishReason | None = None
         self._error: Exception | None = None
         self._event = asyncio.Event()
@@ -35,10 +37,13 @@ class OutputStream:
 
     # -- RequestSink (engine side) -------------------------------------------
 
-    def on_tokens(self, request: Request, ids: list[int]) -> bool:
+    def on_tokens(self, request: Request, ids: list[int], logprobs: list | None = None) -> bool:
         text, matched = self.stops.feed(self.detok.push(ids))
         if text:
             self._pieces.append(text)
+            self._event.set()
+        if logprobs:  # delivered as they come, also while their text is held back
+            self._logprobs.extend(zip(ids, logprobs))
             self._event.set()
         return matched
 
@@ -57,17 +62,20 @@ class OutputStream:
 
     async def next(self) -> Chunk:
         """Everything produced since the last call; waits while there is nothing."""
-        while not self._pieces and self._finish is None:
+        while not self._pieces and not self._logprobs and self._finish is None:
             self._event.clear()
             await self._event.wait()
         text = "".join(self._pieces)
         self._pieces.clear()
-        return Chunk(text, self._finish, self._error, self.stops.matched_stop if self._finish is not None else None)
+        logprobs, self._logprobs = self._logprobs, []
+        return Chunk(text, self._finish, self._error, self.stops.matched_stop if self._finish is not None else None,
+                     logprobs)
 
     async def collect(self) -> Chunk:
-        parts = []
+        parts, logprobs = [], []
         while True:
             c = await self.next()
             parts.append(c.text)
+            logprobs += c.logprobs
             if c.finish_reason is not None:
-                return Chunk("".join(parts), c.finish_reason, c.error, c.stop)
+                return Chunk("".join(parts), c.finish_reason, c.error, c.stop, logprobs)

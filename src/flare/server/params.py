@@ -53,6 +53,7 @@ def resolve_sampling(
     stop_token_ids: list[int] | None,
     ignore_eos: bool,
     limits: Limits = Limits(),
+    logprobs: int = -1,
 ) -> SamplingParams:
     d = manifest.sampling
     values: dict[str, float] = {}
@@ -100,7 +101,44 @@ def resolve_sampling(
         max_tokens=int(max_tokens),
         stop_token_ids=stop_ids,
         ignore_eos=bool(ignore_eos),
+        logprobs=logprobs,
     )
+
+
+def logprobs_count(manifest: Manifest, *, logprobs, top_logprobs, chat: bool) -> int:
+    """How many alternatives each generated token reports: -1 for no log-probabilities.
+    Chat: ``logprobs`` true asks for them, ``top_logprobs`` (which needs it) for that many
+    alternatives. Text completions: ``logprobs`` is the count itself. A count beyond what
+    the core's sampling programs were prepared with (``max_logprobs``, 0 when prepared
+    without) is refused, naming the field."""
+    if chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise FrontendError("logprobs must be a boolean", param="logprobs")
+        if top_logprobs is not None:
+            top_logprobs = _number("top_logprobs", top_logprobs, integer=True)
+            if top_logprobs < 0:
+                raise FrontendError("top_logprobs must not be negative", param="top_logprobs")
+            if top_logprobs and not logprobs:
+                raise FrontendError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        count = int(top_logprobs or 0) if logprobs else -1
+        param = "top_logprobs" if top_logprobs else "logprobs"
+    else:
+        if top_logprobs not in (None, 0):
+            raise FrontendError("top_logprobs is a Chat Completions field; text completions take logprobs=N",
+                                param="top_logprobs")
+        param = "logprobs"
+        count = -1 if logprobs is None or logprobs is False else int(_number("logprobs", logprobs, integer=True))
+        if count < 0 and logprobs is not None and logprobs is not False:
+            raise FrontendError("logprobs must not be negative", param="logprobs")
+    if count < 0:
+        return -1
+    cap = manifest.capacities.max_logprobs
+    if cap == 0:
+        raise FrontendError("this model's core was prepared without log-probabilities (flare-prepare "
+                            "--max-logprobs)", param=param, code="logprobs_unavailable")
+    if count > cap:
+        raise FrontendError(f"{param} must lie in [0, {cap}] (the core's --max-logprobs)", param=param)
+    return count
 
 
 def stop_strings(stop, limits: Limits = Limits()) -> list[str]:

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from flare.core.errors import CapacityError, FlareError, FrontendError, ModelOutputError, UnprocessableError
 from flare.core.manifest import ReasoningParser, ToolParser
@@ -50,6 +50,8 @@ class ChatSpec:
     answer: AnswerFormat | None = None
     template_kwargs: dict = field(default_factory=dict)
     add_generation_prompt: bool = True
+    logprobs: Any = None  # Chat Completions' logprobs (a boolean) and top_logprobs, as sent
+    top_logprobs: Any = None
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Update:
     index: int
     events: list[Event]
     finish: Finish | None = None
+    logprobs: list = field(default_factory=list)  # (token id, TokenLogprobs) of the tokens since the last update
 
 
 class _Policy:
@@ -110,6 +113,11 @@ class _Choice:
 
     async def next(self) -> Update:
         chunk = await self.stream.next()
+        update = self._update(chunk)
+        update.logprobs = chunk.logprobs
+        return update
+
+    def _update(self, chunk) -> Update:
         try:
             events = self._parse(chunk.text)
             if chunk.finish_reason is None:
@@ -252,11 +260,12 @@ async def start(model: ServedModel, engine: Engine, spec: ChatSpec, request_id: 
     # Everything cheap is checked before the grammar compiles: sampling values, and what
     # the scheduler would refuse (context length, stop ids).
     requests = []
+    logprobs = P.logprobs_count(m, logprobs=spec.logprobs, top_logprobs=spec.top_logprobs, chat=True)
     for index in range(spec.n):
         seed = None if spec.seed is None else spec.seed + index
         params = P.resolve_sampling(m, prompt_len=len(prompt), fields=spec.sampling, max_tokens=spec.max_tokens,
                                     seed=seed, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
-                                    limits=limits)
+                                    limits=limits, logprobs=logprobs)
         stream = OutputStream(model.codec, prompt, stops)
         req = Request(prompt, params, stream, request_id=f"{request_id}-{index}", endpoints=endpoints)
         engine.scheduler.validate(req)

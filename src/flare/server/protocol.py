@@ -251,8 +251,6 @@ class CompletionRequest(_Sampling):
 
 def check_unsupported(req: _Sampling) -> None:
     """Fields we know but do not implement yet: accepted only at their neutral value."""
-    if req.logprobs not in (None, False) or req.top_logprobs not in (None, 0):
-        raise FrontendError("logprobs are not supported by this server", param="logprobs", code="unsupported")
     if req.logit_bias:
         raise FrontendError("logit_bias is not supported by this server", param="logit_bias", code="unsupported")
     if isinstance(req, CompletionRequest):

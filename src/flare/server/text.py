@@ -9,15 +9,69 @@ leading-space rules of the tokenizer's decoder see real context.
 
 from __future__ import annotations
 
+import json
+import re
+
 from tokenizers import Tokenizer
 
 CONTEXT_TOKENS = 5
 REPLACEMENT = "\ufffd"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _uses_byte_level(decoder: dict | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_uses_byte_level(d) for d in decoder.get("decoders") or ())
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class TextCodec:
     def __init__(self, tokenizer_json_path: str):
         self.tokenizer = Tokenizer.from_file(tokenizer_json_path)
+        with open(tokenizer_json_path, encoding="utf-8") as f:
+            decoder = json.load(f).get("decoder")
+        self._byte_level = _byte_level_alphabet() if _uses_byte_level(decoder) else None
+        self._bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (log-probabilities' ``bytes``): byte-level BPE
+        pieces mapped back through GPT-2's alphabet, byte-fallback pieces (``<0xE2>``)
+        as their byte, other pieces as their UTF-8 text (``▁`` a space)."""
+        got = self._bytes.get(token_id)
+        if got is None:
+            piece = self.tokenizer.id_to_token(token_id) or ""
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m:
+                got = bytes([int(m.group(1), 16)])
+            elif self._byte_level is not None and piece and all(c in self._byte_level for c in piece):
+                got = bytes(self._byte_level[c] for c in piece)
+            elif "▁" in piece:
+                got = piece.replace("▁", " ").encode()
+            else:
+                got = self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+            self._bytes[token_id] = got
+        return got
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (a piece of a multi-byte character reads as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

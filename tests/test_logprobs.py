@@ -1,0 +1,159 @@
+"""Log-probabilities of generated tokens (issue 18), through the real server and the
+official ``openai`` client, against Transformers FP32 on the real SmolLM2 core.
+
+The value of a token is ``log_softmax`` of the model's raw logits for its prefix (before
+temperature, penalties and filters): sampling at temperature 0.7 with penalties must not
+change it. The sampled ids are read back from the tokens' ``bytes`` (a byte-level BPE
+vocabulary maps bytes to one id), then one Transformers forward over prompt + output
+gives every step's distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from flare.core.manifest import load_manifest
+from flare.server.text import TextCodec
+from tests.conftest import TINY_OPTS, prepare_core, running_server
+from tests.rig import transformers_model
+
+PROMPTS = 8
+TOKENS = 32
+TOP = 5
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def smol(smol_core):
+    m = load_manifest(smol_core)
+    codec = TextCodec(str(smol_core / m.frontend.tokenizer))
+    by_bytes: dict[bytes, int] = {}
+    for i in range(m.capacities.sampling_vocab):
+        by_bytes.setdefault(codec.token_bytes(i), i)
+    return m, codec, by_bytes, transformers_model(smol_core, m, torch.float32)
+
+
+def _reference(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax rows predicting each output token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].double()
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(output) - 1], dim=-1)
+
+
+def _check(lp: torch.Tensor, ids: list[int], chosen: list[float], tops: list[list[tuple[int, float]]]) -> float:
+    worst = 0.0
+    for j, (t, value, top) in enumerate(zip(ids, chosen, tops)):
+        worst = max(worst, abs(value - lp[j, t].item()))
+        ref_top = lp[j].topk(len(top))
+        # The alternatives are the reference's top ids in order (values may tie within rounding).
+        got_ids = [i for i, _ in top]
+        assert got_ids == ref_top.indices.tolist() or np.allclose(
+            [v for _, v in top], ref_top.values.tolist(), atol=TOL), (j, got_ids, ref_top.indices.tolist())
+        worst = max(worst, max(abs(v - lp[j, i].item()) for i, v in top))
+    return worst
+
+
+def _prompts(codec) -> list[list[int]]:
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+             "The three primary colours are", "To make a cup of tea, first", "import numpy as np\nx =",
+             "Water boils at", "The best way to learn a language is"]
+    return [codec.encode(t, add_special_tokens=True) for t in texts[:PROMPTS]]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_match_transformers(smol_server, smol, stream):
+    m, codec, by_bytes, model = smol
+    client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x")
+    worst = 0.0
+    for i, prompt in enumerate(_prompts(codec)):
+        kw = dict(model=m.frontend.served_name, prompt=prompt, max_tokens=TOKENS, logprobs=TOP, seed=i, temperature=0.7,
+                  extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+        tokens, chosen, tops = [], [], []
+        if stream:
+            text = ""
+            for chunk in client.completions.create(stream=True, **kw):
+                c = chunk.choices[0]
+                text += c.text
+                if c.logprobs is not None:
+                    tokens += c.logprobs.tokens
+                    chosen += c.logprobs.token_logprobs
+                    tops += c.logprobs.top_logprobs
+        else:
+            c = client.completions.create(**kw).choices[0]
+            text, tokens, chosen, tops = c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs
+            offsets = c.logprobs.text_offset
+            assert offsets == list(np.cumsum([0] + [len(t) for t in tokens[:-1]]))
+        assert len(tokens) == len(chosen) == len(tops) == TOKENS
+        assert "".join(tokens) == text
+        ids = [by_bytes[t.encode()] if "\ufffd" not in t else None for t in tokens]
+        # Tokens that split a character read as U+FFFD: take their id from the alternatives.
+        for j, t in enumerate(ids):
+            if t is None:
+                ids[j] = next(by_bytes[k.encode()] for k, v in tops[j].items() if v == chosen[j])
+        lp = _reference(model, prompt, ids)
+        alt = []
+        for j, top in enumerate(tops):
+            assert len(top) in (TOP, TOP + 1)  # the sampled token is added when not among the top
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])
+            alt.append([(by_bytes[k.encode()], v) for k, v in ranked if "\ufffd" not in k][:TOP])
+        for j in range(len(ids)):
+            worst = max(worst, abs(chosen[j] - lp[j, ids[j]].item()))
+            for k, v in alt[j]:
+                worst = max(worst, abs(v - lp[j, k].item()))
+    assert worst < TOL, worst
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_match_transformers_with_the_openai_client(smol_server, smol, stream):
+    """``choices[0].logprobs.content[i].top_logprobs`` as the client types it; the prompt
+    ids are the server's own rendering (a completions call of the same text would differ),
+    so each prompt is the chat turn rendered by the core's template here."""
+    from flare.server.template import ChatTemplate
+
+    m, codec, by_bytes, model = smol
+    core = smol_server.core
+    template = ChatTemplate((core / m.frontend.chat_template).read_text(), dict(m.frontend.special_tokens))
+    client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x")
+    worst = 0.0
+    questions = ["What is the capital of France?", "Name three fruits.", "How do birds fly?", "What is 2 + 2?",
+                 "Write a haiku about rain.", "Why is the sky blue?", "What is Python?", "Say hello in Spanish."]
+    for i, q in enumerate(questions[:PROMPTS]):
+        messages = [{"role": "user", "content": q}]
+        prompt = codec.encode(template.render(messages, add_generation_prompt=True), add_special_tokens=False)
+        kw = dict(model=m.frontend.served_name, messages=messages, max_tokens=TOKENS, logprobs=True, top_logprobs=TOP,
+                  seed=i, temperature=0.7, extra_body={"ignore_eos": True})
+        if stream:
+            content = []
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                if chunk.choices and chunk.choices[0].logprobs is not None:
+                    content += chunk.choices[0].logprobs.content
+        else:
+            resp = client.chat.completions.create(**kw)
+            assert resp.usage.prompt_tokens == len(prompt)
+            content = resp.choices[0].logprobs.content
+        assert len(content) == TOKENS
+        ids = [by_bytes[bytes(e.bytes)] for e in content]
+        lp = _reference(model, prompt, ids)
+        tops = [[(by_bytes[bytes(a.bytes)], a.logprob) for a in e.top_logprobs] for e in content]
+        assert all(len(t) == TOP for t in tops)
+        worst = max(worst, _check(lp, ids, [e.logprob for e in content], tops))
+    assert worst < TOL, worst
+
+
+def test_logprobs_on_a_core_prepared_without_them_are_a_typed_400():
+    core = prepare_core("llama-tiny", [*TINY_OPTS, "--max-logprobs", "0"], name="llama-tiny-no-logprobs")
+    assert load_manifest(core).capacities.max_logprobs == 0
+    with running_server(core) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        for call in (lambda: client.completions.create(model="llama-tiny-no-logprobs", prompt="x", max_tokens=2,
+                                                       logprobs=1),
+                     lambda: client.chat.completions.create(model="llama-tiny-no-logprobs", max_tokens=2,
+                                                            messages=[{"role": "user", "content": "x"}],
+                                                            logprobs=True)):
+            with pytest.raises(openai.BadRequestError) as e:
+                call()
+            assert e.value.body["code"] == "logprobs_unavailable" and e.value.body["param"] == "logprobs"
+        ok = client.completions.create(model="llama-tiny-no-logprobs", prompt="x", max_tokens=2)
+        assert ok.choices[0].logprobs is None
