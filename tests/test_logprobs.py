@@ -157,3 +157,89 @@ def test_logprobs_on_a_core_prepared_without_them_are_a_typed_400():
             assert e.value.body["code"] == "logprobs_unavailable" and e.value.body["param"] == "logprobs"
         ok = client.completions.create(model="llama-tiny-no-logprobs", prompt="x", max_tokens=2)
         assert ok.choices[0].logprobs is None
+
+
+ECHO_LENGTHS = [20, 57, 128, 200, 257, 384, 512, 600]  # across score chunks (128 here) and their edges
+
+
+def _long_ids(codec) -> list[int]:
+    text = " ".join(["The committee met on Tuesday to review the budget, the schedule and the open questions.",
+                     "def area(r):\n    return 3.14159 * r * r  # circles only",
+                     "Rain fell over the valley while the river rose slowly through the night.",
+                     "Les chercheurs ont publié leurs résultats après trois ans de travail."] * 12)
+    return codec.encode(text, add_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo_scores_prompts_like_transformers(smol_server, smol, stream):
+    """``echo`` with ``logprobs`` and ``max_tokens: 0``: every prompt token's value (the
+    first ``null``) and top alternatives against Transformers FP32, prompts of 20-600
+    tokens, several score chunks each, nothing generated."""
+    m, codec, by_bytes, model = smol
+    ids = _long_ids(codec)
+    assert len(ids) >= max(ECHO_LENGTHS)
+    client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x")
+    worst = 0.0
+    for n in ECHO_LENGTHS:
+        prompt = ids[:n]
+        kw = dict(model=m.frontend.served_name, prompt=prompt, max_tokens=0, echo=True, logprobs=TOP)
+        if stream:
+            text, tokens, chosen, tops, finish = "", [], [], [], None
+            for chunk in client.completions.create(stream=True, **kw):
+                c = chunk.choices[0]
+                text += c.text
+                finish = c.finish_reason or finish
+                if c.logprobs is not None:
+                    tokens += c.logprobs.tokens
+                    chosen += c.logprobs.token_logprobs
+                    tops += c.logprobs.top_logprobs
+        else:
+            resp = client.completions.create(**kw)
+            c = resp.choices[0]
+            text, tokens, chosen, tops, finish = (c.text, c.logprobs.tokens, c.logprobs.token_logprobs,
+                                                  c.logprobs.top_logprobs, c.finish_reason)
+            assert resp.usage.completion_tokens == 0 and resp.usage.prompt_tokens == n
+        assert text == codec.decode(prompt) and finish == "length"
+        assert len(tokens) == len(chosen) == len(tops) == n
+        assert chosen[0] is None and tops[0] is None
+        lp = _reference(model, prompt[:1], prompt[1:])
+        for j in range(1, n):
+            worst = max(worst, abs(chosen[j] - lp[j - 1, prompt[j]].item()))
+            ranked = sorted(tops[j].items(), key=lambda kv: -kv[1])[:TOP]
+            ref = lp[j - 1].topk(TOP)
+            worst = max(worst, max(abs(a - b) for (_, a), b in zip(ranked, ref.values.tolist())))
+    assert worst < TOL, worst
+
+
+def test_loglikelihood_request_as_lm_evaluation_harness_sends_it(smol_server, smol):
+    """lm-evaluation-harness's ``local-completions`` loglikelihood: token prompts (context +
+    continuation, a batch of them), ``echo``, ``logprobs=1``, ``max_tokens=0``,
+    ``temperature=0`` (nothing is sampled, so the zero temperature is not refused), read as
+    it reads them: the continuation's summed token_logprobs, and greedy when each token's
+    value is the largest of its top_logprobs."""
+    m, codec, by_bytes, model = smol
+    pairs = [("Question: What is the capital of France?\nAnswer:", " Paris"),
+             ("Question: What is the capital of France?\nAnswer:", " a cheese omelette with herbs"),
+             ("The quick brown fox jumps over the lazy", " dog"),
+             ("1, 2, 3, 4, 5,", " 6, 7")]
+    prompts, ctxlens = [], []
+    for ctx, cont in pairs:
+        a, b = codec.encode(ctx, add_special_tokens=True), codec.encode(cont, add_special_tokens=False)
+        prompts.append(a + b)
+        ctxlens.append(len(a))
+    body = {"model": m.frontend.served_name, "prompt": prompts, "temperature": 0, "max_tokens": 0, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    import httpx
+
+    out = httpx.post(smol_server.url + "/v1/completions", json=body, timeout=120).json()
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(pairs)
+    for choice, prompt, ctxlen in zip(choices, prompts, ctxlens):
+        values = choice["logprobs"]["token_logprobs"][ctxlen:]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:]
+        greedy = all(v == max(t.values()) for v, t in zip(values, tops))
+        lp = _reference(model, prompt[:ctxlen], prompt[ctxlen:])
+        ref = [lp[j, t].item() for j, t in enumerate(prompt[ctxlen:])]
+        assert abs(sum(values) - sum(ref)) < TOL * len(ref)
+        assert greedy == all(lp[j].argmax().item() == t for j, t in enumerate(prompt[ctxlen:]))
+    assert choices[0]["logprobs"]["token_logprobs"][ctxlens[0]] > choices[1]["logprobs"]["token_logprobs"][ctxlens[1]]

@@ -46,7 +46,8 @@ def test_load_prepared_core(tiny_core, raw):
     assert c.max_pages_per_slot == 1024 // 16
     assert (m.pages.page_size, m.pages.num_pages, m.pages.null_page) == (16, 256, 0)
     assert [p.name for p in m.programs] == ["admit.128", "prefill.128", "decode.1", "decode.2", "decode.4", "decode.8",
-                                            "resume.1", "snapshot.1", "restore.1"]
+                                            "score.128", "resume.1", "snapshot.1", "restore.1"]
+    assert (c.max_logprobs, c.score_chunk) == (20, 128)
     assert m.buffer("state.page_table").shape == (9, 64)
     # Continuation: an attention-only model carries the hidden vector; snapshot rows + the null row.
     assert c.snapshot_rows == 32
@@ -172,6 +173,15 @@ def test_prefill_programs_must_cover_capacities(raw):
     d = json.loads(json.dumps(raw))
     d["programs"] = [p for p in d["programs"] if p["kind"] != "prefill"]
     _reject(d, param="programs", match="prefill programs do not cover")
+
+
+def test_score_programs_must_match_the_score_chunk(raw):
+    d = json.loads(json.dumps(raw))
+    d["programs"] = [p for p in d["programs"] if p["kind"] != "score"]
+    _reject(d, param="programs", match="score programs do not match")
+    d = json.loads(json.dumps(raw))
+    d["capacities"]["max_logprobs"] = 0  # records declared wider than the capacities say
+    _reject(d, param="out.prefill_completion", match=r"is output/int32\(1, 45\), expected output/int32\(1, 4\)")
 
 
 def test_max_pages_per_slot_rule(raw):

@@ -14,6 +14,8 @@ Rows by program::
     resume             in.prefill PrefillInput   (count unused)  -> out.prefill_completion  Completion
     decode[B]          in.decode_slots (B slot ids, 0 = padding) -> out.decode_completion   Completion x B
     snapshot, restore  in.state   StateInput                     -> out.state_completion    StateCompletion
+    score[S]           in.prefill PrefillInput   (+ in.tokens)   -> out.prefill_completion  Completion
+                                                                    and out.scores (one row per token)
 
 The per-slot request state written at admission (``slot_state``) and the
 sampling columns (``flare.core.sampling_params``) complete the interface.
@@ -119,10 +121,10 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: tuple[float, ...]
 
 
-def unpack_logprobs(record, max_logprobs: int) -> TokenLogprobs:
-    """The block after the ``Completion`` fields of one record row (``logprob_columns``)."""
+def unpack_logprobs(record, max_logprobs: int, *, start: int = len(Completion._fields)) -> TokenLogprobs:
+    """The block after the ``Completion`` fields of one record row (``logprob_columns``), or
+    from ``start`` (0: a row of ``SCORES``)."""
     n = max_logprobs
-    start = len(Completion._fields)
     block = np.ascontiguousarray(np.asarray(record)[start : start + logprob_columns(n)], np.int32)
     if n <= 0 or block.size != 1 + 2 * n:
         raise ExecutionError(f"a record of {len(record)} columns has no block of {n} log-probabilities",
@@ -133,6 +135,7 @@ def unpack_logprobs(record, max_logprobs: int) -> TokenLogprobs:
 
 
 DECODE_SLOTS = "in.decode_slots"
+SCORES = "out.scores"  # score programs: row j is token j's log-probability block (logprob_columns)
 TOKENS = "in.tokens"
 PREFILL_COMPLETION = "out.prefill_completion"
 DECODE_COMPLETION = "out.decode_completion"

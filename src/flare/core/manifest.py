@@ -94,6 +94,7 @@ class ProgramKind(str, enum.Enum):
     resume = "resume"  # sample from a saved final hidden vector (full-prompt cache hit)
     snapshot = "snapshot"  # live continuation row (+ KV tail page) -> immutable snapshot row
     restore = "restore"  # snapshot row -> live continuation row (+ private KV tail page)
+    score = "score"  # a prefill chunk that also scores each of its tokens (prompt log-probabilities)
 
 
 class Program(_Frozen):
@@ -133,6 +134,7 @@ class Capacities(_Frozen):
     hidden_size: int
     snapshot_rows: int  # checkpoint rows; snapshot buffers have snapshot_rows + 1 rows (row 0 = null)
     max_logprobs: int = 0  # top log-probabilities each sampling record carries (0: none, not even the sampled one's)
+    score_chunk: int = 0  # tokens per score program (prompt log-probabilities); 0: no score programs
 
 
 class Continuation(_Frozen):
@@ -317,6 +319,8 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         io.STATE_COMPLETION: (BufferRole.output, DType.int32, (1, len(io.StateCompletion._fields))),
         io.DECODE_COMPLETION: (BufferRole.output, DType.int32, (bmax, ncomp)),
         "out.logits": (BufferRole.output, DType.float32, (bmax, c.vocab_size)),
+        **({io.SCORES: (BufferRole.output, DType.int32, (c.score_chunk, io.logprob_columns(c.max_logprobs)))}
+           if c.score_chunk else {}),
     }
 
 
@@ -490,6 +494,10 @@ def validate(m: Manifest) -> None:
         _fail("CUDA cores need a fixed arena base address", "arena.base_address")
     if caps[ProgramKind.admit] != (max(c.prefill_capacities),):
         _fail("core needs exactly one admit program at the prefill chunk capacity", "programs")
+    if caps[ProgramKind.score] != ((c.score_chunk,) if c.score_chunk else ()):
+        _fail("score programs do not match the declared score chunk", "programs")
+    if c.score_chunk and not c.max_logprobs:
+        _fail("score programs need log-probability columns (max_logprobs)", "capacities.score_chunk")
     for kind in (ProgramKind.resume, ProgramKind.snapshot, ProgramKind.restore):
         if caps[kind] != (STATE_PROGRAM_CAPACITY,):
             _fail(f"core needs exactly one {kind.value} program of capacity {STATE_PROGRAM_CAPACITY}", "programs")

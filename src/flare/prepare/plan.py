@@ -24,6 +24,9 @@ STOP_IDS_CAPACITY = 16
 GiB = 1 << 30
 
 
+SCORE_CHUNK = 256  # tokens per score program: [SCORE_CHUNK, vocab] float32 logits at once
+
+
 class PrepareError(ValueError):
     """A requested capacity or feature that this preparation cannot provide."""
 
@@ -110,6 +113,8 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         hidden_size=recipe.hidden_size(src.config),
         snapshot_rows=snapshot_rows,
         max_logprobs=min(opts.max_logprobs, vocab),
+        # Scoring a prompt (echo) keeps every row's logits: a shorter chunk bounds them.
+        score_chunk=min(chunk, SCORE_CHUNK) if opts.max_logprobs else 0,
     )
     geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
@@ -208,6 +213,10 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
     for b in caps.decode_capacities:
         add(ProgramKind.decode, b, ("in.decode_slots", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.decode_completion"), "out.decode_completion")
+    if caps.score_chunk:
+        add(ProgramKind.score, caps.score_chunk, ("in.prefill", "in.tokens", "kv", *state, *mask),
+            ("kv", *state, "out.logits", "out.prefill_hidden", "out.prefill_completion", io.SCORES),
+            "out.prefill_completion")
     one = mf.STATE_PROGRAM_CAPACITY
     add(ProgramKind.resume, one, ("in.prefill", *state, *mask), (*state, "out.logits", "out.prefill_completion"),
         "out.prefill_completion")

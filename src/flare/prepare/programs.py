@@ -118,6 +118,7 @@ class ProgramSet:
             ProgramKind.resume: self.resume,
             ProgramKind.snapshot: self.snapshot,
             ProgramKind.restore: self.restore,
+            ProgramKind.score: self.score,
         }[kind]
 
         def run() -> None:
@@ -210,6 +211,24 @@ class ProgramSet:
         self._state_record(slot, row, count)
 
     def prefill(self, C: int) -> None:
+        self._prefill(C)
+
+    def score(self, C: int) -> None:
+        """A prefill chunk that also scores its tokens: row j of ``out.scores`` is the
+        log-probability block (``_logprob_block``) of token j given everything before it:
+        the slot's saved final hidden vector predicts the chunk's first token, the chunk's
+        own rows the rest (the host ignores the first row of a prompt's first chunk, which
+        has no prefix, and rows past the count)."""
+        v = self.v
+        slot = io.columns(PrefillInput, v[PrefillInput.buffer]).slot.long()
+        before = v["state.hidden"].index_select(0, slot)  # read before the chunk replaces it
+        hidden = self._prefill(C)
+        logits = self.recipe.lm_head(self.model, torch.cat([before, hidden[: C - 1]])).float()
+        tokens = v[io.TOKENS][:C].long().clamp(0, self.caps.sampling_vocab - 1)
+        v[io.SCORES].copy_(self._logprob_block(logits, tokens))
+
+    def _prefill(self, C: int) -> torch.Tensor:
+        """A prefill chunk (and its sample when asked); returns the chunk's hidden rows."""
         v = self.v
         meta = io.columns(PrefillInput, v[PrefillInput.buffer])
         slot = meta.slot.long()
@@ -232,6 +251,7 @@ class ProgramSet:
         v["out.logits"][:1].copy_(logits)
         live = (meta.sample != 0) & (v["state.done"].index_select(0, slot) == 0)
         self._sample_and_commit(slot, logits, live, v[io.PREFILL_COMPLETION])
+        return hidden
 
     def _decode_inputs_eager(self, B: int):
         v = self.v
@@ -329,14 +349,14 @@ class ProgramSet:
         v["state.done"].index_copy_(0, slots, done)
         v["state.hist"].view(-1).index_add_(0, hist_at, count)
         if self.caps.max_logprobs:
-            record = torch.cat([record, self._logprobs(logits, tok)], dim=-1)
+            record = torch.cat([record, self._logprob_block(logits, tok)], dim=-1)
         completion.copy_(record)
 
-    def _logprobs(self, logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        """The record's log-probability block (``interface.logprob_columns``): log_softmax
-        of the raw logits over the sampling vocabulary, the sampled token's value and the
-        top ``max_logprobs`` (torch.topk: exact ties in a fixed but unspecified order),
-        float32 bits then ids as int32.
+    def _logprob_block(self, logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """A log-probability block per row (``interface.logprob_columns``): log_softmax of
+        the raw logits over the sampling vocabulary, token ``tok``'s value and the top
+        ``max_logprobs`` (torch.topk: exact ties in a fixed but unspecified order), float32
+        bits then ids as int32.
         Per-row reductions (eager ATen, as ``choose``): a row's values never depend on the
         batch it shares."""
         lp = torch.log_softmax(logits[:, : self.caps.sampling_vocab].float(), dim=-1)

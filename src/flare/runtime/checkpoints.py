@@ -105,6 +105,13 @@ class Checkpoints:
         self.cache.pin(hit)  # before any eviction the admission may cause
         return Reuse(hit, self.cache.chain(hit), digests)
 
+    def no_hit(self, req: Request) -> Reuse:
+        """A lookup that restores nothing (the prompt must be computed whole), keeping the
+        request's digests so that its own checkpoints are published as usual."""
+        if self.cache is None:
+            return NO_REUSE
+        return Reuse(None, [], self._digests.setdefault(req, self.cache.digests()))
+
     def abandon(self, reuse: Reuse) -> None:
         """The request could not be admitted after its lookup."""
         if reuse.checkpoint is not None:

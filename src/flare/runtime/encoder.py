@@ -39,6 +39,7 @@ class StepEncoder:
         self.page_size = manifest.pages.page_size
         self.null_page = manifest.pages.null_page
         self.prefill_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.prefill))
+        self.score_program = next((p.name for p in manifest.programs_of(ProgramKind.score)), None)
         self.decode_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.decode))
         self.admit_program = manifest.programs_of(ProgramKind.admit)[0]
         self._programs = {k: manifest.programs_of(k)[0].name
@@ -94,6 +95,13 @@ class StepEncoder:
             Write(io.TOKENS, np.asarray(tokens, np.int32)),
             Write(io.PrefillInput.buffer, io.pack(io.PrefillInput(req.slot, n, int(sample)))),
         ], [req], io.PREFILL_COMPLETION, count=n, sample=sample)
+
+    def score(self, req: Request, tokens: Sequence[int], *, sample: bool) -> Step:
+        """A prefill chunk through the score program (at most ``score_chunk`` tokens)."""
+        return Step(ProgramKind.score, self.score_program, [
+            Write(io.TOKENS, np.asarray(tokens, np.int32)),
+            Write(io.PrefillInput.buffer, io.pack(io.PrefillInput(req.slot, len(tokens), int(sample)))),
+        ], [req], io.PREFILL_COMPLETION, count=len(tokens), sample=sample)
 
     def resume(self, req: Request) -> Step:
         """Sample the first output token of a full-prompt hit from the restored hidden row."""

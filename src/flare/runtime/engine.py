@@ -14,7 +14,9 @@ import enum
 import logging
 import time
 
+from flare.core import interface as io
 from flare.core.errors import CapacityError, ExecutionError, FlareError
+from flare.core.manifest import ProgramKind
 from flare.runtime.executor import MAX_IN_FLIGHT, Executor
 from flare.runtime.metrics import ServingMetrics
 from flare.runtime.request import Request
@@ -102,6 +104,8 @@ class Engine:
                     if ahead is None:
                         idle_since = time.perf_counter()
                     records = self.executor.completion(ticket) if step.completion else None
+                    if step.kind == ProgramKind.score:  # never a step ahead: nothing overwrote them
+                        step.scores = self.executor.read(io.SCORES)
                     sched.complete(step, records)
                     self.steps += 1
                     # Let HTTP handlers run between steps even when the executor answers instantly.

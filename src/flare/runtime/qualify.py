@@ -119,7 +119,7 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         out[io.AdmitInput.buffer] = io.pack(io.AdmitInput(slot, int(rng.integers(1, p.capacity + 1)),
                                                           int(rng.integers(0, 2)), int(rng.integers(0, 2))))
         out[io.TOKENS] = rng.integers(0, c.sampling_vocab, base[io.TOKENS].shape).astype(np.int32)
-    elif p.kind == ProgramKind.prefill:
+    elif p.kind in (ProgramKind.prefill, ProgramKind.score):
         slot = int(rng.integers(1, c.slots + 1))
         n = int(rng.integers(1, p.capacity + 1))
         n = min(n, per_slot_tokens - 1)

@@ -67,6 +67,9 @@ class RequestSink(Protocol):
 
     def on_finish(self, request: "Request") -> None: ...
 
+    # Optional (requests with ``score_prompt``): ``on_prompt_logprobs(request, entries)``,
+    # one ``(token id, interface.TokenLogprobs | None)`` per prompt token, once scored.
+
 
 class Grammar(Protocol):
     """A request's output constraint, opaque to the runtime (the server builds it).
@@ -101,7 +104,7 @@ _ids = itertools.count(1)
 class Request:
     def __init__(self, prompt: list[int], params: SamplingParams, sink: RequestSink | None = None,
                  request_id: str | None = None, grammar: Grammar | None = None,
-                 endpoints: tuple[int, ...] = ()):
+                 endpoints: tuple[int, ...] = (), score_prompt: bool = False):
         self.id = request_id or f"req-{next(_ids)}"
         self.prompt = list(prompt)
         # Token counts at which a complete rendered message ends (checkpoint candidates),
@@ -125,10 +128,20 @@ class Request:
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        # Prompt scoring (echo with log-probabilities): the prompt runs through the score
+        # programs, never restored from the cache, and each token's block is kept here
+        # (None for the first, which has no prefix); the sink gets them all at once.
+        self.score_prompt = score_prompt
+        self.prompt_logprobs: list = []
 
     @property
     def finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt is still to be scored (a preemption before the end starts it over)."""
+        return self.score_prompt and len(self.prompt_logprobs) < len(self.prompt)
 
     @property
     def max_len(self) -> int:

@@ -111,6 +111,9 @@ class Scheduler:
                                 param="stop_token_ids")
         if min(req.prompt) < 0 or max(req.prompt) >= self.caps.vocab_size:
             raise FrontendError("prompt token id outside the vocabulary", param="prompt")
+        if req.score_prompt and not self.caps.score_chunk:
+            raise FrontendError("this core has no score programs to score a prompt with", param="prompt",
+                                code="logprobs_unavailable")
         e = req.endpoints
         if list(e) != sorted(set(e)) or (e and not 0 < e[0] <= e[-1] < n):
             raise FrontendError("message endpoints must be ascending and inside the prompt", param="endpoints")
@@ -169,7 +172,8 @@ class Scheduler:
         for req in list(self.waiting):
             if not self.slots.free:
                 return
-            reuse = ck.lookup(req)  # pinned: eviction below cannot take it
+            # pinned: eviction below cannot take it. A prompt to score is computed whole.
+            reuse = ck.no_hit(req) if req.scoring else ck.lookup(req)
             need = self._reservation(req) - len(reuse.pages)
             if not self.pages.can_allocate(need):
                 ck.evict_pages(need)
@@ -182,6 +186,8 @@ class Scheduler:
             req.pages = reuse.pages + self.pages.allocate(need)
             req.status = Status.PREFILLING
             req.consumed = reuse.length
+            if req.scoring:
+                req.prompt_logprobs = []  # scored from the start again after a preemption
             if req.preemptions == 0:
                 req.cached_tokens = reuse.length
             req.admission_seq = self._admissions
@@ -203,8 +209,14 @@ class Scheduler:
         if stop is not None:
             end = min(end, stop)  # a selected endpoint interrupts prefill for its snapshot
         last = end == len(req.target)
-        sample = last and not req.output  # a readmitted request already holds its pending token
-        step = self.encode.prefill(req, req.target[start:end], sample=sample)
+        # A readmitted request already holds its pending token; max_tokens 0 scores only.
+        sample = last and not req.output and req.params.max_tokens > 0
+        if req.scoring:
+            end = min(end, start + self.caps.score_chunk)
+            sample = sample and end == len(req.target)
+            step = self.encode.score(req, req.target[start:end], sample=sample)
+        else:
+            step = self.encode.prefill(req, req.target[start:end], sample=sample)
         if sample and req.grammar is not None:
             self._mask_write(req, step.writes)
             if req.finished:
@@ -334,11 +346,16 @@ class Scheduler:
             if row.slot != req.slot:
                 raise ExecutionError(f"{step.program}: completion for slot {row.slot}, expected {req.slot}",
                                      code="bad_completion")
-        if step.kind in (ProgramKind.prefill, ProgramKind.resume):
+        if step.kind in (ProgramKind.prefill, ProgramKind.resume, ProgramKind.score):
             req = step.requests[0]
+            if step.kind == ProgramKind.score and not req.finished:
+                self._scored(req, step)
             req.consumed += step.count
             self.prefill_tokens_total += step.count
             if req.consumed == len(req.target) and not req.finished:
+                if req.params.max_tokens == 0:  # scored, nothing to generate
+                    self._finish(req, FinishReason.length)
+                    return
                 req.status = Status.DECODING
             snap = self.checkpoints.after_prefill(req)
             if snap is not None:
@@ -352,6 +369,20 @@ class Scheduler:
             if row.token >= 0:
                 req.consumed += 1  # the pending token was consumed by this decode
             self._accept(req, row, record)
+
+    def _scored(self, req: Request, step: Step) -> None:
+        """Keep the chunk's prompt log-probabilities; hand them over once the prompt is done."""
+        if step.scores is None:
+            raise ExecutionError(f"{step.program}: no scores were read", code="bad_completion")
+        n = self.caps.max_logprobs
+        for j in range(step.count):
+            first = req.consumed + j == 0
+            req.prompt_logprobs.append((req.target[req.consumed + j],
+                                        None if first else io.unpack_logprobs(step.scores[j], n, start=0)))
+        if len(req.prompt_logprobs) == len(req.prompt):
+            on_prompt = getattr(req.sink, "on_prompt_logprobs", None)
+            if on_prompt is not None:
+                on_prompt(req, list(req.prompt_logprobs))
 
     def _accept(self, req: Request, row: io.Completion, record) -> None:
         token, status = row.token, row.status

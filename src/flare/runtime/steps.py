@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,3 +30,4 @@ class Step:
     sample: bool = False  # prefill / resume: samples the first output token
     row: RowId | None = None  # snapshot / restore: the snapshot row it writes or reads
     endpoint: int = 0  # snapshot / restore: the consumed count of the endpoint
+    scores: Any = None  # score: the rows of out.scores, read after the program

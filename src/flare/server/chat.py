@@ -149,12 +149,22 @@ class _Logprobs:
         for t, lp in pairs:
             text = self.codec.token_text(t)
             out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+            if lp is None:  # a prompt's first token: nothing predicts it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             out["token_logprobs"].append(_lp(lp.logprob))
             alts = {self.codec.token_text(i): _lp(v) for i, v in zip(lp.top_ids[:top], lp.top_logprobs[:top])}
             alts.setdefault(text, _lp(lp.logprob))
             out["top_logprobs"].append(alts)
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
+        return out
+
+    def echo(self, prompt: list, text: str) -> dict:
+        """The prompt's entries; the output's offsets then continue after its echoed text."""
+        out = self.render(prompt)
+        self.offset = len(text)
         return out
 
 
@@ -174,6 +184,10 @@ class _Choices(Presenter):
         top = _logprobs_top(body)
         self.logprobs = None if top < 0 else {c.index: _Logprobs(model.codec, top, self.chat) for c in gen.choices}
         self.logprob_pairs: dict[int, list] = {c.index: [] for c in gen.choices}
+        # Text completions with echo: the prompt's text (and entries) lead each choice.
+        self.echo = {} if self.chat or not body.echo else {
+            c.index: _echo_text(body, model.codec, c.index) for c in gen.choices}
+        self.prompt_pairs: dict[int, list] = {}
 
     def _chunk(self, choices: list, usage_=None) -> dict:
         payload = {"id": self.gen.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -195,6 +209,7 @@ class _Choices(Presenter):
     def update(self, u: Update) -> list:
         self.outputs[u.index].add(u.events)
         out = self._events(u)
+        lead = self._echo(u)
         if self.logprobs is not None and u.logprobs:
             self.logprob_pairs[u.index] += u.logprobs
             rendered = self.logprobs[u.index].render(u.logprobs)
@@ -205,7 +220,21 @@ class _Choices(Presenter):
                 lone = self._chunk([self._choice(u.index)])
                 lone["choices"][0]["logprobs"] = rendered
                 out.insert(0, lone)
-        return out
+        return lead + out
+
+    def _echo(self, u: Update) -> list:
+        """The echoed prompt, once per choice, before its first output: with its entries
+        when log-probabilities were asked (they come with the update that ends scoring)."""
+        if u.index not in self.echo or u.index in self.prompt_pairs:
+            return []
+        if self.logprobs is not None and u.prompt_logprobs is None and u.finish is None:
+            return []  # still scoring
+        self.prompt_pairs[u.index] = u.prompt_logprobs or []
+        chunk = self._chunk([self._choice(u.index, text=self.echo[u.index])])
+        if self.logprobs is not None:
+            chunk["choices"][0]["logprobs"] = self.logprobs[u.index].echo(self.prompt_pairs[u.index],
+                                                                          self.echo[u.index])
+        return [chunk]
 
     def _events(self, u: Update) -> list:
         out = []
@@ -240,12 +269,17 @@ class _Choices(Presenter):
             o, reason = self.outputs[i], self.finishes[i].reason
             logprobs = None
             if self.logprobs is not None:
-                logprobs = _Logprobs(self.model.codec, self.logprobs[i].top, self.chat).render(self.logprob_pairs[i])
+                lp = _Logprobs(self.model.codec, self.logprobs[i].top, self.chat)
+                if i in self.echo:
+                    head = lp.echo(self.prompt_pairs.get(i, []), self.echo[i])
+                    logprobs = {k: head[k] + v for k, v in lp.render(self.logprob_pairs[i]).items()}
+                else:
+                    logprobs = lp.render(self.logprob_pairs[i])
             if self.chat:
                 choices.append({"index": i, "message": _message(o, self.reasoning), "logprobs": logprobs,
                                 "finish_reason": finish_reason(reason, bool(o.tool_calls))})
             else:
-                choices.append({"index": i, "text": o.content, "logprobs": logprobs,
+                choices.append({"index": i, "text": self.echo.get(i, "") + o.content, "logprobs": logprobs,
                                 "finish_reason": finish_reason(reason)})
         return {"id": self.gen.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model.served_name, "choices": choices, "usage": usage(self.gen)}
@@ -256,6 +290,17 @@ class _Choices(Presenter):
 
 class _TextChoices(_Choices):
     chat = False
+
+
+def _echo_text(body: CompletionRequest, codec: TextCodec, index: int) -> str:
+    """Choice ``index``'s prompt as text (token prompts decoded)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if _is_ids(prompt):
+        return codec.decode(prompt)
+    one = prompt[index // body.n]
+    return one if isinstance(one, str) else codec.decode(one)
 
 
 def _logprobs_top(body) -> int:
@@ -291,6 +336,10 @@ class Completions(Endpoint):
         stops = P.stop_strings(body.stop, limits)
         logprobs = P.logprobs_count(ctx.model.manifest, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
                                     chat=False)
+        # echo with log-probabilities scores the prompt (score programs); max_tokens 0 then
+        # only scores, and samples nothing: the sampling fields are not read.
+        score = body.echo and logprobs >= 0
+        scoring_only = body.echo and body.max_tokens == 0
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_cap or COMPLETIONS_DEFAULT_MAX_TOKENS)
         context = ctx.model.manifest.capacities.context_limit
         gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
@@ -303,10 +352,11 @@ class Completions(Endpoint):
                     max_tokens = body.max_tokens if body.max_tokens is not None else max(
                         1, min(default, context - len(prompt)))
                     params = P.resolve_sampling(
-                        ctx.model.manifest, prompt_len=len(prompt), fields=W.sampling(body), max_tokens=max_tokens,
-                        seed=seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, limits=limits,
-                        logprobs=logprobs)
-                    pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops))
+                        ctx.model.manifest, prompt_len=len(prompt), fields={} if scoring_only else W.sampling(body),
+                        max_tokens=max_tokens, seed=seed, stop_token_ids=body.stop_token_ids,
+                        ignore_eos=body.ignore_eos, limits=limits, logprobs=logprobs, allow_zero_tokens=body.echo)
+                    pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops),
+                                    score_prompt=score)
         except FlareError:
             gen.cancel()
             raise

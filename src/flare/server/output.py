@@ -22,6 +22,7 @@ class Chunk:
     error: Exception | None = None
     stop: str | None = None  # the stop string that ended the output (finish_reason stop)
     logprobs: list = field(default_factory=list)  # (token id, interface.TokenLogprobs), requests that asked
+    prompt_logprobs: list | None = None  # echo: (token id, TokenLogprobs | None) per prompt token, once
 
 
 class OutputStream:
@@ -30,6 +31,7 @@ class OutputStream:
         self.stops = StopMatcher(stops)
         self._pieces: list[str] = []
         self._logprobs: list = []
+        self._prompt_logprobs: list | None = None
         self._finish: FinishReason | None = None
         self._error: Exception | None = None
         self._event = asyncio.Event()
@@ -47,6 +49,10 @@ class OutputStream:
             self._event.set()
         return matched
 
+    def on_prompt_logprobs(self, request: Request, entries: list) -> None:
+        self._prompt_logprobs = entries
+        self._event.set()
+
     def on_finish(self, request: Request) -> None:
         reason = request.finish_reason
         if reason != FinishReason.stop or not self.stops.matched:
@@ -62,20 +68,22 @@ class OutputStream:
 
     async def next(self) -> Chunk:
         """Everything produced since the last call; waits while there is nothing."""
-        while not self._pieces and not self._logprobs and self._finish is None:
+        while not self._pieces and not self._logprobs and self._prompt_logprobs is None and self._finish is None:
             self._event.clear()
             await self._event.wait()
         text = "".join(self._pieces)
         self._pieces.clear()
         logprobs, self._logprobs = self._logprobs, []
+        prompt, self._prompt_logprobs = self._prompt_logprobs, None
         return Chunk(text, self._finish, self._error, self.stops.matched_stop if self._finish is not None else None,
-                     logprobs)
+                     logprobs, prompt)
 
     async def collect(self) -> Chunk:
-        parts, logprobs = [], []
+        parts, logprobs, prompt = [], [], None
         while True:
             c = await self.next()
             parts.append(c.text)
             logprobs += c.logprobs
+            prompt = c.prompt_logprobs if c.prompt_logprobs is not None else prompt
             if c.finish_reason is not None:
-                return Chunk("".join(parts), c.finish_reason, c.error, c.stop, logprobs)
+                return Chunk("".join(parts), c.finish_reason, c.error, c.stop, logprobs, prompt)

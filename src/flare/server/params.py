@@ -54,6 +54,7 @@ def resolve_sampling(
     ignore_eos: bool,
     limits: Limits = Limits(),
     logprobs: int = -1,
+    allow_zero_tokens: bool = False,
 ) -> SamplingParams:
     d = manifest.sampling
     values: dict[str, float] = {}
@@ -80,8 +81,9 @@ def resolve_sampling(
             max_tokens = min(max_tokens, limits.max_tokens_cap)
     else:
         max_tokens = _number("max_tokens", max_tokens, integer=True)
-        if max_tokens <= 0:
-            raise FrontendError("max_tokens must be at least 1", param="max_tokens")
+        if max_tokens < 0 or (max_tokens == 0 and not allow_zero_tokens):
+            raise FrontendError("max_tokens must be at least 1 (0 only with echo)" if not allow_zero_tokens
+                                else "max_tokens must not be negative", param="max_tokens")
         if limits.max_tokens_cap is not None and max_tokens > limits.max_tokens_cap:
             raise FrontendError(f"max_tokens is limited to {limits.max_tokens_cap} on this server",
                                 param="max_tokens")

@@ -67,6 +67,7 @@ class Update:
     events: list[Event]
     finish: Finish | None = None
     logprobs: list = field(default_factory=list)  # (token id, TokenLogprobs) of the tokens since the last update
+    prompt_logprobs: list | None = None  # echo with log-probabilities: every prompt token's, once
 
 
 class _Policy:
@@ -114,7 +115,7 @@ class _Choice:
     async def next(self) -> Update:
         chunk = await self.stream.next()
         update = self._update(chunk)
-        update.logprobs = chunk.logprobs
+        update.logprobs, update.prompt_logprobs = chunk.logprobs, chunk.prompt_logprobs
         return update
 
     def _update(self, chunk) -> Update:
@@ -296,9 +297,10 @@ async def start(model: ServedModel, engine: Engine, spec: ChatSpec, request_id: 
     return gen
 
 
-def submit(gen: Generation, index: int, prompt: list[int], params, stream: OutputStream) -> None:
+def submit(gen: Generation, index: int, prompt: list[int], params, stream: OutputStream, *,
+           score_prompt: bool = False) -> None:
     """A plain text choice (text completions): no template, parser or grammar."""
-    _submit(gen, index, Request(prompt, params, stream, request_id=f"{gen.id}-{index}"))
+    _submit(gen, index, Request(prompt, params, stream, request_id=f"{gen.id}-{index}", score_prompt=score_prompt))
 
 
 def _submit(gen: Generation, index: int, req: Request, parser: OutputParser | None = None,

@@ -254,8 +254,6 @@ def check_unsupported(req: _Sampling) -> None:
     if req.logit_bias:
         raise FrontendError("logit_bias is not supported by this server", param="logit_bias", code="unsupported")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise FrontendError("echo is not supported", param="echo", code="unsupported")
         if req.suffix:
             raise FrontendError("suffix is not supported", param="suffix", code="unsupported")
         if req.best_of not in (None, 1):
