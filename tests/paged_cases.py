@@ -109,24 +109,25 @@ def prefill_step(shape: Shape, start: int, n: int, chunk: int, dtype, seed: int,
     return Step(kv, pt, token_slot, positions, valid, q, k, v, layer=seed % shape.layers, single_slot=single_slot)
 
 
-def run_reference(step: Step, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def run_reference(step: Step, scaling: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     kv = step.kv.clone()
     b = step.batch(kv, "reference")
     write_kv(b, step.layer, step.k, step.v)
-    return attend_reference(b, step.layer, step.q, scaling), kv
+    return attend_reference(b, step.layer, step.q, scaling, window), kv
 
 
-def run_fp32_truth(step: Step, kv_after_write: torch.Tensor, scaling: float) -> torch.Tensor:
+def run_fp32_truth(step: Step, kv_after_write: torch.Tensor, scaling: float, window: int = 0) -> torch.Tensor:
     """The reference in fp32 over the same (already rounded) inputs."""
     b = step.batch(kv_after_write.float(), "reference")
-    return attend_reference(b, step.layer, step.q.float(), scaling)
+    return attend_reference(b, step.layer, step.q.float(), scaling, window)
 
 
-def run_triton(step: Step, scaling: float, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_triton(step: Step, scaling: float, num_splits: int | None = None,
+               window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     from flare.prepare.kernels.kv_write import write_kv_triton
     from flare.prepare.kernels.paged_attention import attend_triton
 
     kv = step.kv.clone()
     b = step.batch(kv, "triton")
     write_kv_triton(b, step.layer, step.k, step.v)
-    return attend_triton(b, step.layer, step.q, scaling, num_splits=num_splits), kv
+    return attend_triton(b, step.layer, step.q, scaling, num_splits=num_splits, window=window), kv

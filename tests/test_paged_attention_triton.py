@@ -45,16 +45,16 @@ def scale(shape: Shape) -> float:
     return shape.D**-0.5
 
 
-def check_step(step, shape, dtype, num_splits=None):
-    ref, kv_ref = run_reference(step, scale(shape))
-    out, kv_tri = run_triton(step, scale(shape), num_splits=num_splits)
+def check_step(step, shape, dtype, num_splits=None, window=0):
+    ref, kv_ref = run_reference(step, scale(shape), window)
+    out, kv_tri = run_triton(step, scale(shape), num_splits=num_splits, window=window)
     # The write: identical outside the null page; the null page untouched (padded rows write nothing).
     assert torch.equal(kv_tri[:, :, 1:], kv_ref[:, :, 1:])
     assert torch.equal(kv_tri[:, :, 0], step.kv[:, :, 0])
     assert out.dtype == step.q.dtype and out.shape == step.q.shape
     assert torch.isfinite(out).all()
     assert torch.equal(out[~step.valid], torch.zeros_like(out[~step.valid]))
-    truth = ref if dtype == torch.float32 else run_fp32_truth(step, kv_ref, scale(shape))
+    truth = ref if dtype == torch.float32 else run_fp32_truth(step, kv_ref, scale(shape), window)
     torch.testing.assert_close(out.float(), truth.float(), **TOL[dtype])
 
 
@@ -81,6 +81,33 @@ def test_prefill_chunks_match_reference(shape):
         n = min(16, shape.max_keys - start)
         step = prefill_step(shape, start, n, chunk, dtype, 10 + seed, DEVICE, single_slot=single_slot)
         check_step(step, shape, dtype, num_splits=splits)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:4], ids=IDS[1:4])
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_sliding_windows_match_the_masked_reference(shape, window):
+    """A sliding window (keys at positions > position - window) in decode batches and in
+    prefill chunks that start before, inside and past the window, split and not: the
+    kernel skips the key blocks before the tile's earliest window and masks the rest."""
+    ps = shape.page_size
+    lengths = [1, window, window + 1, ps + 3, None, shape.max_keys]
+    for seed, splits in ((21, None), (22, 1), (23, 3)):
+        check_step(decode_step(shape, lengths, torch.float32, seed, DEVICE), shape, torch.float32,
+                   num_splits=splits, window=window)
+    for seed, (start, splits) in enumerate(((0, 1), (window // 2, None), (shape.max_keys - 20, 2))):
+        step = prefill_step(shape, start, min(16, shape.max_keys - start), 16, torch.float32, 30 + seed, DEVICE)
+        check_step(step, shape, torch.float32, num_splits=splits, window=window)
+
+
+def test_a_window_changes_attention_only_beyond_it():
+    """The masked reference is the definition: with a window longer than every history it
+    equals full attention, and with a shorter one a long history's output differs."""
+    shape = SHAPES[1]
+    step = decode_step(shape, [3, 40, shape.max_keys], torch.float32, 9, DEVICE)
+    full, _ = run_reference(step, scale(shape))
+    assert torch.equal(run_reference(step, scale(shape), shape.max_keys + 1)[0], full)
+    short = run_reference(step, scale(shape), 4)[0]
+    assert torch.equal(short[0], full[0]) and not torch.allclose(short[2], full[2])
 
 
 def test_prefill_fp16_crossing_pages():

@@ -96,24 +96,59 @@ def test_bad_sampling_options_are_errors(value, message, tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "core").exists()
 
 
-@pytest.mark.parametrize("window, context, ok", [(None, 256, True), (512, 256, True), (256, 256, True),
-                                                 (200, 256, False)])
-def test_sliding_window_models_are_held_to_their_window(hf_dir, tmp_path, window, context, ok):
-    """Sliding-window attention is not implemented: a model that declares a window is
-    prepared only with a context no longer than it (where the window changes nothing),
-    and anything longer is a typed error, never a core that attends too far."""
-    d = tmp_path / "mistral-like"
-    shutil.copytree(hf_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
-    (d / "config.json").write_text(json.dumps(cfg))
-    args = [a for a in CPU if a not in ("256",)]
-    i = args.index("--context-limit")
-    args.insert(i + 1, str(context))
-    proc = subprocess.run([sys.executable, "-m", "flare.prepare.cli", str(d), "--out", str(tmp_path / "core"), *args],
-                          capture_output=True, text=True, timeout=300)
-    if ok:
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    else:
-        assert proc.returncode == 2 and "sliding window of 200 tokens" in proc.stderr, proc.stderr[-2000:]
+WINDOW = 24
 
+
+@pytest.fixture(scope="module")
+def mistral_core(tmp_path_factory) -> Path:
+    """A tiny Mistral checkpoint (every layer windowed to 24 tokens) prepared with a context
+    ten times its window."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-mistral-hf")
+    torch.manual_seed(0)
+    cfg = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, eos_token_id=2,
+                        sliding_window=WINDOW, initializer_range=0.2)
+    MistralForCausalLM(cfg).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(configs_dir() / "tokenizers" / "smollm2" / f, d / f)
+    (d / "generation_config.json").unlink(missing_ok=True)
+    out = tmp_path_factory.mktemp("tiny-mistral-core") / "core"
+    proc = _prepare(str(d), out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sliding-window attention: 24 tokens" in proc.stdout, proc.stdout[-2000:]
+    return out
+
+
+def test_sliding_window_attention_matches_transformers(mistral_core):
+    """Teacher-forced logits of a 200-token prompt (prefill chunks cut inside and across the
+    window) and 8 decode steps after it, against Transformers' FP32 forward with its own
+    sliding-window mask; the same prompt without the window differs, so the window is
+    what is being checked."""
+    import torch
+
+    from flare.core.manifest import load_manifest
+    from tests.rig import admit, decode, load_rig, prefill, transformers_model
+
+    m = load_manifest(mistral_core)
+    assert m.capacities.context_limit == 256
+    rig = load_rig(mistral_core)
+    hf = transformers_model(mistral_core, m, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 49152, (208,), generator=g).tolist()
+    prompt, forced = ids[:200], ids[200:]
+    admit(rig, 1, prompt, list(range(1, 15)), seed=1)
+    hidden, _, _ = prefill(rig, 1, prompt, splits=(10, 37, 150))
+    rows = [hidden @ rig.model.lm_head.weight.detach().T]
+    for t in forced:
+        rows.append(decode(rig, [1], [t])[0])
+    got = torch.cat(rows)  # row j predicts token j + 1
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0][: len(got)]
+        hf.config.sliding_window = None
+        full = hf(torch.tensor([ids])).logits[0][: len(got)]
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item() + 1e-5
+    assert (full - want)[WINDOW:].abs().max().item() > 100 * (got - want).abs().max().item()
+    assert torch.allclose(full[:WINDOW], want[:WINDOW], atol=1e-5)

@@ -45,6 +45,8 @@ SHAPES = {
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    # Sliding-window attention: Mistral-7B-v0.1's per-layer geometry (window 4,096) at 4 layers.
+    "mistral-small-shape": ["--context-limit", "9216", "--prefill-chunk-size", "2048", "--kv-pages", "1200"],
 }
 # FLARE_GPU_SHAPES=a,b narrows the suite to some shapes (a first look at a new one).
 if os.environ.get("FLARE_GPU_SHAPES"):

@@ -100,6 +100,9 @@ def test_teacher_forced_logits_match_transformers(gpu_shape_core, results_dir):
     m = load_manifest(core)
     rng = np.random.default_rng(0)
     lengths = [n for n in LENGTHS if n + 1 < m.capacities.context_limit]
+    window = json.loads(m.reference.config).get("sliding_window")
+    if window and 2 * window + 200 < m.capacities.context_limit:
+        lengths.append(2 * window + 200)  # past two windows: most keys are outside every row's window
     prompts = [rng.integers(0, m.capacities.sampling_vocab, n).tolist() for n in lengths]
     flare = teacher_forced(core, prompts, DECODE_STEPS)
     hf32, raw = _hf_model(core, torch.float32)

@@ -6,6 +6,11 @@ RoPE; then it calls the registered attention function ``flare_paged`` with a
 new keys/values into the page pool at ``slot_mapping`` (negative entries write
 nothing) and attends each query token over its own request's pages.
 
+Sliding windows: a layer that Transformers calls with ``sliding_window=W`` (Mistral's
+every layer; Qwen2/3, gpt-oss and others per ``layer_types``) attends only to the
+keys at positions ``> position - W``, as Transformers' ``sliding_window_overlay``;
+every attention path below honours it (``window``, 0 = the whole history).
+
 Tokens are packed: a program hands the model ``T`` tokens, each with its own
 request slot and position. Prefill packs one request's chunk; decode packs one
 token of each of ``B`` requests. The same function serves both.
@@ -65,7 +70,14 @@ def write_kv(batch: PagedBatch, layer: int, k: torch.Tensor, v: torch.Tensor) ->
     flat_v.index_copy_(0, dst, v.to(flat_v.dtype))
 
 
-def attend_reference(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+def visible(keys: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``[rows, keys]``: which key positions each query position attends to."""
+    seen = keys[None, :] <= pos[:, None]
+    return seen & (keys[None, :] > pos[:, None] - window) if window else seen
+
+
+def attend_reference(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float,
+                     window: int = 0) -> torch.Tensor:
     """Eager attention over the page pool. ``q``: ``[T, H, D]`` -> ``[T, H, D]``.
 
     Reads lengths on the host, so it is for the reference executor only (never
@@ -85,7 +97,7 @@ def attend_reference(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: fl
         pages = batch.page_table[s, :n_pages].long()
         k = kv[layer, 0].index_select(0, pages).reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
         v = kv[layer, 1].index_select(0, pages).reshape(n_pages * ps, kv.shape[-2], kv.shape[-1])[:n_keys]
-        mask = torch.arange(n_keys, device=q.device)[None, :] <= pos[:, None]  # [r, n_keys]
+        mask = visible(torch.arange(n_keys, device=q.device), pos, window)  # [r, n_keys]
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None].to(k.dtype),  # [1, H, r, D]
             k.transpose(0, 1)[None],  # [1, KVH, n, D]
@@ -98,7 +110,7 @@ def attend_reference(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: fl
     return out
 
 
-def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, window: int = 0) -> torch.Tensor:
     """Capture-safe attention in plain torch: gathers every page of the slot's page
     table (the whole context capacity) and masks by position. Memory and time grow
     with the context limit, not the history, so it is a fallback and a GPU
@@ -111,7 +123,7 @@ def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float
         pages = batch.page_table.index_select(0, batch.token_slot[:1]).long()[0]  # [MP]
         k = kv[layer, 0].index_select(0, pages).reshape(-1, kvh, d)  # [MP*ps, KVH, D]
         v = kv[layer, 1].index_select(0, pages).reshape(-1, kvh, d)
-        mask = (keys[None, :] <= batch.positions[:, None]) & batch.valid[:, None]  # [T, keys]
+        mask = visible(keys, batch.positions, window) & batch.valid[:, None]  # [T, keys]
         mask[:, 0] |= ~batch.valid  # padded rows attend to one key: finite output
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None].to(k.dtype), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -120,7 +132,7 @@ def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float
     pages = batch.page_table.index_select(0, batch.token_slot).long()  # [T, MP]
     k = kv[layer, 0][pages].reshape(T, -1, kvh, d)  # [T, MP*ps, KVH, D]
     v = kv[layer, 1][pages].reshape(T, -1, kvh, d)
-    mask = (keys[None, :] <= batch.positions[:, None]) | (keys[None, :] == 0)  # [T, keys]
+    mask = visible(keys, batch.positions, window) | (keys[None, :] == 0)  # [T, keys]
     o = F.scaled_dot_product_attention(
         q[:, :, None, :].to(k.dtype), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scaling, enable_gqa=True)  # [T, H, 1, D]
@@ -136,6 +148,7 @@ def flare_paged_attention(module, query, key, value, attention_mask, scaling=Non
     if paged is None:
         raise RuntimeError("flare_paged attention needs the 'paged' batch argument")
     layer = module.kv_layer  # index into the kv buffer (set by the recipe: not every layer attends)
+    window = int(kwargs.get("sliding_window") or 0)  # this layer's, as Transformers passes it
     q = query[0].transpose(0, 1)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if paged.impl == "triton":
@@ -143,13 +156,13 @@ def flare_paged_attention(module, query, key, value, attention_mask, scaling=Non
         from flare.prepare.kernels.paged_attention import attend_triton
 
         write_kv_triton(paged, layer, k, v)
-        out = attend_triton(paged, layer, q, scaling)
+        out = attend_triton(paged, layer, q, scaling, window=window)
     elif paged.impl == "gather":
         write_kv(paged, layer, k, v)
-        out = attend_gather(paged, layer, q, scaling)
+        out = attend_gather(paged, layer, q, scaling, window)
     else:
         write_kv(paged, layer, k, v)
-        out = attend_reference(paged, layer, q, scaling)
+        out = attend_reference(paged, layer, q, scaling, window)
     return out[None], None
 
 

@@ -65,6 +65,10 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     sampling = sampling_defaults(src, opts, caps.sampling_vocab)
     shown = {k: v for k, v in sampling[0].items() if k == "temperature" or v != NEUTRAL[k]}
     progress(f"sampling defaults ({sampling[1]}): " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    window = recipe.sliding_window(src.config)
+    if window is not None:
+        progress(f"sliding-window attention: {window} tokens (every KV page is kept: none is released when it "
+                 f"leaves the window)")
     buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
     continuation = mf.Continuation(state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, dtype)),
                                    tail=KV_TAIL)

@@ -71,17 +71,9 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
     the device's free memory minus weights, scratch and the declared reserve."""
     cfg = src.config.get_text_config()
     model_max = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
-    # Sliding-window attention is not implemented: within a context no longer than the
-    # window it equals full attention, so the context is held to the window.
-    window = recipe.sliding_window(src.config)
-    default_max = min(model_max, window or model_max)
-    context = opts.context_limit or min(default_max, 8192 if opts.device == "cpu" else 32768)
+    context = opts.context_limit or min(model_max, 8192 if opts.device == "cpu" else 32768)
     if context > model_max:
         raise PrepareError(f"--context-limit {context} exceeds the model's max_position_embeddings {model_max}")
-    if window is not None and context > window:
-        raise PrepareError(f"this model attends through a sliding window of {window} tokens, which Flare does not "
-                           f"implement yet: prepare it with --context-limit {window} or less (where the window "
-                           f"changes nothing), not {context}")
     if context < 64:
         raise PrepareError("--context-limit must be at least 64")
     chunk = opts.prefill_chunk_size or min(context, 512 if opts.device == "cpu" else 2048) // 64 * 64

@@ -2,7 +2,9 @@
 
 Semantics are :func:`flare.prepare.attention.attend_reference`'s: token ``i``
 of request slot ``s`` attends to key positions ``0..positions[i]`` of that
-slot, the keys read through ``page_table[s]``. Rows with ``valid == False``
+slot (with a sliding window ``W``: ``positions[i] - W + 1 .. positions[i]``, the
+key blocks before the tile's earliest window skipped), the keys read through
+``page_table[s]``. Rows with ``valid == False``
 read nothing and produce zeros.
 
 One kernel serves decode and prefill. A program owns a tile of query *rows*
@@ -60,7 +62,7 @@ _DOT_MIN = 16  # tl.dot needs at least 16 rows
 def _attend_kernel(
     q_ptr, out_ptr, k_cache, v_cache, page_table, token_slot, positions, valid,
     part_acc, part_m, part_l, part_eff,
-    T, H, num_pages, max_pages, scale_log2,
+    T, H, num_pages, max_pages, scale_log2, window,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cp, stride_co, stride_ch, stride_cd,
@@ -116,6 +118,7 @@ def _attend_kernel(
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     key_limit = max_pages * PAGE
+    win = tl.where(window > 0, window, key_limit + 1)  # 0: the whole history
 
     for p_i in range(0, n_pass):
         t_pass = tb * BLOCK_T + p_i
@@ -126,8 +129,11 @@ def _attend_kernel(
         act = row_valid & (tok >= tl.where(uniform, 0, p_i)) & (tok <= tl.where(uniform, BLOCK_T, p_i))
         n_keys = tl.minimum(tl.max(tl.where(act, pos, -1), 0) + 1, key_limit)
         n_blocks = (n_keys + BLOCK_N - 1) // BLOCK_N
-        per_split = (n_blocks + eff - 1) // eff
-        b_lo = split * per_split
+        # A sliding window: blocks wholly before every active row's window are skipped.
+        first_key = tl.maximum(tl.min(tl.where(act, pos, key_limit), 0) - win + 1, 0)
+        b_first = tl.minimum(first_key // BLOCK_N, n_blocks)
+        per_split = (n_blocks - b_first + eff - 1) // eff
+        b_lo = b_first + split * per_split
         b_hi = tl.minimum(b_lo + per_split, n_blocks)
         pt_row = page_table + kslot.to(tl.int64) * stride_pts
         for b in range(b_lo, b_hi):
@@ -143,7 +149,7 @@ def _attend_kernel(
                 other=0.0,
             )
             s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-            sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None])
+            sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
             s = tl.where(sees, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp2(m - m_new)
@@ -280,9 +286,10 @@ def _check(batch: PagedBatch, layer: int, q: torch.Tensor) -> None:
 
 def attend_triton(
     batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None,
-    target: int | None = None,
+    target: int | None = None, window: int = 0,
 ) -> torch.Tensor:
-    """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``.
+    """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``;
+    ``window`` > 0 limits each token to the keys at positions ``> position - window``.
 
     ``num_splits`` overrides the most key-range splits and ``target`` the programs the
     device aims for (tests); by default both follow from static shapes and the
@@ -316,7 +323,7 @@ def attend_triton(
     _attend_kernel[grid](
         q, out, k_cache, v_cache, pt, batch.token_slot, batch.positions, valid,
         part_acc, part_m, part_l, part_eff,
-        T, H, P, max_pages, scaling * LOG2E,
+        T, H, P, max_pages, scaling * LOG2E, window,
         *q.stride(), *out.stride(), *k_cache.stride(),
         pt.stride(0), pt.stride(1), batch.token_slot.stride(0), batch.positions.stride(0), valid.stride(0),
         GROUP=H // KVH, HEADS=lc.heads, BLOCK_T=lc.block_t, PAGE=ps, D=D, D_PAD=d_pad,

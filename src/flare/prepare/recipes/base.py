@@ -168,9 +168,10 @@ class Recipe:
 
     def sliding_window(self, config) -> int | None:
         """The smallest attention window any layer declares (None: every layer attends to
-        its whole history). Transformers marks windowed layers in ``layer_types``
-        ("sliding_attention"); a config with a ``sliding_window`` and no ``layer_types``
-        (Mistral) windows every layer."""
+        its whole history), reported by preparation; the attention itself takes each
+        layer's window from Transformers' call (``attention.flare_paged_attention``).
+        Transformers marks windowed layers in ``layer_types`` ("sliding_attention"); a
+        config with a ``sliding_window`` and no ``layer_types`` (Mistral) windows every layer."""
         t = config.get_text_config()
         window = getattr(t, "sliding_window", None)
         kinds = getattr(t, "layer_types", None)

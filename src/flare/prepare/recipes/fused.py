@@ -80,6 +80,19 @@ def fuse_linears(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> b
     return True
 
 
+def layer_window(attn) -> int | None:
+    """The sliding window Transformers' own forward passes for this attention module:
+    its ``sliding_window`` (Qwen2/Qwen3: set on windowed layers only), else the config's
+    (Mistral windows every layer) unless ``layer_types`` marks the layer full."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    config = attn.config
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and kinds[attn.layer_idx] != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """Transformers' decoder attention forward (Llama / Mistral / Qwen2 / Qwen3) with one
     q/k/v GEMM. Flare never passes a KV cache object: the paged attention function
@@ -98,7 +111,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     cos, sin = position_embeddings
     q, k = self.flare_rotary(q, k, cos, sin)
     out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
-                                         **kwargs)
+                                         sliding_window=layer_window(self), **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
     return self.o_proj(out), weights
 
@@ -122,7 +135,7 @@ def _gated_attention_forward(self, hidden_states, position_embeddings=None, atte
     cos, sin = position_embeddings
     q, k = self.flare_rotary(q, k, cos, sin)
     out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
-                                         **kwargs)
+                                         sliding_window=layer_window(self), **kwargs)
     out = out.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
     return self.o_proj(out), weights
 
