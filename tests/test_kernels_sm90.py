@@ -67,7 +67,7 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(M._route_plan_kernel,
                      {"logits_ptr": "*bf16", "valid_ptr": "*i1", "w_ptr": "*fp32", "ids_ptr": "*i64",
                       "order_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"},
-                     dict(K=8, RENORM=True, BM=16, BT=16, BE=512, BK=8, BP=128, MT=128), num_warps=8)
+                     dict(K=8, RENORM=True, BM=16, BT=16, BE=512, BK=8, BP=128, MT=128, PLAN=True), num_warps=8)
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))

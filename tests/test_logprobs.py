@@ -211,12 +211,13 @@ def test_echo_scores_prompts_like_transformers(smol_server, smol, stream):
     assert worst < TOL, worst
 
 
-def test_loglikelihood_request_as_lm_evaluation_harness_sends_it(smol_server, smol):
-    """lm-evaluation-harness's ``local-completions`` loglikelihood: token prompts (context +
-    continuation, a batch of them), ``echo``, ``logprobs=1``, ``max_tokens=0``,
-    ``temperature=0`` (nothing is sampled, so the zero temperature is not refused), read as
-    it reads them: the continuation's summed token_logprobs, and greedy when each token's
-    value is the largest of its top_logprobs."""
+@pytest.mark.parametrize("max_tokens", [1, 0], ids=["harness-body", "score-only"])
+def test_loglikelihood_request_as_lm_evaluation_harness_sends_it(smol_server, smol, max_tokens):
+    """lm-evaluation-harness's ``local-completions`` loglikelihood body: token prompts
+    (context + continuation, a batch of them), ``echo``, ``logprobs=1``, ``max_tokens=1``,
+    ``temperature=0`` (a scoring request: greedy), read as the harness reads it:
+    ``token_logprobs[ctxlen:-1]`` summed (the one generated token dropped), greedy when
+    each value is the largest of its ``top_logprobs``. ``max_tokens=0`` scores only."""
     m, codec, by_bytes, model = smol
     pairs = [("Question: What is the capital of France?\nAnswer:", " Paris"),
              ("Question: What is the capital of France?\nAnswer:", " a cheese omelette with herbs"),
@@ -227,19 +228,49 @@ def test_loglikelihood_request_as_lm_evaluation_harness_sends_it(smol_server, sm
         a, b = codec.encode(ctx, add_special_tokens=True), codec.encode(cont, add_special_tokens=False)
         prompts.append(a + b)
         ctxlens.append(len(a))
-    body = {"model": m.frontend.served_name, "prompt": prompts, "temperature": 0, "max_tokens": 0, "logprobs": 1,
-            "seed": 1234, "echo": True}
+    body = {"model": m.frontend.served_name, "prompt": prompts, "temperature": 0, "max_tokens": max_tokens,
+            "logprobs": 1, "seed": 1234, "echo": True}
     import httpx
 
     out = httpx.post(smol_server.url + "/v1/completions", json=body, timeout=120).json()
     choices = sorted(out["choices"], key=lambda c: c["index"])
     assert len(choices) == len(pairs)
     for choice, prompt, ctxlen in zip(choices, prompts, ctxlens):
-        values = choice["logprobs"]["token_logprobs"][ctxlen:]
-        tops = choice["logprobs"]["top_logprobs"][ctxlen:]
+        assert len(choice["logprobs"]["tokens"]) == len(prompt) + max_tokens
+        end = len(prompt)  # the harness's [ctxlen:-1] when it generated one token
+        values = choice["logprobs"]["token_logprobs"][ctxlen:end]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:end]
         greedy = all(v == max(t.values()) for v, t in zip(values, tops))
         lp = _reference(model, prompt[:ctxlen], prompt[ctxlen:])
         ref = [lp[j, t].item() for j, t in enumerate(prompt[ctxlen:])]
         assert abs(sum(values) - sum(ref)) < TOL * len(ref)
         assert greedy == all(lp[j].argmax().item() == t for j, t in enumerate(prompt[ctxlen:]))
+        if max_tokens:  # greedy: the generated token is the most likely one after the prompt
+            ref_next = _reference(model, prompt, [0])[0]
+            assert choice["logprobs"]["token_logprobs"][-1] == pytest.approx(ref_next.max().item(), abs=TOL)
     assert choices[0]["logprobs"]["token_logprobs"][ctxlens[0]] > choices[1]["logprobs"]["token_logprobs"][ctxlens[1]]
+
+
+def test_echo_of_text_prompts_then_generation(smol_server, smol):
+    """Two text prompts, two choices each, echo with logprobs and 6 generated tokens: each
+    choice's text is its prompt then its output, every token's text_offset points at its
+    text there, the prompt's entries come first (the first null) and the generated ones
+    follow with the sampled token's value among its alternatives."""
+    m, codec, by_bytes, model = smol
+    prompts = ["Café menu: crème brûlée, 日本茶 and tea.", "def add(a, b):\n    return"]
+    out = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x").completions.create(
+        model=m.frontend.served_name, prompt=prompts, n=2, max_tokens=6, echo=True, logprobs=2, seed=5,
+        extra_body={"ignore_eos": True})
+    assert len(out.choices) == 4
+    for c in out.choices:
+        prompt = prompts[c.index // 2]
+        ids = codec.encode(prompt, add_special_tokens=True)
+        lp = c.logprobs
+        assert c.text.startswith(prompt) and len(lp.tokens) == len(ids) + 6
+        assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(prompt)
+        for tok, off in zip(lp.tokens, lp.text_offset):
+            if "\ufffd" not in tok:
+                assert c.text[off : off + len(tok)] == tok, (tok, off, c.text)
+        ref = _reference(model, ids[:1], ids[1:])
+        assert max(abs(lp.token_logprobs[j] - ref[j - 1, ids[j]].item()) for j in range(1, len(ids))) < TOL

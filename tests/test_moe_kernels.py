@@ -170,6 +170,9 @@ def test_fused_route_plan_equals_route_then_plan(T, E, k, bm, renorm):
     assert torch.equal(p.order.cpu(), p_ref.order.cpu())
     assert p.tile_expert.numel() == p_ref.tile_expert.numel()
     assert _tiles(p) == _tiles(p_ref)
+    # Routing alone (the decode path): the same ids and weights, no plan.
+    w2, ids2, none = route_plan(logits, k, renorm, valid, bm, with_plan=False)
+    assert none is None and torch.equal(ids2, ids) and torch.equal(w2, w)
 
 
 def test_fused_route_plan_refuses_large_batches():

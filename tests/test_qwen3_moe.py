@@ -154,7 +154,8 @@ def test_triton_experts_match_the_reference_path(moe_core, stream, monkeypatch):
 
     calls = []
     fused = K.route_plan
-    monkeypatch.setattr(K, "route_plan", lambda logits, *a: calls.append(logits.shape[0]) or fused(logits, *a))
+    monkeypatch.setattr(K, "route_plan",
+                        lambda logits, *a, **kw: calls.append(logits.shape[0]) or fused(logits, *a, **kw))
     triton_matches_reference(moe_core, stream)
     assert calls and set(calls) <= {1, 2, 4, 8}, calls  # the decode capacities (the prefills are 128 rows)
 

@@ -104,7 +104,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         sampling_vocab=min(vocab, src.frontend.tokenizer_vocab),
         hidden_size=recipe.hidden_size(src.config),
         snapshot_rows=snapshot_rows,
-        max_logprobs=min(opts.max_logprobs, vocab),
+        max_logprobs=min(opts.max_logprobs, vocab, src.frontend.tokenizer_vocab),  # topk over sampling_vocab
         # Scoring a prompt (echo) keeps every row's logits: a shorter chunk bounds them.
         score_chunk=min(chunk, SCORE_CHUNK) if opts.max_logprobs else 0,
     )

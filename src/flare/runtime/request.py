@@ -59,7 +59,7 @@ SamplingParams = msgspec.defstruct(
 class RequestSink(Protocol):
     """Receives a request's output. Called from the engine loop: must not block."""
 
-    def on_tokens(self, request: "Request", ids: list[int]) -> bool:
+    def on_tokens(self, request: "Request", ids: list[int], logprobs: list | None = None) -> bool:
         """New visible tokens. Return True when a stop sequence matched: the request
         then finishes with reason ``stop`` at this submission boundary. A request with
         ``params.logprobs >= 0`` is also given ``logprobs=``, one
@@ -91,7 +91,7 @@ class Grammar(Protocol):
 
 
 class NullSink:
-    def on_tokens(self, request: "Request", ids: list[int]) -> bool:
+    def on_tokens(self, request: "Request", ids: list[int], logprobs: list | None = None) -> bool:
         return False
 
     def on_finish(self, request: "Request") -> None:

@@ -111,9 +111,16 @@ class Scheduler:
                                 param="stop_token_ids")
         if min(req.prompt) < 0 or max(req.prompt) >= self.caps.vocab_size:
             raise FrontendError("prompt token id outside the vocabulary", param="prompt")
+        if req.params.logprobs > self.caps.max_logprobs:
+            raise FrontendError(f"at most {self.caps.max_logprobs} log-probabilities per token (the core's "
+                                f"--max-logprobs)", param="logprobs",
+                                code="logprobs_unavailable" if not self.caps.max_logprobs else "invalid_request")
         if req.score_prompt and not self.caps.score_chunk:
             raise FrontendError("this core has no score programs to score a prompt with", param="prompt",
                                 code="logprobs_unavailable")
+        if req.score_prompt and max(req.prompt) >= self.caps.sampling_vocab:
+            raise FrontendError(f"a scored prompt's token ids must lie below {self.caps.sampling_vocab} (the ids "
+                                f"the model scores)", param="prompt")
         e = req.endpoints
         if list(e) != sorted(set(e)) or (e and not 0 < e[0] <= e[-1] < n):
             raise FrontendError("message endpoints must be ascending and inside the prompt", param="endpoints")
@@ -187,7 +194,8 @@ class Scheduler:
             req.status = Status.PREFILLING
             req.consumed = reuse.length
             if req.scoring:
-                req.prompt_logprobs = []  # scored from the start again after a preemption
+                # Defensive: only decoding requests are preempted today, after scoring ended.
+                req.prompt_logprobs = []
             if req.preemptions == 0:
                 req.cached_tokens = reuse.length
             req.admission_seq = self._admissions
@@ -403,8 +411,9 @@ class Scheduler:
         visible = [token] if status != DeviceStatus.stop else []
         if not visible:
             stop_matched = False
-        elif req.params.logprobs >= 0:  # the record's block (the server checked the core has one)
-            stop_matched = req.sink.on_tokens(req, visible, logprobs=[io.unpack_logprobs(record, self.caps.max_logprobs)])
+        elif req.params.logprobs >= 0:  # the record's block (validate checked the core has one)
+            block = io.unpack_logprobs(record, self.caps.max_logprobs)
+            stop_matched = req.sink.on_tokens(req, visible, logprobs=[block])
         else:
             stop_matched = req.sink.on_tokens(req, visible)
         if status == DeviceStatus.stop or stop_matched:

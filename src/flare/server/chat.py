@@ -28,7 +28,7 @@ from flare.server.parsers import Assembled, Content, Reasoning, ToolArgs, ToolSt
 from flare.server.pipeline import ChatSpec, Finish, Generation, Update
 from flare.server.protocol import ChatCompletionRequest, CompletionRequest, ImagePart, check_unsupported
 from flare.server.served_model import ServedModel
-from flare.server.text import TextCodec
+from flare.server.text import CONTEXT_TOKENS, TextCodec
 
 log = logging.getLogger("flare.server")
 
@@ -131,8 +131,11 @@ class _Logprobs:
     ``{tokens, token_logprobs, top_logprobs, text_offset}`` (top_logprobs there maps the
     alternatives' text, the sampled token's included, to their values)."""
 
-    def __init__(self, codec: TextCodec, top: int, chat: bool, offset: int = 0):
-        self.codec, self.top, self.chat, self.offset = codec, top, chat, offset
+    def __init__(self, codec: TextCodec, top: int, chat: bool):
+        self.codec, self.top, self.chat = codec, top, chat
+        # Legacy text_offset: where each token's text starts in the choice's text, the
+        # decoded text grown token by token (the last few ids as context).
+        self.offset, self.context = 0, []
 
     def _token(self, token_id: int, logprob: float) -> dict:
         b = self.codec.token_bytes(token_id)
@@ -150,7 +153,8 @@ class _Logprobs:
             text = self.codec.token_text(t)
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += self.codec.text_growth(self.context, t)
+            self.context = [*self.context[-(CONTEXT_TOKENS - 1):], t]
             if lp is None:  # a prompt's first token: nothing predicts it
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -161,9 +165,12 @@ class _Logprobs:
             out["top_logprobs"].append(alts)
         return out
 
-    def echo(self, prompt: list, text: str) -> dict:
-        """The prompt's entries; the output's offsets then continue after its echoed text."""
+    def echo(self, prompt: list, text: str, offsets: list[int] | None) -> dict:
+        """The prompt's entries (at ``offsets`` in ``text`` when the prompt was that text);
+        the output's offsets then continue after the echoed text."""
         out = self.render(prompt)
+        if offsets is not None:
+            out["text_offset"] = offsets[: len(prompt)]
         self.offset = len(text)
         return out
 
@@ -186,7 +193,7 @@ class _Choices(Presenter):
         self.logprob_pairs: dict[int, list] = {c.index: [] for c in gen.choices}
         # Text completions with echo: the prompt's text (and entries) lead each choice.
         self.echo = {} if self.chat or not body.echo else {
-            c.index: _echo_text(body, model.codec, c.index) for c in gen.choices}
+            c.index: _echo_text(body, model.codec, c.index) for c in gen.choices}  # (text, offsets or None)
         self.prompt_pairs: dict[int, list] = {}
 
     def _chunk(self, choices: list, usage_=None) -> dict:
@@ -230,10 +237,10 @@ class _Choices(Presenter):
         if self.logprobs is not None and u.prompt_logprobs is None and u.finish is None:
             return []  # still scoring
         self.prompt_pairs[u.index] = u.prompt_logprobs or []
-        chunk = self._chunk([self._choice(u.index, text=self.echo[u.index])])
+        chunk = self._chunk([self._choice(u.index, text=self.echo[u.index][0])])
         if self.logprobs is not None:
             chunk["choices"][0]["logprobs"] = self.logprobs[u.index].echo(self.prompt_pairs[u.index],
-                                                                          self.echo[u.index])
+                                                                          *self.echo[u.index])
         return [chunk]
 
     def _events(self, u: Update) -> list:
@@ -271,7 +278,7 @@ class _Choices(Presenter):
             if self.logprobs is not None:
                 lp = _Logprobs(self.model.codec, self.logprobs[i].top, self.chat)
                 if i in self.echo:
-                    head = lp.echo(self.prompt_pairs.get(i, []), self.echo[i])
+                    head = lp.echo(self.prompt_pairs.get(i, []), *self.echo[i])
                     logprobs = {k: head[k] + v for k, v in lp.render(self.logprob_pairs[i]).items()}
                 else:
                     logprobs = lp.render(self.logprob_pairs[i])
@@ -279,7 +286,8 @@ class _Choices(Presenter):
                 choices.append({"index": i, "message": _message(o, self.reasoning), "logprobs": logprobs,
                                 "finish_reason": finish_reason(reason, bool(o.tool_calls))})
             else:
-                choices.append({"index": i, "text": self.echo.get(i, "") + o.content, "logprobs": logprobs,
+                choices.append({"index": i, "text": self.echo[i][0] + o.content if i in self.echo else o.content,
+                                "logprobs": logprobs,
                                 "finish_reason": finish_reason(reason)})
         return {"id": self.gen.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model.served_name, "choices": choices, "usage": usage(self.gen)}
@@ -292,15 +300,16 @@ class _TextChoices(_Choices):
     chat = False
 
 
-def _echo_text(body: CompletionRequest, codec: TextCodec, index: int) -> str:
-    """Choice ``index``'s prompt as text (token prompts decoded)."""
+def _echo_text(body: CompletionRequest, codec: TextCodec, index: int) -> tuple[str, list[int] | None]:
+    """Choice ``index``'s prompt as text and, for a text prompt, where each of its tokens
+    starts in it (the tokenizer's offsets; token prompts are decoded, their offsets
+    grown token by token)."""
     prompt = body.prompt
-    if isinstance(prompt, str):
-        return prompt
-    if _is_ids(prompt):
-        return codec.decode(prompt)
-    one = prompt[index // body.n]
-    return one if isinstance(one, str) else codec.decode(one)
+    one = prompt if isinstance(prompt, str) or _is_ids(prompt) else prompt[index // body.n]
+    if isinstance(one, str):
+        ids, spans = codec.encode_with_offsets(one, add_special_tokens=True)
+        return one, [start for start, _ in spans]
+    return codec.decode(one), None
 
 
 def _logprobs_top(body) -> int:
@@ -340,6 +349,12 @@ class Completions(Endpoint):
         # only scores, and samples nothing: the sampling fields are not read.
         score = body.echo and logprobs >= 0
         scoring_only = body.echo and body.max_tokens == 0
+        fields = W.sampling(body)
+        if score and fields.get("temperature") == 0:
+            # A scoring request at temperature 0 (lm-evaluation-harness's loglikelihood body:
+            # max_tokens 1, the token discarded) generates greedily: top_k 1 at the default
+            # temperature. Elsewhere temperature 0 stays refused (greedy is not a mode).
+            fields = {**fields, "temperature": None, "top_k": 1}
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, limits.max_tokens_cap or COMPLETIONS_DEFAULT_MAX_TOKENS)
         context = ctx.model.manifest.capacities.context_limit
         gen = Generation(ctx.engine, rid, sum(len(p) for p in prompts), body.n)
@@ -352,7 +367,7 @@ class Completions(Endpoint):
                     max_tokens = body.max_tokens if body.max_tokens is not None else max(
                         1, min(default, context - len(prompt)))
                     params = P.resolve_sampling(
-                        ctx.model.manifest, prompt_len=len(prompt), fields={} if scoring_only else W.sampling(body),
+                        ctx.model.manifest, prompt_len=len(prompt), fields={} if scoring_only else fields,
                         max_tokens=max_tokens, seed=seed, stop_token_ids=body.stop_token_ids,
                         ignore_eos=body.ignore_eos, limits=limits, logprobs=logprobs, allow_zero_tokens=body.echo)
                     pipeline.submit(gen, index, prompt, params, OutputStream(ctx.model.codec, prompt, stops),

@@ -69,6 +69,12 @@ class TextCodec:
             self._bytes[token_id] = got
         return got
 
+    def text_growth(self, context: list[int], token_id: int) -> int:
+        """Characters ``token_id`` adds to the decoded text after ``context`` (its last few
+        ids: decoders' leading-space rules need them): text offsets of tokens without
+        decoding every prefix."""
+        return len(self.decode([*context, token_id])) - len(self.decode(context))
+
     def token_text(self, token_id: int) -> str:
         """One token's text (a piece of a multi-byte character reads as U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")

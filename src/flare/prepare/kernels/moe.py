@@ -121,7 +121,7 @@ def _route_plan_kernel(
     logits_ptr, valid_ptr, w_ptr, ids_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     T, E, stride_lt, stride_le,
     K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-    BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr,
+    BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr, PLAN: tl.constexpr,
 ):
     """``route`` then ``plan`` for a small batch in one program: softmax, top-k by repeated
     maxima (ties to the lower index), renormalisation, and the pairs' order and row tiles
@@ -154,33 +154,35 @@ def _route_plan_kernel(
     tl.store(w_ptr + t[:, None] * K + j[None, :], top, mask=out_mask)
     tl.store(ids_ptr + t[:, None] * K + j[None, :], sel.to(tl.int64), mask=out_mask)
 
-    # The pairs, flattened in a padded space q = t * BK + j; real pair index t * K + j.
-    ids = tl.reshape(tl.where(out_mask, sel, E + 1), [BP])  # padding sorts after the sentinel
-    qi = tl.arange(0, BP)
-    real = (qi // BK < T) & (qi % BK < K)
-    pair = (qi // BK) * K + qi % BK
-    a_id = ids[:, None]
-    b_id = ids[None, :]
-    before = (b_id < a_id) | ((b_id == a_id) & (qi[None, :] < qi[:, None]))  # [p, q]: q sorts before p
-    rank = tl.sum(before.to(tl.int32), 1)
-    tl.store(order_ptr + rank, pair.to(tl.int32), mask=real)
-    start = tl.sum((b_id < a_id).to(tl.int32), 1)  # the first row of p's expert
-    count = tl.sum((b_id == a_id).to(tl.int32), 1)
-    head = real & (ids < E) & ((rank - start) % BM == 0)  # p starts a tile of its expert
-    tile = tl.sum((head[None, :] & (rank[None, :] < rank[:, None])).to(tl.int32), 1)
-    # Tile slot s takes the pair that starts it (at most one): a masked reduction per slot.
-    s = tl.arange(0, MT)
-    hit = head[None, :] & (tile[None, :] == s[:, None])
-    any_hit = tl.sum(hit.to(tl.int32), 1) > 0
-    tl.store(tile_expert_ptr + s, tl.where(any_hit, tl.max(tl.where(hit, ids[None, :], -1), 1), -1))
-    tl.store(tile_start_ptr + s, tl.max(tl.where(hit, rank[None, :], 0), 1))
-    tl.store(tile_end_ptr + s, tl.max(tl.where(hit, (start + count)[None, :], 0), 1))
+    if PLAN:  # the plan (skipped for decode's expert GEMVs, which need none)
+        # The pairs, flattened in a padded space q = t * BK + j; real pair index t * K + j.
+        ids = tl.reshape(tl.where(out_mask, sel, E + 1), [BP])  # padding sorts after the sentinel
+        qi = tl.arange(0, BP)
+        real = (qi // BK < T) & (qi % BK < K)
+        pair = (qi // BK) * K + qi % BK
+        a_id = ids[:, None]
+        b_id = ids[None, :]
+        before = (b_id < a_id) | ((b_id == a_id) & (qi[None, :] < qi[:, None]))  # [p, q]: q sorts before p
+        rank = tl.sum(before.to(tl.int32), 1)
+        tl.store(order_ptr + rank, pair.to(tl.int32), mask=real)
+        start = tl.sum((b_id < a_id).to(tl.int32), 1)  # the first row of p's expert
+        count = tl.sum((b_id == a_id).to(tl.int32), 1)
+        head = real & (ids < E) & ((rank - start) % BM == 0)  # p starts a tile of its expert
+        tile = tl.sum((head[None, :] & (rank[None, :] < rank[:, None])).to(tl.int32), 1)
+        # Tile slot s takes the pair that starts it (at most one): a masked reduction per slot.
+        s = tl.arange(0, MT)
+        hit = head[None, :] & (tile[None, :] == s[:, None])
+        any_hit = tl.sum(hit.to(tl.int32), 1) > 0
+        tl.store(tile_expert_ptr + s, tl.where(any_hit, tl.max(tl.where(hit, ids[None, :], -1), 1), -1))
+        tl.store(tile_start_ptr + s, tl.max(tl.where(hit, rank[None, :], 0), 1))
+        tl.store(tile_end_ptr + s, tl.max(tl.where(hit, (start + count)[None, :], 0), 1))
 
 
 def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch.Tensor | None,
-               block_m: int) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+               block_m: int, *, with_plan: bool = True) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """``route`` and ``plan`` in one launch from the router's logits ``[T, E]`` (when
-    ``fits_route_plan``): the same ids, order and used tiles, weights to float32 rounding."""
+    ``fits_route_plan``): the same ids, order and used tiles, weights to float32 rounding.
+    ``with_plan=False`` routes only (the decode GEMVs need no plan) and returns no plan."""
     T, E = logits.shape
     P = T * top_k
     if not fits_route_plan(T, top_k):
@@ -198,9 +200,9 @@ def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch
     _route_plan_kernel[(1,)](
         logits, valid, weights, ids, order, *tiles, T, E, *logits.stride(),
         K=top_k, RENORM=renormalize, BM=block_m, BT=BT, BE=triton.next_power_of_2(E), BK=BK, BP=BT * BK,
-        MT=triton.next_power_of_2(MT), num_warps=8 if BT * BK > 64 else 4,
+        MT=triton.next_power_of_2(MT), PLAN=with_plan, num_warps=8 if BT * BK > 64 else 4,
     )
-    return weights, ids, Plan(order, tiles[0][:MT], tiles[1][:MT], tiles[2][:MT], block_m)
+    return weights, ids, Plan(order, tiles[0][:MT], tiles[1][:MT], tiles[2][:MT], block_m) if with_plan else None
 
 
 @triton.jit

@@ -45,9 +45,10 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     # The torch form loops over the hit experts on the host: a CPU reference, never captured.
     triton = x.is_cuda or (paged is not None and paged.impl == "triton")
     T, k = x.shape[0], gate.top_k
+    decode = triton and T * k <= K.DECODE_PAIRS  # the expert GEMVs, which need no plan
     p = None
-    if triton and not split and K.fits_route_plan(T, k):  # route and plan in one launch
-        weights, ids, p = K.route_plan(logits, k, renorm, valid, K.block_m_for(T * k))
+    if triton and not split and K.fits_route_plan(T, k):  # route (and plan) in one launch
+        weights, ids, p = K.route_plan(logits, k, renorm, valid, K.block_m_for(T * k), with_plan=not decode)
     else:
         weights, ids = K.route_logits(logits, k, renorm, valid)
     if split:
@@ -55,7 +56,7 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
     args = (x, weights, ids, experts.gate_up_proj, experts.down_proj)
-    if triton and T * k <= K.DECODE_PAIRS:  # decode: GEMVs of the routed experts, no tiles
+    if decode:  # GEMVs of the routed experts, no tiles
         out = K.experts_decode(*args)
     else:
         out = K.experts_triton(*args, p=p) if triton else K.experts_torch(*args)
