@@ -9,6 +9,8 @@ gives every step's distribution."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import openai
 import pytest
@@ -55,6 +57,13 @@ def _check(lp: torch.Tensor, ids: list[int], chosen: list[float], tops: list[lis
     return worst
 
 
+def _concurrently(fn, items) -> float:
+    """``fn(i, item)`` for every item, four at a time (the server batches them: decode
+    capacity 4); the largest of the errors returned."""
+    with ThreadPoolExecutor(4) as pool:
+        return max(pool.map(fn, range(len(items)), items))
+
+
 def _prompts(codec) -> list[list[int]]:
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "The three primary colours are", "To make a cup of tea, first", "import numpy as np\nx =",
@@ -66,8 +75,9 @@ def _prompts(codec) -> list[list[int]]:
 def test_completion_logprobs_match_transformers(smol_server, smol, stream):
     m, codec, by_bytes, model = smol
     client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x")
-    worst = 0.0
-    for i, prompt in enumerate(_prompts(codec)):
+
+    def one(i: int, prompt: list[int]) -> float:
+        worst = 0.0
         kw = dict(model=m.frontend.served_name, prompt=prompt, max_tokens=TOKENS, logprobs=TOP, seed=i, temperature=0.7,
                   extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
         tokens, chosen, tops = [], [], []
@@ -102,6 +112,9 @@ def test_completion_logprobs_match_transformers(smol_server, smol, stream):
             worst = max(worst, abs(chosen[j] - lp[j, ids[j]].item()))
             for k, v in alt[j]:
                 worst = max(worst, abs(v - lp[j, k].item()))
+        return worst
+
+    worst = _concurrently(one, _prompts(codec))
     assert worst < TOL, worst
 
 
@@ -116,10 +129,10 @@ def test_chat_logprobs_match_transformers_with_the_openai_client(smol_server, sm
     core = smol_server.core
     template = ChatTemplate((core / m.frontend.chat_template).read_text(), dict(m.frontend.special_tokens))
     client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x")
-    worst = 0.0
     questions = ["What is the capital of France?", "Name three fruits.", "How do birds fly?", "What is 2 + 2?",
                  "Write a haiku about rain.", "Why is the sky blue?", "What is Python?", "Say hello in Spanish."]
-    for i, q in enumerate(questions[:PROMPTS]):
+
+    def one(i: int, q: str) -> float:
         messages = [{"role": "user", "content": q}]
         prompt = codec.encode(template.render(messages, add_generation_prompt=True), add_special_tokens=False)
         kw = dict(model=m.frontend.served_name, messages=messages, max_tokens=TOKENS, logprobs=True, top_logprobs=TOP,
@@ -138,7 +151,9 @@ def test_chat_logprobs_match_transformers_with_the_openai_client(smol_server, sm
         lp = _reference(model, prompt, ids)
         tops = [[(by_bytes[bytes(a.bytes)], a.logprob) for a in e.top_logprobs] for e in content]
         assert all(len(t) == TOP for t in tops)
-        worst = max(worst, _check(lp, ids, [e.logprob for e in content], tops))
+        return _check(lp, ids, [e.logprob for e in content], tops)
+
+    worst = _concurrently(one, questions[:PROMPTS])
     assert worst < TOL, worst
 
 
