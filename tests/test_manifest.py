@@ -318,6 +318,20 @@ def test_prefill_capacities_rule(chunk, context, expected):
     assert mf.prefill_capacities_for(chunk, context) == expected
 
 
+@pytest.mark.parametrize("smallest,chunk,expected", [(16, 64, (16, 32, 64)), (16, 512, (16, 32, 64, 128, 256, 512)),
+                                                    (64, 192, (64, 128, 192)), (32, 128, (32, 64, 128))])
+def test_prefill_capacities_rule_with_small_programs(smallest, chunk, expected):
+    assert mf.prefill_capacities_for(chunk, 2048, smallest) == expected
+    with pytest.raises(ValueError, match="one of"):
+        mf.prefill_capacities_for(chunk, 2048, 48)
+
+
+def test_small_prefill_programs_must_be_declared(raw):
+    d = json.loads(json.dumps(raw))
+    d["capacities"]["min_prefill_capacity"] = 32  # the core's programs start at 128
+    _reject(d, param="capacities.prefill_capacities", match="do not follow the chunk rule")
+
+
 @pytest.mark.parametrize("chunk,context", [(96, 2048), (0, 2048), (32, 2048), (256, 128)])
 def test_prefill_capacities_rule_rejects(chunk, context):
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -404,3 +404,29 @@ def test_grammar_mask_constrains_prefill_and_decode_samples(rig):
     assert records[0].token == max((7, 8), key=lambda t: float(logits[0, t]))
     assert records[1].token == int(logits[1].argmax()) and records[1].token != 3
     v["state.mask_on"][1] = 0
+
+
+def test_small_prefill_programs_give_the_same_hidden_rows(tmp_path):
+    """A core prepared with --min-prefill-capacity 16 runs a 10-token prompt on prefill.16
+    and a 40-token one on prefill.64; their hidden rows equal prefill.128's (the default
+    core's) to float32 summation order."""
+    from tests.conftest import TINY_OPTS, prepare_core
+    from tests.rig import admit, load_rig, prefill
+
+    small = prepare_core("llama-tiny", [*TINY_OPTS, "--min-prefill-capacity", "16"], name="llama-tiny-small-prefill")
+    base = prepare_core("llama-tiny", TINY_OPTS)
+    rigs = [load_rig(small), load_rig(base)]
+    assert rigs[0].m.capacities.prefill_capacities == (16, 32, 64, 128)
+    assert rigs[1].m.capacities.prefill_capacities == (128,)
+    ran = []
+    for n in (10, 40):
+        prompt = list(range(100, 100 + n))
+        rows = []
+        for r in rigs:
+            runs = dict(r.run)
+            r.run = {k: (lambda f=f, k=k: ran.append(k) or f()) for k, f in runs.items()}
+            admit(r, 1, prompt, list(range(1, 8)), seed=1)
+            rows.append(prefill(r, 1, prompt)[0])
+            r.run = runs
+        torch.testing.assert_close(rows[0], rows[1], atol=1e-5, rtol=1e-5)
+    assert "prefill.16" in ran and "prefill.64" in ran and ran.count("prefill.128") == 2

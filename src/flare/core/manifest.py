@@ -135,6 +135,7 @@ class Capacities(_Frozen):
     snapshot_rows: int  # checkpoint rows; snapshot buffers have snapshot_rows + 1 rows (row 0 = null)
     max_logprobs: int = 0  # top log-probabilities each sampling record carries (0: none, not even the sampled one's)
     score_chunk: int = 0  # tokens per score program (prompt log-probabilities); 0: no score programs
+    min_prefill_capacity: int = 128  # the smallest prefill program (prefill_capacities_for)
 
 
 class Continuation(_Frozen):
@@ -334,13 +335,19 @@ def snapshot_buffer(state: str) -> str:
     return SNAPSHOT_PREFIX + state
 
 
-def prefill_capacities_for(chunk: int, context_limit: int) -> tuple[int, ...]:
-    """The capacity rule (docs/core.md): powers of two from 128 below the chunk limit, plus the exact limit;
-    a limit of 64 captures one 64-token program."""
+PREFILL_SMALLEST = (16, 32, 64, 128)  # the smallest prefill capacities a core may declare
+
+
+def prefill_capacities_for(chunk: int, context_limit: int, smallest: int = 128) -> tuple[int, ...]:
+    """The capacity rule (docs/core.md): powers of two from ``smallest`` (16, 32, 64 or 128;
+    128 unless prepared with --min-prefill-capacity) below the chunk limit, plus the exact
+    limit; a limit of 64 with the default captures one 64-token program."""
     if chunk % 64 or not 64 <= chunk <= context_limit:
         raise ValueError(f"prefill chunk size must be a multiple of 64 in [64, {context_limit}], got {chunk}")
+    if smallest not in PREFILL_SMALLEST:
+        raise ValueError(f"the smallest prefill capacity must be one of {PREFILL_SMALLEST}, got {smallest}")
     caps = []
-    c = 128
+    c = smallest
     while c < chunk:
         caps.append(c)
         c *= 2
@@ -417,7 +424,9 @@ def validate(m: Manifest) -> None:
     for name in ("context_limit", "prefill_chunk", "slots", "max_pages_per_slot", "vocab_size", "hidden_size"):
         if getattr(c, name) <= 0:
             _fail(f"capacities.{name} must be positive", f"capacities.{name}")
-    if c.prefill_capacities != prefill_capacities_for(c.prefill_chunk, c.context_limit):
+    if c.min_prefill_capacity not in PREFILL_SMALLEST:
+        _fail(f"capacities.min_prefill_capacity must be one of {PREFILL_SMALLEST}", "capacities.min_prefill_capacity")
+    if c.prefill_capacities != prefill_capacities_for(c.prefill_chunk, c.context_limit, c.min_prefill_capacity):
         _fail(
             f"prefill capacities {c.prefill_capacities} do not follow the chunk rule for {c.prefill_chunk}",
             "capacities.prefill_capacities",

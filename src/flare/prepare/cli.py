@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-memory", type=float, default=None, help="KV page budget in GiB")
     p.add_argument("--snapshot-rows", type=int, default=None,
                    help="prefix-cache checkpoint rows (default: 4 per request slot; 0 disables the cache)")
+    p.add_argument("--min-prefill-capacity", type=int, choices=(16, 32, 64, 128), default=128,
+                   help="smallest prefill program: 16, 32 or 64 add programs so that a short prompt (a chat turn, "
+                        "a tool result) does not pay a 128-token prefill (default 128)")
     p.add_argument("--max-logprobs", type=int, default=io.MAX_LOGPROBS,
                    help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "
                         f"OpenAI's limit; 0: requests for log-probabilities are refused)")
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_memory_gib": a.kv_memory,
         "snapshot_rows": a.snapshot_rows,
         "max_logprobs": a.max_logprobs,
+        "min_prefill_capacity": a.min_prefill_capacity,
         "attention": a.attention,
         "compile": not a.no_compile,
         "served_name": a.served_name,

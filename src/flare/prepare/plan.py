@@ -42,6 +42,7 @@ class Options:
     kv_pages: int | None = None
     kv_memory_gib: float | None = None
     snapshot_rows: int | None = None  # prefix-cache checkpoint rows (default: 4 per slot)
+    min_prefill_capacity: int = 128  # smallest prefill program: 16, 32 or 64 add programs for short prompts
     max_logprobs: int = io.MAX_LOGPROBS  # top log-probabilities per sampled token (0: no log-probabilities)
     attention: str | None = None  # reference | triton
     compile: bool = True
@@ -78,7 +79,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         raise PrepareError("--context-limit must be at least 64")
     chunk = opts.prefill_chunk_size or min(context, 512 if opts.device == "cpu" else 2048) // 64 * 64
     try:
-        prefill_caps = mf.prefill_capacities_for(chunk, context)
+        prefill_caps = mf.prefill_capacities_for(chunk, context, opts.min_prefill_capacity)
     except ValueError as e:
         raise PrepareError(str(e)) from None
     decode_caps = tuple(sorted(set(opts.decode_capacities)))
@@ -107,6 +108,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         max_logprobs=min(opts.max_logprobs, vocab, src.frontend.tokenizer_vocab),  # topk over sampling_vocab
         # Scoring a prompt (echo) keeps every row's logits: a shorter chunk bounds them.
         score_chunk=min(chunk, SCORE_CHUNK) if opts.max_logprobs else 0,
+        min_prefill_capacity=opts.min_prefill_capacity,
     )
     geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
