@@ -150,7 +150,10 @@ responses_fields = {
         optional={"schema": schema, "name": json_values, "regex": json_values}), json_values)}), json_values),
     "reasoning": st.one_of(st.fixed_dictionaries({}, optional={"effort": json_values, "summary": json_values}),
                            json_values),
-    "store": json_values, "previous_response_id": json_values, "include": json_values, "truncation": json_values,
+    "store": json_values, "previous_response_id": json_values, "truncation": json_values,
+    "include": st.one_of(st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]),
+                                  max_size=2), json_values),
+    "top_logprobs": st.one_of(st.integers(-2, 22), json_values),
     "metadata": json_values, "parallel_tool_calls": json_values, "stop": json_values, "chat_template_kwargs": free,
 }
 

@@ -289,3 +289,40 @@ def test_echo_of_text_prompts_then_generation(smol_server, smol):
                 assert c.text[off : off + len(tok)] == tok, (tok, off, c.text)
         ref = _reference(model, ids[:1], ids[1:])
         assert max(abs(lp.token_logprobs[j] - ref[j - 1, ids[j]].item()) for j in range(1, len(ids))) < TOL
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_include_output_text_logprobs(smol_server, smol, stream):
+    """Responses with ``include: ["message.output_text.logprobs"]`` and ``top_logprobs``:
+    the answer's output_text carries one entry per token it holds, with Transformers'
+    values; streamed, the deltas carry them and the done event repeats them all."""
+    from flare.server.template import ChatTemplate
+
+    m, codec, by_bytes, model = smol
+    template = ChatTemplate((smol_server.core / m.frontend.chat_template).read_text(),
+                            dict(m.frontend.special_tokens))
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt = codec.encode(template.render(messages, add_generation_prompt=True), add_special_tokens=False)
+    client = openai.OpenAI(base_url=smol_server.url + "/v1", api_key="x")
+    kw = dict(model=m.frontend.served_name, input="Name a colour.", max_output_tokens=12, top_logprobs=3,
+              include=["message.output_text.logprobs"], extra_body={"seed": 4})
+    if stream:
+        deltas, done, text = [], None, ""
+        for e in client.responses.create(stream=True, **kw):
+            if e.type == "response.output_text.delta":
+                deltas += e.logprobs
+                text += e.delta
+            elif e.type == "response.output_text.done":
+                done = e.logprobs
+        entries = deltas
+        assert [x.token for x in done] == [x.token for x in deltas]
+    else:
+        resp = client.responses.create(**kw)
+        part = resp.output[-1].content[0]
+        entries, text = part.logprobs, part.text
+    assert entries and b"".join(bytes(x.bytes) for x in entries).decode() == text
+    ids = [by_bytes[bytes(x.bytes)] for x in entries]
+    lp = _reference(model, prompt, ids)
+    tops = [[(by_bytes[bytes(a.bytes)], a.logprob) for a in x.top_logprobs] for x in entries]
+    assert all(len(t) == 3 for t in tops)
+    assert _check(lp, ids, [x.logprob for x in entries], tops) < TOL

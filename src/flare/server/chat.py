@@ -125,7 +125,7 @@ def _lp(value: float) -> float:
     return value if math.isfinite(value) else FLOOR_LOGPROB
 
 
-class _Logprobs:
+class Logprobs:
     """One choice's log-probabilities in OpenAI's shapes: Chat Completions'
     ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and the legacy Completions'
     ``{tokens, token_logprobs, top_logprobs, text_offset}`` (top_logprobs there maps the
@@ -189,7 +189,7 @@ class _Choices(Presenter):
         self.finishes: dict[int, Finish] = {}
         self.called: set[int] = set()
         top = _logprobs_top(body)
-        self.logprobs = None if top < 0 else {c.index: _Logprobs(model.codec, top, self.chat) for c in gen.choices}
+        self.logprobs = None if top < 0 else {c.index: Logprobs(model.codec, top, self.chat) for c in gen.choices}
         self.logprob_pairs: dict[int, list] = {c.index: [] for c in gen.choices}
         # Text completions with echo: the prompt's text (and entries) lead each choice.
         self.echo = {} if self.chat or not body.echo else {
@@ -276,7 +276,7 @@ class _Choices(Presenter):
             o, reason = self.outputs[i], self.finishes[i].reason
             logprobs = None
             if self.logprobs is not None:
-                lp = _Logprobs(self.model.codec, self.logprobs[i].top, self.chat)
+                lp = Logprobs(self.model.codec, self.logprobs[i].top, self.chat)
                 if i in self.echo:
                     head = lp.echo(self.prompt_pairs.get(i, []), *self.echo[i])
                     logprobs = {k: head[k] + v for k, v in lp.render(self.logprob_pairs[i]).items()}

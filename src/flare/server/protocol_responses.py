@@ -111,6 +111,7 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     store: bool | None = None
     previous_response_id: str | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = None
     truncation: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None  # end-user id: logged, never interpreted

@@ -23,6 +23,7 @@ from flare.core.errors import FrontendError
 from flare.runtime.request import FinishReason
 from flare.server import protocol as W
 from flare.server import tools as T
+from flare.server.chat import Logprobs
 from flare.server.handler import Endpoint, OutputParts, Presenter
 from flare.server.parsers import ToolStart
 from flare.server.pipeline import ChatSpec, Finish, Generation, Update
@@ -94,8 +95,13 @@ def spec(body: ResponsesRequest) -> ChatSpec:
     if body.store:
         raise FrontendError("this server is stateless: store must be false or omitted", param="store",
                             code="unsupported")
-    if body.include:
-        raise FrontendError("include is not supported", param="include", code="unsupported")
+    unknown = [x for x in body.include or () if x != LOGPROBS_INCLUDE]
+    if unknown:
+        raise FrontendError(f"include supports only {LOGPROBS_INCLUDE!r}, not {unknown[0]!r}", param="include",
+                            code="unsupported")
+    logprobs = LOGPROBS_INCLUDE in (body.include or ())
+    if body.top_logprobs and not logprobs:
+        raise FrontendError(f"top_logprobs needs include {LOGPROBS_INCLUDE!r}", param="top_logprobs")
     if body.truncation not in (None, "disabled"):
         raise FrontendError("only truncation \"disabled\" is supported", param="truncation", code="unsupported")
     reasoning = body.reasoning or ResponsesReasoning()
@@ -109,7 +115,11 @@ def spec(body: ResponsesRequest) -> ChatSpec:
         parallel_tool_calls=body.parallel_tool_calls is not False,
         answer=W.answer_format(body.text and body.text.format, "text.format"),
         template_kwargs={**W.thinking_kwargs(reasoning.effort), **(body.chat_template_kwargs or {})},
+        logprobs=logprobs or None, top_logprobs=body.top_logprobs,
     )
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 # ---------------------------------------------------------------------------
@@ -130,6 +140,7 @@ class _Items(OutputParts):
         super().__init__()
         self.rid = rid
         self.sequence = 0
+        self.logprobs: dict[str, list] | None = None  # message item id -> its tokens' entries, when asked
 
     def event(self, kind: str, **fields) -> dict:
         e = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -171,8 +182,11 @@ class _Items(OutputParts):
                               name=item["name"], arguments=item["arguments"])]
         else:
             part = _text_part(item["type"], text)
+            entries = (self.logprobs or {}).get(item["id"], [])
+            if item["type"] == "message" and self.logprobs is not None:
+                part["logprobs"] = entries
             item["content"] = [part]
-            done = {"logprobs": []} if item["type"] == "message" else {}
+            done = {"logprobs": entries} if item["type"] == "message" else {}
             out = [self.event(f"response.{part['type']}.done", item_id=item["id"], output_index=index,
                               content_index=0, text=text, **done),
                    self.event("response.content_part.done", item_id=item["id"], output_index=index,
@@ -186,6 +200,9 @@ class _Response(Presenter):
         self.items = _Items(gen.id)
         self.finish: Finish | None = None
         self.final: dict | None = None
+        wanted = LOGPROBS_INCLUDE in (body.include or ())
+        self.logprobs = Logprobs(model.codec, int(body.top_logprobs or 0), chat=True) if wanted else None
+        self.items.logprobs = {} if wanted else None
 
     def _object(self, output: list[dict], finish: Finish | None) -> dict:
         body, gen = self.request, self.gen
@@ -226,7 +243,16 @@ class _Response(Presenter):
 
     def update(self, u: Update) -> list:
         self.finish = u.finish or self.finish
-        return self.items.feed(u.events)
+        out = self.items.feed(u.events)
+        if self.logprobs is not None and u.logprobs:
+            # The update's tokens go with its answer text; tokens that produced only reasoning
+            # or tool-call text are not reported (output_text is what carries logprobs).
+            delta = next((e for e in out if e["type"] == "response.output_text.delta"), None)
+            if delta is not None:
+                entries = self.logprobs.render(u.logprobs)["content"]
+                delta["logprobs"] = entries
+                self.items.logprobs.setdefault(delta["item_id"], []).extend(entries)
+        return out
 
     def closing(self) -> list:
         out = self.items.close()
