@@ -8,6 +8,7 @@
 #                         is set); without it the 64K size is recorded as skipped (over the limit)
 #          SCENARIOS      serve_bench scenarios (default: all)
 #          PREFILL_PROMPTS cold prefill sizes (default 4096,65536)
+#          SERVE_OPTS     extra flare-serve options for the serve step (e.g. --prefill-while-decoding 256)
 #          STEPS          which steps to run (default: all, in order): prepare floor timeline serve
 #                         depth1 baseline collect. The core and the raw files live in .cache/ of
 #                         the checkout, which a warm device keeps between calls: a run too long
@@ -42,7 +43,7 @@ step timeline && rm -f $OUT/timeline-$MODEL.* && python3 -m bench.timeline $CORE
 PORT=8391
 if step serve; then
 rm -f $OUT/serve-$MODEL.json $OUT/serve-$MODEL.log $OUT/startup-$MODEL.txt $OUT/metrics-$MODEL.txt
-python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL > $OUT/serve-$MODEL.log 2>&1 &
+python3 -m flare.server.cli $CORE --port $PORT --served-model-name $MODEL ${SERVE_OPTS:-} > $OUT/serve-$MODEL.log 2>&1 &
 SRV=$!
 for i in $(seq 1 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.25; done
 curl -s localhost:$PORT/metrics | grep startup > $OUT/startup-$MODEL.txt

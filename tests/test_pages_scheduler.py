@@ -326,8 +326,8 @@ class Driver:
     """Runs the scheduler against the fake device, checking invariants after every step
     and logging every change of a request's page list as (consumed, pages)."""
 
-    def __init__(self, m: Manifest, *, prefix_cache: bool = True):
-        self.sched = Scheduler(m, prefix_cache=prefix_cache)
+    def __init__(self, m: Manifest, *, prefix_cache: bool = True, prefill_while_decoding: int = 0):
+        self.sched = Scheduler(m, prefix_cache=prefix_cache, prefill_while_decoding=prefill_while_decoding)
         self.dev = FakeDevice(m, self.sched.pages)
         self.pages: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
         self.known: list[Request] = []
@@ -511,14 +511,20 @@ def test_waits_for_a_free_slot(tiny_core):
     assert all(r.output == [token_fn(i, k) for k in range(3)] for i, r in enumerate(reqs))
 
 
-def test_prefill_chunking_interleaved_with_decode(tiny_core):
-    d = Driver(small_manifest(tiny_core, num_pages=64, slots=2))
-    a = make_request("A", 10, 8, seed=5)
+def _long_prompt_behind_a_decoder(d: Driver, a_tokens: int) -> tuple[Request, Request]:
+    """A (10 prompt tokens, ``a_tokens`` out) decoding when B (300 tokens, 3 out) arrives; run to the end."""
+    a = make_request("A", 10, a_tokens, seed=5)
     d.add(a)
     d.run(until=lambda: a.status == Status.DECODING)
     b = make_request("B", 300, 3, seed=6)
     d.add(b)
     d.run()
+    return a, b
+
+
+def test_prefill_chunking_interleaved_with_decode(tiny_core):
+    d = Driver(small_manifest(tiny_core, num_pages=64, slots=2))
+    a, b = _long_prompt_behind_a_decoder(d, 8)
     trace = [(s.program, [r.id for r in s.requests], s.count) for s in d.steps]
     assert trace == [
         ("admit.128", ["A"], 0),
@@ -542,6 +548,26 @@ def test_prefill_chunking_interleaved_with_decode(tiny_core):
     assert b.output == [token_fn(6, i) for i in range(3)] and a.output == [token_fn(5, i) for i in range(8)]
     # Reservation: min(300 + 16, 300 + 3) = 303 tokens -> 19 pages, no growth.
     assert [len(p) for _, p in d.pages["B"]] == [19, 0]
+
+
+def test_prefill_chunks_are_capped_while_others_decode(tiny_core):
+    """--prefill-while-decoding 48: while A decodes, B's prompt goes in chunks of at most 48
+    tokens with a decode step after each; C, prefilling alone later, gets whole chunks; the
+    outputs are those of the uncapped schedule."""
+    d = Driver(small_manifest(tiny_core, num_pages=64, slots=2), prefill_while_decoding=48)
+    a, b = _long_prompt_behind_a_decoder(d, 20)
+    trace = [(s.kind, s.count) for s in d.steps if s.kind in (ProgramKind.prefill, ProgramKind.decode)]
+    b_chunks = [s.count for s in d.steps if s.kind == ProgramKind.prefill and s.requests == [b]]
+    assert b_chunks == [48] * 6 + [12], b_chunks
+    first = trace.index((ProgramKind.prefill, 48))
+    assert [k for k, _ in trace[first : first + 12]] == [ProgramKind.prefill, ProgramKind.decode] * 6
+    assert b.output == [token_fn(6, i) for i in range(3)] and a.output == [token_fn(5, i) for i in range(20)]
+    c = make_request("C", 300, 1, seed=7)
+    d.add(c)
+    d.run()
+    assert [s.count for s in d.steps if s.kind == ProgramKind.prefill and s.requests == [c]] == [128, 128, 44]
+    with pytest.raises(ValueError, match="must not be negative"):
+        Scheduler(small_manifest(tiny_core, num_pages=64, slots=2), prefill_while_decoding=-1)
 
 
 def test_finish_on_stop_status_and_on_sink_stop(tiny_core):

@@ -60,7 +60,7 @@ __all__ = ["Scheduler", "Step", "Write", "derive_seed"]
 
 class Scheduler:
     def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, prefill_while_decoding: int = 0):
         self.m = manifest
         self.metrics = metrics or ServingMetrics()
         self.caps = manifest.capacities
@@ -70,6 +70,11 @@ class Scheduler:
         self.encode = StepEncoder(manifest)
         self.checkpoints = Checkpoints(manifest, self.pages, self.encode, enabled=prefix_cache)
         self.max_waiting = max_waiting
+        # A prefill chunk's tokens while other requests decode (0: the whole prefill chunk):
+        # decoders wait at most one such chunk between their steps.
+        if prefill_while_decoding < 0:
+            raise ValueError(f"prefill_while_decoding must not be negative, got {prefill_while_decoding}")
+        self.prefill_while_decoding = prefill_while_decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, holding resources until their snapshots complete
@@ -216,6 +221,8 @@ class Scheduler:
         stop = self.checkpoints.next_stop(req)
         if stop is not None:
             end = min(end, stop)  # a selected endpoint interrupts prefill for its snapshot
+        if self.prefill_while_decoding and any(r.status == Status.DECODING for r in self.running):
+            end = min(end, start + self.prefill_while_decoding)
         last = end == len(req.target)
         # A readmitted request already holds its pending token; max_tokens 0 scores only.
         sample = last and not req.output and req.params.max_tokens > 0

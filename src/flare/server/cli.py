@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="bounded admission queue length")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="disable checkpoint reuse and capture (every prompt is prefilled in full)")
+    p.add_argument("--prefill-while-decoding", type=int, default=0, metavar="TOKENS",
+                   help="cap each prefill chunk at TOKENS while other requests are decoding, so that they wait "
+                        "at most one such chunk between tokens (0, the default: the core's whole prefill chunk)")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=2,
                    help="decode steps kept in flight: 2 queues the next decode before the current one "
                         "completes (host work overlaps the device); 1 runs one step at a time")
@@ -77,7 +80,8 @@ async def serve(a: argparse.Namespace) -> int:
     try:
         manifest = load_manifest(core)
         engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting,
-                        prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight)
+                        prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight,
+                        prefill_while_decoding=a.prefill_while_decoding)
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
