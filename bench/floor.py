@@ -1,6 +1,6 @@
 """The replay floor: decode graphs launched back to back by a minimal harness.
 
-usage: python -m bench.floor CORE OUT.json [steps]
+usage: python -m bench.floor CORE OUT.json [steps] [--decode-only]
 
 No scheduler, no HTTP: B slots are set up as endless requests (no stop ids,
 huge max_new), then decode.B is launched ``steps`` times; the pending token
@@ -148,11 +148,13 @@ def program_times(ex: CudaExecutor, m, history: int = 4096, tail: int = 11, shor
     return out
 
 
-async def main(core: str, out: str, steps: int) -> None:
+async def main(core: str, out: str, steps: int, decode_only: bool = False) -> None:
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
     await ex.start()
-    results = {"core": core, "steps": steps, "copy_bandwidth_Bps": copy_bandwidth(ex, m), "decode": {}}
+    results = {"core": core, "steps": steps, "decode": {}}
+    if not decode_only:
+        results["copy_bandwidth_Bps"] = copy_bandwidth(ex, m)
     for b in m.capacities.decode_capacities:
         _setup_slots(ex, m, b)
         ex.sync()
@@ -181,8 +183,9 @@ async def main(core: str, out: str, steps: int) -> None:
         results["decode"][b] = {"gpu_ms_per_step": gpu_ms, "wall_ms_per_step_one_in_flight": wall_ms,
                                 "wall_ms_per_step_two_in_flight": wall2_ms,
                                 "tokens_per_s_gpu": b / gpu_ms * 1e3, "tokens_per_s_wall": b / wall_ms * 1e3}
-    results["programs"] = program_times(ex, m)
-    print(json.dumps(results["programs"]))
+    if not decode_only:
+        results["programs"] = program_times(ex, m)
+        print(json.dumps(results["programs"]))
     results["executor_stats"] = ex.stats()
     await ex.close()
     assert "torch" not in sys.modules
@@ -191,4 +194,5 @@ async def main(core: str, out: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 200))
+    args = [a for a in sys.argv[1:] if a != "--decode-only"]
+    asyncio.run(main(args[0], args[1], int(args[2]) if len(args) > 2 else 200, "--decode-only" in sys.argv))
