@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flare.core.manifest import HIST_PROMPT_BIT
-from flare.prepare.sampling import apply_penalties, apply_token_mask, sample, uniform
+from flare.prepare.sampling import apply_penalties, apply_token_mask, filtered, sample, scores, uniform, verify_draft
 
 # A row of sampling parameters: everything ``sample`` takes besides logits and vocab.
 FIELDS = ("hist", "temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency", "seed", "counter")
@@ -345,3 +345,71 @@ def test_masked_draws_follow_the_renormalised_distribution():
     expected = torch.softmax(logits[sorted(allowed)] / 0.7, dim=0)
     freq = torch.tensor([(toks == t).sum().item() / N for t in sorted(allowed)])
     assert float((freq - expected).abs().max()) < 0.02
+
+
+# ---------------------------------------------------------------------------
+# (e) speculative verification (issue 20's acceptance rule)
+
+
+def verify_rows(logits: torch.Tensor, p: dict, proposal: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_draft over N rows sharing parameters: the two uniforms per row come from the
+    row's counter on two seeds (independent hash streams)."""
+    n = p["seed"].shape[0]
+    x = scores(logits.expand(n, -1), p["hist"], p["temperature"], p["repetition"], p["presence"], p["frequency"],
+               logits.shape[0])
+    return verify_draft(x, p["top_k"], p["top_p"], p["min_p"], torch.full((n,), proposal, dtype=torch.int64),
+                        uniform(p["seed"], p["counter"]), uniform(p["seed"] ^ 0x5A5A5A5A, p["counter"]))
+
+
+@pytest.mark.parametrize("proposal,filters", [
+    (1, {}),  # a likely proposal
+    (4, {}),  # an unlikely one
+    (0, {"temperature": 0.7, "repetition": 1.3, "presence": 0.4}),  # with penalties on tokens 0 and 2
+    (3, {"top_k": 3, "top_p": 0.9, "min_p": 0.05}),  # inside the filtered set
+    (4, {"top_k": 3}),  # outside it: never accepted, the draw follows the filtered distribution
+])
+def test_verification_keeps_the_sampling_distribution_exact(proposal, filters):
+    """N = 40,000 rows (counters 0..N-1) verify one fixed proposal: the tokens that come out
+    must follow the filtered, penalised, tempered distribution p whatever the proposal
+    (Pearson chi-square against p at P = 1e-9, as above), and the proposal must be accepted
+    at rate p(proposal) (within 6 binomial standard deviations). A rule that accepted and
+    then drew from p unchanged would put (1 - p(x)) p(x) extra mass on x and fail."""
+    V, N = 5, 40_000
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.7, -1.3])
+    hist = torch.tensor([HIST_PROMPT_BIT, 0, 2, 0, 0], dtype=torch.int32)
+    p = rows(N, V, seed=31, hist=hist, **filters)
+    tokens, accepted = verify_rows(logits, p, proposal)
+    # p from the same scores and filters, computed independently of the rule under test
+    x = scores(logits[None], hist[None], p["temperature"][:1], p["repetition"][:1], p["presence"][:1],
+               p["frequency"][:1], V)
+    kept, si, _ = filtered(x, p["top_k"][:1], p["top_p"][:1], p["min_p"][:1])
+    probs = torch.zeros(V, dtype=torch.float64).index_put_((si[0],), kept[0].double())
+    probs /= probs.sum()
+    support = probs > 0
+    counts = torch.bincount(tokens, minlength=V)
+    assert (counts[~support] == 0).all()
+    bound = chi2_threshold(int(support.sum()) - 1 + (int(support.sum()) - 1) % 2, 1e-9)
+    assert pearson(counts[support], probs[support]) < bound, (counts.tolist(), (probs * N).tolist())
+    rate, want = accepted.double().mean().item(), probs[proposal].item()
+    assert abs(rate - want) <= 6 * math.sqrt(max(want * (1 - want), 1e-12) / N) + 1e-12, (rate, want)
+    assert torch.equal(tokens[accepted], torch.full_like(tokens[accepted], proposal))
+    assert not (tokens[~accepted] == proposal).any()  # a rejected proposal is never drawn again
+    if probs[proposal] > 0:  # the test's power: drawing from p unchanged after a rejection fails it
+        naive = torch.where(accepted, tokens, draw(logits, {**p, "seed": p["seed"] + 7}))  # an independent draw
+        assert pearson(torch.bincount(naive, minlength=V)[support], probs[support]) > bound
+
+
+def test_verification_rows_are_independent_of_their_batch():
+    """A row's verdict depends on its own row only: the same row inside a batch of other
+    rows and alone gives the same token and verdict."""
+    g = torch.Generator().manual_seed(4)
+    V = 12
+    logits = torch.randn(6, V, generator=g)
+    p = rows(6, V, top_k=4, temperature=0.8, seed=2)
+    args = lambda sl: (logits[sl], p["top_k"][sl], p["top_p"][sl], p["min_p"][sl],  # noqa: E731
+                       torch.arange(6)[sl] % V, uniform(p["seed"][sl], p["counter"][sl]),
+                       uniform(p["seed"][sl] + 1, p["counter"][sl]))
+    both = verify_draft(*args(slice(0, 6)))
+    for i in range(6):
+        one = verify_draft(*args(slice(i, i + 1)))
+        assert one[0].item() == both[0][i].item() and one[1].item() == both[1][i].item()

@@ -113,6 +113,17 @@ def choose(
     never cut at an arbitrary candidate count. Its reductions (softmax, sort, scans)
     stay eager ATen kernels, whose per-row results do not depend on the batch size.
     """
+    kept, si, n_keep = filtered(x, top_k, top_p, min_p)
+    cdf = torch.cumsum(kept, dim=-1)
+    target = u * cdf[:, -1]
+    idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), n_keep - 1)
+    return si.gather(1, idx[:, None])[:, 0]
+
+
+def filtered(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+             min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filters of :func:`choose`: (probabilities sorted descending with the filtered-out
+    ones zeroed, unnormalised ``[B, V]``; their token ids ``[B, V]``; kept count ``[B]``)."""
     probs = torch.softmax(x, dim=-1)
     sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
     v = sp.shape[-1]
@@ -123,11 +134,39 @@ def choose(
     n_keep = keep.sum(dim=-1).clamp(min=1)
     threshold = sp.gather(1, (n_keep - 1)[:, None])
     kept = torch.where(sp >= threshold, sp, torch.zeros_like(sp))
-    n_keep = (sp >= threshold).sum(dim=-1).clamp(min=1)
-    cdf = torch.cumsum(kept, dim=-1)
-    target = u * cdf[:, -1]
-    idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), n_keep - 1)
-    return si.gather(1, idx[:, None])[:, 0]
+    return kept, si, (sp >= threshold).sum(dim=-1).clamp(min=1)
+
+
+def verify_draft(
+    x: torch.Tensor,  # [B, V] scores (after masks, penalties, temperature)
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    proposal: torch.Tensor,  # [B] int64: a deterministic draft token per row
+    u_accept: torch.Tensor,  # [B] uniform draws
+    u_draw: torch.Tensor,  # [B] uniform draws, independent of u_accept
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative verification that keeps the sampling distribution exact: with p the
+    row's filtered, renormalised distribution (:func:`filtered`), the proposal x is accepted
+    when ``u_accept < p(x)``; otherwise the token is drawn from p with x removed and
+    renormalised (inverse CDF with ``u_draw``). Then P(token = x) = p(x) and, for y != x,
+    P(token = y) = (1 - p(x)) p(y) / (1 - p(x)) = p(y): the output follows p whatever the
+    proposal. Returns (tokens int64 ``[B]``, accepted bool ``[B]``). Plain tensor ops, as
+    ``choose``: capturable, and a row never reads another row."""
+    kept, si, _ = filtered(x, top_k, top_p, min_p)
+    at_x = si == proposal[:, None]
+    p_x = torch.where(at_x, kept, torch.zeros_like(kept)).sum(dim=-1) / kept.sum(dim=-1)
+    accepted = u_accept < p_x
+    rest = torch.where(at_x, torch.zeros_like(kept), kept)
+    cdf = torch.cumsum(rest, dim=-1)
+    target = u_draw * cdf[:, -1]
+    # The first position whose mass ends past the target; rounding at the top falls back
+    # to the last position that still has mass (never the removed proposal).
+    positions = torch.arange(rest.shape[-1], device=x.device)
+    last = torch.where(rest > 0, positions, torch.zeros_like(positions)).amax(dim=-1)
+    idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), last)
+    drawn = si.gather(1, idx[:, None])[:, 0]
+    return torch.where(accepted, proposal, drawn), accepted
 
 
 def sample(
