@@ -326,3 +326,23 @@ def test_responses_include_output_text_logprobs(smol_server, smol, stream):
     tops = [[(by_bytes[bytes(a.bytes)], a.logprob) for a in x.top_logprobs] for x in entries]
     assert all(len(t) == 3 for t in tops)
     assert _check(lp, ids, [x.logprob for x in entries], tops) < TOL
+
+
+def test_scored_prompts_publish_checkpoints_and_take_no_hit(smol_server, smol):
+    """A scored prompt (echo, logprobs, max_tokens 0) leaves its checkpoint behind: a later
+    ordinary request that extends it restores all of it; scoring the same prompt again takes
+    no hit (its first tokens would go unscored) and gives the same values bitwise."""
+    import httpx
+
+    m, codec, by_bytes, model = smol
+    prompt = _long_ids(codec)[:200]
+    url = smol_server.url + "/v1/completions"
+    score = {"model": m.frontend.served_name, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}
+    first = httpx.post(url, json=score, timeout=120).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    extend = {"model": m.frontend.served_name, "prompt": prompt + [13, 14, 15], "max_tokens": 2}
+    hit = httpx.post(url, json=extend, timeout=120).json()
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+    again = httpx.post(url, json=score, timeout=120).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
