@@ -34,16 +34,17 @@ def _start(core, executor: str, cache: str, prompts_path: str, tmp: str, *extra:
     out = f"{tmp}/{executor}-{cache}.json"
     # The reference path never sees the GPU (it runs beside the GPU runs: see ``runs``).
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if executor == "reference" else None
-    proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.drive_generate", str(core), executor, cache,
-                             prompts_path, out, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    # Output to a file, not a pipe: nobody reads a pipe while the other runs go on.
+    with open(out + ".log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.drive_generate", str(core), executor, cache,
+                                 prompts_path, out, *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, out
 
 
 def _result(started) -> dict:
     proc, out = started
-    _, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-4000:]
+    proc.wait(timeout=900)
+    assert proc.returncode == 0, open(out + ".log").read()[-4000:]
     return json.load(open(out))
 
 
