@@ -4,9 +4,10 @@ issue 18's "at most 2 %", or any other pair).
 
 usage: python -m bench.ab_decode CORE_A CORE_B OUT.json [--rounds 5] [--steps 200]
 
-Each round runs ``bench.floor --decode-only`` on A, then on B, in fresh processes (two
-cores cannot share one process: each reserves its arena's address range). The JSON holds
-every round's GPU ms per step for each decode capacity, the medians, and B over A.
+Each round runs ``bench.floor --decode-only`` on A and on B, alternating which goes
+first, in fresh processes (two cores cannot share one process: each reserves its
+arena's address range). The JSON holds every round's GPU ms per step for each decode
+capacity, the medians, and B over A.
 """
 
 from __future__ import annotations
@@ -41,10 +42,14 @@ def main(argv=None) -> int:
     runs: dict[str, dict[str, list[float]]] = {"a": {}, "b": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for key, core in (("a", a.core_a), ("b", a.core_b)):
+            order = (("a", a.core_a), ("b", a.core_b))
+            for key, core in order if r % 2 == 0 else order[::-1]:  # alternate which goes first
                 out = Path(tmp) / f"{key}{r}.json"
-                subprocess.run([sys.executable, "-m", "bench.floor", core, str(out), str(a.steps), "--decode-only"],
-                               check=True, capture_output=True, text=True)
+                proc = subprocess.run([sys.executable, "-m", "bench.floor", core, str(out), str(a.steps),
+                                       "--decode-only"], capture_output=True, text=True)
+                if proc.returncode:
+                    print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+                    return proc.returncode
                 for b, row in json.loads(out.read_text())["decode"].items():
                     runs[key].setdefault(b, []).append(row["gpu_ms_per_step"])
     cores = {}

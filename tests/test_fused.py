@@ -240,3 +240,27 @@ def test_a_layer_class_neither_fused_replaced_nor_eager_is_an_error():
         NoNorms().build(resolve("qwen3_5-tiny").config, torch.float32)
     # The declared recipes build.
     assert by_name("qwen3_5").build(resolve("qwen3_5-tiny").config, torch.float32).module is not None
+
+
+def test_each_attention_class_gets_the_window_transformers_passes():
+    """layer_window: Mistral passes its config's window on every layer (layer_types or
+    not); Qwen2 only on the layers layer_types marks sliding; Llama never, even with a
+    stray sliding_window in its config."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
+    from flare.prepare.recipes.fused import layer_window
+
+    small = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2)
+    mistral = MistralConfig(sliding_window=24, **small)
+    assert [layer_window(MistralAttention(mistral, i)) for i in range(2)] == [24, 24]
+    mistral.layer_types = ["full_attention", "sliding_attention"]
+    assert [layer_window(MistralAttention(mistral, i)) for i in range(2)] == [24, 24]
+    qwen2 = Qwen2Config(sliding_window=24, use_sliding_window=True, max_window_layers=1,
+                        layer_types=["full_attention", "sliding_attention"], **small)
+    assert [layer_window(Qwen2Attention(qwen2, i)) for i in range(2)] == [None, 24]
+    llama = LlamaConfig(**small)
+    llama.sliding_window = 24
+    assert [layer_window(LlamaAttention(llama, i)) for i in range(2)] == [None, None]

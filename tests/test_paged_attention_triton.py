@@ -235,3 +235,16 @@ def test_rejects_bad_shapes():
     bad = PagedBatch(step.kv, step.page_table, step.token_slot[:0], step.positions, step.slot_mapping, step.valid)
     with pytest.raises(ValueError, match="token_slot"):
         attend_triton(bad, 0, step.q, 1.0)
+
+
+def test_the_gather_path_honours_windows_too():
+    """The capture-safe torch path (single-slot prefill and multi-slot decode) against the
+    masked reference: a padded row's extra key must not leak into valid rows' windows."""
+    from flare.prepare.attention import attend_gather, write_kv
+
+    shape = SHAPES[1]
+    for step in (decode_step(shape, [3, 40, None, shape.max_keys], torch.float32, 41, DEVICE),
+                 prefill_step(shape, 30, 16, 16, torch.float32, 42, DEVICE)):
+        ref, kv = run_reference(step, scale(shape), 8)
+        out = attend_gather(step.batch(kv, "gather"), step.layer, step.q, scale(shape), 8)
+        torch.testing.assert_close(out[step.valid], ref[step.valid], **TOL[torch.float32])

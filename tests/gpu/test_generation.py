@@ -43,7 +43,11 @@ def _start(core, executor: str, cache: str, prompts_path: str, tmp: str, *extra:
 
 def _result(started) -> dict:
     proc, out = started
-    proc.wait(timeout=900)
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # a hung drive must not keep device memory for the tests after it
+        raise
     assert proc.returncode == 0, open(out + ".log").read()[-4000:]
     return json.load(open(out))
 

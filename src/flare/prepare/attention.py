@@ -132,7 +132,8 @@ def attend_gather(batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float
     pages = batch.page_table.index_select(0, batch.token_slot).long()  # [T, MP]
     k = kv[layer, 0][pages].reshape(T, -1, kvh, d)  # [T, MP*ps, KVH, D]
     v = kv[layer, 1][pages].reshape(T, -1, kvh, d)
-    mask = visible(keys, batch.positions, window) | (keys[None, :] == 0)  # [T, keys]
+    # Padded rows attend to key 0 (a finite output); valid rows see their window only.
+    mask = visible(keys, batch.positions, window) | ((keys[None, :] == 0) & ~batch.valid[:, None])  # [T, keys]
     o = F.scaled_dot_product_attention(
         q[:, :, None, :].to(k.dtype), k.transpose(1, 2), v.transpose(1, 2),
         attn_mask=mask[:, None, None, :], scale=scaling, enable_gqa=True)  # [T, H, 1, D]

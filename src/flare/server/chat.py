@@ -131,11 +131,12 @@ class Logprobs:
     ``{tokens, token_logprobs, top_logprobs, text_offset}`` (top_logprobs there maps the
     alternatives' text, the sampled token's included, to their values)."""
 
-    def __init__(self, codec: TextCodec, top: int, chat: bool):
+    def __init__(self, codec: TextCodec, top: int, chat: bool, prompt: list[int] = ()):
         self.codec, self.top, self.chat = codec, top, chat
         # Legacy text_offset: where each token's text starts in the choice's text, the
-        # decoded text grown token by token (the last few ids as context).
-        self.offset, self.context = 0, []
+        # decoded text grown token by token (the last few ids as context: the prompt's at
+        # first, so that a leading-space rule sees what the detokenizer saw).
+        self.offset, self.context = 0, list(prompt)[-(CONTEXT_TOKENS - 1):] if prompt else []
 
     def _token(self, token_id: int, logprob: float) -> dict:
         b = self.codec.token_bytes(token_id)
@@ -188,12 +189,15 @@ class _Choices(Presenter):
         self.outputs = {c.index: Assembled() for c in gen.choices}
         self.finishes: dict[int, Finish] = {}
         self.called: set[int] = set()
-        top = _logprobs_top(body)
-        self.logprobs = None if top < 0 else {c.index: Logprobs(model.codec, top, self.chat) for c in gen.choices}
-        self.logprob_pairs: dict[int, list] = {c.index: [] for c in gen.choices}
         # Text completions with echo: the prompt's text (and entries) lead each choice.
         self.echo = {} if self.chat or not body.echo else {
             c.index: _echo_text(body, model.codec, c.index) for c in gen.choices}  # (text, offsets or None)
+        # Without echo the offsets grow from the prompt's last tokens (with echo, from its start).
+        self.contexts = {c.index: [] if self.echo else c.request.prompt for c in gen.choices}
+        top = _logprobs_top(body)
+        self.logprobs = None if top < 0 else {
+            c.index: Logprobs(model.codec, top, self.chat, self.contexts[c.index]) for c in gen.choices}
+        self.logprob_pairs: dict[int, list] = {c.index: [] for c in gen.choices}
         self.prompt_pairs: dict[int, list] = {}
 
     def _chunk(self, choices: list, usage_=None) -> dict:
@@ -276,7 +280,7 @@ class _Choices(Presenter):
             o, reason = self.outputs[i], self.finishes[i].reason
             logprobs = None
             if self.logprobs is not None:
-                lp = Logprobs(self.model.codec, self.logprobs[i].top, self.chat)
+                lp = Logprobs(self.model.codec, self.logprobs[i].top, self.chat, self.contexts[i])
                 if i in self.echo:
                     head = lp.echo(self.prompt_pairs.get(i, []), *self.echo[i])
                     logprobs = {k: head[k] + v for k, v in lp.render(self.logprob_pairs[i]).items()}

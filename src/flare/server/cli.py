@@ -167,7 +167,10 @@ def _report_modules() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    if a.prefill_while_decoding < 0:
+        p.error(f"--prefill-while-decoding must not be negative, got {a.prefill_while_decoding}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%dT%H:%M:%S%z")
     logging.Formatter.converter = time.gmtime

@@ -203,6 +203,7 @@ class _Response(Presenter):
         wanted = LOGPROBS_INCLUDE in (body.include or ())
         self.logprobs = Logprobs(model.codec, int(body.top_logprobs or 0), chat=True) if wanted else None
         self.items.logprobs = {} if wanted else None
+        self.pending: list = []  # tokens whose answer text has not come out yet
 
     def _object(self, output: list[dict], finish: Finish | None) -> dict:
         body, gen = self.request, self.gen
@@ -244,15 +245,25 @@ class _Response(Presenter):
     def update(self, u: Update) -> list:
         self.finish = u.finish or self.finish
         out = self.items.feed(u.events)
-        if self.logprobs is not None and u.logprobs:
-            # The update's tokens go with its answer text; tokens that produced only reasoning
-            # or tool-call text are not reported (output_text is what carries logprobs).
-            delta = next((e for e in out if e["type"] == "response.output_text.delta"), None)
-            if delta is not None:
-                entries = self.logprobs.render(u.logprobs)["content"]
-                delta["logprobs"] = entries
-                self.items.logprobs.setdefault(delta["item_id"], []).extend(entries)
+        if self.logprobs is not None:
+            self._attach(out, u.logprobs)
         return out
+
+    def _attach(self, events: list[dict], logprobs: list) -> None:
+        """Tokens go with the answer text they produced: held until an answer delta comes
+        (a token's text may be held back: a split character, a possible stop string or
+        parser tag), dropped when reasoning or tool-call text comes first (output_text is
+        what carries logprobs). An update mixing both gives its tokens to the answer."""
+        self.pending += logprobs
+        delta = next((e for e in events if e["type"] == "response.output_text.delta"), None)
+        if delta is not None and self.pending:
+            entries = self.logprobs.render(self.pending)["content"]
+            delta["logprobs"] = entries
+            self.items.logprobs.setdefault(delta["item_id"], []).extend(entries)
+            self.pending = []
+        elif any(e["type"] in ("response.reasoning_text.delta", "response.function_call_arguments.delta")
+                 for e in events):
+            self.pending = []
 
     def closing(self) -> list:
         out = self.items.close()

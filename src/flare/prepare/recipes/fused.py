@@ -80,17 +80,17 @@ def fuse_linears(owner: nn.Module, names: tuple[str, ...], fused_name: str) -> b
     return True
 
 
+# Attention classes whose Transformers forward passes ``config.sliding_window`` on every
+# layer (whatever ``layer_types`` says); the others pass their own ``sliding_window``
+# attribute (Qwen2/Qwen3: set on windowed layers only) or nothing (Llama, Qwen3.5).
+CONFIG_WINDOW_CLASSES = frozenset({"MistralAttention", "MixtralAttention"})
+
+
 def layer_window(attn) -> int | None:
-    """The sliding window Transformers' own forward passes for this attention module:
-    its ``sliding_window`` (Qwen2/Qwen3: set on windowed layers only), else the config's
-    (Mistral windows every layer) unless ``layer_types`` marks the layer full."""
-    if hasattr(attn, "sliding_window"):
-        return attn.sliding_window
-    config = attn.config
-    kinds = getattr(config, "layer_types", None)
-    if kinds is not None and kinds[attn.layer_idx] != "sliding_attention":
-        return None
-    return getattr(config, "sliding_window", None)
+    """The sliding window Transformers' own forward passes for this attention module."""
+    if any(c.__name__ in CONFIG_WINDOW_CLASSES for c in type(attn).__mro__):  # the fused subclasses too
+        return getattr(attn.config, "sliding_window", None)
+    return getattr(attn, "sliding_window", None)
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
