@@ -194,9 +194,9 @@ class _Choices(Presenter):
             c.index: _echo_text(body, model.codec, c.index) for c in gen.choices}  # (text, offsets or None)
         # Without echo the offsets grow from the prompt's last tokens (with echo, from its start).
         self.contexts = {c.index: [] if self.echo else c.request.prompt for c in gen.choices}
-        top = _logprobs_top(body)
-        self.logprobs = None if top < 0 else {
-            c.index: Logprobs(model.codec, top, self.chat, self.contexts[c.index]) for c in gen.choices}
+        # Alternatives per token: each request's resolved count (params.logprobs_count; -1: none).
+        self.logprobs = {c.index: Logprobs(model.codec, c.request.params.logprobs, self.chat, self.contexts[c.index])
+                         for c in gen.choices if c.request.params.logprobs >= 0} or None
         self.logprob_pairs: dict[int, list] = {c.index: [] for c in gen.choices}
         self.prompt_pairs: dict[int, list] = {}
 
@@ -314,13 +314,6 @@ def _echo_text(body: CompletionRequest, codec: TextCodec, index: int) -> tuple[s
         ids, spans = codec.encode_with_offsets(one, add_special_tokens=True)
         return one, [start for start, _ in spans]
     return codec.decode(one), None
-
-
-def _logprobs_top(body) -> int:
-    """Alternatives per token the presenter shows (the engine checked the values)."""
-    if isinstance(body, CompletionRequest):
-        return -1 if body.logprobs is None or body.logprobs is False else int(body.logprobs)
-    return int(body.top_logprobs or 0) if body.logprobs else -1
 
 
 class ChatCompletions(Endpoint):
