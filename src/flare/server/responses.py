@@ -200,8 +200,9 @@ class _Response(Presenter):
         self.items = _Items(gen.id)
         self.finish: Finish | None = None
         self.final: dict | None = None
-        wanted = LOGPROBS_INCLUDE in (body.include or ())
-        self.logprobs = Logprobs(model.codec, int(body.top_logprobs or 0), chat=True) if wanted else None
+        top = gen.choices[0].request.params.logprobs  # resolved by params.logprobs_count (-1: not asked)
+        wanted = top >= 0
+        self.logprobs = Logprobs(model.codec, top, chat=True) if wanted else None
         self.items.logprobs = {} if wanted else None
         self.pending: list = []  # tokens whose answer text has not come out yet
 
