@@ -62,6 +62,8 @@ SCRIPT = textwrap.dedent('''
                      dict(BN=16, BK=512))
     compile_for_sm90(M._decode_down_kernel, {**bf16("h_ptr", "w_ptr", "out_ptr"), "ids_ptr": "*i64",
                                              "weights_ptr": "*fp32"}, dict(TOPK=8, BN=4, BK=512))
+    compile_for_sm90(M._invariant_linear_kernel, bf16("x_ptr", "w_ptr", "out_ptr"),
+                     dict(BM=16, BN=16, BK=128, PRECISION="tf32"))
     compile_for_sm90(M._combine_kernel, {**bf16("y_ptr", "out_ptr"), "ids_ptr": "*i64", "weights_ptr": "*fp32"},
                      dict(TOPK=8, BN=512))
     compile_for_sm90(M._route_plan_kernel,
@@ -78,4 +80,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 11, proc.stdout
+    assert proc.stdout.count("compiled") == 12, proc.stdout

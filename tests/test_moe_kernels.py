@@ -22,6 +22,7 @@ from flare.prepare.kernels.moe import (  # noqa: E402
     experts_torch,
     experts_decode,
     experts_triton,
+    invariant_linear,
     max_tiles,
     plan,
     route,
@@ -139,6 +140,29 @@ def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
     torch.testing.assert_close(got, experts_torch(x, w, ids, gate_up, down), **tol)
     if dtype == torch.float32 or DEVICE == "cuda":
         torch.testing.assert_close(got, experts_triton(x, w, ids, gate_up, down), **tol)
+
+
+@pytest.mark.parametrize("N", [1, 24, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_invariant_linear_rows_do_not_depend_on_the_batch(N, dtype):
+    """The router's GEMM: against float64, and each row bitwise the same computed alone, among
+    3 other rows, or among 129 (a prefill-sized batch with other companions); K not a
+    block multiple. N=1 is a shared expert's gate."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the CPU interpreter's bfloat16 tl.dot is wrong")
+    K = 200
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(130, K, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    w = (torch.randn(N, K, generator=g, dtype=F64) * K ** -0.5).to(dtype).to(DEVICE)
+    out = invariant_linear(x, w)
+    assert out.shape == (130, N) and out.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.cpu().to(F64), x.cpu().to(F64) @ w.cpu().to(F64).T, **tol)
+    row = 5
+    assert torch.equal(invariant_linear(x[row:row + 1], w), out[row:row + 1])
+    assert torch.equal(invariant_linear(x[3:7], w)[row - 3], out[row])
+    shuffled = torch.cat([x[row:row + 1], x[:row], x[row + 1:]])  # other rows, another tile position
+    assert torch.equal(invariant_linear(shuffled, w)[0], out[row])
 
 
 def _tiles(p):

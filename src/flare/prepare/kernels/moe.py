@@ -14,6 +14,12 @@ the device, so the whole layer is captured once and replayed:
   stay float32 (Transformers rounds them to the model dtype) and the weighted sum runs
   in float32. Rows that are not valid (padding of a program's capacity) get no expert: their
   ids are ``E`` (a sentinel) and their weights zero, so they read no expert weights.
+* ``invariant_linear``: the router's logits (and a shared expert's one-column gate) by a
+  Triton GEMM with fixed tiles and no split of K, so a token's logits do not depend on the
+  rows it is batched with. cuBLAS picks its kernel (and how it splits K) by the number of
+  rows: a decode step of one slot and of four, or a prefill of 128 and of 256 tokens,
+  routed the same token with logits differing in the last bit, enough to change the
+  generation (cache on against off, measured on the H200).
 * ``route_plan``: both in one program for a batch of at most 128 pairs (decode): top k by
   repeated maxima, the order and tiles by comparing every two pairs, so a decode step
   pays one launch for them instead of the dozens of small kernels of the torch ops.
@@ -53,6 +59,43 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
     """(weights float32 ``[T, k]``, expert ids int64 ``[T, k]``) for hidden rows ``x [T, H]``
     and a router ``weight [E, H]``; rows with ``valid`` False get ids ``E`` and weight 0."""
     return route_logits(F.linear(x, weight), top_k, renormalize, valid)
+
+
+@triton.jit
+def _invariant_linear_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_in, n_in = m < T, n < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):  # the whole of K in one program, in order: no split to reduce
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < K
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xt + kk[None, :], mask=m_in[:, None] & k_in[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=n_in[None, :] & k_in[:, None],
+                    other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_in[:, None] & n_in[None, :])
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 16, block_n: int = 16,
+                     block_k: int = 128) -> torch.Tensor:
+    """``x @ weight.T`` (``x [T, K]``, ``weight [N, K]``, float32 accumulation, the result in
+    x's dtype) where each row's result is the same whatever the other rows and ``T``: the
+    tiles are fixed and each program sums the whole of K in order. For small N (the
+    router, a one-column gate), where cuBLAS splits K by the batch size."""
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("invariant_linear needs rows with unit stride")
+    T, Kd = x.shape
+    N = weight.shape[0]
+    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    _invariant_linear_kernel[(triton.cdiv(T, block_m), triton.cdiv(N, block_n))](
+        x, weight, out, T, N, Kd, x.stride(0), weight.stride(0), out.stride(0), BM=block_m, BN=block_n,
+        BK=min(block_k, max(16, triton.next_power_of_2(Kd))),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return out
 
 
 def route_logits(logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -30,6 +30,10 @@ from flare.prepare.recipes.decoder import DECODER_SHARDING
 from flare.prepare.recipes.fused import fuse_mlp
 
 
+def _triton(x: torch.Tensor, paged: PagedBatch | None) -> bool:
+    return x.is_cuda or (paged is not None and paged.impl == "triton")
+
+
 def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     """The routed experts' output for hidden rows ``x [T, H]``. With tensor parallelism
     each rank holds a contiguous slice of the experts: the (replicated) router picks among
@@ -39,11 +43,13 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     valid = paged.valid if paged is not None else None
     # Qwen3.5-MoE's router always renormalises (it has no norm_topk_prob).
     renorm = getattr(gate, "norm_topk_prob", True)
-    logits = F.linear(x, gate.weight)  # the model dtype, as Transformers computes it
+    # The torch form loops over the hit experts on the host: a CPU reference, never captured.
+    triton = _triton(x, paged)
+    # The model dtype, as Transformers computes it; on the Triton path by fixed tiles, so that
+    # a token routes the same whatever it is batched with.
+    logits = K.invariant_linear(x, gate.weight) if triton else F.linear(x, gate.weight)
     local = experts.gate_up_proj.shape[0]
     split = local != gate.weight.shape[0]
-    # The torch form loops over the hit experts on the host: a CPU reference, never captured.
-    triton = x.is_cuda or (paged is not None and paged.impl == "triton")
     T, k = x.shape[0], gate.top_k
     decode = triton and T * k <= K.DECODE_PAIRS  # the expert GEMVs, which need no plan
     p = None
@@ -79,8 +85,15 @@ def prepared_moe(base: type) -> type:
             out = _routed(self, x, self.flare_paged)
             shared = getattr(self, "shared_expert", None)
             if shared is not None:
-                out = out + F.sigmoid(self.shared_expert_gate(x)) * shared(x)
+                out = out + F.sigmoid(self._shared_gate(x)) * shared(x)
             return out.reshape(hidden_states.shape)
+
+        def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
+            gate = self.shared_expert_gate  # Linear(H, 1): one column, the router's case
+            if not _triton(x, self.flare_paged):
+                return gate(x)
+            out = K.invariant_linear(x, gate.weight)
+            return out if gate.bias is None else out + gate.bias
 
     return PreparedSparseMoe
 
