@@ -570,6 +570,40 @@ def test_prefill_chunks_are_capped_while_others_decode(tiny_core):
         Scheduler(small_manifest(tiny_core, num_pages=64, slots=2), prefill_while_decoding=-1)
 
 
+@pytest.fixture(scope="module")
+def small_prefill_core() -> Path:
+    from tests.conftest import TINY_OPTS, prepare_core
+
+    return prepare_core("llama-tiny", [*TINY_OPTS, "--min-prefill-capacity", "16"], name="llama-tiny-small-prefill")
+
+
+@pytest.mark.parametrize("budget", [0, 16])
+def test_short_prompts_arriving_together_prefill_before_the_next_decode(small_prefill_core, budget):
+    """Three 12-token prompts arriving while A decodes: on prefill.16 they fit one turn's
+    budget (the 128-token prefill chunk) and all prefill before A's next step, which then
+    carries all four; with --prefill-while-decoding 16 each turn holds one of them. Outputs
+    are the same either way."""
+    d = Driver(small_manifest(small_prefill_core, num_pages=64, slots=4), prefill_while_decoding=budget)
+    a = make_request("A", 10, 12, seed=5)
+    d.add(a)
+    d.run(until=lambda: len(a.output) >= 2)
+    late = [make_request(n, 12, 6, seed=s) for n, s in (("B", 6), ("C", 7), ("E", 8))]
+    d.add(*late)
+    start = len(d.steps)
+    d.run()
+    trace = [(s.program, [r.id for r in s.requests]) for s in d.steps[start:]
+             if s.kind in (ProgramKind.prefill, ProgramKind.decode)]
+    if budget == 0:
+        assert trace[:4] == [("prefill.16", ["B"]), ("prefill.16", ["C"]), ("prefill.16", ["E"]),
+                             ("decode.4", ["A", "B", "C", "E"])], trace
+    else:
+        assert trace[:6] == [("prefill.16", ["B"]), ("decode.2", ["A", "B"]), ("prefill.16", ["C"]),
+                             ("decode.4", ["A", "B", "C"]), ("prefill.16", ["E"]),
+                             ("decode.4", ["A", "B", "C", "E"])], trace
+    assert a.output == [token_fn(5, i) for i in range(12)]
+    assert [r.output for r in late] == [[token_fn(s, i) for i in range(6)] for s in (6, 7, 8)]
+
+
 def test_finish_on_stop_status_and_on_sink_stop(tiny_core):
     d = Driver(small_manifest(tiny_core, num_pages=12, slots=2))
     stop_tok = token_fn(7, 3)

@@ -90,11 +90,15 @@ class StepEncoder:
     def prefill(self, req: Request, tokens: Sequence[int], *, sample: bool) -> Step:
         """One chunk of the request's history on the smallest prefill capacity that holds it."""
         n = len(tokens)
-        cap = next(c for c in self.prefill_caps if c >= n)
+        cap = self.prefill_capacity(n)
         return Step(ProgramKind.prefill, f"prefill.{cap}", [
             Write(io.TOKENS, np.asarray(tokens, np.int32)),
             Write(io.PrefillInput.buffer, io.pack(io.PrefillInput(req.slot, n, int(sample)))),
         ], [req], io.PREFILL_COMPLETION, count=n, sample=sample)
+
+    def prefill_capacity(self, tokens: int) -> int:
+        """The rows of the program a chunk of ``tokens`` runs on (the smallest that holds it)."""
+        return next(c for c in self.prefill_caps if c >= tokens)
 
     def score(self, req: Request, tokens: Sequence[int], *, sample: bool) -> Step:
         """A prefill chunk through the score program (at most ``score_chunk`` tokens)."""

@@ -10,8 +10,13 @@ engine turns its ``Step``s into executor writes and launches. Policy (docs/archi
 * Pages grow one page ahead of decode. When a running request cannot grow,
   the newest decoder is preempted and readmitted later with its history,
   output, penalty counts and a reseeded random stream.
-* One decode batch of every decoding request; at most one prefill chunk
-  between decode batches.
+* One decode batch of every decoding request. Between two decode batches, prefill
+  chunks run back to back while their programs' rows (capacities, padding included)
+  fit one turn's budget: the prefill chunk, or ``prefill_while_decoding`` when set.
+  The first chunk of a turn always runs. A long prompt's chunk fills the turn alone;
+  short prompts that arrive together are all prefilled before the decoders' next step
+  (their first tokens do not wait a decode step each), and decoders wait at most about
+  one chunk's time.
 * Cancellation and completion take effect at submission boundaries: the
   engine calls ``schedule`` only when nothing it submitted is in flight.
 * Two decode steps in flight (``schedule_ahead``): while decode step N runs, the
@@ -81,6 +86,7 @@ class Scheduler:
         self._maintenance: deque[Step] = deque()
         self._admissions = 0
         self._last_kind: ProgramKind | None = None
+        self._turn_rows = 0  # prefill program rows run since the last decode step
         self._ahead: Step | None = None  # a decode step submitted before its predecessor completed
         self.steps_ahead_total = 0
         self.prefill_tokens_total = 0
@@ -159,7 +165,9 @@ class Scheduler:
             return step
         prefilling = [r for r in self.running if r.status == Status.PREFILLING and r.consumed < len(r.target)]
         decoding = [r for r in self.running if r.status == Status.DECODING]
-        if prefilling and (not decoding or self._last_kind == ProgramKind.decode):
+        if prefilling and (not decoding or self._last_kind == ProgramKind.decode
+                           or self._turn_rows + self._chunk_rows(prefilling[0]) <= self._turn_budget()):
+            self._turn_rows += self._chunk_rows(prefilling[0])
             step = self._prefill_step(prefilling[0])
             if step is None:  # its grammar failed: the request ended
                 return self.schedule()
@@ -167,6 +175,7 @@ class Scheduler:
             step = self._decode_step()
             if step is None:  # every decoder was preempted or ended
                 return self.schedule()
+            self._turn_rows = 0
         else:
             return None
         self._last_kind = step.kind
@@ -215,7 +224,11 @@ class Scheduler:
         tokens = min(len(req.target) + self.page_size, req.max_len)
         return min(self.pages_for(tokens), self.caps.max_pages_per_slot)
 
-    def _prefill_step(self, req: Request) -> Step | None:
+    def _turn_budget(self) -> int:
+        return self.prefill_while_decoding or self.caps.prefill_chunk
+
+    def _chunk_end(self, req: Request) -> int:
+        """Where the request's next prefill chunk ends."""
         start = req.consumed
         end = min(start + self.caps.prefill_chunk, len(req.target))
         stop = self.checkpoints.next_stop(req)
@@ -223,12 +236,22 @@ class Scheduler:
             end = min(end, stop)  # a selected endpoint interrupts prefill for its snapshot
         if self.prefill_while_decoding and any(r.status == Status.DECODING for r in self.running):
             end = min(end, start + self.prefill_while_decoding)
-        last = end == len(req.target)
-        # A readmitted request already holds its pending token; max_tokens 0 scores only.
-        sample = last and not req.output and req.params.max_tokens > 0
         if req.scoring:
             end = min(end, start + self.caps.score_chunk)
-            sample = sample and end == len(req.target)
+        return end
+
+    def _chunk_rows(self, req: Request) -> int:
+        """The rows of the program the request's next chunk runs on."""
+        if req.scoring:
+            return self.caps.score_chunk
+        return self.encode.prefill_capacity(self._chunk_end(req) - req.consumed)
+
+    def _prefill_step(self, req: Request) -> Step | None:
+        start = req.consumed
+        end = self._chunk_end(req)
+        # A readmitted request already holds its pending token; max_tokens 0 scores only.
+        sample = end == len(req.target) and not req.output and req.params.max_tokens > 0
+        if req.scoring:
             step = self.encode.score(req, req.target[start:end], sample=sample)
         else:
             step = self.encode.prefill(req, req.target[start:end], sample=sample)

@@ -36,8 +36,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="disable checkpoint reuse and capture (every prompt is prefilled in full)")
     p.add_argument("--prefill-while-decoding", type=int, default=0, metavar="TOKENS",
-                   help="cap each prefill chunk at TOKENS while other requests are decoding, so that they wait "
-                        "at most one such chunk between tokens (0, the default: the core's whole prefill chunk)")
+                   help="cap each prefill chunk, and the prefill rows run between two decode steps, at TOKENS "
+                        "while other requests are decoding, so that they wait at most one such chunk between "
+                        "tokens (0, the default: the core's whole prefill chunk)")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=2,
                    help="decode steps kept in flight: 2 queues the next decode before the current one "
                         "completes (host work overlaps the device); 1 runs one step at a time")
