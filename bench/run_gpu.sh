@@ -48,7 +48,7 @@ SRV=$!
 for i in $(seq 1 240); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 0.25; done
 curl -s localhost:$PORT/metrics | grep startup > $OUT/startup-$MODEL.txt
 python3 -m bench.serve_bench http://127.0.0.1:$PORT $MODEL $OUT/serve-$MODEL.json \
-  --scenarios ${SCENARIOS:-decode,cold,prefill,prefix,agent,interference} \
+  --scenarios ${SCENARIOS:-decode,cold,prefill,prefix,agent,interference,arrivals} \
   --cold-prompts 512,4096 --prefill-prompts ${PREFILL_PROMPTS:-4096,65536} --prefix-tokens 4096 --tail-tokens 11
 curl -s localhost:$PORT/metrics | grep -E "prefix_cache|prefill_tokens|engine_" > $OUT/metrics-$MODEL.txt
 kill $SRV; wait $SRV

@@ -46,6 +46,8 @@ class Options:
     interference_tokens: int = 512
     interference_prompt: int = 4096
     interference_after: int = 64  # tokens every decoder has streamed before the long prompt is sent
+    arrival_prompts: int = 4  # short cold prompts sent together (arrivals)
+    arrival_tokens: int = 12
     repeats: int = 3
     salt: str = "0"
     context_limit: int | None = None
@@ -53,7 +55,8 @@ class Options:
 
     def __post_init__(self):
         for name in ("tokens", "tail_tokens", "short_prompt", "agent_turns", "agent_tokens", "repeats",
-                     "interference_decoders", "interference_tokens", "interference_prompt", "prefix_tokens"):
+                     "interference_decoders", "interference_tokens", "interference_prompt", "prefix_tokens",
+                     "arrival_prompts", "arrival_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if not 1 <= self.interference_after < self.interference_tokens:
@@ -242,8 +245,30 @@ async def interference(env: Env) -> dict:
     return out
 
 
+async def arrivals(env: Env) -> dict:
+    """TTFT of short cold prompts sent together (one output token each) against one sent
+    alone, ``repeats`` times: what packing and small prefill programs are for."""
+    o = env.opts
+    lone, together, cached = [], [], []
+    for k in range(o.repeats):
+        s = await complete(env.client, env.target, token_prompt(f"{o.salt}:lone:{k}", o.arrival_tokens), 1, 99)
+        lone.append(s.ttft_s)
+        runs = await asyncio.gather(*(complete(env.client, env.target,
+                                               token_prompt(f"{o.salt}:arrive:{k}:{i}", o.arrival_tokens), 1, 100 + i)
+                                      for i in range(o.arrival_prompts)))
+        together.append(sorted(r.ttft_s for r in runs))
+        cached += [s.cached_tokens, *(r.cached_tokens for r in runs)]
+    lone_s = statistics.median(lone)
+    last_s = statistics.median(t[-1] for t in together)
+    out = {"prompts": o.arrival_prompts, "prompt_tokens": o.arrival_tokens, "lone_ttft_s": lone_s,
+           "last_ttft_s": last_s, "last_over_lone": last_s / lone_s, "raw_lone_ttft_s": lone,
+           "raw_together_ttft_s": together, "cached_tokens": cached}
+    print("arrivals", {k: v for k, v in out.items() if not k.startswith("raw")}, flush=True)
+    return out
+
+
 SCENARIOS = {"decode": decode, "cold": cold_ttft, "prefill": prefill, "prefix": prefix_hit, "agent": agent,
-             "interference": interference}
+             "interference": interference, "arrivals": arrivals}
 
 
 def options_record(o: Options) -> dict:

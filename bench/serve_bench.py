@@ -54,6 +54,7 @@ async def run(a: argparse.Namespace) -> dict:
                    agent_result_items=a.agent_result_items,
                    interference_decoders=a.interference_decoders, interference_tokens=a.interference_tokens,
                    interference_prompt=a.interference_prompt, interference_after=a.interference_after,
+                   arrival_prompts=a.arrival_prompts, arrival_tokens=a.arrival_tokens,
                    repeats=a.repeats, salt=a.salt or secrets.token_hex(4))
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     async with httpx.AsyncClient(timeout=a.timeout, headers=headers) as client:
@@ -100,7 +101,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--interference-prompt", type=int, default=d.interference_prompt)
     p.add_argument("--interference-after", type=int, default=d.interference_after,
                    help="tokens each decoder streams before the long prompt is sent")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="repeats of cold, prefill and prefix (median)")
+    p.add_argument("--arrival-prompts", type=int, default=d.arrival_prompts,
+                   help="short prompts sent together (arrivals)")
+    p.add_argument("--arrival-tokens", type=int, default=d.arrival_tokens)
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="repeats of cold, prefill, prefix and arrivals (median)")
     p.add_argument("--context-limit", type=int, default=None, help="override the limit read from /v1/models")
     p.add_argument("--salt", default=None, help="prompt salt (default: random, so every run is cold)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default $OPENAI_API_KEY")

@@ -23,7 +23,7 @@ def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
     model = httpx.get(smol_server.url + "/v1/models").json()["data"][0]["id"]
     out = tmp_path / "serve.json"
     subprocess.run([sys.executable, "-m", "bench.serve_bench", smol_server.url, model, str(out),
-                    "--scenarios", "decode,cold,prefill,prefix,agent,interference", "--tokens", "8",
+                    "--scenarios", "decode,cold,prefill,prefix,agent,interference,arrivals", "--tokens", "8",
                     "--concurrency", "1,2", "--cold-prompts", "32", "--prefill-prompts", "32,4096",
                     "--prefix-tokens", str(PREFIX), "--short-prompt", "16", "--agent-turns", "3",
                     "--agent-tokens", "8", "--agent-result-items", "2", "--interference-decoders", "1",
@@ -64,6 +64,10 @@ def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
         # Each turn's prompt extends the last one, whose prompt endpoint was captured.
         assert prev["prompt_tokens"] <= t["cached_tokens"] < t["prompt_tokens"], (prev, t)
     assert all(t["ttft_s"] > 0 and t["completion_tokens"] == 8 for t in turns)
+
+    a = r["arrivals"]
+    assert len(a["raw_together_ttft_s"]) == 1 and len(a["raw_together_ttft_s"][0]) == 4
+    assert a["cached_tokens"] == [0] * 5 and a["last_over_lone"] == a["last_ttft_s"] / a["lone_ttft_s"] > 0
 
     i = r["interference"]
     assert i["long_cached_tokens"] == 0 and i["prefill_window_s"] > 0

@@ -224,16 +224,21 @@ class FakeDevice:
             return self._sample_and_commit(np.array([slot]), live)
         if step.kind == ProgramKind.prefill:
             slot, n, sample, _ = io.unpack(io.PrefillInput, self.a[io.PrefillInput.buffer])
-            req = step.requests[0]
-            start = int(self.a["state.len"][slot])
-            assert list(self.a[io.TOKENS][:n]) == req.target[start : start + n]
-            self._check_history(req, slot)
-            for pos in range(start, start + n):
-                self._write_kv(req, slot, pos, req.target[pos])
-            self.state[slot] += tuple(req.target[start : start + n])
-            self.a["state.len"][slot] = start + n
+            self._prefill(step.requests[0], slot, self.a[io.TOKENS][:n])
             live = np.array([sample != 0 and self.a["state.done"][slot] == 0])
             return self._sample_and_commit(np.array([slot]), live)
+        if step.kind == ProgramKind.pack:  # segments in order, then unused rows (slot 0)
+            segments = [io.unpack(io.PrefillInput, row) for row in self.a[io.PACK_INPUT]]
+            used = [seg for seg in segments if seg.count]
+            assert all(seg.slot == 0 for seg in segments[len(used):]) and len(used) == len(step.requests)
+            at = 0
+            for req, seg in zip(step.requests, used):
+                self._prefill(req, seg.slot, self.a[io.TOKENS][at : at + seg.count])
+                at += seg.count
+            slots = np.array([seg.slot for seg in segments])
+            live = np.array([seg.count > 0 and seg.sample != 0 and self.a["state.done"][seg.slot] == 0
+                             for seg in segments])
+            return self._sample_and_commit(slots, live)
         slots = self.a[io.DECODE_SLOTS][: step_capacity(step)].astype(np.int64)
         live = (slots > 0) & (self.a["state.done"][slots] == 0)
         for i, s in enumerate(slots):
@@ -245,6 +250,17 @@ class FakeDevice:
                 self.state[int(s)] += (pending,)
                 self.a["state.len"][s] += 1
         return self._sample_and_commit(slots, live)
+
+    def _prefill(self, req: Request, slot: int, tokens: np.ndarray) -> None:
+        """A chunk of the request's history continues its slot: KV, state and length."""
+        assert slot == req.slot
+        start, n = int(self.a["state.len"][slot]), len(tokens)
+        assert list(tokens) == req.target[start : start + n]
+        self._check_history(req, slot)
+        for pos in range(start, start + n):
+            self._write_kv(req, slot, pos, req.target[pos])
+        self.state[slot] += tuple(req.target[start : start + n])
+        self.a["state.len"][slot] = start + n
 
     def _check_history(self, req: Request, slot: int) -> None:
         """The slot holds exactly the request's consumed history, state and KV alike."""
@@ -577,6 +593,21 @@ def small_prefill_core() -> Path:
     return prepare_core("llama-tiny", [*TINY_OPTS, "--min-prefill-capacity", "16"], name="llama-tiny-small-prefill")
 
 
+def _arrive_while_decoding(d: Driver, a_tokens: int, late_tokens: int):
+    """A decodes; once it has two tokens, B, C and E (12-token prompts) arrive together.
+    Returns (A, [B, C, E], index of the first step after their arrival)."""
+    a = make_request("A", 10, a_tokens, seed=5)
+    d.add(a)
+    d.run(until=lambda: len(a.output) >= 2)
+    late = [make_request(n, 12, late_tokens, seed=s) for n, s in (("B", 6), ("C", 7), ("E", 8))]
+    d.add(*late)
+    return a, late, len(d.steps)
+
+
+def _trace(d: Driver, start: int, *kinds: ProgramKind) -> list[tuple[str, list[str]]]:
+    return [(s.program, [r.id for r in s.requests]) for s in d.steps[start:] if s.kind in kinds]
+
+
 @pytest.mark.parametrize("budget", [0, 16])
 def test_short_prompts_arriving_together_prefill_before_the_next_decode(small_prefill_core, budget):
     """Three 12-token prompts arriving while A decodes: on prefill.16 they fit one turn's
@@ -584,15 +615,9 @@ def test_short_prompts_arriving_together_prefill_before_the_next_decode(small_pr
     carries all four; with --prefill-while-decoding 16 each turn holds one of them. Outputs
     are the same either way."""
     d = Driver(small_manifest(small_prefill_core, num_pages=64, slots=4), prefill_while_decoding=budget)
-    a = make_request("A", 10, 12, seed=5)
-    d.add(a)
-    d.run(until=lambda: len(a.output) >= 2)
-    late = [make_request(n, 12, 6, seed=s) for n, s in (("B", 6), ("C", 7), ("E", 8))]
-    d.add(*late)
-    start = len(d.steps)
+    a, late, start = _arrive_while_decoding(d, 12, 6)
     d.run()
-    trace = [(s.program, [r.id for r in s.requests]) for s in d.steps[start:]
-             if s.kind in (ProgramKind.prefill, ProgramKind.decode)]
+    trace = _trace(d, start, ProgramKind.prefill, ProgramKind.decode)
     if budget == 0:
         assert trace[:4] == [("prefill.16", ["B"]), ("prefill.16", ["C"]), ("prefill.16", ["E"]),
                              ("decode.4", ["A", "B", "C", "E"])], trace
@@ -602,6 +627,36 @@ def test_short_prompts_arriving_together_prefill_before_the_next_decode(small_pr
                              ("decode.4", ["A", "B", "C", "E"])], trace
     assert a.output == [token_fn(5, i) for i in range(12)]
     assert [r.output for r in late] == [[token_fn(s, i) for i in range(6)] for s in (6, 7, 8)]
+
+
+@pytest.fixture(scope="module")
+def pack_core() -> Path:
+    from tests.conftest import TINY_OPTS, prepare_core
+
+    return prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64"], name="llama-tiny-pack")
+
+
+def test_short_prompts_arriving_together_share_one_pack_program(pack_core):
+    """--pack-capacity 64: three 12-token prompts arriving while A decodes run as one
+    pack.64 program, then one decode step carries all four. A 41-token prompt with two
+    more behind it packs with the first of them only (41 + 12 fit, + 12 more do not), the
+    third prefills alone; outputs are the sampler's, as without packing."""
+    d = Driver(small_manifest(pack_core, num_pages=64, slots=4))
+    a, late, start = _arrive_while_decoding(d, 30, 4)
+    d.run(until=lambda: all(r.finished for r in late))
+    trace = _trace(d, start, ProgramKind.prefill, ProgramKind.decode, ProgramKind.pack)
+    assert trace[:2] == [("pack.64", ["B", "C", "E"]), ("decode.4", ["A", "B", "C", "E"])], trace
+    pack = next(s for s in d.steps if s.kind == ProgramKind.pack)
+    assert pack.segments == [(12, True)] * 3 and pack.count == 36
+    assert [r.output for r in late] == [[token_fn(s, i) for i in range(4)] for s in (6, 7, 8)]
+    more = [make_request("F", 41, 2, seed=9), make_request("G", 12, 2, seed=10), make_request("H", 12, 2, seed=11)]
+    d.add(*more)
+    start = len(d.steps)
+    d.run(until=lambda: all(r.finished for r in more))
+    runs = _trace(d, start, ProgramKind.prefill, ProgramKind.pack)
+    assert runs == [("pack.64", ["F", "G"]), ("prefill.128", ["H"])], runs
+    assert [r.output for r in more] == [[token_fn(s, i) for i in range(2)] for s in (9, 10, 11)]
+    assert a.output == [token_fn(5, i) for i in range(len(a.output))]
 
 
 def test_finish_on_stop_status_and_on_sink_stop(tiny_core):

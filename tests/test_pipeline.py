@@ -45,9 +45,24 @@ def _params(seed: int, max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(**{**base, **kw})
 
 
-async def _run(core, steps_in_flight: int, batches: list[list[tuple[list[int], SamplingParams, Sink]]]):
-    """Each batch is submitted together and awaited before the next one starts."""
-    engine = Engine(ReferenceExecutor(core, load_manifest(core)), steps_in_flight=steps_in_flight)
+class _Recording(ReferenceExecutor):
+    """The reference executor, keeping the names of the programs it ran."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.ran: list[str] = []
+
+    def submit(self, program: str) -> int:
+        self.ran.append(program)
+        return super().submit(program)
+
+
+async def _run(core, steps_in_flight: int, batches: list[list[tuple[list[int], SamplingParams, Sink]]],
+               ran: list[str] | None = None):
+    """Each batch is submitted together and awaited before the next one starts; ``ran``
+    receives the names of the programs that ran."""
+    executor = _Recording(core, load_manifest(core))
+    engine = Engine(executor, steps_in_flight=steps_in_flight)
     await engine.start()
     out = []
     try:
@@ -68,6 +83,8 @@ async def _run(core, steps_in_flight: int, batches: list[list[tuple[list[int], S
         gauges = engine.gauges()
     finally:
         await engine.shutdown(1.0)
+        if ran is not None:
+            ran.extend(executor.ran)
     assert engine.failure is None
     return out, gauges
 
@@ -105,6 +122,30 @@ def test_two_steps_in_flight_give_the_same_requests(tiny_core):
     assert g2["flare_engine_steps_ahead_total"] >= 0.7 * (70 + sum(12 + 7 * i for i in range(4)) - 40) / 2
     assert g2["flare_engine_steps_total"] == g1["flare_engine_steps_total"]
     assert g2["flare_engine_host_gaps_total"] < g1["flare_engine_host_gaps_total"]
+
+
+def test_packed_prefill_gives_the_same_requests(tiny_core):
+    """A core prepared with --pack-capacity 64 (the same weights): four sampled prompts
+    submitted together (9, 22, 35 and 48 tokens) prefill partly in pack programs, then a
+    follow-up turn of the first (a prefix-cache hit) beside a new prompt; every request's
+    tokens equal the unpacked core's, and no page or slot is left held."""
+    from tests.conftest import TINY_OPTS, prepare_core
+
+    packed_core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64"], name="llama-tiny-pack")
+    vocab = load_manifest(tiny_core).capacities.vocab_size
+    prompts = _prompts(vocab, 4)
+
+    def batches():
+        return [[(p, _params(200 + i, 9 + 3 * i), Sink()) for i, p in enumerate(prompts)],
+                [(prompts[0] + [5, 6, 7], _params(9, 6), Sink()), (prompts[1][::-1], _params(10, 6), Sink())]]
+
+    ran: list[str] = []
+    plain, _ = asyncio.run(_run(tiny_core, 2, batches()))
+    packed, _ = asyncio.run(_run(packed_core, 2, batches(), ran))
+    assert "pack.64" in ran, ran
+    for a, b in zip(sum(plain, []), sum(packed, [])):
+        assert a.output == b.output and len(b.output) == b.params.max_tokens, (a, b)
+    assert packed[1][0].cached_tokens >= len(prompts[0])
 
 
 def _stop_runs(core, base: int, seed: int, *, on_device: bool):

@@ -430,3 +430,54 @@ def test_small_prefill_programs_give_the_same_hidden_rows(tmp_path):
             r.run = runs
         torch.testing.assert_close(rows[0], rows[1], atol=1e-5, rtol=1e-5)
     assert "prefill.16" in ran and "prefill.64" in ran and ran.count("prefill.128") == 2
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_pack_program_equals_separate_prefills(attention):
+    """A core prepared with --pack-capacity 64 runs three slots' chunks in one pack program
+    (one slot continuing a 20-token history, a segment that does not sample, five unused
+    segments), on the reference and the Triton attention paths: hidden rows, lengths, final hidden vectors, sampled tokens and records equal
+    separate prefill programs' (to float32 summation order), and a decode step after it
+    reads the KV the pack wrote as it reads the prefills'."""
+    from tests.conftest import TINY_OPTS, prepare_core
+    from flare.core.manifest import ProgramKind
+    from tests.rig import admit, completion, decode, load_rig, prefill
+
+    core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64"], name="llama-tiny-pack")
+    # triton: the CUDA path's kernels (Triton's CPU interpreter here), rows of several slots.
+    packed, separate = load_rig(core, attention=attention), load_rig(core, attention=attention)
+    m = packed.m
+    assert m.capacities.pack_capacity == 64 and m.program("pack.64").kind == ProgramKind.pack
+    S = max(m.capacities.decode_capacities)
+    history = list(range(300, 320))
+    chunks = {1: list(range(100, 107)), 2: list(range(200, 212)), 3: list(range(400, 409))}
+    samples = {1: True, 2: False, 3: True}
+    for r in (packed, separate):
+        for slot in chunks:
+            admit(r, slot, (history if slot == 1 else []) + chunks[slot], r.pages(8), seed=slot)
+        prefill(r, 1, history, sample=False)
+    rows, records = [], []
+    for slot, toks in chunks.items():
+        rows.append(prefill(separate, slot, toks, sample=samples[slot])[0])
+        records.append(completion(separate, io.PREFILL_COMPLETION)[0])
+    v = packed.v
+    tokens = [t for toks in chunks.values() for t in toks]
+    v[io.TOKENS][: len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+    pack_rows = torch.zeros((S, len(io.PrefillInput._fields)), dtype=torch.int32)
+    for i, (slot, toks) in enumerate(chunks.items()):
+        pack_rows[i] = torch.from_numpy(io.pack(io.PrefillInput(slot, len(toks), int(samples[slot]))))
+    v[io.PACK_INPUT][:] = pack_rows
+    packed.run["pack.64"]()
+    torch.testing.assert_close(v["out.prefill_hidden"][: len(tokens)], torch.cat(rows), atol=1e-5, rtol=1e-5)
+    got = completion(packed, io.PACK_COMPLETION, S)
+    assert got[:3] == records, (got, records)
+    assert got[1].token == -1 and got[1].status == int(io.Status.inactive)  # asked not to sample
+    assert all(g.slot == 0 and g.token == -1 for g in got[3:])  # unused segments
+    for slot, toks in chunks.items():
+        assert int(v["state.len"][slot]) == int(separate.v["state.len"][slot]) == len(toks) + 20 * (slot == 1)
+        torch.testing.assert_close(v["state.hidden"][slot], separate.v["state.hidden"][slot], atol=1e-5, rtol=1e-5)
+    # The next step of every slot: the KV the pack wrote is read back the same.
+    _, after_pack = decode(packed, [1, 2, 3], [7, 8, 9])
+    _, after_prefills = decode(separate, [1, 2, 3], [7, 8, 9])
+    assert after_pack == after_prefills
+    torch.testing.assert_close(packed.v["out.logits"][:3], separate.v["out.logits"][:3], atol=1e-4, rtol=1e-4)

@@ -16,6 +16,12 @@ Rows by program::
     snapshot, restore  in.state   StateInput                     -> out.state_completion    StateCompletion
     score[S]           in.prefill PrefillInput   (+ in.tokens)   -> out.prefill_completion  Completion
                                                                     and out.scores (one row per token)
+    pack[C]            in.pack    PrefillInput x B (+ in.tokens) -> out.pack_completion     Completion x B
+
+``pack`` runs up to B prefill chunks of different slots (B: the largest decode capacity)
+in one program of C rows: segment i is ``count`` tokens of ``in.tokens`` after the
+previous segments', continuing its slot's history; unused segments have slot 0 and
+count 0, and come after the used ones. Its records are in segment order.
 
 The per-slot request state written at admission (``slot_state``) and the
 sampling columns (``flare.core.sampling_params``) complete the interface.
@@ -135,6 +141,8 @@ def unpack_logprobs(record, max_logprobs: int, *, start: int = len(Completion._f
 
 
 DECODE_SLOTS = "in.decode_slots"
+PACK_INPUT = "in.pack"  # PrefillInput rows, one per segment
+PACK_COMPLETION = "out.pack_completion"
 SCORES = "out.scores"  # score programs: row j is token j's log-probability block (logprob_columns)
 TOKENS = "in.tokens"
 PREFILL_COMPLETION = "out.prefill_completion"

@@ -95,6 +95,7 @@ class ProgramKind(str, enum.Enum):
     snapshot = "snapshot"  # live continuation row (+ KV tail page) -> immutable snapshot row
     restore = "restore"  # snapshot row -> live continuation row (+ private KV tail page)
     score = "score"  # a prefill chunk that also scores each of its tokens (prompt log-probabilities)
+    pack = "pack"  # prefill chunks of several slots in one program (short prompts arriving together)
 
 
 class Program(_Frozen):
@@ -136,6 +137,9 @@ class Capacities(_Frozen):
     max_logprobs: int = 0  # top log-probabilities each sampling record carries (0: none, not even the sampled one's)
     score_chunk: int = 0  # tokens per score program (prompt log-probabilities); 0: no score programs
     min_prefill_capacity: int = 128  # the smallest prefill program (prefill_capacities_for)
+    # Rows of the pack program (prefill chunks of up to max(decode_capacities) slots at once);
+    # 0: none. At most the prefill chunk.
+    pack_capacity: int = 0
 
 
 class Continuation(_Frozen):
@@ -322,6 +326,8 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         "out.logits": (BufferRole.output, DType.float32, (bmax, c.vocab_size)),
         **({io.SCORES: (BufferRole.output, DType.int32, (c.score_chunk, io.logprob_columns(c.max_logprobs)))}
            if c.score_chunk else {}),
+        **({io.PACK_INPUT: (BufferRole.input, DType.int32, (bmax, len(io.PrefillInput._fields))),
+            io.PACK_COMPLETION: (BufferRole.output, DType.int32, (bmax, ncomp))} if c.pack_capacity else {}),
     }
 
 
@@ -435,6 +441,9 @@ def validate(m: Manifest) -> None:
         _fail("decode capacities must be unique and ascending", "capacities.decode_capacities")
     if c.decode_capacities[0] < 1 or c.decode_capacities[-1] > c.slots:
         _fail("decode capacities must lie in [1, slots]", "capacities.decode_capacities")
+    if c.pack_capacity and not (16 <= c.pack_capacity <= c.prefill_chunk and c.pack_capacity % 16 == 0):
+        _fail(f"capacities.pack_capacity must be 0 or a multiple of 16 in [16, {c.prefill_chunk}]",
+              "capacities.pack_capacity")
     if not 0 < c.sampling_vocab <= c.vocab_size:
         _fail("sampling_vocab must lie in (0, vocab_size]", "capacities.sampling_vocab")
     if c.stop_ids < len(m.frontend.eos_ids) + 1:

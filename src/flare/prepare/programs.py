@@ -119,6 +119,7 @@ class ProgramSet:
             ProgramKind.snapshot: self.snapshot,
             ProgramKind.restore: self.restore,
             ProgramKind.score: self.score,
+            ProgramKind.pack: self.pack,
         }[kind]
 
         def run() -> None:
@@ -252,6 +253,42 @@ class ProgramSet:
         live = (meta.sample != 0) & (v["state.done"].index_select(0, slot) == 0)
         self._sample_and_commit(slot, logits, live, v[io.PREFILL_COMPLETION])
         return hidden
+
+    def pack(self, C: int) -> None:
+        """Prefill chunks of several slots in one program of C rows (``in.pack``: a
+        PrefillInput row per segment, used segments first, slot 0 and count 0 after them).
+        Row r belongs to the segment whose token range holds it and continues that slot's
+        history: its position is the slot's length plus its offset in the segment, and it
+        attends to its own slot's pages only (the batch is not single-slot). Each used
+        segment then does what a prefill chunk does for its slot: length, final hidden
+        vector, and a sample when asked, its record in segment order."""
+        v = self.v
+        meta = io.columns(PrefillInput, v[io.PACK_INPUT].t())  # each field: [1, S]
+        slots, counts, sample = meta.slot[0].long(), meta.count[0].long(), meta.sample[0]
+        dev = slots.device
+        ends = torch.cumsum(counts, 0)
+        idx = torch.arange(C, device=dev)
+        valid = idx < ends[-1]
+        seg = torch.searchsorted(ends, idx, right=True).clamp(max=slots.shape[0] - 1)
+        row_slot = torch.where(valid, slots.index_select(0, seg), 0)
+        start = v["state.len"].index_select(0, slots).long()  # [S]
+        pos = torch.where(valid, start.index_select(0, seg) + idx - (ends - counts).index_select(0, seg), 0)
+        tokens = torch.where(valid, v[io.TOKENS][:C].long(), 0)
+        pt = v["state.page_table"].index_select(0, row_slot).long()
+        batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid)
+        hidden = self._forward(tokens, pos, batch)
+        v["out.prefill_hidden"][:C].copy_(hidden)
+        used = counts > 0
+        last = hidden.index_select(0, (ends - 1).clamp(min=0))
+        # Unused segments name the null slot (garbage by contract); they write its old rows back.
+        old_hidden = v["state.hidden"].index_select(0, slots)
+        v["state.hidden"].index_copy_(0, slots, torch.where(used[:, None], last, old_hidden))
+        v["state.len"].index_copy_(0, slots, (start + counts).int())
+        logits = self.recipe.lm_head(self.model, last).float()
+        S = slots.shape[0]
+        v["out.logits"][:S].copy_(logits)
+        live = used & (sample != 0) & (v["state.done"].index_select(0, slots) == 0)
+        self._sample_and_commit(slots, logits, live, v[io.PACK_COMPLETION])
 
     def _decode_inputs_eager(self, B: int):
         v = self.v

@@ -99,8 +99,10 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     words = state["in.token_mask"]
     words[:] = rng.integers(0, 1 << 32, words.shape, dtype=np.uint64).astype(np.uint32).view(np.int32)
     state[io.TOKENS][:] = rng.integers(0, c.sampling_vocab, state[io.TOKENS].shape)
-    for name in (io.PrefillInput.buffer, io.AdmitInput.buffer, io.DECODE_SLOTS, io.StateInput.buffer):
-        state[name][:] = 0
+    for name in (io.PrefillInput.buffer, io.AdmitInput.buffer, io.DECODE_SLOTS, io.StateInput.buffer,
+                 io.PACK_INPUT):
+        if name in state:
+            state[name][...] = 0
     for name in [n for n in state if n.startswith("out.")]:
         state[name][...] = 0
     return BaseState(state, per * m.pages.page_size)
@@ -148,6 +150,27 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         table = base["state.page_table"][slot]
         page = m.pages.null_page if index % 3 == 2 else int(table[count // m.pages.page_size])
         out[io.StateInput.buffer] = io.pack(io.StateInput(slot, row, page, count))
+    elif p.kind == ProgramKind.pack:
+        # Segments of distinct live slots, each continuing a history, filling part of the
+        # capacity; one segment does not sample, and in the third set one slot is finished.
+        rows = base[io.PACK_INPUT].shape[0]
+        used = int(rng.integers(1, min(rows, c.slots) + 1))
+        slots = rng.permutation(np.arange(1, c.slots + 1))[:used]
+        total = int(rng.integers(used, p.capacity + 1))
+        cuts = np.sort(rng.choice(np.arange(1, total), size=used - 1, replace=False))
+        counts = np.minimum(np.diff([0, *cuts, total]), per_slot_tokens - 2)  # each at least 1
+        arr = np.zeros(base[io.PACK_INPUT].shape, np.int32)
+        lens = base["state.len"].copy()
+        for i, (slot, n) in enumerate(zip(slots, counts)):
+            arr[i] = io.pack(io.PrefillInput(int(slot), int(n), int(i != 0 or index == 0)))
+            lens[slot] = int(rng.integers(0, max(1, per_slot_tokens - n)))
+        out[io.PACK_INPUT] = arr
+        out["state.len"] = lens
+        if index == 2:
+            done = base["state.done"].copy()
+            done[slots[-1]] = 1
+            out["state.done"] = done
+        out[io.TOKENS] = rng.integers(0, c.sampling_vocab, base[io.TOKENS].shape).astype(np.int32)
     elif p.kind == ProgramKind.decode:
         live = int(rng.integers(1, p.capacity + 1))
         slots = rng.permutation(np.arange(1, c.slots + 1))[:live]

@@ -165,10 +165,12 @@ class Scheduler:
             return step
         prefilling = [r for r in self.running if r.status == Status.PREFILLING and r.consumed < len(r.target)]
         decoding = [r for r in self.running if r.status == Status.DECODING]
+        packed = self._packable(prefilling)
+        rows = self.caps.pack_capacity if packed else self._chunk_rows(prefilling[0]) if prefilling else 0
         if prefilling and (not decoding or self._last_kind == ProgramKind.decode
-                           or self._turn_rows + self._chunk_rows(prefilling[0]) <= self._turn_budget()):
-            self._turn_rows += self._chunk_rows(prefilling[0])
-            step = self._prefill_step(prefilling[0])
+                           or self._turn_rows + rows <= self._turn_budget()):
+            self._turn_rows += rows
+            step = self._pack_step(packed) if packed else self._prefill_step(prefilling[0])
             if step is None:  # its grammar failed: the request ended
                 return self.schedule()
         elif decoding:
@@ -246,11 +248,38 @@ class Scheduler:
             return self.caps.score_chunk
         return self.encode.prefill_capacity(self._chunk_end(req) - req.consumed)
 
+    def _samples(self, req: Request, end: int) -> bool:
+        """Whether the chunk ending at ``end`` samples: the history's last chunk, unless the
+        request already holds its pending token (a readmission) or only scores (max_tokens 0)."""
+        return end == len(req.target) and not req.output and req.params.max_tokens > 0
+
+    def _packable(self, prefilling: list[Request]) -> list[Request] | None:
+        """The prefilling requests, in order, whose next chunks fit one pack program
+        together (at least two; the first that does not fit ends the list). Scoring and
+        grammar-constrained requests take their own programs."""
+        if not self.caps.pack_capacity:
+            return None
+        chosen, rows = [], 0
+        for req in prefilling:
+            n = self._chunk_end(req) - req.consumed
+            if (req.scoring or req.grammar is not None or rows + n > self.caps.pack_capacity
+                    or len(chosen) == self.caps.decode_capacities[-1]):
+                break
+            chosen.append(req)
+            rows += n
+        return chosen if len(chosen) > 1 else None
+
+    def _pack_step(self, reqs: list[Request]) -> Step:
+        chunks = []
+        for req in reqs:
+            end = self._chunk_end(req)
+            chunks.append((req, req.target[req.consumed : end], self._samples(req, end)))
+        return self.encode.pack(chunks)
+
     def _prefill_step(self, req: Request) -> Step | None:
         start = req.consumed
         end = self._chunk_end(req)
-        # A readmitted request already holds its pending token; max_tokens 0 scores only.
-        sample = end == len(req.target) and not req.output and req.params.max_tokens > 0
+        sample = self._samples(req, end)
         if req.scoring:
             step = self.encode.score(req, req.target[start:end], sample=sample)
         else:
@@ -388,24 +417,32 @@ class Scheduler:
             req = step.requests[0]
             if step.kind == ProgramKind.score and not req.finished:
                 self._scored(req, step)
-            req.consumed += step.count
-            self.prefill_tokens_total += step.count
-            if req.consumed == len(req.target) and not req.finished:
-                if req.params.max_tokens == 0:  # scored, nothing to generate
-                    self._finish(req, FinishReason.length)
-                    return
-                req.status = Status.DECODING
-            snap = self.checkpoints.after_prefill(req)
-            if snap is not None:
-                self._maintenance.append(snap)
-            if step.sample:
-                self._accept(req, rows[0], records[0])
+            self._prefilled(req, step.count, step.sample, rows[0], records[0])
+            return
+        if step.kind == ProgramKind.pack:
+            for req, (count, sample), row, record in zip(step.requests, step.segments, rows, records):
+                self._prefilled(req, count, sample, row, record)
             return
         for req, row, record in zip(step.requests, rows, records):
             if req.finished:
                 continue  # finished after the step ahead was submitted: nothing of its row is kept
             if row.token >= 0:
                 req.consumed += 1  # the pending token was consumed by this decode
+            self._accept(req, row, record)
+
+    def _prefilled(self, req: Request, count: int, sample: bool, row: io.Completion, record) -> None:
+        """A prefill chunk of ``count`` tokens of the request completed (and sampled)."""
+        req.consumed += count
+        self.prefill_tokens_total += count
+        if req.consumed == len(req.target) and not req.finished:
+            if req.params.max_tokens == 0:  # scored, nothing to generate
+                self._finish(req, FinishReason.length)
+                return
+            req.status = Status.DECODING
+        snap = self.checkpoints.after_prefill(req)
+        if snap is not None:
+            self._maintenance.append(snap)
+        if sample:
             self._accept(req, row, record)
 
     def _scored(self, req: Request, step: Step) -> None:
