@@ -436,11 +436,12 @@ def test_small_prefill_programs_give_the_same_hidden_rows(tmp_path):
 def test_pack_program_equals_separate_prefills(attention):
     """A core prepared with --pack-capacity 64 runs three slots' chunks in one pack program
     (one slot continuing a 20-token history, a segment that does not sample, five unused
-    segments), on the reference and the Triton attention paths: hidden rows, lengths, final hidden vectors, sampled tokens and records equal
-    separate prefill programs' (to float32 summation order), and a decode step after it
-    reads the KV the pack wrote as it reads the prefills'."""
-    from tests.conftest import TINY_OPTS, prepare_core
+    segments), on the reference and the Triton attention paths: hidden rows, lengths,
+    final hidden vectors, sampled tokens and records equal separate prefill programs' (to
+    float32 summation order), and a decode step after it reads the KV the pack wrote as it
+    reads the prefills'."""
     from flare.core.manifest import ProgramKind
+    from tests.conftest import TINY_OPTS, prepare_core
     from tests.rig import admit, completion, decode, load_rig, prefill
 
     core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64"], name="llama-tiny-pack")
