@@ -232,8 +232,13 @@ class FakeDevice:
             used = [seg for seg in segments if seg.count]
             assert all(seg.slot == 0 for seg in segments[len(used):]) and len(used) == len(step.requests)
             at = 0
-            for req, seg in zip(step.requests, used):
-                self._prefill(req, seg.slot, self.a[io.TOKENS][at : at + seg.count])
+            for req, seg, (_, _, decoding) in zip(step.requests, used, step.segments):
+                tokens = self.a[io.TOKENS][at : at + seg.count]
+                if decoding:  # a decode row: the pending token, written by the host
+                    assert seg.count == 1 and tokens[0] == self.a["state.pending"][seg.slot]
+                    self._decode_row(req, seg.slot)
+                else:
+                    self._prefill(req, seg.slot, tokens)
                 at += seg.count
             slots = np.array([seg.slot for seg in segments])
             live = np.array([seg.count > 0 and seg.sample != 0 and self.a["state.done"][seg.slot] == 0
@@ -243,13 +248,16 @@ class FakeDevice:
         live = (slots > 0) & (self.a["state.done"][slots] == 0)
         for i, s in enumerate(slots):
             if live[i]:
-                req = next(r for r in step.requests if r.slot == s)
-                self._check_history(req, s)
-                pending = int(self.a["state.pending"][s])
-                self._write_kv(req, s, int(self.a["state.len"][s]), pending)
-                self.state[int(s)] += (pending,)
-                self.a["state.len"][s] += 1
+                self._decode_row(next(r for r in step.requests if r.slot == s), int(s))
         return self._sample_and_commit(slots, live)
+
+    def _decode_row(self, req: Request, slot: int) -> None:
+        """The slot consumes its pending token."""
+        self._check_history(req, slot)
+        pending = int(self.a["state.pending"][slot])
+        self._write_kv(req, slot, int(self.a["state.len"][slot]), pending)
+        self.state[slot] += (pending,)
+        self.a["state.len"][slot] += 1
 
     def _prefill(self, req: Request, slot: int, tokens: np.ndarray) -> None:
         """A chunk of the request's history continues its slot: KV, state and length."""
@@ -633,11 +641,11 @@ def test_short_prompts_arriving_together_prefill_before_the_next_decode(small_pr
 def pack_core() -> Path:
     from tests.conftest import TINY_OPTS, prepare_core
 
-    return prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64"], name="llama-tiny-pack")
+    return prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack")
 
 
 def test_short_prompts_arriving_together_share_one_pack_program(pack_core):
-    """--pack-capacity 64: three 12-token prompts arriving while A decodes run as one
+    """--pack-capacities 64: three 12-token prompts arriving while A decodes run as one
     pack.64 program, then one decode step carries all four. A 41-token prompt with two
     more behind it packs with the first of them only (41 + 12 fit, + 12 more do not), the
     third prefills alone; outputs are the sampler's, as without packing."""
@@ -647,7 +655,7 @@ def test_short_prompts_arriving_together_share_one_pack_program(pack_core):
     trace = _trace(d, start, ProgramKind.prefill, ProgramKind.decode, ProgramKind.pack)
     assert trace[:2] == [("pack.64", ["B", "C", "E"]), ("decode.4", ["A", "B", "C", "E"])], trace
     pack = next(s for s in d.steps if s.kind == ProgramKind.pack)
-    assert pack.segments == [(12, True)] * 3 and pack.count == 36
+    assert pack.segments == [(12, True, False)] * 3 and pack.count == 36
     assert [r.output for r in late] == [[token_fn(s, i) for i in range(4)] for s in (6, 7, 8)]
     more = [make_request("F", 41, 2, seed=9), make_request("G", 12, 2, seed=10), make_request("H", 12, 2, seed=11)]
     d.add(*more)
@@ -657,6 +665,36 @@ def test_short_prompts_arriving_together_share_one_pack_program(pack_core):
     assert runs == [("pack.64", ["F", "G"]), ("prefill.128", ["H"])], runs
     assert [r.output for r in more] == [[token_fn(s, i) for i in range(2)] for s in (9, 10, 11)]
     assert a.output == [token_fn(5, i) for i in range(len(a.output))]
+
+
+def test_decode_steps_carry_a_prefill_chunk(pack_core, tiny_core):
+    """--decode-with-prefill on a core with pack.64: while B's 150-token prompt prefills
+    beside two decoders (A, C), every step is one pack.64 of B's next 62 tokens and a
+    decode row each for A and C, so neither waits a step; once B has sampled, plain decode
+    steps follow. Outputs equal the alternating schedule's."""
+    def run(mixed: bool):
+        d = Driver(small_manifest(pack_core, num_pages=64, slots=4))
+        d.sched.decode_with_prefill = mixed
+        a, c = make_request("A", 10, 20, seed=5), make_request("C", 14, 20, seed=7)
+        d.add(a, c)
+        d.run(until=lambda: len(a.output) >= 2 and len(c.output) >= 2)
+        b = make_request("B", 150, 4, seed=6)
+        d.add(b)
+        start = len(d.steps)
+        d.run()
+        return d, start, a, b, c
+
+    d, start, a, b, c = run(True)
+    trace = _trace(d, start, ProgramKind.prefill, ProgramKind.decode, ProgramKind.pack)
+    assert trace[:4] == [("pack.64", ["B", "A", "C"])] * 3 + [("decode.4", ["A", "C", "B"])], trace
+    packs = [s for s in d.steps[start:] if s.kind == ProgramKind.pack]
+    assert [s.segments for s in packs] == [[(62, False, False), (1, True, True), (1, True, True)]] * 2 + [
+        [(26, True, False), (1, True, True), (1, True, True)]]
+    plain, _, *outputs = run(False)
+    assert [r.output for r in (a, b, c)] == [r.output for r in outputs]
+    assert b.output == [token_fn(6, i) for i in range(4)] and a.output == [token_fn(5, i) for i in range(20)]
+    with pytest.raises(ValueError, match="pack programs"):
+        Scheduler(small_manifest(tiny_core, num_pages=64, slots=2), decode_with_prefill=True)
 
 
 def test_finish_on_stop_status_and_on_sink_stop(tiny_core):

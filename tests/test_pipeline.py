@@ -58,11 +58,11 @@ class _Recording(ReferenceExecutor):
 
 
 async def _run(core, steps_in_flight: int, batches: list[list[tuple[list[int], SamplingParams, Sink]]],
-               ran: list[str] | None = None):
+               ran: list[str] | None = None, **engine_options):
     """Each batch is submitted together and awaited before the next one starts; ``ran``
     receives the names of the programs that ran."""
     executor = _Recording(core, load_manifest(core))
-    engine = Engine(executor, steps_in_flight=steps_in_flight)
+    engine = Engine(executor, steps_in_flight=steps_in_flight, **engine_options)
     await engine.start()
     out = []
     try:
@@ -125,13 +125,13 @@ def test_two_steps_in_flight_give_the_same_requests(tiny_core):
 
 
 def test_packed_prefill_gives_the_same_requests(tiny_core):
-    """A core prepared with --pack-capacity 64 (the same weights): four sampled prompts
+    """A core prepared with --pack-capacities 64 (the same weights): four sampled prompts
     submitted together (9, 22, 35 and 48 tokens) prefill partly in pack programs, then a
     follow-up turn of the first (a prefix-cache hit) beside a new prompt; every request's
     tokens equal the unpacked core's, and no page or slot is left held."""
     from tests.conftest import TINY_OPTS, prepare_core
 
-    packed_core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64"], name="llama-tiny-pack")
+    packed_core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack")
     vocab = load_manifest(tiny_core).capacities.vocab_size
     prompts = _prompts(vocab, 4)
 
@@ -146,6 +146,22 @@ def test_packed_prefill_gives_the_same_requests(tiny_core):
     for a, b in zip(sum(plain, []), sum(packed, [])):
         assert a.output == b.output and len(b.output) == b.params.max_tokens, (a, b)
     assert packed[1][0].cached_tokens >= len(prompts[0])
+
+    # Decode steps that carry prefill chunks: two short prompts decode while a 300-token one
+    # prefills beside them (and a follow-up hits the cache), tokens as without packing.
+    def with_long():
+        long = [(7 * k + 3) % vocab for k in range(300)]
+        return [[(prompts[0], _params(300, 30), Sink()), (prompts[1], _params(301, 30), Sink()),
+                 (long, _params(302, 8), Sink())],
+                [(long + [1, 2], _params(303, 5), Sink()), (prompts[2], _params(304, 5), Sink())]]
+
+    ran.clear()
+    plain, _ = asyncio.run(_run(tiny_core, 2, with_long()))
+    mixed, _ = asyncio.run(_run(packed_core, 2, with_long(), ran, decode_with_prefill=True))
+    assert ran.count("pack.64") >= 4, ran  # the long prompt's chunks rode with decode rows
+    for a, b in zip(sum(plain, []), sum(mixed, [])):
+        assert a.output == b.output and len(b.output) == b.params.max_tokens, (a, b)
+    assert mixed[1][0].cached_tokens >= 300
 
 
 def _stop_runs(core, base: int, seed: int, *, on_device: bool):

@@ -434,7 +434,7 @@ def test_small_prefill_programs_give_the_same_hidden_rows(tmp_path):
 
 @pytest.mark.parametrize("attention", ["reference", "triton"])
 def test_pack_program_equals_separate_prefills(attention):
-    """A core prepared with --pack-capacity 64 runs three slots' chunks in one pack program
+    """A core prepared with --pack-capacities 64 runs three slots' chunks in one pack program
     (one slot continuing a 20-token history, a segment that does not sample, five unused
     segments), on the reference and the Triton attention paths: hidden rows, lengths,
     final hidden vectors, sampled tokens and records equal separate prefill programs' (to
@@ -444,11 +444,11 @@ def test_pack_program_equals_separate_prefills(attention):
     from tests.conftest import TINY_OPTS, prepare_core
     from tests.rig import admit, completion, decode, load_rig, prefill
 
-    core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64"], name="llama-tiny-pack")
+    core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack")
     # triton: the CUDA path's kernels (Triton's CPU interpreter here), rows of several slots.
     packed, separate = load_rig(core, attention=attention), load_rig(core, attention=attention)
     m = packed.m
-    assert m.capacities.pack_capacity == 64 and m.program("pack.64").kind == ProgramKind.pack
+    assert m.capacities.pack_capacities == (64,) and m.program("pack.64").kind == ProgramKind.pack
     S = max(m.capacities.decode_capacities)
     history = list(range(300, 320))
     chunks = {1: list(range(100, 107)), 2: list(range(200, 212)), 3: list(range(400, 409))}
@@ -482,3 +482,22 @@ def test_pack_program_equals_separate_prefills(attention):
     _, after_prefills = decode(separate, [1, 2, 3], [7, 8, 9])
     assert after_pack == after_prefills
     torch.testing.assert_close(packed.v["out.logits"][:3], separate.v["out.logits"][:3], atol=1e-4, rtol=1e-4)
+    # A decode step carrying a prefill chunk: slot 1's next 5 tokens, then slots 2 and 3's
+    # pending tokens as one-row segments, against a prefill and a decode program.
+    v[io.TOKENS][:7] = torch.tensor([11, 12, 13, 14, 15, int(v["state.pending"][2]), int(v["state.pending"][3])],
+                                    dtype=torch.int32)
+    pack_rows[:] = 0
+    for i, (slot, n) in enumerate([(1, 5), (2, 1), (3, 1)]):
+        pack_rows[i] = torch.from_numpy(io.pack(io.PrefillInput(slot, n, 1)))
+    v[io.PACK_INPUT][:] = pack_rows
+    packed.run["pack.64"]()
+    got = completion(packed, io.PACK_COMPLETION, 3)
+    logits = packed.v["out.logits"][:3].clone()
+    prefill(separate, 1, [11, 12, 13, 14, 15])
+    want = [completion(separate, io.PREFILL_COMPLETION)[0]]
+    want_logits = [separate.v["out.logits"][0].clone()]
+    decoded_logits, decoded = decode(separate, [2, 3], [int(separate.v["state.pending"][s]) for s in (2, 3)])
+    assert got == want + decoded, (got, want, decoded)
+    torch.testing.assert_close(logits, torch.cat([torch.stack(want_logits), decoded_logits]), atol=1e-4, rtol=1e-4)
+    for name in ("state.len", "state.pending", "state.generated", "state.counter", "state.hist"):
+        assert torch.equal(v[name][1:4], separate.v[name][1:4]), name

@@ -18,7 +18,7 @@ from tests.conftest import HYBRID_OPTS, TINY_OPTS, prepare_core
 # one, and the null page (a page-aligned endpoint); resume's third set is a finished request.
 QUALIFIED = {
     "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"], name="llama-tiny-qualified"),
-    "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacity", "64", "--qualify", "3"],
+    "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--qualify", "3"],
                                             name="llama-tiny-pack-qualified"),
     "qwen3_5-tiny": lambda: prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--qualify", "3"],
                                          name="qwen3_5-tiny-qualified"),
@@ -47,7 +47,7 @@ def test_reference_executor_reproduces_golden_replays(model):
 
 def test_pack_programs_are_refused_for_recurrent_models(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flare.prepare.cli", "qwen3_5-tiny", "--out", str(tmp_path / "c"),
-                           *HYBRID_OPTS, "--pack-capacity", "64"], capture_output=True, text=True, timeout=300)
+                           *HYBRID_OPTS, "--pack-capacities", "64"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "recurrent state" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert not (tmp_path / "c" / "manifest.json").exists()
 

@@ -137,9 +137,9 @@ class Capacities(_Frozen):
     max_logprobs: int = 0  # top log-probabilities each sampling record carries (0: none, not even the sampled one's)
     score_chunk: int = 0  # tokens per score program (prompt log-probabilities); 0: no score programs
     min_prefill_capacity: int = 128  # the smallest prefill program (prefill_capacities_for)
-    # Rows of the pack program (prefill chunks of up to max(decode_capacities) slots at once);
-    # 0: none. At most the prefill chunk.
-    pack_capacity: int = 0
+    # Rows of each pack program (prefill chunks of up to max(decode_capacities) slots at
+    # once, and decode steps that carry a prefill chunk), ascending; none by default.
+    pack_capacities: tuple[int, ...] = ()
 
 
 class Continuation(_Frozen):
@@ -327,7 +327,7 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         **({io.SCORES: (BufferRole.output, DType.int32, (c.score_chunk, io.logprob_columns(c.max_logprobs)))}
            if c.score_chunk else {}),
         **({io.PACK_INPUT: (BufferRole.input, DType.int32, (bmax, len(io.PrefillInput._fields))),
-            io.PACK_COMPLETION: (BufferRole.output, DType.int32, (bmax, ncomp))} if c.pack_capacity else {}),
+            io.PACK_COMPLETION: (BufferRole.output, DType.int32, (bmax, ncomp))} if c.pack_capacities else {}),
     }
 
 
@@ -339,6 +339,15 @@ def mask_words(vocab_size: int) -> int:
 def snapshot_buffer(state: str) -> str:
     """The snapshot twin of a continuation state buffer (the contract's naming rule)."""
     return SNAPSHOT_PREFIX + state
+
+
+def pack_capacity_error(capacities: tuple[int, ...], prefill_chunk: int) -> str | None:
+    """Why pack capacities are not valid (ascending, unique multiples of 16 in [16, the
+    prefill chunk]), or None."""
+    if list(capacities) != sorted(set(capacities)):
+        return f"must be unique and ascending, got {list(capacities)}"
+    bad = [c for c in capacities if not (16 <= c <= prefill_chunk and c % 16 == 0)]
+    return f"each must be a multiple of 16 in [16, {prefill_chunk}] (the prefill chunk), got {bad}" if bad else None
 
 
 PREFILL_SMALLEST = (16, 32, 64, 128)  # the smallest prefill capacities a core may declare
@@ -441,9 +450,9 @@ def validate(m: Manifest) -> None:
         _fail("decode capacities must be unique and ascending", "capacities.decode_capacities")
     if c.decode_capacities[0] < 1 or c.decode_capacities[-1] > c.slots:
         _fail("decode capacities must lie in [1, slots]", "capacities.decode_capacities")
-    if c.pack_capacity and not (16 <= c.pack_capacity <= c.prefill_chunk and c.pack_capacity % 16 == 0):
-        _fail(f"capacities.pack_capacity must be 0 or a multiple of 16 in [16, {c.prefill_chunk}]",
-              "capacities.pack_capacity")
+    if pack_capacity_error(c.pack_capacities, c.prefill_chunk):
+        _fail(f"capacities.pack_capacities: {pack_capacity_error(c.pack_capacities, c.prefill_chunk)}",
+              "capacities.pack_capacities")
     if not 0 < c.sampling_vocab <= c.vocab_size:
         _fail("sampling_vocab must lie in (0, vocab_size]", "capacities.sampling_vocab")
     if c.stop_ids < len(m.frontend.eos_ids) + 1:

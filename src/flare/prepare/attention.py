@@ -44,6 +44,9 @@ class PagedBatch:
     # Every valid row belongs to token_slot[0] (a prefill chunk): kernels may tile
     # query tokens. The Triton kernels stay correct when it is wrong; gather relies on it.
     single_slot: bool = False
+    # Rows come in runs of one slot (a pack of prefill chunks): the Triton kernel may tile
+    # query tokens; it checks each tile's slots and takes a tile of mixed slots token by token.
+    tiles: bool = False
     # Per-slot recurrent state of the model (``manifest.continuation``), by buffer name:
     # recurrent layers read and write their rows; attention never touches it.
     state: dict[str, torch.Tensor] | None = None

@@ -87,10 +87,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-prefill-capacity", type=int, choices=(16, 32, 64, 128), default=128,
                    help="smallest prefill program: 16, 32 or 64 add programs so that a short prompt (a chat turn, "
                         "a tool result) does not pay a 128-token prefill (default 128)")
-    p.add_argument("--pack-capacity", type=int, default=0, metavar="ROWS",
-                   help="add a pack program of ROWS rows (a multiple of 16, at most the prefill chunk): the "
-                        "prefill chunks of several queued prompts run in one program instead of one each "
-                        "(default 0: none; models with recurrent state cannot pack)")
+    p.add_argument("--pack-capacities", type=_capacities, default=(), metavar="ROWS,...",
+                   help="add pack programs of these row counts (multiples of 16, at most the prefill chunk): "
+                        "the prefill chunks of several queued prompts run in one program instead of one each, "
+                        "and decode steps carry a prompt's chunk while it prefills (default: none; models "
+                        "with recurrent state cannot pack)")
     p.add_argument("--max-logprobs", type=int, default=io.MAX_LOGPROBS,
                    help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "
                         f"OpenAI's limit; 0: requests for log-probabilities are refused)")
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "snapshot_rows": a.snapshot_rows,
         "max_logprobs": a.max_logprobs,
         "min_prefill_capacity": a.min_prefill_capacity,
-        "pack_capacity": a.pack_capacity,
+        "pack_capacities": a.pack_capacities,
         "attention": a.attention,
         "compile": not a.no_compile,
         "served_name": a.served_name,

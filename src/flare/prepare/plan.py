@@ -44,7 +44,7 @@ class Options:
     snapshot_rows: int | None = None  # prefix-cache checkpoint rows (default: 4 per slot)
     min_prefill_capacity: int = 128  # smallest prefill program: 16, 32 or 64 add programs for short prompts
     max_logprobs: int = io.MAX_LOGPROBS  # top log-probabilities per sampled token (0: no log-probabilities)
-    pack_capacity: int = 0  # rows of the pack program (several slots' prefill chunks at once); 0: none
+    pack_capacities: tuple[int, ...] = ()  # rows of each pack program (several slots' chunks at once)
     attention: str | None = None  # reference | triton
     compile: bool = True
     scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
@@ -94,14 +94,15 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         raise PrepareError(f"--snapshot-rows must not be negative, got {snapshot_rows}")
     if not 0 <= opts.max_logprobs <= io.MAX_LOGPROBS:
         raise PrepareError(f"--max-logprobs must lie in [0, {io.MAX_LOGPROBS}], got {opts.max_logprobs}")
-    if opts.pack_capacity:
-        if not (16 <= opts.pack_capacity <= chunk and opts.pack_capacity % 16 == 0):
-            raise PrepareError(f"--pack-capacity must be a multiple of 16 in [16, {chunk}] (the prefill chunk), "
-                               f"got {opts.pack_capacity}")
+    pack_caps = tuple(sorted(set(opts.pack_capacities)))
+    if pack_caps:
+        error = mf.pack_capacity_error(pack_caps, chunk)
+        if error:
+            raise PrepareError(f"--pack-capacities: {error}")
         # A packed program runs several slots' chunks as rows of one batch: a recurrence
         # (whose chunk kernels read and write one slot's state) cannot take that.
         if recipe.state_buffers(src.config, DType(opts.resolved_dtype())):
-            raise PrepareError(f"--pack-capacity: {recipe.name} keeps recurrent state per slot, "
+            raise PrepareError(f"--pack-capacities: {recipe.name} keeps recurrent state per slot, "
                                f"which packed prefill cannot carry")
     caps = mf.Capacities(
         context_limit=context,
@@ -119,7 +120,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         # Scoring a prompt (echo) keeps every row's logits: a shorter chunk bounds them.
         score_chunk=min(chunk, SCORE_CHUNK) if opts.max_logprobs else 0,
         min_prefill_capacity=opts.min_prefill_capacity,
-        pack_capacity=opts.pack_capacity,
+        pack_capacities=pack_caps,
     )
     geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
@@ -222,8 +223,8 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
         add(ProgramKind.score, caps.score_chunk, ("in.prefill", "in.tokens", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.prefill_hidden", "out.prefill_completion", io.SCORES),
             "out.prefill_completion")
-    if caps.pack_capacity:
-        add(ProgramKind.pack, caps.pack_capacity, (io.PACK_INPUT, "in.tokens", "kv", *state, *mask),
+    for c in caps.pack_capacities:
+        add(ProgramKind.pack, c, (io.PACK_INPUT, "in.tokens", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.prefill_hidden", io.PACK_COMPLETION), io.PACK_COMPLETION)
     one = mf.STATE_PROGRAM_CAPACITY
     add(ProgramKind.resume, one, ("in.prefill", *state, *mask), (*state, "out.logits", "out.prefill_completion"),

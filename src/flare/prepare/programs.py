@@ -275,7 +275,7 @@ class ProgramSet:
         pos = torch.where(valid, start.index_select(0, seg) + idx - (ends - counts).index_select(0, seg), 0)
         tokens = torch.where(valid, v[io.TOKENS][:C].long(), 0)
         pt = v["state.page_table"].index_select(0, row_slot).long()
-        batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid)
+        batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid, tiles=True)
         hidden = self._forward(tokens, pos, batch)
         v["out.prefill_hidden"][:C].copy_(hidden)
         used = counts > 0
@@ -320,7 +320,8 @@ class ProgramSet:
         page = page_rows.gather(1, page_idx[:, None])[:, 0]
         return torch.where(valid, page * ps + pos % ps, -1)
 
-    def _batch(self, token_slot, pos, slot_mapping, valid, single_slot: bool = False) -> PagedBatch:
+    def _batch(self, token_slot, pos, slot_mapping, valid, single_slot: bool = False,
+               tiles: bool = False) -> PagedBatch:
         return PagedBatch(
             kv=self.v["kv"],
             page_table=self.v["state.page_table"],
@@ -330,6 +331,7 @@ class ProgramSet:
             valid=valid,
             impl=self.attention,
             single_slot=single_slot,
+            tiles=tiles,
             state=self.model_state,
         )
 

@@ -41,7 +41,6 @@ class StepEncoder:
         self.prefill_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.prefill))
         self.score_program = next((p.name for p in manifest.programs_of(ProgramKind.score)), None)
         self.decode_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.decode))
-        self.pack_program = next((p.name for p in manifest.programs_of(ProgramKind.pack)), None)
         self.admit_program = manifest.programs_of(ProgramKind.admit)[0]
         self._programs = {k: manifest.programs_of(k)[0].name
                           for k in (ProgramKind.snapshot, ProgramKind.restore, ProgramKind.resume)}
@@ -108,16 +107,19 @@ class StepEncoder:
             Write(io.PrefillInput.buffer, io.pack(io.PrefillInput(req.slot, len(tokens), int(sample)))),
         ], [req], io.PREFILL_COMPLETION, count=len(tokens), sample=sample)
 
-    def pack(self, chunks: Sequence[tuple[Request, Sequence[int], bool]]) -> Step:
-        """Several requests' prefill chunks (request, tokens, sample) in the pack program,
-        one segment each in this order; the segments after them are unused (slot 0)."""
+    def pack(self, capacity: int, segments: Sequence[tuple[Request, Sequence[int], bool, bool]],
+             writes: list[Write] | None = None) -> Step:
+        """Segments (request, tokens, sample, decoding) in ``pack.{capacity}``, in this order;
+        the segment rows after them are unused (slot 0). A decoding segment is the request's
+        pending token (one decode row); ``writes`` (page growth, masks) go first."""
         rows = np.zeros((max(self.decode_caps), len(io.PrefillInput._fields)), np.int32)
-        for i, (req, tokens, sample) in enumerate(chunks):
+        for i, (req, tokens, sample, _) in enumerate(segments):
             rows[i] = io.pack(io.PrefillInput(req.slot, len(tokens), int(sample)))
-        tokens = np.concatenate([np.asarray(t, np.int32) for _, t, _ in chunks])
-        return Step(ProgramKind.pack, self.pack_program, [Write(io.TOKENS, tokens), Write(io.PACK_INPUT, rows)],
-                    [req for req, _, _ in chunks], io.PACK_COMPLETION, count=len(tokens),
-                    segments=[(len(t), sample) for _, t, sample in chunks])
+        tokens = np.concatenate([np.asarray(t, np.int32) for _, t, _, _ in segments])
+        return Step(ProgramKind.pack, f"pack.{capacity}",
+                    [*(writes or []), Write(io.TOKENS, tokens), Write(io.PACK_INPUT, rows)],
+                    [req for req, *_ in segments], io.PACK_COMPLETION, count=len(tokens),
+                    segments=[(len(t), sample, decoding) for _, t, sample, decoding in segments])
 
     def resume(self, req: Request) -> Step:
         """Sample the first output token of a full-prompt hit from the restored hidden row."""

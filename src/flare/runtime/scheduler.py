@@ -65,7 +65,7 @@ __all__ = ["Scheduler", "Step", "Write", "derive_seed"]
 
 class Scheduler:
     def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None,
-                 prefix_cache: bool = True, prefill_while_decoding: int = 0):
+                 prefix_cache: bool = True, prefill_while_decoding: int = 0, decode_with_prefill: bool = False):
         self.m = manifest
         self.metrics = metrics or ServingMetrics()
         self.caps = manifest.capacities
@@ -80,6 +80,11 @@ class Scheduler:
         if prefill_while_decoding < 0:
             raise ValueError(f"prefill_while_decoding must not be negative, got {prefill_while_decoding}")
         self.prefill_while_decoding = prefill_while_decoding
+        # Decode steps that carry a prefill chunk (a pack program of the decoders' tokens and
+        # the chunk): decoders then get a token every step while a prompt prefills.
+        if decode_with_prefill and not self.caps.pack_capacities:
+            raise ValueError("decode_with_prefill needs a core prepared with pack programs (--pack-capacities)")
+        self.decode_with_prefill = decode_with_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, holding resources until their snapshots complete
@@ -165,12 +170,18 @@ class Scheduler:
             return step
         prefilling = [r for r in self.running if r.status == Status.PREFILLING and r.consumed < len(r.target)]
         decoding = [r for r in self.running if r.status == Status.DECODING]
-        packed = self._packable(prefilling)
-        rows = self.caps.pack_capacity if packed else self._chunk_rows(prefilling[0]) if prefilling else 0
+        if prefilling and decoding and self.decode_with_prefill:
+            plan = self._pack_plan(prefilling, len(decoding))
+            if plan is not None:
+                step = self._pack_step(*plan, decoders=True)
+                self._last_kind, self._turn_rows = ProgramKind.decode, 0  # the decoders had their step
+                return step if step is not None else self.schedule()
+        plan = self._pack_plan(prefilling, 0)
+        rows = plan[0] if plan else self._chunk_rows(prefilling[0]) if prefilling else 0
         if prefilling and (not decoding or self._last_kind == ProgramKind.decode
                            or self._turn_rows + rows <= self._turn_budget()):
             self._turn_rows += rows
-            step = self._pack_step(packed) if packed else self._prefill_step(prefilling[0])
+            step = self._pack_step(*plan) if plan else self._prefill_step(prefilling[0])
             if step is None:  # its grammar failed: the request ended
                 return self.schedule()
         elif decoding:
@@ -253,28 +264,47 @@ class Scheduler:
         request already holds its pending token (a readmission) or only scores (max_tokens 0)."""
         return end == len(req.target) and not req.output and req.params.max_tokens > 0
 
-    def _packable(self, prefilling: list[Request]) -> list[Request] | None:
-        """The prefilling requests, in order, whose next chunks fit one pack program
-        together (at least two; the first that does not fit ends the list). Scoring and
-        grammar-constrained requests take their own programs."""
-        if not self.caps.pack_capacity:
+    def _pack_plan(self, prefilling: list[Request], decoders: int) -> tuple[int, list[tuple[Request, int]]] | None:
+        """A pack program's capacity and the prefilling requests (in order) with the tokens
+        of their chunks in it, beside ``decoders`` one-token rows; None when no pack fits.
+        Without decoders a pack needs two chunks or more, each whole; with decoders (a
+        decode step that carries prefill) the first chunk is cut to the rows left. The first
+        request that does not fit ends the list; scoring and grammar-constrained requests
+        take their own programs."""
+        caps = self.caps.pack_capacities
+        if not caps or decoders >= self.caps.decode_capacities[-1]:
             return None
-        chosen, rows = [], 0
+        left, chunks = caps[-1] - decoders, []
         for req in prefilling:
-            n = self._chunk_end(req) - req.consumed
-            if (req.scoring or req.grammar is not None or rows + n > self.caps.pack_capacity
-                    or len(chosen) == self.caps.decode_capacities[-1]):
+            if req.scoring or req.grammar is not None or decoders + len(chunks) == self.caps.decode_capacities[-1]:
                 break
-            chosen.append(req)
-            rows += n
-        return chosen if len(chosen) > 1 else None
+            n = self._chunk_end(req) - req.consumed
+            if decoders and not chunks:
+                n = min(n, left)
+            if not 0 < n <= left:
+                break
+            chunks.append((req, n))
+            left -= n
+        if not chunks or (not decoders and len(chunks) < 2):
+            return None
+        rows = caps[-1] - left
+        return next(c for c in caps if c >= rows), chunks
 
-    def _pack_step(self, reqs: list[Request]) -> Step:
-        chunks = []
-        for req in reqs:
-            end = self._chunk_end(req)
-            chunks.append((req, req.target[req.consumed : end], self._samples(req, end)))
-        return self.encode.pack(chunks)
+    def _pack_step(self, capacity: int, chunks: list[tuple[Request, int]], *, decoders: bool = False) -> Step | None:
+        """The chunks' segments first (a long chunk's rows then start at row 0, in whole
+        tiles of one slot), then, for a decode step that carries them, every decoder's
+        pending token. None when every decoder was preempted or ended."""
+        segments = []
+        for req, n in chunks:
+            end = req.consumed + n
+            segments.append((req, req.target[req.consumed : end], self._samples(req, end), False))
+        writes: list[Write] = []
+        if decoders:
+            batch = self._decoders(writes)
+            if not batch:
+                return None
+            segments += [(req, [req.output[-1]], True, True) for req in batch]
+        return self.encode.pack(capacity, segments, writes)
 
     def _prefill_step(self, req: Request) -> Step | None:
         start = req.consumed
@@ -292,6 +322,12 @@ class Scheduler:
 
     def _decode_step(self) -> Step | None:
         writes: list[Write] = []
+        batch = self._decoders(writes)
+        return self.encode.decode(batch, writes) if batch else None
+
+    def _decoders(self, writes: list[Write]) -> list[Request]:
+        """The decoding requests of the next step, after page growth (which may preempt)
+        and grammar masks, whose writes go to ``writes``."""
         for req in sorted((r for r in self.running if r.status == Status.DECODING), key=lambda r: r.admission_seq):
             if req.status != Status.DECODING:  # preempted while growing an earlier request
                 continue
@@ -299,10 +335,7 @@ class Scheduler:
                 continue
         for req in [r for r in self.running if r.status == Status.DECODING and r.grammar is not None]:
             self._mask_write(req, writes)
-        batch = [r for r in self.running if r.status == Status.DECODING]
-        if not batch:
-            return None
-        return self.encode.decode(batch, writes)
+        return [r for r in self.running if r.status == Status.DECODING]
 
     def schedule_ahead(self, step: Step) -> Step | None:
         """The decode step to submit right after ``step`` while ``step`` is still in
@@ -420,15 +453,22 @@ class Scheduler:
             self._prefilled(req, step.count, step.sample, rows[0], records[0])
             return
         if step.kind == ProgramKind.pack:
-            for req, (count, sample), row, record in zip(step.requests, step.segments, rows, records):
-                self._prefilled(req, count, sample, row, record)
+            for req, (count, sample, decoding), row, record in zip(step.requests, step.segments, rows, records):
+                if decoding:
+                    self._decoded(req, row, record)
+                else:
+                    self._prefilled(req, count, sample, row, record)
             return
         for req, row, record in zip(step.requests, rows, records):
-            if req.finished:
-                continue  # finished after the step ahead was submitted: nothing of its row is kept
-            if row.token >= 0:
-                req.consumed += 1  # the pending token was consumed by this decode
-            self._accept(req, row, record)
+            self._decoded(req, row, record)
+
+    def _decoded(self, req: Request, row: io.Completion, record) -> None:
+        """A decode row of the request completed."""
+        if req.finished:
+            return  # finished after the step ahead was submitted: nothing of its row is kept
+        if row.token >= 0:
+            req.consumed += 1  # the pending token was consumed by this decode
+        self._accept(req, row, record)
 
     def _prefilled(self, req: Request, count: int, sample: bool, row: io.Completion, record) -> None:
         """A prefill chunk of ``count`` tokens of the request completed (and sampled)."""

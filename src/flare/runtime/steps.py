@@ -31,5 +31,6 @@ class Step:
     row: RowId | None = None  # snapshot / restore: the snapshot row it writes or reads
     endpoint: int = 0  # snapshot / restore: the consumed count of the endpoint
     scores: Any = None  # score: the rows of out.scores, read after the program
-    # pack: (tokens, samples) of each request's chunk, in the order of ``requests``
-    segments: list[tuple[int, bool]] = field(default_factory=list)
+    # pack: (tokens, samples, decoding) of each request's segment, in the order of ``requests``
+    # (decoding: a decode row of the pending token, not a prefill chunk)
+    segments: list[tuple[int, bool, bool]] = field(default_factory=list)

@@ -39,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
                    help="cap each prefill chunk, and the prefill rows run between two decode steps, at TOKENS "
                         "while other requests are decoding, so that they wait at most one such chunk between "
                         "tokens (0, the default: the core's whole prefill chunk)")
+    p.add_argument("--decode-with-prefill", action="store_true",
+                   help="while a prompt prefills, each decode step carries a chunk of it in a pack program (a "
+                        "core prepared with --pack-capacities): running requests get a token every step; the "
+                        "prompt advances by the largest pack capacity less the decoders per step")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=2,
                    help="decode steps kept in flight: 2 queues the next decode before the current one "
                         "completes (host work overlaps the device); 1 runs one step at a time")
@@ -82,10 +86,14 @@ async def serve(a: argparse.Namespace) -> int:
         manifest = load_manifest(core)
         engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting,
                         prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight,
-                        prefill_while_decoding=a.prefill_while_decoding)
+                        prefill_while_decoding=a.prefill_while_decoding,
+                        decode_with_prefill=a.decode_with_prefill)
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
+    except ValueError as e:  # serving options the core cannot honour
+        log.error("startup failed: %s", e)
+        return 2
     # The served model's tokenizer, template and grammar compiler need only the manifest:
     # they load while the executor uploads and builds.
     started, loaded = await asyncio.gather(

@@ -305,7 +305,7 @@ def attend_triton(
         return out
     lc = plan_launch(
         T, H, KVH, D, max_pages, ps,
-        tile_tokens=batch.single_slot, sm_count=_sm_count(q.device), num_splits=num_splits,
+        tile_tokens=batch.single_slot or batch.tiles, sm_count=_sm_count(q.device), num_splits=num_splits,
     )
     d_pad = max(16, triton.next_power_of_2(D))
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]  # [P, page_size, KVH, D] views
