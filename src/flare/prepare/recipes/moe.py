@@ -52,9 +52,11 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     split = local != gate.weight.shape[0]
     T, k = x.shape[0], gate.top_k
     decode = triton and T * k <= K.DECODE_PAIRS  # the expert GEMVs, which need no plan
-    p = None
-    if triton and not split and K.fits_route_plan(T, k):  # route (and plan) in one launch
-        weights, ids, p = K.route_plan(logits, k, renorm, valid, K.block_m_for(T * k), with_plan=not decode)
+    # Decode batches route in one launch; every prefill program routes with the same torch
+    # ops, whatever its capacity, so that a prompt token gets the same weights on prefill.16
+    # as on prefill.128 (the two agree on ids, on weights only to float32 rounding).
+    if decode and not split and K.fits_route_plan(T, k):
+        weights, ids, _ = K.route_plan(logits, k, renorm, valid, K.block_m_for(T * k), with_plan=False)
     else:
         weights, ids = K.route_logits(logits, k, renorm, valid)
     if split:
@@ -65,7 +67,7 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     if decode:  # GEMVs of the routed experts, no tiles
         out = K.experts_decode(*args)
     else:
-        out = K.experts_triton(*args, p=p) if triton else K.experts_torch(*args)
+        out = K.experts_triton(*args) if triton else K.experts_torch(*args)
     return block.flare_tp.all_reduce(out) if split else out
 
 
