@@ -332,6 +332,18 @@ def test_small_prefill_programs_must_be_declared(raw):
     _reject(d, param="capacities.prefill_capacities", match="do not follow the chunk rule")
 
 
+@pytest.mark.parametrize("edit,match", [
+    ({"pack_capacities": [64]}, "pack programs do not match"),  # declared, none prepared
+    ({"pack_capacities": [64, 64]}, "unique and ascending"),
+    ({"pack_capacities": [40]}, "multiple of 16"),
+    ({"pack_align": 3}, "power of two"),
+])
+def test_pack_capacities_must_be_consistent(raw, edit, match):
+    d = json.loads(json.dumps(raw))
+    d["capacities"].update(edit)
+    _reject(d, param="capacities.pack_" + next(iter(edit)).split("_", 1)[1], match=match)
+
+
 @pytest.mark.parametrize("chunk,context", [(96, 2048), (0, 2048), (32, 2048), (256, 128)])
 def test_prefill_capacities_rule_rejects(chunk, context):
     with pytest.raises(ValueError, match="multiple of 64"):

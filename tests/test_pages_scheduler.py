@@ -227,19 +227,20 @@ class FakeDevice:
             self._prefill(step.requests[0], slot, self.a[io.TOKENS][:n])
             live = np.array([sample != 0 and self.a["state.done"][slot] == 0])
             return self._sample_and_commit(np.array([slot]), live)
-        if step.kind == ProgramKind.pack:  # segments in order, then unused rows (slot 0)
-            segments = [io.unpack(io.PrefillInput, row) for row in self.a[io.PACK_INPUT]]
+        if step.kind == ProgramKind.pack:  # segments in order, then unused rows (count 0)
+            capacity = step_capacity(step)
+            segments = [io.unpack(io.PackSegment, row) for row in self.a[io.PACK_INPUT][:capacity]]
             used = [seg for seg in segments if seg.count]
-            assert all(seg.slot == 0 for seg in segments[len(used):]) and len(used) == len(step.requests)
-            at = 0
+            assert all(seg.count == 0 for seg in segments[len(used):]) and len(used) == len(step.requests)
+            ends = [seg.row + seg.count for seg in used]
+            assert all(e <= nxt.row for e, nxt in zip(ends, used[1:])) and ends[-1] <= capacity
             for req, seg, (_, _, decoding) in zip(step.requests, used, step.segments):
-                tokens = self.a[io.TOKENS][at : at + seg.count]
+                tokens = self.a[io.TOKENS][seg.row : seg.row + seg.count]
                 if decoding:  # a decode row: the pending token, written by the host
                     assert seg.count == 1 and tokens[0] == self.a["state.pending"][seg.slot]
                     self._decode_row(req, seg.slot)
                 else:
                     self._prefill(req, seg.slot, tokens)
-                at += seg.count
             slots = np.array([seg.slot for seg in segments])
             live = np.array([seg.count > 0 and seg.sample != 0 and self.a["state.done"][seg.slot] == 0
                              for seg in segments])
@@ -669,9 +670,11 @@ def test_short_prompts_arriving_together_share_one_pack_program(pack_core):
 
 def test_decode_steps_carry_a_prefill_chunk(pack_core, tiny_core):
     """--decode-with-prefill on a core with pack.64: while B's 150-token prompt prefills
-    beside two decoders (A, C), every step is one pack.64 of B's next 62 tokens and a
-    decode row each for A and C, so neither waits a step; once B has sampled, plain decode
-    steps follow. Outputs equal the alternating schedule's."""
+    beside two decoders (A, C), every step is one pack.64 of B's next chunk and a decode
+    row each for A and C, so neither waits a step; once B has sampled, plain decode steps
+    follow. B's first chunk takes the 62 rows the decoders leave; its later chunks continue
+    its history, so they take whole attention tiles (``pack_align`` rows each) and the
+    decode rows start on the next tile. Outputs equal the alternating schedule's."""
     def run(mixed: bool):
         d = Driver(small_manifest(pack_core, num_pages=64, slots=4))
         d.sched.decode_with_prefill = mixed
@@ -685,11 +688,19 @@ def test_decode_steps_carry_a_prefill_chunk(pack_core, tiny_core):
         return d, start, a, b, c
 
     d, start, a, b, c = run(True)
+    align = d.sched.caps.pack_align
+    assert 1 < align < 64
+    chunks = [62]
+    while sum(chunks) < 150:
+        chunks.append(min(62 // align * align, 150 - sum(chunks)))
     trace = _trace(d, start, ProgramKind.prefill, ProgramKind.decode, ProgramKind.pack)
-    assert trace[:4] == [("pack.64", ["B", "A", "C"])] * 3 + [("decode.4", ["A", "C", "B"])], trace
+    assert trace[: len(chunks) + 1] == [("pack.64", ["B", "A", "C"])] * len(chunks) + [
+        ("decode.4", ["A", "C", "B"])], trace
     packs = [s for s in d.steps[start:] if s.kind == ProgramKind.pack]
-    assert [s.segments for s in packs] == [[(62, False, False), (1, True, True), (1, True, True)]] * 2 + [
-        [(26, True, False), (1, True, True), (1, True, True)]]
+    assert [s.segments for s in packs] == [[(n, i == len(chunks) - 1, False), (1, True, True), (1, True, True)]
+                                           for i, n in enumerate(chunks)]
+    rows = [io.unpack(io.PackSegment, r) for r in d.dev.a[io.PACK_INPUT][:3]]  # the last pack's layout
+    assert [(r.count, r.row) for r in rows] == [(chunks[-1], 0), (1, align), (1, align + 1)]
     plain, _, *outputs = run(False)
     assert [r.output for r in (a, b, c)] == [r.output for r in outputs]
     assert b.output == [token_fn(6, i) for i in range(4)] and a.output == [token_fn(5, i) for i in range(20)]
@@ -924,3 +935,30 @@ def test_grammar_failure_ends_only_its_request(tiny_core, fail_at):
     assert bad.output == [600, 601][: fail_at - 1] and bad.sink.finished == 1
     assert ok.output == [token_fn(2, i) for i in range(6)] and ok.finish_reason == FinishReason.length
     assert d.sched.slots.free == 2 and d.sched.pages.free == 23
+
+
+def test_pack_layout_and_plan():
+    """flare.runtime.packing: chunks that continue a history take whole tiles; a pack needs
+    two chunks without decoders; beside decoders the first chunk is cut to the rows left
+    (whole tiles when it continues) but not below half the pack; the smallest capacity that
+    holds the rows runs it; segments never exceed the decode batch."""
+    from flare.runtime.packing import Chunk, layout, plan
+
+    assert layout([(12, False), (5, True), (1, False), (1, False)], 16) == ([0, 16, 32, 33], 34)
+    assert layout([(3, False), (1, False)], 16) == ([0, 3], 4)
+    cold = Chunk(12, False)
+    assert plan([cold], 0, (64, 256), 16, 8) is None  # one prompt runs its own prefill
+    assert plan([cold, cold, cold], 0, (64, 256), 16, 8) == (64, [12, 12, 12])
+    assert plan([cold] * 6, 0, (64, 256), 16, 8) == (256, [12] * 6)
+    assert plan([cold] * 6, 0, (64,), 16, 8) == (64, [12] * 5)  # the sixth does not fit
+    assert plan([cold] * 6, 0, (64, 256), 16, 3) == (64, [12] * 3)  # three slots at most
+    assert plan([Chunk(40, True), cold], 0, (64,), 16, 8) == (64, [40, 12])  # rows 0-40, then 48-60
+    assert plan([Chunk(40, True), Chunk(20, False)], 0, (64,), 16, 8) is None  # 48 + 20 > 64: one chunk
+    # Beside decoders (after the chunk, densely):
+    assert plan([Chunk(150, False)], 2, (64,), 16, 8) == (64, [62])
+    assert plan([Chunk(150, True)], 2, (64,), 16, 8) == (64, [48])  # whole tiles: 62 -> 48
+    assert plan([Chunk(150, True)], 40, (64,), 16, 64) is None  # 16 tokens a step: below half the pack
+    assert plan([Chunk(10, True)], 40, (64,), 16, 64) == (64, [10])  # the prompt's last chunk
+    assert plan([Chunk(10, False), cold], 2, (16, 64), 16, 8) == (64, [10, 12])
+    assert plan([Chunk(10, False)], 2, (16, 64), 16, 8) == (16, [10])
+    assert plan([cold], 8, (64,), 16, 8) is None  # no segment left beside a full decode batch

@@ -462,14 +462,17 @@ def test_pack_program_equals_separate_prefills(attention):
         rows.append(prefill(separate, slot, toks, sample=samples[slot])[0])
         records.append(completion(separate, io.PREFILL_COMPLETION)[0])
     v = packed.v
-    tokens = [t for toks in chunks.values() for t in toks]
-    v[io.TOKENS][: len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
-    pack_rows = torch.zeros((S, len(io.PrefillInput._fields)), dtype=torch.int32)
+    starts = {1: 0, 2: 9, 3: 32}  # gaps between segments: rows nobody reads
+    v[io.TOKENS][:] = 0
+    for slot, toks in chunks.items():
+        v[io.TOKENS][starts[slot] : starts[slot] + len(toks)] = torch.tensor(toks, dtype=torch.int32)
+    pack_rows = torch.zeros((S, len(io.PackSegment._fields)), dtype=torch.int32)
     for i, (slot, toks) in enumerate(chunks.items()):
-        pack_rows[i] = torch.from_numpy(io.pack(io.PrefillInput(slot, len(toks), int(samples[slot]))))
+        pack_rows[i] = torch.from_numpy(io.pack(io.PackSegment(slot, len(toks), int(samples[slot]), starts[slot])))
     v[io.PACK_INPUT][:] = pack_rows
     packed.run["pack.64"]()
-    torch.testing.assert_close(v["out.prefill_hidden"][: len(tokens)], torch.cat(rows), atol=1e-5, rtol=1e-5)
+    hidden = torch.cat([v["out.prefill_hidden"][starts[s] : starts[s] + len(t)] for s, t in chunks.items()])
+    torch.testing.assert_close(hidden, torch.cat(rows), atol=1e-5, rtol=1e-5)
     got = completion(packed, io.PACK_COMPLETION, S)
     assert got[:3] == records, (got, records)
     assert got[1].token == -1 and got[1].status == int(io.Status.inactive)  # asked not to sample
@@ -487,8 +490,8 @@ def test_pack_program_equals_separate_prefills(attention):
     v[io.TOKENS][:7] = torch.tensor([11, 12, 13, 14, 15, int(v["state.pending"][2]), int(v["state.pending"][3])],
                                     dtype=torch.int32)
     pack_rows[:] = 0
-    for i, (slot, n) in enumerate([(1, 5), (2, 1), (3, 1)]):
-        pack_rows[i] = torch.from_numpy(io.pack(io.PrefillInput(slot, n, 1)))
+    for i, (slot, n, row) in enumerate([(1, 5, 0), (2, 1, 5), (3, 1, 6)]):
+        pack_rows[i] = torch.from_numpy(io.pack(io.PackSegment(slot, n, 1, row)))
     v[io.PACK_INPUT][:] = pack_rows
     packed.run["pack.64"]()
     got = completion(packed, io.PACK_COMPLETION, 3)

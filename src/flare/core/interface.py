@@ -16,12 +16,13 @@ Rows by program::
     snapshot, restore  in.state   StateInput                     -> out.state_completion    StateCompletion
     score[S]           in.prefill PrefillInput   (+ in.tokens)   -> out.prefill_completion  Completion
                                                                     and out.scores (one row per token)
-    pack[C]            in.pack    PrefillInput x B (+ in.tokens) -> out.pack_completion     Completion x B
+    pack[C]            in.pack    PackSegment x B (+ in.tokens)  -> out.pack_completion     Completion x min(B, C)
 
-``pack`` runs up to B prefill chunks of different slots (B: the largest decode capacity)
-in one program of C rows: segment i is ``count`` tokens of ``in.tokens`` after the
-previous segments', continuing its slot's history; unused segments have slot 0 and
-count 0, and come after the used ones. Its records are in segment order.
+``pack`` runs up to min(B, C) segments of different slots (B: the largest decode
+capacity) in one program of C rows: segment i is ``count`` tokens of ``in.tokens`` from
+row ``row``, continuing its slot's history (a one-token segment of the slot's pending
+token is a decode row). Used segments come first, in ascending rows that do not
+overlap; unused ones have count 0. Its records are in segment order.
 
 The per-slot request state written at admission (``slot_state``) and the
 sampling columns (``flare.core.sampling_params``) complete the interface.
@@ -78,6 +79,17 @@ class PrefillInput(NamedTuple):
     sample: int
     reserved: int = 0
     buffer = "in.prefill"
+
+
+class PackSegment(NamedTuple):
+    """``in.pack`` row: ``count`` tokens of ``in.tokens`` from row ``row`` continue ``slot``'s
+    history; ``sample`` 1 samples the next token after the last of them."""
+
+    slot: int
+    count: int
+    sample: int
+    row: int
+    buffer = "in.pack"
 
 
 class StateInput(NamedTuple):
@@ -141,7 +153,7 @@ def unpack_logprobs(record, max_logprobs: int, *, start: int = len(Completion._f
 
 
 DECODE_SLOTS = "in.decode_slots"
-PACK_INPUT = "in.pack"  # PrefillInput rows, one per segment
+PACK_INPUT = PackSegment.buffer
 PACK_COMPLETION = "out.pack_completion"
 SCORES = "out.scores"  # score programs: row j is token j's log-probability block (logprob_columns)
 TOKENS = "in.tokens"
@@ -149,7 +161,7 @@ PREFILL_COMPLETION = "out.prefill_completion"
 DECODE_COMPLETION = "out.decode_completion"
 STATE_COMPLETION = "out.state_completion"
 
-Row = TypeVar("Row", AdmitInput, PrefillInput, StateInput, Completion, StateCompletion)
+Row = TypeVar("Row", AdmitInput, PrefillInput, PackSegment, StateInput, Completion, StateCompletion)
 
 
 def pack(row: NamedTuple) -> np.ndarray:

@@ -140,6 +140,9 @@ class Capacities(_Frozen):
     # Rows of each pack program (prefill chunks of up to max(decode_capacities) slots at
     # once, and decode steps that carry a prefill chunk), ascending; none by default.
     pack_capacities: tuple[int, ...] = ()
+    # Query rows per attention tile of a pack: a segment continuing a history starts and ends
+    # on a multiple of it, so that no tile mixes its rows with another slot's.
+    pack_align: int = 1
 
 
 class Continuation(_Frozen):
@@ -326,7 +329,7 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         "out.logits": (BufferRole.output, DType.float32, (bmax, c.vocab_size)),
         **({io.SCORES: (BufferRole.output, DType.int32, (c.score_chunk, io.logprob_columns(c.max_logprobs)))}
            if c.score_chunk else {}),
-        **({io.PACK_INPUT: (BufferRole.input, DType.int32, (bmax, len(io.PrefillInput._fields))),
+        **({io.PACK_INPUT: (BufferRole.input, DType.int32, (bmax, len(io.PackSegment._fields))),
             io.PACK_COMPLETION: (BufferRole.output, DType.int32, (bmax, ncomp))} if c.pack_capacities else {}),
     }
 
@@ -452,6 +455,13 @@ def validate(m: Manifest) -> None:
         _fail("decode capacities must lie in [1, slots]", "capacities.decode_capacities")
     if pack_capacity_error(c.pack_capacities, c.prefill_chunk):
         _fail(f"capacities.pack_capacities: {pack_capacity_error(c.pack_capacities, c.prefill_chunk)}",
+              "capacities.pack_capacities")
+    if c.pack_align < 1 or c.pack_align & (c.pack_align - 1):
+        _fail("capacities.pack_align must be a power of two", "capacities.pack_align")
+    if c.pack_capacities and set(m.continuation.state) - {"state.hidden"}:
+        _fail("pack programs need a model without recurrent state", "capacities.pack_capacities")
+    if tuple(p.capacity for p in m.programs_of(ProgramKind.pack)) != c.pack_capacities:
+        _fail(f"pack programs do not match capacities.pack_capacities {list(c.pack_capacities)}",
               "capacities.pack_capacities")
     if not 0 < c.sampling_vocab <= c.vocab_size:
         _fail("sampling_vocab must lie in (0, vocab_size]", "capacities.sampling_vocab")

@@ -16,6 +16,7 @@ from flare.core import interface as io
 from flare.core import manifest as mf
 from flare.core.manifest import BufferRole, DType, ProgramKind
 from flare.core.sampling_params import SAMPLING_PARAMS
+from flare.prepare.attention import query_tile_tokens
 from flare.prepare.layout import BufferRequest
 from flare.prepare.programs import TORCH_DTYPES
 from flare.prepare.sources import ModelSource
@@ -104,6 +105,8 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         if recipe.state_buffers(src.config, DType(opts.resolved_dtype())):
             raise PrepareError(f"--pack-capacities: {recipe.name} keeps recurrent state per slot, "
                                f"which packed prefill cannot carry")
+        if opts.attention == "gather":  # it would gather every page of every row's slot
+            raise PrepareError("--pack-capacities needs the reference or the triton attention, not gather")
     caps = mf.Capacities(
         context_limit=context,
         prefill_chunk=chunk,
@@ -121,6 +124,8 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         score_chunk=min(chunk, SCORE_CHUNK) if opts.max_logprobs else 0,
         min_prefill_capacity=opts.min_prefill_capacity,
         pack_capacities=pack_caps,
+        pack_align=query_tile_tokens(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+                                     or cfg.num_attention_heads) if pack_caps else 1,
     )
     geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize

@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from flare.core import interface as io
-from flare.core.interface import AdmitInput, AdmitMode, Completion, PrefillInput, StateCompletion, StateInput, Status
+from flare.core.interface import (AdmitInput, AdmitMode, Completion, PackSegment, PrefillInput, StateCompletion,
+                                  StateInput, Status)
 from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
 from flare.core.sampling_params import INTEGER_STATE, column
 from flare.prepare.attention import PagedBatch
@@ -255,40 +256,44 @@ class ProgramSet:
         return hidden
 
     def pack(self, C: int) -> None:
-        """Prefill chunks of several slots in one program of C rows (``in.pack``: a
-        PrefillInput row per segment, used segments first, slot 0 and count 0 after them).
-        Row r belongs to the segment whose token range holds it and continues that slot's
-        history: its position is the slot's length plus its offset in the segment, and it
-        attends to its own slot's pages only (the batch is not single-slot). Each used
-        segment then does what a prefill chunk does for its slot: length, final hidden
-        vector, and a sample when asked, its record in segment order."""
+        """Segments of several slots in one program of C rows (``in.pack``: a PackSegment
+        row each, up to min(B, C) of them). Row r belongs to the segment whose rows hold it
+        and continues that slot's history: its position is the slot's length plus its offset
+        in the segment, and it attends to its own slot's pages only (the batch is not
+        single-slot; tiles of one slot's rows share their key reads). Each used segment of a
+        slot not done then does what a prefill chunk does for its slot (a one-token segment
+        of the pending token: what a decode row does): length, final hidden vector, and a
+        sample when asked, its record in segment order."""
         v = self.v
-        meta = io.columns(PrefillInput, v[io.PACK_INPUT].t())  # each field: [1, S]
+        S = min(v[io.PACK_INPUT].shape[0], C)
+        meta = io.columns(PackSegment, v[io.PACK_INPUT][:S].t())  # each field: [1, S]
         slots, counts, sample = meta.slot[0].long(), meta.count[0].long(), meta.sample[0]
         dev = slots.device
-        ends = torch.cumsum(counts, 0)
+        used = counts > 0
+        live_seg = used & (v["state.done"].index_select(0, slots) == 0)
+        starts = torch.where(used, meta.row[0].long(), C)  # ascending: used segments come first
         idx = torch.arange(C, device=dev)
-        valid = idx < ends[-1]
-        seg = torch.searchsorted(ends, idx, right=True).clamp(max=slots.shape[0] - 1)
+        seg = (torch.searchsorted(starts, idx, right=True) - 1).clamp(min=0)
+        off = idx - starts.index_select(0, seg)
+        valid = (off >= 0) & (off < counts.index_select(0, seg)) & live_seg.index_select(0, seg)
         row_slot = torch.where(valid, slots.index_select(0, seg), 0)
         start = v["state.len"].index_select(0, slots).long()  # [S]
-        pos = torch.where(valid, start.index_select(0, seg) + idx - (ends - counts).index_select(0, seg), 0)
+        pos = torch.where(valid, start.index_select(0, seg) + off, 0)
         tokens = torch.where(valid, v[io.TOKENS][:C].long(), 0)
         pt = v["state.page_table"].index_select(0, row_slot).long()
         batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid, tiles=True)
         hidden = self._forward(tokens, pos, batch)
         v["out.prefill_hidden"][:C].copy_(hidden)
-        used = counts > 0
-        last = hidden.index_select(0, (ends - 1).clamp(min=0))
-        # Unused segments name the null slot (garbage by contract); they write its old rows back.
+        last = hidden.index_select(0, (starts + counts - 1).clamp(0, C - 1))
+        # Unused segments name the null slot (garbage by contract); they, and the segments of
+        # finished slots, write their old rows back.
         old_hidden = v["state.hidden"].index_select(0, slots)
-        v["state.hidden"].index_copy_(0, slots, torch.where(used[:, None], last, old_hidden))
-        v["state.len"].index_copy_(0, slots, (start + counts).int())
+        v["state.hidden"].index_copy_(0, slots, torch.where(live_seg[:, None], last, old_hidden))
+        v["state.len"].index_copy_(0, slots, (start + counts * live_seg).int())
         logits = self.recipe.lm_head(self.model, last).float()
-        S = slots.shape[0]
         v["out.logits"][:S].copy_(logits)
-        live = used & (sample != 0) & (v["state.done"].index_select(0, slots) == 0)
-        self._sample_and_commit(slots, logits, live, v[io.PACK_COMPLETION])
+        live = live_seg & (sample != 0)
+        self._sample_and_commit(slots, logits, live, v[io.PACK_COMPLETION][:S])
 
     def _decode_inputs_eager(self, B: int):
         v = self.v

@@ -16,7 +16,8 @@ import numpy as np
 
 from flare.core import interface as io
 from flare.core.manifest import Manifest, ProgramKind, mask_words
-from flare.runtime.request import Request
+from flare.runtime import packing
+from flare.runtime.request import Request, Status
 from flare.runtime.steps import Step, Write
 
 _U64 = (1 << 64) - 1
@@ -109,17 +110,24 @@ class StepEncoder:
 
     def pack(self, capacity: int, segments: Sequence[tuple[Request, Sequence[int], bool, bool]],
              writes: list[Write] | None = None) -> Step:
-        """Segments (request, tokens, sample, decoding) in ``pack.{capacity}``, in this order;
-        the segment rows after them are unused (slot 0). A decoding segment is the request's
-        pending token (one decode row); ``writes`` (page growth, masks) go first."""
-        rows = np.zeros((max(self.decode_caps), len(io.PrefillInput._fields)), np.int32)
-        for i, (req, tokens, sample, _) in enumerate(segments):
-            rows[i] = io.pack(io.PrefillInput(req.slot, len(tokens), int(sample)))
-        tokens = np.concatenate([np.asarray(t, np.int32) for _, t, _, _ in segments])
+        """Segments (request, tokens, sample, continues) in ``pack.{capacity}``, in this order,
+        at the rows ``packing.layout`` gives them (a chunk that continues a history takes
+        whole tiles); the segment rows after them are unused. A one-token segment of a
+        decoding request is its pending token (a decode row); ``writes`` (page growth,
+        masks) go first."""
+        starts, end = packing.layout([(len(t), cont) for _, t, _, cont in segments], self.caps.pack_align)
+        if end > capacity or len(segments) > min(max(self.decode_caps), capacity):
+            raise ValueError(f"{len(segments)} segments over {end} rows do not fit pack.{capacity}")
+        rows = np.zeros((max(self.decode_caps), len(io.PackSegment._fields)), np.int32)
+        tokens = np.zeros(capacity, np.int32)
+        for i, ((req, toks, sample, _), start) in enumerate(zip(segments, starts)):
+            rows[i] = io.pack(io.PackSegment(req.slot, len(toks), int(sample), start))
+            tokens[start : start + len(toks)] = toks
+        decoding = [req.status == Status.DECODING for req, *_ in segments]
         return Step(ProgramKind.pack, f"pack.{capacity}",
                     [*(writes or []), Write(io.TOKENS, tokens), Write(io.PACK_INPUT, rows)],
-                    [req for req, *_ in segments], io.PACK_COMPLETION, count=len(tokens),
-                    segments=[(len(t), sample, decoding) for _, t, sample, decoding in segments])
+                    [req for req, *_ in segments], io.PACK_COMPLETION, count=sum(len(t) for _, t, _, _ in segments),
+                    segments=[(len(t), sample, dec) for (_, t, sample, _), dec in zip(segments, decoding)])
 
     def resume(self, req: Request) -> Step:
         """Sample the first output token of a full-prompt hit from the restored hidden row."""

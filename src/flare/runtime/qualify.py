@@ -154,15 +154,15 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         # Segments of distinct live slots, each continuing a history, filling part of the
         # capacity; one segment does not sample, and in the third set one slot is finished.
         rows = base[io.PACK_INPUT].shape[0]
-        used = int(rng.integers(1, min(rows, c.slots) + 1))
+        used = int(rng.integers(1, min(rows, c.slots, (p.capacity + 1) // 2) + 1))
         slots = rng.permutation(np.arange(1, c.slots + 1))[:used]
-        total = int(rng.integers(used, p.capacity + 1))
-        cuts = np.sort(rng.choice(np.arange(1, total), size=used - 1, replace=False))
-        counts = np.minimum(np.diff([0, *cuts, total]), per_slot_tokens - 2)  # each at least 1
+        # Segment i spans rows [cuts[2i], cuts[2i + 1]): ascending, non-empty, gaps between.
+        cuts = np.sort(rng.choice(np.arange(p.capacity + 1), size=2 * used, replace=False))
         arr = np.zeros(base[io.PACK_INPUT].shape, np.int32)
         lens = base["state.len"].copy()
-        for i, (slot, n) in enumerate(zip(slots, counts)):
-            arr[i] = io.pack(io.PrefillInput(int(slot), int(n), int(i != 0 or index == 0)))
+        for i, slot in enumerate(slots):
+            first, n = int(cuts[2 * i]), int(min(cuts[2 * i + 1] - cuts[2 * i], per_slot_tokens - 2))
+            arr[i] = io.pack(io.PackSegment(int(slot), n, int(i != 0 or index == 0), first))
             lens[slot] = int(rng.integers(0, max(1, per_slot_tokens - n)))
         out[io.PACK_INPUT] = arr
         out["state.len"] = lens

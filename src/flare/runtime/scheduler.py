@@ -15,8 +15,10 @@ engine turns its ``Step``s into executor writes and launches. Policy (docs/archi
   fit one turn's budget: the prefill chunk, or ``prefill_while_decoding`` when set.
   The first chunk of a turn always runs. A long prompt's chunk fills the turn alone;
   short prompts that arrive together are all prefilled before the decoders' next step
-  (their first tokens do not wait a decode step each), and decoders wait at most about
-  one chunk's time.
+  (their first tokens do not wait a decode step each). The budget counts rows, not time:
+  sixteen ``prefill.128`` programs take longer than one 2,048-token chunk.
+* Pack programs (``runtime/packing.py``): several prompts' chunks in one program; with
+  ``decode_with_prefill``, decode steps that carry a prefilling prompt's chunk.
 * Cancellation and completion take effect at submission boundaries: the
   engine calls ``schedule`` only when nothing it submitted is in flight.
 * Two decode steps in flight (``schedule_ahead``): while decode step N runs, the
@@ -54,6 +56,7 @@ from flare.core import interface as io
 from flare.core.errors import AdmissionError, CapacityError, ExecutionError, FrontendError, ModelOutputError
 from flare.core.interface import Status as DeviceStatus
 from flare.core.manifest import Manifest, ProgramKind
+from flare.runtime import packing
 from flare.runtime.checkpoints import Checkpoints
 from flare.runtime.encoder import StepEncoder, derive_seed
 from flare.runtime.metrics import ServingMetrics
@@ -176,7 +179,8 @@ class Scheduler:
                 step = self._pack_step(*plan, decoders=True)
                 self._last_kind, self._turn_rows = ProgramKind.decode, 0  # the decoders had their step
                 return step if step is not None else self.schedule()
-        plan = self._pack_plan(prefilling, 0)
+        # A pack beside decoders keeps to the turn's rows (and --prefill-while-decoding).
+        plan = self._pack_plan(prefilling, 0, self._turn_budget() - self._turn_rows if decoding else None)
         rows = plan[0] if plan else self._chunk_rows(prefilling[0]) if prefilling else 0
         if prefilling and (not decoding or self._last_kind == ProgramKind.decode
                            or self._turn_rows + rows <= self._turn_budget()):
@@ -264,46 +268,38 @@ class Scheduler:
         request already holds its pending token (a readmission) or only scores (max_tokens 0)."""
         return end == len(req.target) and not req.output and req.params.max_tokens > 0
 
-    def _pack_plan(self, prefilling: list[Request], decoders: int) -> tuple[int, list[tuple[Request, int]]] | None:
-        """A pack program's capacity and the prefilling requests (in order) with the tokens
-        of their chunks in it, beside ``decoders`` one-token rows; None when no pack fits.
-        Without decoders a pack needs two chunks or more, each whole; with decoders (a
-        decode step that carries prefill) the first chunk is cut to the rows left. The first
-        request that does not fit ends the list; scoring and grammar-constrained requests
-        take their own programs."""
-        caps = self.caps.pack_capacities
-        if not caps or decoders >= self.caps.decode_capacities[-1]:
-            return None
-        left, chunks = caps[-1] - decoders, []
+    def _pack_plan(self, prefilling: list[Request], decoders: int,
+                   limit: int | None = None) -> tuple[int, list[tuple[Request, int]]] | None:
+        """A pack program's capacity (at most ``limit`` rows) and the prefilling requests, in
+        order, with the tokens of their chunks in it beside ``decoders`` one-token rows, or
+        None (``flare.runtime.packing.plan``). Scoring and grammar-constrained requests
+        take their own programs: the first of them ends the candidates."""
+        caps = [c for c in self.caps.pack_capacities if limit is None or c <= limit]
+        candidates = []
         for req in prefilling:
-            if req.scoring or req.grammar is not None or decoders + len(chunks) == self.caps.decode_capacities[-1]:
+            if req.scoring or req.grammar is not None:
                 break
-            n = self._chunk_end(req) - req.consumed
-            if decoders and not chunks:
-                n = min(n, left)
-            if not 0 < n <= left:
-                break
-            chunks.append((req, n))
-            left -= n
-        if not chunks or (not decoders and len(chunks) < 2):
+            candidates.append(req)
+        chunks = [packing.Chunk(self._chunk_end(r) - r.consumed, r.consumed > 0) for r in candidates]
+        planned = packing.plan(chunks, decoders, caps, self.caps.pack_align, self.caps.decode_capacities[-1])
+        if planned is None:
             return None
-        rows = caps[-1] - left
-        return next(c for c in caps if c >= rows), chunks
+        capacity, tokens = planned
+        return capacity, list(zip(candidates, tokens))
 
     def _pack_step(self, capacity: int, chunks: list[tuple[Request, int]], *, decoders: bool = False) -> Step | None:
-        """The chunks' segments first (a long chunk's rows then start at row 0, in whole
-        tiles of one slot), then, for a decode step that carries them, every decoder's
-        pending token. None when every decoder was preempted or ended."""
+        """The chunks' segments first, then, for a decode step that carries them, every
+        decoder's pending token. None when every decoder was preempted or ended."""
         segments = []
         for req, n in chunks:
             end = req.consumed + n
-            segments.append((req, req.target[req.consumed : end], self._samples(req, end), False))
+            segments.append((req, req.target[req.consumed : end], self._samples(req, end), req.consumed > 0))
         writes: list[Write] = []
         if decoders:
             batch = self._decoders(writes)
             if not batch:
                 return None
-            segments += [(req, [req.output[-1]], True, True) for req in batch]
+            segments += [(req, [req.output[-1]], True, False) for req in batch]
         return self.encode.pack(capacity, segments, writes)
 
     def _prefill_step(self, req: Request) -> Step | None:

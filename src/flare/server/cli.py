@@ -84,6 +84,9 @@ async def serve(a: argparse.Namespace) -> int:
     core = Path(a.core)
     try:
         manifest = load_manifest(core)
+        if a.decode_with_prefill and not manifest.capacities.pack_capacities:
+            log.error("startup failed: --decode-with-prefill needs a core prepared with --pack-capacities")
+            return 2
         engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting,
                         prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight,
                         prefill_while_decoding=a.prefill_while_decoding,
@@ -91,9 +94,7 @@ async def serve(a: argparse.Namespace) -> int:
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
-    except ValueError as e:  # serving options the core cannot honour
-        log.error("startup failed: %s", e)
-        return 2
+
     # The served model's tokenizer, template and grammar compiler need only the manifest:
     # they load while the executor uploads and builds.
     started, loaded = await asyncio.gather(

@@ -48,13 +48,12 @@ import torch
 import triton
 import triton.language as tl
 
-from flare.prepare.attention import PagedBatch
+from flare.prepare.attention import PagedBatch, query_tile_tokens
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 32
 _PARTIAL_BYTES = 64 << 20  # largest split partials buffer of one launch (float32 acc)
-_TILE_ROWS = 64  # query rows per program when tokens are tiled (prefill)
 _DOT_MIN = 16  # tl.dot needs at least 16 rows
 
 
@@ -239,10 +238,9 @@ def plan_launch(
     T: int, H: int, KVH: int, D: int, max_pages: int, page_size: int, *,
     tile_tokens: bool, sm_count: int, num_splits: int | None = None,
 ) -> Launch:
-    group = H // KVH
-    heads = triton.next_power_of_2(group)
+    heads = triton.next_power_of_2(H // KVH)
     if tile_tokens and T > 1:
-        block_t = max(1, min(_TILE_ROWS // heads, triton.next_power_of_2(T)))
+        block_t = min(query_tile_tokens(H, KVH), triton.next_power_of_2(T))
     else:
         block_t = 1
     heads = max(heads, -(-_DOT_MIN // block_t))  # pad a short tile up to tl.dot's minimum
