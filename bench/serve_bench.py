@@ -12,6 +12,7 @@ Primary sampling: temperature 1, top-k 20, top-p 0.95. Scenarios (docs/performan
   prefix        TTFT of a cached prefix plus a short tail against a cold short prompt
   agent         multi-turn chat with tools in the system prompt: per-turn TTFT and cached_tokens
   interference  ITL of running decodes before and while a long prompt is prefilled
+  arrivals      TTFT of short cold prompts sent together against one sent alone
 
 The context limit comes from --context-limit, else /v1/models, else a 400. The
 JSON keeps every raw sample, the client machine, the options and the server's

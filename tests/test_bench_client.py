@@ -73,3 +73,23 @@ def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
     assert i["long_cached_tokens"] == 0 and i["prefill_window_s"] > 0
     assert i["itl_before"]["count"] >= 3 and i["itl_during"]["count"] >= 1
     assert i["itl_during"]["max_ms"] >= i["itl_during"]["p50_ms"] > 0
+
+
+def test_ab_serve_runs_two_configurations_of_one_core(tmp_path):
+    """bench.ab_serve: the same scenarios against flare-serve without and with
+    --decode-with-prefill on a core with pack programs; both runs complete, every prompt
+    cold, the options recorded."""
+    from tests.conftest import TINY_OPTS, prepare_core
+
+    core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack")
+    out = tmp_path / "ab.json"
+    subprocess.run([sys.executable, "-m", "bench.ab_serve", str(core), str(out), "--b=--decode-with-prefill", "--",
+                    "--scenarios", "arrivals,interference", "--tokens", "8", "--interference-decoders", "2",
+                    "--interference-tokens", "40", "--interference-after", "4", "--interference-prompt", "300",
+                    "--repeats", "1"], cwd=ROOT, check=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert (r["a"]["serve_options"], r["b"]["serve_options"]) == ("", "--decode-with-prefill")
+    for key in ("a", "b"):
+        res = r[key]["results"]
+        assert res["arrivals"]["cached_tokens"] == [0] * 5 and res["arrivals"]["last_ttft_s"] > 0
+        assert res["interference"]["itl_during"]["count"] >= 1
