@@ -9,8 +9,8 @@ router's choices come from random hidden rows and a random router (so the expert
 batch hits are as many as real routing would hit, not one), and each candidate computes
 the routed experts' weighted sum for the chunk:
 
-* ``ours[bm,bn,bk,w]``  kernels/moe.py's tiled path (prefill chunks): the router GEMM, route and plan
-  (one fused launch, ``route_plan``, up to 128 pairs; torch ops beyond), grouped gate/up,
+* ``ours[bm,bn,bk,w]``  kernels/moe.py's tiled path (prefill chunks): the invariant router GEMM,
+  routing and plan as torch ops (as the recipe, for every prefill capacity), grouped gate/up,
   grouped down, the weighted sum (block_m 16 for decode, 64 for prefill).
 * ``ours.decode``  the decode path (at most ``DECODE_PAIRS`` pairs): router GEMM,
   ``route_plan``, a gate/up GEMV program per pair and feature block, and the down GEMVs
@@ -19,6 +19,8 @@ the routed experts' weighted sum for the chunk:
   expert computation is timed, the other kernel at its default blocks).
 * ``ours.route_plan`` / ``ours.route+plan``  the fixed cost before any expert GEMM: the
   fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces.
+* ``router.invariant_linear`` / ``router.cublas``  the router GEMM alone, as the recipe runs
+  it and by cuBLAS (what batch invariance costs).
 * ``torch_grouped_mm``  torch._grouped_mm over the pairs sorted by expert (offsets on the
   device), where this torch has it for the dtype.
 * ``torch_reference``   (CPU smoke only) the reference path's expert loop on the host.
@@ -129,11 +131,11 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
     out = []
     if T * k <= K.DECODE_PAIRS:
         def decode(x, w, ids, gu=(16, 512, 4), dn=(4, 512, 4)):
-            logits = F.linear(x, router)
+            logits = K.invariant_linear(x, router)
             w, ids, _ = K.route_plan(logits, k, True, None, 16, with_plan=False)
             return (K.experts_decode(x, w, ids, gate_up, down, gate_up_blocks=gu, down_blocks=dn),)
         out.append(Case(f"{tag}.ours.decode", [(lambda s=s: decode(*s)) for s in sets], [], check,
-                        "as the recipe runs a decode step: router GEMM, route_plan, the two GEMV kernels",
+                        "as the recipe runs a decode step: invariant router GEMM, route_plan, the two GEMV kernels",
                         bytes_per_call=active))
         expert_bytes = hit * H * I * gate_up.element_size()
         for gu in sweeps[0]:
@@ -151,17 +153,18 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
             continue
 
         def ours(x, w, ids, bm=bm, bn=bn, bk=bk, warps=warps):
-            logits = F.linear(x, router)
-            if K.fits_route_plan(T, k):
-                w, ids, p = K.route_plan(logits, k, True, None, bm)
-            else:
-                w, ids = K.route_logits(logits, k, True)
-                p = K.plan(ids, E, bm)
+            # As the recipe runs a prefill chunk: the invariant router, torch routing, the plan.
+            w, ids = K.route_logits(K.invariant_linear(x, router), k, True)
+            p = K.plan(ids, E, bm)
             h = K.grouped_gate_up(x, gate_up, p, k, block_n=bn, block_k=bk, num_warps=warps)
             return (K.combine_triton(K.grouped_down(h, down, p, block_n=bn, block_k=bk, num_warps=warps), w, ids,
                                      E),)
         out.append(Case(f"{tag}.ours[bm{bm},bn{bn},bk{bk},w{warps}]",
                         [(lambda s=s, f=ours: f(*s)) for s in sets], [], check, bytes_per_call=active))
+    out.append(Case(f"{tag}.router.invariant_linear", [(lambda s=s: (K.invariant_linear(s[0], router),)) for s in sets],
+                    [], None, "the router GEMM as the recipe runs it (fixed tiles, batch-invariant rows)"))
+    out.append(Case(f"{tag}.router.cublas", [(lambda s=s: (F.linear(s[0], router),)) for s in sets],
+                    [], None, "the router GEMM by cuBLAS (rows depend on the batch size)"))
     out.append(Case(f"{tag}.ours.route+plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))
                                                for s in sets], [], None, "router GEMM, route and plan as torch ops"))
     if K.fits_route_plan(T, k):
