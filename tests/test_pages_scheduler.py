@@ -962,3 +962,6 @@ def test_pack_layout_and_plan():
     assert plan([Chunk(10, False), cold], 2, (16, 64), 16, 8) == (64, [10, 12])
     assert plan([Chunk(10, False)], 2, (16, 64), 16, 8) == (16, [10])
     assert plan([cold], 8, (64,), 16, 8) is None  # no segment left beside a full decode batch
+    # --prefill-while-decoding 64 beside four decoders: three prompts' chunks keep to 64 tokens.
+    assert plan([Chunk(64, False)] * 3, 4, (64, 256), 16, 8, 64) == (256, [64])
+    assert plan([Chunk(64, False)] * 3, 4, (64, 256), 16, 8) == (256, [64, 64, 64])

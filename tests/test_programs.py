@@ -504,3 +504,9 @@ def test_pack_program_equals_separate_prefills(attention):
     torch.testing.assert_close(logits, torch.cat([torch.stack(want_logits), decoded_logits]), atol=1e-4, rtol=1e-4)
     for name in ("state.len", "state.pending", "state.generated", "state.counter", "state.hist"):
         assert torch.equal(v[name][1:4], separate.v[name][1:4]), name
+    # A finished slot's segment changes nothing of it; its record says inactive.
+    v["state.done"][2] = int(io.Status.stop)
+    before = {name: v[name][2].clone() for name in ("state.len", "state.hidden", "state.pending", "state.counter")}
+    packed.run["pack.64"]()
+    assert completion(packed, io.PACK_COMPLETION, 3)[1].status == int(io.Status.inactive)
+    assert all(torch.equal(v[name][2], old) for name, old in before.items())

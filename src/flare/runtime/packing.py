@@ -49,15 +49,16 @@ def layout(segments: Sequence[tuple[int, bool]], align: int) -> tuple[list[int],
 
 
 def plan(chunks: Sequence[Chunk], decoders: int, capacities: Sequence[int], align: int,
-         max_segments: int) -> tuple[int, list[int]] | None:
+         max_segments: int, max_tokens: int | None = None) -> tuple[int, list[int]] | None:
     """(pack capacity, tokens of each chunk taken) for the longest prefix of ``chunks`` that
     fits one pack of the largest of ``capacities`` with ``decoders`` one-token rows after
     them, or None. Without decoders a pack needs two chunks or more, each whole (a prompt
     alone runs its own prefill program). With decoders the first chunk is cut to the rows
     they leave (to whole tiles when it continues a history), but not below half the pack
     unless that finishes its prompt: a prompt that would crawl forward a few tokens per
-    step waits for a plain prefill chunk instead. The capacity is the smallest that holds
-    the rows."""
+    step waits for a plain prefill chunk instead. ``max_tokens`` bounds the chunks' tokens
+    together (``--prefill-while-decoding`` beside decoders). The capacity is the smallest
+    that holds the rows."""
     if not capacities or decoders >= max_segments:
         return None
     top = capacities[-1]
@@ -72,7 +73,7 @@ def plan(chunks: Sequence[Chunk], decoders: int, capacities: Sequence[int], alig
             if n < min(c.tokens, top // 2) or n < 1:
                 return None
         trial = [(t, ch.continues) for t, ch in zip([*taken, n], chunks)] + [(1, False)] * decoders
-        if layout(trial, align)[1] > top:
+        if layout(trial, align)[1] > top or (max_tokens is not None and sum(taken) + n > max_tokens):
             break
         taken.append(n)
     if not taken or (not decoders and len(taken) < 2):

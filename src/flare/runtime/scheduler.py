@@ -272,8 +272,9 @@ class Scheduler:
                    limit: int | None = None) -> tuple[int, list[tuple[Request, int]]] | None:
         """A pack program's capacity (at most ``limit`` rows) and the prefilling requests, in
         order, with the tokens of their chunks in it beside ``decoders`` one-token rows, or
-        None (``flare.runtime.packing.plan``). Scoring and grammar-constrained requests
-        take their own programs: the first of them ends the candidates."""
+        None (``flare.runtime.packing.plan``). Beside decoders the chunks' tokens together
+        keep to ``--prefill-while-decoding`` when set. Scoring and grammar-constrained
+        requests take their own programs: the first of them ends the candidates."""
         caps = [c for c in self.caps.pack_capacities if limit is None or c <= limit]
         candidates = []
         for req in prefilling:
@@ -281,7 +282,8 @@ class Scheduler:
                 break
             candidates.append(req)
         chunks = [packing.Chunk(self._chunk_end(r) - r.consumed, r.consumed > 0) for r in candidates]
-        planned = packing.plan(chunks, decoders, caps, self.caps.pack_align, self.caps.decode_capacities[-1])
+        planned = packing.plan(chunks, decoders, caps, self.caps.pack_align, self.caps.decode_capacities[-1],
+                               (self.prefill_while_decoding or None) if decoders else None)
         if planned is None:
             return None
         capacity, tokens = planned

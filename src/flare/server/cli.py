@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-with-prefill", action="store_true",
                    help="while a prompt prefills, each decode step carries a chunk of it in a pack program (a "
                         "core prepared with --pack-capacities): running requests get a token every step; the "
-                        "prompt advances by the largest pack capacity less the decoders per step")
+                        "prompt advances by up to the largest pack capacity less the decoders per step (whole "
+                        "attention tiles once it continues a history; at most --prefill-while-decoding when set)")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=2,
                    help="decode steps kept in flight: 2 queues the next decode before the current one "
                         "completes (host work overlaps the device); 1 runs one step at a time")
@@ -94,7 +95,6 @@ async def serve(a: argparse.Namespace) -> int:
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
-
     # The served model's tokenizer, template and grammar compiler need only the manifest:
     # they load while the executor uploads and builds.
     started, loaded = await asyncio.gather(
