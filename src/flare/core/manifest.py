@@ -453,9 +453,9 @@ def validate(m: Manifest) -> None:
         _fail("decode capacities must be unique and ascending", "capacities.decode_capacities")
     if c.decode_capacities[0] < 1 or c.decode_capacities[-1] > c.slots:
         _fail("decode capacities must lie in [1, slots]", "capacities.decode_capacities")
-    if pack_capacity_error(c.pack_capacities, c.prefill_chunk):
-        _fail(f"capacities.pack_capacities: {pack_capacity_error(c.pack_capacities, c.prefill_chunk)}",
-              "capacities.pack_capacities")
+    pack_error = pack_capacity_error(c.pack_capacities, c.prefill_chunk)
+    if pack_error:
+        _fail(f"capacities.pack_capacities: {pack_error}", "capacities.pack_capacities")
     if c.pack_align < 1 or c.pack_align & (c.pack_align - 1):
         _fail("capacities.pack_align must be a power of two", "capacities.pack_align")
     if c.pack_capacities and set(m.continuation.state) - {"state.hidden"}:

@@ -63,6 +63,7 @@ def plan(chunks: Sequence[Chunk], decoders: int, capacities: Sequence[int], alig
         return None
     top = capacities[-1]
     taken: list[int] = []
+    rows = 0
     for i, c in enumerate(chunks):
         if decoders + len(taken) == max_segments:
             break
@@ -73,10 +74,11 @@ def plan(chunks: Sequence[Chunk], decoders: int, capacities: Sequence[int], alig
             if n < min(c.tokens, top // 2) or n < 1:
                 return None
         trial = [(t, ch.continues) for t, ch in zip([*taken, n], chunks)] + [(1, False)] * decoders
-        if layout(trial, align)[1] > top or (max_tokens is not None and sum(taken) + n > max_tokens):
+        end = layout(trial, align)[1]
+        if end > top or (max_tokens is not None and sum(taken) + n > max_tokens):
             break
         taken.append(n)
+        rows = end
     if not taken or (not decoders and len(taken) < 2):
         return None
-    rows = layout([(t, ch.continues) for t, ch in zip(taken, chunks)] + [(1, False)] * decoders, align)[1]
     return next(cap for cap in capacities if cap >= rows), taken

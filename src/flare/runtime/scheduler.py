@@ -276,6 +276,8 @@ class Scheduler:
         keep to ``--prefill-while-decoding`` when set. Scoring and grammar-constrained
         requests take their own programs: the first of them ends the candidates."""
         caps = [c for c in self.caps.pack_capacities if limit is None or c <= limit]
+        if not caps:  # no pack programs (or none within the turn): nothing to plan, every step
+            return None
         candidates = []
         for req in prefilling:
             if req.scoring or req.grammar is not None:
