@@ -11,7 +11,8 @@ the routed experts' weighted sum for the chunk:
 
 * ``ours[bm,bn,bk,w]``  kernels/moe.py's tiled path (prefill chunks): the invariant router GEMM,
   routing and plan as torch ops (as the recipe, for every prefill capacity), grouped gate/up,
-  grouped down, the weighted sum (block_m 16 for decode, 64 for prefill).
+  grouped down, the weighted sum (``BLOCK_M`` 64, the recipe's, for prefill; 16 at decode sizes,
+  against the GEMVs).
 * ``ours.decode``  the decode path (at most ``DECODE_PAIRS`` pairs): router GEMM,
   ``route_plan``, a gate/up GEMV program per pair and feature block, and the down GEMVs
   summed over each token's pairs in place (two expert launches, no tiles);

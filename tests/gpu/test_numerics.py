@@ -229,7 +229,7 @@ def test_routed_experts_match_transformers(gpu_shape_core, results_dir):
                 top = p32.topk(k + 1, -1)
                 margin = top.values[:, k - 1] - top.values[:, k]
                 if K.fits_route_plan(n, k):
-                    _, ids, _ = K.route_plan(logits16, k, renorm, None, K.block_m_for(n * k))
+                    _, ids, _ = K.route_plan(logits16, k, renorm, None, K.BLOCK_M)
                 else:
                     _, ids = K.route_logits(logits16, k, renorm, None)
                 same = (ids.sort(-1).values == top.indices[:, :k].sort(-1).values).all(-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -18,9 +19,11 @@ class PoolAllocator:
         so = cache_dir() / "build" / f"flare_pool_{hashlib.sha256(src).hexdigest()[:12]}.so"
         if not so.is_file():
             so.parent.mkdir(parents=True, exist_ok=True)
-            tmp = so.with_suffix(".tmp.so")
+            # Prepares run side by side on a cold machine: each compiles to its own file and the
+            # rename (atomic) publishes whichever finishes; a shared temporary name raced.
+            tmp = so.with_name(f"{so.stem}.{os.getpid()}.tmp.so")
             subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SRC)], check=True)
-            tmp.rename(so)
+            os.replace(tmp, so)
         self.path = str(so)
         self.lib = ctypes.CDLL(self.path)
         self.lib.flare_pool_set.argtypes = [ctypes.c_size_t, ctypes.c_size_t]

@@ -23,6 +23,9 @@ the device, so the whole layer is captured once and replayed:
 * ``route_plan``: both in one program for a batch of at most 128 pairs (decode): top k by
   repeated maxima, the order and tiles by comparing every two pairs, so a decode step
   pays one launch for them instead of the dozens of small kernels of the torch ops.
+  Routing alone (the decode GEMVs need no plan) runs one program per token, so a token's
+  weights do not depend on its batch either (the batch-wide program's softmax did, in the
+  last bit, measured on the H200).
 * ``plan``: the (token, slot) pairs sorted by expert, and a static list of row tiles of
   ``block_m`` pairs, each within one expert (``tile_expert`` = -1 for unused tiles). At
   most ``min(P, cdiv(P, block_m) + E)`` tiles for ``P = T * k`` pairs: a decode step of
@@ -170,7 +173,9 @@ def _route_plan_kernel(
     """``route`` then ``plan`` for a small batch in one program: softmax, top-k by repeated
     maxima (ties to the lower index), renormalisation, and the pairs' order and row tiles
     from comparisons between every two pairs (no sort, no scatter of shared addresses)."""
-    t = tl.arange(0, BT)
+    # One program for a planned batch; one per token when routing alone (BT = 1), so that a
+    # token's softmax reduces over the same register layout whatever its batch.
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     e = tl.arange(0, BE)
     t_in = t < T
     live = t_in & (tl.load(valid_ptr + t, mask=t_in, other=0) != 0)
@@ -240,8 +245,10 @@ def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch
     MT = max_tiles(P, E, block_m)
     order = torch.empty(P, dtype=torch.int32, device=dev)
     tiles = [torch.empty(triton.next_power_of_2(MT), dtype=torch.int32, device=dev) for _ in range(3)]
-    BT, BK = triton.next_power_of_2(T), triton.next_power_of_2(top_k)
-    _route_plan_kernel[(1,)](
+    # Routing alone (decode) runs a program per token: a batch-wide program's reductions follow
+    # a layout that changes with the batch, and with it the weights' last bits.
+    BT, BK = (triton.next_power_of_2(T), triton.next_power_of_2(top_k)) if with_plan else (1, triton.next_power_of_2(top_k))
+    _route_plan_kernel[(1 if with_plan else T,)](
         logits, valid, weights, ids, order, *tiles, T, E, *logits.stride(),
         K=top_k, RENORM=renormalize, BM=block_m, BT=BT, BE=triton.next_power_of_2(E), BK=BK, BP=BT * BK,
         MT=triton.next_power_of_2(MT), PLAN=with_plan, num_warps=8 if BT * BK > 64 else 4,
@@ -453,9 +460,11 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     return out
 
 
-def block_m_for(pairs: int) -> int:
-    """Rows per tile: 16 (the smallest tensor-core tile) for few pairs, 64 for prefill chunks."""
-    return 16 if pairs <= 256 else 64
+# Rows per tile of the grouped GEMMs, the same for every batch: Triton's MMA instruction (and
+# so a row's rounding) follows the tile's rows, and a prompt token must compute the same
+# whether its chunk ran on prefill.16 or prefill.2048. Small chunks pad their tiles; they
+# read each routed expert once either way.
+BLOCK_M = 64
 
 
 def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
@@ -463,7 +472,7 @@ def experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     """The routed experts of ``x [T, H]`` with the Triton grouped GEMMs, over ``p`` (planned
     here when not given, with ``block_m`` rows per tile)."""
     T, k = ids.shape
-    p = p or plan(ids, gate_up.shape[0], block_m or block_m_for(T * k))
+    p = p or plan(ids, gate_up.shape[0], block_m or BLOCK_M)
     h = grouped_gate_up(x, gate_up, p, k)
     return combine_triton(grouped_down(h, down, p), weights, ids, gate_up.shape[0])
 

@@ -56,7 +56,7 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     # ops, whatever its capacity, so that a prompt token gets the same weights on prefill.16
     # as on prefill.128 (the two agree on ids, on weights only to float32 rounding).
     if decode and not split and K.fits_route_plan(T, k):
-        weights, ids, _ = K.route_plan(logits, k, renorm, valid, K.block_m_for(T * k), with_plan=False)
+        weights, ids, _ = K.route_plan(logits, k, renorm, valid, K.BLOCK_M, with_plan=False)
     else:
         weights, ids = K.route_logits(logits, k, renorm, valid)
     if split:
