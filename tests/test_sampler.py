@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flare.core.manifest import HIST_PROMPT_BIT
-from flare.prepare.sampling import apply_penalties, apply_token_mask, filtered, sample, scores, uniform, verify_draft
+from flare.prepare.sampling import (REJECT_STREAM, apply_penalties, apply_token_mask, filtered, sample, scores,
+                                    uniform, verify_chain, verify_draft)
 
 # A row of sampling parameters: everything ``sample`` takes besides logits and vocab.
 FIELDS = ("hist", "temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency", "seed", "counter")
@@ -358,7 +359,7 @@ def verify_rows(logits: torch.Tensor, p: dict, proposal: int) -> tuple[torch.Ten
     x = scores(logits.expand(n, -1), p["hist"], p["temperature"], p["repetition"], p["presence"], p["frequency"],
                logits.shape[0])
     return verify_draft(x, p["top_k"], p["top_p"], p["min_p"], torch.full((n,), proposal, dtype=torch.int64),
-                        uniform(p["seed"], p["counter"]), uniform(p["seed"] ^ 0x5A5A5A5A, p["counter"]))
+                        uniform(p["seed"], p["counter"]), uniform(p["seed"] ^ REJECT_STREAM, p["counter"]))
 
 
 @pytest.mark.parametrize("proposal,filters", [
@@ -413,3 +414,118 @@ def test_verification_rows_are_independent_of_their_batch():
     for i in range(6):
         one = verify_draft(*args(slice(i, i + 1)))
         assert one[0].item() == both[0][i].item() and one[1].item() == both[1][i].item()
+
+
+SAMP = ("temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency")
+
+
+def chain(logits: torch.Tensor, p: dict, drafts, count, *, stop_ids=None, generated=0, max_new=1000):
+    """verify_chain over N rows sharing parameters and per-position logits ``[W, V]``."""
+    n = p["seed"].shape[0]
+    W, V = logits.shape
+    d = torch.as_tensor(drafts, dtype=torch.int64).reshape(1, W - 1).expand(n, -1)
+    stops = torch.as_tensor(stop_ids if stop_ids is not None else [-1]).reshape(1, -1).expand(n, -1)
+    return verify_chain(logits[None].expand(n, -1, -1), d, torch.full((n,), count), torch.ones(n, dtype=torch.bool),
+                        p["hist"], {k: p[k] for k in SAMP}, p["seed"], p["counter"], stops,
+                        torch.full((n,), generated), torch.full((n,), max_new), V)
+
+
+def _probs(logits_row: torch.Tensor, hist_row: torch.Tensor, p: dict) -> torch.Tensor:
+    """The filtered, renormalised distribution of one position, computed with the sampler's pieces."""
+    V = logits_row.shape[0]
+    x = scores(logits_row[None], hist_row[None], *(p[k][:1] for k in ("temperature", "repetition", "presence",
+                                                                         "frequency")), V)
+    kept, si, _ = filtered(x, p["top_k"][:1], p["top_p"][:1], p["min_p"][:1])
+    probs = torch.zeros(V, dtype=torch.float64).index_put_((si[0],), kept[0].double())
+    return probs / probs.sum()
+
+
+def test_a_chain_without_drafts_is_a_decode_step():
+    """count 0: one token, ordinary decode's draw (same counter, same stream), and the
+    histogram gains it; counts 1 and 2 with drafts that cannot be accepted (filtered out)
+    still emit exactly one token per row."""
+    g = torch.Generator().manual_seed(5)
+    V, N = 16, 64
+    logits = torch.randn(3, V, generator=g) * 2
+    p = rows(N, V, temperature=0.9, top_k=6, presence=0.3, seed=17)
+    tokens, emitted, hist = chain(logits, p, [0, 0], 0)
+    assert emitted.tolist() == [1] * N and (tokens[:, 1:] == -1).all()
+    assert torch.equal(tokens[:, 0], draw(logits[0], p))
+    assert torch.equal(hist - p["hist"], torch.nn.functional.one_hot(tokens[:, 0], V).int())
+    worst = int(torch.argmin(logits[0]))  # outside the top 6: never accepted
+    for count in (1, 2):
+        _, emitted, _ = chain(logits, p, [worst, worst], count)
+        assert emitted.tolist() == [1] * N
+
+
+@pytest.mark.parametrize("filters", [
+    {"temperature": 1.0},
+    {"temperature": 0.8, "repetition": 1.3, "presence": 0.5, "frequency": 0.4},  # penalties see the accepted draft
+    {"top_k": 4, "top_p": 0.9, "min_p": 0.05},
+])
+def test_a_verified_chain_samples_each_position_exactly(filters):
+    """N = 40,000 rows verify drafts (d0, d1) over two positions with fixed logits, then a
+    third position samples. Position 0's token follows p0 (chi-square at P = 1e-9) and is
+    d0 at rate p0(d0); where d0 was accepted, position 1's token follows p1 with the
+    histogram counting d0 (presence and frequency penalties move it), and only those rows
+    go on; a rejected row emits its one token. The test fails a chain whose penalties
+    ignore the step's earlier tokens (the penalised case)."""
+    V, N = 6, 40_000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, -1.3, 0.1], [0.3, 1.1, -0.2, 0.9, 0.0, -0.6],
+                           [0.0, 0.5, 0.5, -0.5, 0.2, 0.1]])
+    hist = torch.tensor([HIST_PROMPT_BIT, 0, 2, 0, 0, 0], dtype=torch.int32)
+    p = rows(N, V, seed=23, hist=hist, **filters)
+    d0, d1 = 0, 3
+    tokens, emitted, _ = chain(logits, p, [d0, d1], 2)
+    p0 = _probs(logits[0], hist, p)
+    acc0 = tokens[:, 0] == d0
+    assert torch.equal(emitted[~acc0], torch.ones_like(emitted[~acc0]))
+    bound = lambda probs: chi2_threshold(int((probs > 0).sum()) - 1 + (int((probs > 0).sum()) - 1) % 2, 1e-9)  # noqa
+    support = p0 > 0
+    assert pearson(torch.bincount(tokens[:, 0], minlength=V)[support], p0[support]) < bound(p0)
+    after = hist.clone()
+    after[d0] += 1
+    p1 = _probs(logits[1], after, p)
+    t1 = tokens[acc0, 1]
+    support = p1 > 0
+    assert (t1 >= 0).all() and pearson(torch.bincount(t1, minlength=V)[support], p1[support]) < bound(p1)
+    rate = (t1 == d1).double().mean().item()
+    assert abs(rate - p1[d1].item()) <= 6 * math.sqrt(p1[d1].item() * (1 - p1[d1].item()) / len(t1)) + 1e-12
+    both = acc0 & (tokens[:, 1] == d1)
+    assert torch.equal(emitted[both], torch.full_like(emitted[both], 3)) and (tokens[both, 2] >= 0).all()
+    if filters.get("presence"):  # the power: p1 without d0 in the histogram is another distribution
+        assert pearson(torch.bincount(t1, minlength=V)[support], _probs(logits[1], hist, p)[support]) > bound(p1)
+
+
+def test_a_chain_ends_at_a_stop_id_and_at_max_new():
+    """Greedy (temperature near 0): drafts equal to the argmax are all accepted and the
+    bonus position samples; an accepted stop id ends the chain after itself; max_new ends
+    it at the limit; a wrong draft at position j emits j + 1 tokens, the last the argmax."""
+    logits = torch.tensor([[0.0, 5.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0], [5.0, 0.0, 0.0, 0.0],
+                           [0.0, 0.0, 0.0, 5.0]])
+    p = rows(1, 4, temperature=1e-6, seed=3)
+    tokens, emitted, _ = chain(logits, p, [1, 2, 0], 3)
+    assert tokens.tolist() == [[1, 2, 0, 3]] and emitted.tolist() == [4]
+    assert chain(logits, p, [1, 2, 0], 3, stop_ids=[2])[0].tolist() == [[1, 2, -1, -1]]
+    assert chain(logits, p, [1, 2, 0], 3, generated=8, max_new=10)[0].tolist() == [[1, 2, -1, -1]]
+    for j in range(3):
+        wrong = [1, 2, 0]
+        wrong[j] = 3
+        tokens, emitted, _ = chain(logits, p, wrong, 3)
+        assert emitted.tolist() == [j + 1] and tokens[0, : j + 1].tolist() == [1, 2, 0][: j + 1]
+
+
+def test_chain_rows_are_independent_of_their_batch():
+    g = torch.Generator().manual_seed(8)
+    V, B, W = 10, 5, 3
+    logits = torch.randn(B, W, V, generator=g) * 2
+    p = rows(B, V, temperature=0.7, top_p=0.9, frequency=0.2, seed=4)
+    drafts = torch.randint(0, V, (B, W - 1), generator=g)
+    count = torch.tensor([0, 1, 2, 2, 1])
+    args = lambda sl: (logits[sl], drafts[sl], count[sl], torch.ones(B, dtype=torch.bool)[sl], p["hist"][sl],  # noqa
+                       {k: p[k][sl] for k in SAMP}, p["seed"][sl], p["counter"][sl],
+                       torch.full((B, 1), -1)[sl], torch.zeros(B)[sl], torch.full((B,), 100)[sl], V)
+    both = verify_chain(*args(slice(0, B)))
+    for i in range(B):
+        one = verify_chain(*args(slice(i, i + 1)))
+        assert all(torch.equal(a, b[i : i + 1]) for a, b in zip(one, both))

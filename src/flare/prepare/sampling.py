@@ -169,6 +169,61 @@ def verify_draft(
     return torch.where(accepted, proposal, drawn), accepted
 
 
+# The second uniform of a verified position (the draw after a rejection) comes from the
+# request's seed with these bits flipped: an independent hash stream on the same counter.
+REJECT_STREAM = 0x5A5A5A5A
+
+
+def verify_chain(
+    logits: torch.Tensor,  # [B, W, V] float32: position j's raw logits, given the drafts before it
+    drafts: torch.Tensor,  # [B, W - 1] int64: the proposals for positions 0 .. W - 2
+    count: torch.Tensor,  # [B] int: how many of a row's drafts to verify (0 .. W - 1)
+    live: torch.Tensor,  # [B] bool
+    hist: torch.Tensor,  # [B, V] int32 penalty histograms
+    samp: dict[str, torch.Tensor],  # [B] each: temperature, top_k, top_p, min_p, repetition, presence, frequency
+    seed: torch.Tensor,  # [B] int64
+    counter: torch.Tensor,  # [B] int64: the row's next draw
+    stop_ids: torch.Tensor,  # [B, S] int, -1 unused
+    generated: torch.Tensor,  # [B] int: tokens generated before this step
+    max_new: torch.Tensor,  # [B] int
+    sampling_vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A speculative step's tokens: position j verifies draft j (:func:`verify_draft`, draws
+    ``uniform(seed, counter + j)`` and the same counter on ``seed ^ REJECT_STREAM``) while
+    j < count, and samples plainly (:func:`choose` with ``uniform(seed, counter + j)``,
+    ordinary decode's draw) at the first position past the drafts. The chain ends at the
+    first rejected draft, at a stop id, or at ``max_new``; each position's penalties count the
+    tokens emitted before it in the step. So the emitted tokens follow, position by position,
+    the request's sampling distribution given everything before them, and a row with no
+    drafts emits exactly what a decode step would. Returns (tokens ``[B, W]`` int64, -1 past the
+    emitted ones; emitted count ``[B]`` int64; the histograms with the emitted tokens added).
+    Plain tensor ops in a static loop over W: capturable, and no row reads another."""
+    B, W, _ = logits.shape
+    alive = live.clone()
+    emitted = torch.zeros(B, dtype=torch.long, device=logits.device)
+    hist = hist.clone()
+    out = []
+    for j in range(W):
+        x = scores(logits[:, j], hist, samp["temperature"], samp["repetition"], samp["presence"],
+                   samp["frequency"], sampling_vocab)
+        u = uniform(seed, counter + j)
+        plain = choose(x, samp["top_k"], samp["top_p"], samp["min_p"], u)
+        checked = count > j
+        if j < W - 1:
+            tok_v, acc = verify_draft(x, samp["top_k"], samp["top_p"], samp["min_p"], drafts[:, j], u,
+                                      uniform(seed ^ REJECT_STREAM, counter + j))
+            tok = torch.where(checked, tok_v, plain)
+            accepted = checked & acc
+        else:
+            tok, accepted = plain, torch.zeros_like(alive)
+        out.append(torch.where(alive, tok, -1))
+        emitted = emitted + alive.long()
+        hist.scatter_add_(1, tok[:, None], alive[:, None].to(hist.dtype))
+        stop = (stop_ids.long() == tok[:, None]).any(dim=-1) | (generated.long() + emitted >= max_new.long())
+        alive = alive & accepted & ~stop
+    return torch.stack(out, dim=1), emitted, hist
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float32
     hist: torch.Tensor,  # [B, V] int32
