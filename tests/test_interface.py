@@ -19,6 +19,9 @@ def test_row_layouts_are_abi_4():
     assert io.StateInput._fields == ("slot", "row", "page", "count")
     assert io.Completion._fields == ("slot", "token", "generated", "status")
     assert io.StateCompletion._fields == ("slot", "row", "consumed", "reserved")
+    # Speculative decoding's rows (cores prepared with --draft-tokens; absent from the others)
+    assert io.VerifyInput._fields == ("slot", "count") and io.VerifyInput.buffer == "in.verify"
+    assert io.VerifyCompletion._fields == ("slot", "emitted", "generated", "status")
     assert mf.STATUS_CODES == {"inactive": -1, "running": 0, "stop": 1, "length": 2}
     assert (int(io.AdmitMode.prompt), int(io.AdmitMode.output)) == (0, 1)
     assert (io.AdmitInput.buffer, io.PrefillInput.buffer, io.StateInput.buffer) == ("in.admit", "in.prefill",
@@ -62,6 +65,13 @@ def test_pack_and_unpack():
         io.completion(record[:-1])
     with pytest.raises(ExecutionError, match="no block of 3"):
         io.unpack_logprobs(record, 3)
+    # A verify record with D = 3: 4 fields then 4 token columns, the emitted ones first.
+    head, tokens = io.verify_record([5, 2, 11, 0, 40, 41, -1, -1], 3)
+    assert head == io.VerifyCompletion(5, 2, 11, io.Status.running) and tokens == [40, 41]
+    with pytest.raises(ExecutionError, match="VerifyCompletion has 4 fields, got 7"):
+        io.verify_record([5, 2, 11, 0, 40, 41, -1], 3)
+    with pytest.raises(ExecutionError, match="emitted 5 of at most 4"):
+        io.verify_record([5, 5, 11, 0, 40, 41, 42, 43], 3)
     rows = io.slot_state(pending=7, generated=2, max_new=9, seed=-5, sampling=dict(
         temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3,
         frequency_penalty=0.4), stop_ids=(2, 5), stop_capacity=4, pages=(6, 8), max_pages=3, mask_on=True)

@@ -344,6 +344,13 @@ def test_pack_capacities_must_be_consistent(raw, edit, match):
     _reject(d, param="capacities.pack_" + next(iter(edit)).split("_", 1)[1], match=match)
 
 
+@pytest.mark.parametrize("draft_tokens,match", [(3, "verify programs do not match"), (17, "must lie in")])
+def test_draft_tokens_must_match_the_verify_programs(raw, draft_tokens, match):
+    d = json.loads(json.dumps(raw))
+    d["capacities"]["draft_tokens"] = draft_tokens  # declared, none prepared (or past the ceiling)
+    _reject(d, param="capacities.draft_tokens", match=match)
+
+
 @pytest.mark.parametrize("chunk,context", [(96, 2048), (0, 2048), (32, 2048), (256, 128)])
 def test_prefill_capacities_rule_rejects(chunk, context):
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -510,3 +510,95 @@ def test_pack_program_equals_separate_prefills(attention):
     packed.run["pack.64"]()
     assert completion(packed, io.PACK_COMPLETION, 3)[1].status == int(io.Status.inactive)
     assert all(torch.equal(v[name][2], old) for name, old in before.items())
+
+
+def _verify(r, rows: list[tuple[int, list[int]]], count_override: dict | None = None):
+    """One verify step: (slot, drafts) per row; returns each row's (record, emitted tokens)."""
+    c = r.m.capacities
+    D = c.draft_tokens
+    cap = next(b for b in c.decode_capacities if b >= len(rows))
+    inputs = torch.zeros((max(c.decode_capacities), len(io.VerifyInput._fields)), dtype=torch.int32)
+    drafts = torch.zeros((max(c.decode_capacities), D), dtype=torch.int32)
+    for i, (slot, d) in enumerate(rows):
+        n = (count_override or {}).get(slot, len(d))
+        inputs[i] = torch.from_numpy(io.pack(io.VerifyInput(slot, n)))
+        drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int32)
+    r.v[io.VERIFY_INPUT][:] = inputs
+    r.v[io.DRAFTS][:] = drafts
+    r.run[f"verify.{cap}"]()
+    return [io.verify_record(r.v[io.VERIFY_COMPLETION][i].tolist(), D) for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_verify_program_emits_what_decode_steps_emit(attention):
+    """A core prepared with --draft-tokens 3, greedy requests (top_k 1) in four slots: one
+    verify step with drafts that are the true continuation (all accepted: 4 tokens), wrong at
+    the second draft (2 tokens), wrong at the first (1 token) and no drafts (1 token) emits
+    what separate decode steps emit, and leaves every slot's state (length, pending token,
+    generated count, counter, histogram) as those steps do; the rejected drafts' KV, written
+    past the new lengths, changes nothing that follows (the next steps agree). A finished
+    slot's row changes nothing and says inactive; a constrained slot verifies no drafts. On
+    the reference and the Triton attention paths."""
+    from tests.conftest import TINY_OPTS, prepare_core
+
+    core = prepare_core("llama-tiny", [*TINY_OPTS, "--draft-tokens", "3"], name="llama-tiny-verify")
+    # triton: the CUDA path's kernels (Triton's CPU interpreter), several rows of one slot.
+    spec, plain = load_rig(core, attention=attention), load_rig(core, attention=attention)
+    c = spec.m.capacities
+    assert c.draft_tokens == 3 and [p.name for p in spec.m.programs if p.kind.value == "verify"] == [
+        f"verify.{b}" for b in c.decode_capacities]
+    prompts = {1: list(range(40, 60)), 2: list(range(70, 83)), 3: list(range(90, 95)), 4: list(range(5, 37))}
+    for r in (spec, plain):
+        for slot, prompt in prompts.items():
+            admit(r, slot, prompt, r.pages(4), seed=slot)
+            prefill(r, slot, prompt)
+
+    # The true greedy continuation of each slot (the pending token, then 4 more), from a third
+    # rig decoding the four slots together (a row does not depend on its batch).
+    shadow = load_rig(core, attention=attention)
+    for slot, prompt in prompts.items():
+        admit(shadow, slot, prompt, shadow.pages(4), seed=slot)
+        prefill(shadow, slot, prompt)
+    truth = {s: [int(shadow.v["state.pending"][s])] for s in prompts}
+    for _ in range(4):
+        _, recs = decode(shadow, list(prompts), [truth[s][-1] for s in prompts])
+        for rec in recs:
+            truth[rec.slot].append(rec.token)
+    # Drafts continue the pending token: the true next tokens are truth[s][1:].
+    wrong = lambda t: (t + 1) % c.sampling_vocab  # noqa: E731
+    rows = [(1, truth[1][1:4]), (2, [truth[2][1], wrong(truth[2][2]), truth[2][3]]), (3, [wrong(truth[3][1]), 0, 0]),
+            (4, [])]
+    got = _verify(spec, rows)
+    want_emitted = {1: 4, 2: 2, 3: 1, 4: 1}
+    for (slot, _), (rec, toks) in zip(rows, got):
+        assert rec.slot == slot and rec.emitted == want_emitted[slot] and rec.status == int(io.Status.running)
+        assert toks == truth[slot][1 : 1 + rec.emitted], (slot, toks, truth[slot])
+    # The plain rig decodes each slot as many steps as it emitted (slots still due, together).
+    for k in range(4):
+        due = [s for s in prompts if want_emitted[s] > k]
+        decode(plain, due, [int(plain.v["state.pending"][s]) for s in due])
+    for (slot, _), (rec, _) in zip(rows, got):
+        for name in ("state.len", "state.pending", "state.generated", "state.counter", "state.hist", "state.done"):
+            assert torch.equal(spec.v[name][slot], plain.v[name][slot]), (slot, name)
+        assert rec.generated == int(plain.v["state.generated"][slot])
+        torch.testing.assert_close(spec.v["state.hidden"][slot], plain.v["state.hidden"][slot], atol=1e-5, rtol=1e-5)
+    # The next steps read only accepted KV: both rigs go on alike.
+    for _ in range(2):
+        slots = list(prompts)
+        a_logits, a = decode(spec, slots, [int(spec.v["state.pending"][s]) for s in slots])
+        b_logits, b = decode(plain, slots, [int(plain.v["state.pending"][s]) for s in slots])
+        assert a == b
+        torch.testing.assert_close(a_logits, b_logits, atol=1e-4, rtol=1e-4)
+    # A finished slot: nothing changes, the record says inactive and emitted nothing.
+    spec.v["state.done"][2] = int(io.Status.stop)
+    before = {n: spec.v[n][2].clone() for n in ("state.len", "state.pending", "state.counter", "state.hist")}
+    (rec, toks), _ = _verify(spec, [(2, [1, 2, 3]), (1, [])])
+    assert rec.status == int(io.Status.inactive) and rec.emitted == 0 and toks == []
+    assert all(torch.equal(spec.v[n][2], old) for n, old in before.items())
+    # A constrained slot (grammar mask on, every token allowed) verifies no drafts, not even the
+    # true continuation (the plain rig's next three tokens): it emits one token.
+    nxt = [decode(plain, [3], [int(plain.v["state.pending"][3])])[1][0].token for _ in range(3)]
+    spec.v["state.mask_on"][3] = 1
+    spec.v["in.token_mask"][3] = -1
+    (rec, toks), = _verify(spec, [(3, nxt)])
+    assert rec.emitted == 1 and toks == nxt[:1]

@@ -18,8 +18,9 @@ from tests.conftest import HYBRID_OPTS, TINY_OPTS, prepare_core
 # one, and the null page (a page-aligned endpoint); resume's third set is a finished request.
 QUALIFIED = {
     "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"], name="llama-tiny-qualified"),
-    "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--qualify", "3"],
-                                            name="llama-tiny-pack-qualified"),
+    # pack and verify programs (speculative decoding's), one core for both
+    "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--draft-tokens", "3",
+                                                           "--qualify", "3"], name="llama-tiny-pack-qualified"),
     "qwen3_5-tiny": lambda: prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--qualify", "3"],
                                          name="qwen3_5-tiny-qualified"),
     "qwen3-moe-tiny": lambda: prepare_core("qwen3-moe-tiny", [*TINY_OPTS, "--qualify", "3"],
@@ -42,12 +43,13 @@ def test_reference_executor_reproduces_golden_replays(model):
     assert set(report["programs"]) == names
     assert {"resume.1", "snapshot.1", "restore.1"} <= names
     assert all(v["sets"] == 3 for v in report["programs"].values())
-    assert ("pack.64" in names) == (model == "llama-tiny-pack")
+    assert ("pack.64" in names) == ("verify.8" in names) == (model == "llama-tiny-pack")
 
 
-def test_pack_programs_are_refused_for_recurrent_models(tmp_path):
+@pytest.mark.parametrize("flag", [["--pack-capacities", "64"], ["--draft-tokens", "3"]], ids=["pack", "verify"])
+def test_pack_and_verify_programs_are_refused_for_recurrent_models(tmp_path, flag):
     proc = subprocess.run([sys.executable, "-m", "flare.prepare.cli", "qwen3_5-tiny", "--out", str(tmp_path / "c"),
-                           *HYBRID_OPTS, "--pack-capacities", "64"], capture_output=True, text=True, timeout=300)
+                           *HYBRID_OPTS, *flag], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "recurrent state" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert not (tmp_path / "c" / "manifest.json").exists()
 

@@ -17,12 +17,21 @@ Rows by program::
     score[S]           in.prefill PrefillInput   (+ in.tokens)   -> out.prefill_completion  Completion
                                                                     and out.scores (one row per token)
     pack[C]            in.pack    PackSegment x B (+ in.tokens)  -> out.pack_completion     Completion x min(B, C)
+    verify[B]          in.verify  VerifyInput x B (+ in.drafts)  -> out.verify_completion   VerifyCompletion x B
 
 ``pack`` runs up to min(B, C) segments of different slots (B: the largest decode
 capacity) in one program of C rows: segment i is ``count`` tokens of ``in.tokens`` from
 row ``row``, continuing its slot's history (a one-token segment of the slot's pending
 token is a decode row). Used segments come first, in ascending rows that do not
 overlap; unused ones have count 0. Its records are in segment order.
+
+``verify`` is a speculative decode step (cores prepared with ``draft_tokens`` D > 0): row b
+runs its slot's pending token and its first ``count`` drafts (row b of ``in.drafts``, D
+columns) as W = D + 1 positions, verifies the drafts in order with the exact acceptance rule
+and emits the accepted ones plus one more token (``prepare/sampling.verify_chain``). Its
+record is the ``VerifyCompletion`` fields, then W token columns (-1 past the emitted ones);
+it carries no log-probabilities (requests that ask for them decode without drafts), and a
+slot with a grammar mask verifies no drafts (the mask is known for the first position only).
 
 The per-slot request state written at admission (``slot_state``) and the
 sampling columns (``flare.core.sampling_params``) complete the interface.
@@ -92,6 +101,15 @@ class PackSegment(NamedTuple):
     buffer = "in.pack"
 
 
+class VerifyInput(NamedTuple):
+    """``in.verify`` row: verify the first ``count`` drafts of ``slot`` (its row of
+    ``in.drafts``); slot 0 is padding."""
+
+    slot: int
+    count: int
+    buffer = "in.verify"
+
+
 class StateInput(NamedTuple):
     """``in.state``: snapshot / restore between live ``slot`` and checkpoint ``row``; ``page``
     is the KV tail page (the null page when the endpoint is page-aligned), ``count`` the
@@ -109,6 +127,17 @@ class Completion(NamedTuple):
 
     slot: int
     token: int  # -1 when the row was not live
+    generated: int
+    status: int  # Status
+
+
+class VerifyCompletion(NamedTuple):
+    """A verify program's record for one row, before its W token columns: ``emitted`` tokens
+    (the accepted drafts and one more; 0 when the row was not live), the request's generated
+    count after them and the status after the last."""
+
+    slot: int
+    emitted: int
     generated: int
     status: int  # Status
 
@@ -155,13 +184,18 @@ def unpack_logprobs(record, max_logprobs: int, *, start: int = len(Completion._f
 DECODE_SLOTS = "in.decode_slots"
 PACK_INPUT = PackSegment.buffer
 PACK_COMPLETION = "out.pack_completion"
+VERIFY_INPUT = VerifyInput.buffer
+DRAFTS = "in.drafts"  # [B, D] int32: each verify row's draft tokens
+VERIFY_COMPLETION = "out.verify_completion"
+MAX_DRAFT_TOKENS = 16
 SCORES = "out.scores"  # score programs: row j is token j's log-probability block (logprob_columns)
 TOKENS = "in.tokens"
 PREFILL_COMPLETION = "out.prefill_completion"
 DECODE_COMPLETION = "out.decode_completion"
 STATE_COMPLETION = "out.state_completion"
 
-Row = TypeVar("Row", AdmitInput, PrefillInput, PackSegment, StateInput, Completion, StateCompletion)
+Row = TypeVar("Row", AdmitInput, PrefillInput, PackSegment, VerifyInput, StateInput, Completion, VerifyCompletion,
+              StateCompletion)
 
 
 def pack(row: NamedTuple) -> np.ndarray:
@@ -186,6 +220,16 @@ def completion(record) -> Completion:
         raise ExecutionError(f"a sampling record has {len(Completion._fields)} fields and optionally 1 + 2N "
                              f"log-probability columns, got {len(record)} values", code="bad_completion")
     return unpack(Completion, record, extra=extra)
+
+
+def verify_record(record, draft_tokens: int) -> tuple[VerifyCompletion, list[int]]:
+    """A verify record row: its fields and its emitted tokens."""
+    head = unpack(VerifyCompletion, record, extra=draft_tokens + 1)
+    if not 0 <= head.emitted <= draft_tokens + 1:
+        raise ExecutionError(f"a verify record emitted {head.emitted} of at most {draft_tokens + 1} tokens",
+                             code="bad_completion")
+    start = len(VerifyCompletion._fields)
+    return head, [int(t) for t in list(record)[start : start + head.emitted]]
 
 
 def columns(cls: type[Row], row):

@@ -96,6 +96,7 @@ class ProgramKind(str, enum.Enum):
     restore = "restore"  # snapshot row -> live continuation row (+ private KV tail page)
     score = "score"  # a prefill chunk that also scores each of its tokens (prompt log-probabilities)
     pack = "pack"  # prefill chunks of several slots in one program (short prompts arriving together)
+    verify = "verify"  # B running requests, each its pending token and up to draft_tokens drafts (speculation)
 
 
 class Program(_Frozen):
@@ -143,6 +144,8 @@ class Capacities(_Frozen):
     # Query rows per attention tile of a pack: a segment continuing a history starts and ends
     # on a multiple of it, so that no tile mixes its rows with another slot's.
     pack_align: int = 1
+    # Drafts a verify program checks per request (speculative decoding); 0: no verify programs.
+    draft_tokens: int = 0
 
 
 class Continuation(_Frozen):
@@ -331,6 +334,11 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
            if c.score_chunk else {}),
         **({io.PACK_INPUT: (BufferRole.input, DType.int32, (bmax, len(io.PackSegment._fields))),
             io.PACK_COMPLETION: (BufferRole.output, DType.int32, (bmax, ncomp))} if c.pack_capacities else {}),
+        **({io.VERIFY_INPUT: (BufferRole.input, DType.int32, (bmax, len(io.VerifyInput._fields))),
+            io.DRAFTS: (BufferRole.input, DType.int32, (bmax, c.draft_tokens)),
+            io.VERIFY_COMPLETION: (BufferRole.output, DType.int32,
+                                   (bmax, len(io.VerifyCompletion._fields) + c.draft_tokens + 1))}
+           if c.draft_tokens else {}),
     }
 
 
@@ -463,6 +471,13 @@ def validate(m: Manifest) -> None:
     if tuple(p.capacity for p in m.programs_of(ProgramKind.pack)) != c.pack_capacities:
         _fail(f"pack programs do not match capacities.pack_capacities {list(c.pack_capacities)}",
               "capacities.pack_capacities")
+    if not 0 <= c.draft_tokens <= io.MAX_DRAFT_TOKENS:
+        _fail(f"capacities.draft_tokens must lie in [0, {io.MAX_DRAFT_TOKENS}]", "capacities.draft_tokens")
+    if c.draft_tokens and set(m.continuation.state) - {"state.hidden"}:
+        _fail("verify programs need a model without recurrent state", "capacities.draft_tokens")
+    want = c.decode_capacities if c.draft_tokens else ()
+    if tuple(p.capacity for p in m.programs_of(ProgramKind.verify)) != want:
+        _fail(f"verify programs do not match the decode capacities {list(want)}", "capacities.draft_tokens")
     if not 0 < c.sampling_vocab <= c.vocab_size:
         _fail("sampling_vocab must lie in (0, vocab_size]", "capacities.sampling_vocab")
     if c.stop_ids < len(m.frontend.eos_ids) + 1:

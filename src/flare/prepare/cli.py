@@ -92,6 +92,10 @@ def parser() -> argparse.ArgumentParser:
                         "the prefill chunks of several queued prompts run in one program instead of one each, "
                         "and decode steps carry a prompt's chunk while it prefills (default: none; models "
                         "with recurrent state cannot pack)")
+    p.add_argument("--draft-tokens", type=int, default=0, metavar="D",
+                   help="add verify programs (one per decode capacity) that check up to D draft tokens per "
+                        "request in one step, for speculative decoding (default 0: none; at most "
+                        f"{io.MAX_DRAFT_TOKENS}; models with recurrent state cannot verify yet)")
     p.add_argument("--max-logprobs", type=int, default=io.MAX_LOGPROBS,
                    help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "
                         f"OpenAI's limit; 0: requests for log-probabilities are refused)")
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_logprobs": a.max_logprobs,
         "min_prefill_capacity": a.min_prefill_capacity,
         "pack_capacities": a.pack_capacities,
+        "draft_tokens": a.draft_tokens,
         "attention": a.attention,
         "compile": not a.no_compile,
         "served_name": a.served_name,

@@ -46,6 +46,7 @@ class Options:
     min_prefill_capacity: int = 128  # smallest prefill program: 16, 32 or 64 add programs for short prompts
     max_logprobs: int = io.MAX_LOGPROBS  # top log-probabilities per sampled token (0: no log-probabilities)
     pack_capacities: tuple[int, ...] = ()  # rows of each pack program (several slots' chunks at once)
+    draft_tokens: int = 0  # drafts per verify program row (speculative decoding); 0: no verify programs
     attention: str | None = None  # reference | triton
     compile: bool = True
     scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
@@ -107,6 +108,13 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
                                f"which packed prefill cannot carry")
         if opts.attention == "gather":  # it would gather every page of every row's slot
             raise PrepareError("--pack-capacities needs the reference or the triton attention, not gather")
+    if not 0 <= opts.draft_tokens <= io.MAX_DRAFT_TOKENS:
+        raise PrepareError(f"--draft-tokens must lie in [0, {io.MAX_DRAFT_TOKENS}], got {opts.draft_tokens}")
+    # A rejected draft's recurrent state would have to be rolled back (issue 20: per-position
+    # state or a replay); until then a recurrent model gets no verify programs.
+    if opts.draft_tokens and recipe.state_buffers(src.config, DType(opts.resolved_dtype())):
+        raise PrepareError(f"--draft-tokens: {recipe.name} keeps recurrent state per slot, which a rejected "
+                           f"draft would leave advanced (no rollback for it yet)")
     caps = mf.Capacities(
         context_limit=context,
         prefill_chunk=chunk,
@@ -126,6 +134,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         pack_capacities=pack_caps,
         pack_align=query_tile_tokens(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                                      or cfg.num_attention_heads) if pack_caps else 1,
+        draft_tokens=opts.draft_tokens,
     )
     geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize
@@ -231,6 +240,10 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
     for c in caps.pack_capacities:
         add(ProgramKind.pack, c, (io.PACK_INPUT, "in.tokens", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.prefill_hidden", io.PACK_COMPLETION), io.PACK_COMPLETION)
+    if caps.draft_tokens:
+        for b in caps.decode_capacities:
+            add(ProgramKind.verify, b, (io.VERIFY_INPUT, io.DRAFTS, "kv", *state, *mask),
+                ("kv", *state, "out.logits", io.VERIFY_COMPLETION), io.VERIFY_COMPLETION)
     one = mf.STATE_PROGRAM_CAPACITY
     add(ProgramKind.resume, one, ("in.prefill", *state, *mask), (*state, "out.logits", "out.prefill_completion"),
         "out.prefill_completion")

@@ -25,13 +25,13 @@ import torch
 
 from flare.core import interface as io
 from flare.core.interface import (AdmitInput, AdmitMode, Completion, PackSegment, PrefillInput, StateCompletion,
-                                  StateInput, Status)
+                                  StateInput, Status, VerifyCompletion)
 from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
 from flare.core.sampling_params import INTEGER_STATE, column
 from flare.prepare.attention import PagedBatch
 from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import PreparedModel, Recipe
-from flare.prepare.sampling import apply_token_mask, choose, scores, uniform
+from flare.prepare.sampling import apply_token_mask, choose, scores, uniform, verify_chain
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -121,6 +121,7 @@ class ProgramSet:
             ProgramKind.restore: self.restore,
             ProgramKind.score: self.score,
             ProgramKind.pack: self.pack,
+            ProgramKind.verify: self.verify,
         }[kind]
 
         def run() -> None:
@@ -316,6 +317,79 @@ class ProgramSet:
         logits = self.recipe.lm_head(self.model, hidden).float()
         v["out.logits"][:B].copy_(logits)
         self._sample_and_commit(slots, logits, live, v[io.DECODE_COMPLETION][:B])
+
+    def verify(self, B: int) -> None:
+        """A speculative decode step (``interface`` module docstring): row b's pending token and
+        first ``count`` drafts run as W = D + 1 positions of its slot (the drafts' KV is written
+        past the slot's length; whatever is rejected stays past the new length, unread, and is
+        overwritten later), then ``verify_chain`` decides what is emitted. The commit is a
+        decode step's for each emitted token: length and generated count grow by the emitted
+        count, the pending token becomes the last emitted one, the hidden vector the last
+        consumed position's, the counter advances by one per emitted token (the draws used),
+        the histogram counts every emitted token."""
+        v, caps = self.v, self.caps
+        D = caps.draft_tokens
+        W = D + 1
+        meta = v[io.VERIFY_INPUT][:B].long()
+        slots = meta[:, 0]
+        dev = slots.device
+        live = (slots > 0) & (v["state.done"].index_select(0, slots) == 0)
+        mask_on = v["state.mask_on"].index_select(0, slots)
+        # A grammar mask is known for the first position only: a constrained row verifies no drafts.
+        count = torch.where(live & (mask_on == 0), meta[:, 1].clamp(0, D), 0)
+        drafts = v[io.DRAFTS][:B].long().clamp(0, caps.sampling_vocab - 1)
+        length = v["state.len"].index_select(0, slots).long()
+        j = torch.arange(W, device=dev)
+        valid = live[:, None] & (j[None, :] <= count[:, None])  # [B, W]
+        tokens = torch.cat([v["state.pending"].index_select(0, slots).long()[:, None], drafts], dim=1)
+        pos = torch.where(valid, length[:, None] + j[None, :], 0).reshape(-1)
+        valid = valid.reshape(-1)
+        row_slot = slots.repeat_interleave(W)
+        pt = v["state.page_table"].index_select(0, row_slot).long()
+        batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid)
+        hidden = self._forward(torch.where(valid, tokens.reshape(-1), 0), pos, batch)  # [B * W, H]
+        logits = self.recipe.lm_head(self.model, hidden).float().reshape(B, W, -1)
+        v["out.logits"][:B].copy_(logits[:, 0])  # the first position's, raw (as a decode step's)
+        first = apply_token_mask(logits[:, 0], v["in.token_mask"].index_select(0, slots), mask_on)
+        logits = torch.cat([first[:, None], logits[:, 1:]], dim=1)
+        samp = v["state.sampling"].index_select(0, slots)
+        params = {name: samp[:, column(name)] for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                                            "presence_penalty", "frequency_penalty")}
+        generated = v["state.generated"].index_select(0, slots).long()
+        max_new = v["state.max_new"].index_select(0, slots).long()
+        stop_ids = v["state.stop_ids"].index_select(0, slots)
+        counter = v["state.counter"].index_select(0, slots)
+        out, emitted, hist = verify_chain(
+            logits, drafts, count, live, v["state.hist"].index_select(0, slots),
+            {"temperature": params["temperature"], "top_k": v[INTEGER_STATE["top_k"]].index_select(0, slots),
+             "top_p": params["top_p"], "min_p": params["min_p"], "repetition": params["repetition_penalty"],
+             "presence": params["presence_penalty"], "frequency": params["frequency_penalty"]},
+            v["state.seed"].index_select(0, slots), counter, stop_ids, generated, max_new, caps.sampling_vocab)
+        # Every rank verified the same gathered logits from replicated state; rank 0's verdict
+        # decides everywhere (no-op at TP=1).
+        out = self.tp.from_rank_zero(out.contiguous())
+        emitted = self.tp.from_rank_zero(emitted.contiguous())
+        last_at = (emitted - 1).clamp(min=0)
+        last = out.gather(1, last_at[:, None])[:, 0]
+        total = generated + emitted
+        stop_hit = (stop_ids.long() == last[:, None]).any(dim=-1)
+        status = torch.where(stop_hit, int(Status.stop),
+                             torch.where(total >= max_new, int(Status.length), int(Status.running)))
+        old_hidden = v["state.hidden"].index_select(0, slots)
+        new_hidden = hidden.reshape(B, W, -1).gather(1, last_at[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+        v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], new_hidden, old_hidden))
+        v["state.len"].index_copy_(0, slots, (length + emitted).int())
+        v["state.pending"].index_copy_(0, slots, torch.where(live, last, v["state.pending"].index_select(0, slots)
+                                                              .long()).int())
+        v["state.generated"].index_copy_(0, slots, total.int())
+        v["state.counter"].index_copy_(0, slots, counter + emitted)
+        v["state.done"].index_copy_(0, slots, torch.where(live, status, v["state.done"].index_select(0, slots)
+                                                           .long()).int())
+        # Rows that are not live emitted nothing: their histograms come back unchanged.
+        v["state.hist"].index_copy_(0, slots, hist)
+        record = torch.cat([torch.stack(VerifyCompletion(slots, emitted, total, torch.where(
+            live, status, int(Status.inactive))), dim=-1), out], dim=-1)
+        v[io.VERIFY_COMPLETION][:B].copy_(record.int())
 
     # -- shared pieces -----------------------------------------------------
 

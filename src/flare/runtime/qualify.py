@@ -100,7 +100,7 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     words[:] = rng.integers(0, 1 << 32, words.shape, dtype=np.uint64).astype(np.uint32).view(np.int32)
     state[io.TOKENS][:] = rng.integers(0, c.sampling_vocab, state[io.TOKENS].shape)
     for name in (io.PrefillInput.buffer, io.AdmitInput.buffer, io.DECODE_SLOTS, io.StateInput.buffer,
-                 io.PACK_INPUT):
+                 io.PACK_INPUT, io.VERIFY_INPUT, io.DRAFTS):
         if name in state:
             state[name][...] = 0
     for name in [n for n in state if n.startswith("out.")]:
@@ -171,6 +171,24 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
             done[slots[-1]] = 1
             out["state.done"] = done
         out[io.TOKENS] = rng.integers(0, c.sampling_vocab, base[io.TOKENS].shape).astype(np.int32)
+    elif p.kind == ProgramKind.verify:
+        # Live slots verifying 0..D random drafts each (mostly rejected, some accepted where the
+        # distribution is wide); in the third set one slot is finished.
+        D = c.draft_tokens
+        live = int(rng.integers(1, p.capacity + 1))
+        slots = rng.permutation(np.arange(1, c.slots + 1))[:live]
+        arr = np.zeros(base[io.VERIFY_INPUT].shape, np.int32)
+        for i, slot in enumerate(slots):
+            arr[i] = io.pack(io.VerifyInput(int(slot), int(rng.integers(0, D + 1))))
+        out[io.VERIFY_INPUT] = arr
+        out[io.DRAFTS] = rng.integers(0, c.sampling_vocab, base[io.DRAFTS].shape).astype(np.int32)
+        lens = base["state.len"].copy()
+        lens[slots] = rng.integers(1, per_slot_tokens - D - 1, live)
+        out["state.len"] = lens
+        if index == 2:
+            done = base["state.done"].copy()
+            done[slots[0]] = 1
+            out["state.done"] = done
     elif p.kind == ProgramKind.decode:
         live = int(rng.integers(1, p.capacity + 1))
         slots = rng.permutation(np.arange(1, c.slots + 1))[:live]
