@@ -50,3 +50,45 @@ def test_bad_ngram_lengths_are_refused():
 
     with pytest.raises(ValueError):
         CopyProposer(max_ngram=2, min_ngram=3)
+
+
+def test_speculation_adapts_drafts_and_backs_off():
+    """runtime/speculation.py: drafts follow the request's history after its pending token;
+    their number grows after full acceptance and falls to accepted + 1; a miss (nothing to
+    copy, or every draft rejected) backs off 1, 2, 4 ... tokens (at most MAX_BACKOFF) and an
+    accepted draft resets it; the room caps drafts; log-probabilities or a grammar: none."""
+    import msgspec
+
+    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.speculation import MAX_BACKOFF, Speculation
+
+    spec = Speculation(4)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
+    req = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
+    req.output = [3]  # pending: the history ends ... 1 2 3, seen before followed by 4 5 6
+    assert spec.propose(req, 10) == [4, 5, 6, 1]
+    assert spec.propose(req, 2) == [4, 5]  # the room caps it
+    spec.observe(req, 4, 4)  # all accepted: stays at the ceiling of 4
+    spec.observe(req, 4, 1)  # one accepted: next time 2
+    assert spec.propose(req, 10) == [4, 5]
+    req.output += [9]  # ... 3 9: nothing to copy; a miss backs off one token
+    assert spec.propose(req, 10) == [] and not spec.wants(req)
+    req.output += [8]
+    assert spec.wants(req) and spec.propose(req, 10) == []  # a second miss: two tokens
+    req.output += [7]
+    assert not spec.wants(req)
+    req.output += [1, 2]  # ... 1 2: once the backoff has passed, its latest occurrence's 3 9
+    assert spec.propose(req, 10) == [3, 9]
+    spec.observe(req, 2, 0)  # all rejected: a miss (backoff 4 now), and one draft next time
+    assert not spec.wants(req)
+    req.output += [3, 4, 5, 6]
+    assert spec.propose(req, 10) == [1]
+    spec.observe(req, 1, 1)  # accepted: the backoff resets, drafts grow
+    for _ in range(20):
+        spec._miss(req, spec._state(req))
+    assert spec._state(req).backoff == MAX_BACKOFF
+    for kw in ({"logprobs": 0}, {}):
+        other = Request([1, 2, 1], msgspec.structs.replace(params, **kw), grammar=None if kw else object())
+        other.output = [2]
+        assert not spec.wants(other) and spec.propose(other, 10) == []

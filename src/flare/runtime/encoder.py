@@ -144,6 +144,19 @@ class StepEncoder:
         return Step(ProgramKind.decode, f"decode.{cap}", [*writes, Write(io.DECODE_SLOTS, slots)], batch,
                     io.DECODE_COMPLETION)
 
+    def verify(self, batch: list[Request], drafts: list[list[int]], writes: list[Write]) -> Step:
+        """A speculative step for the batch (``verify.{B}``): each request's pending token and its
+        drafts (at most the core's ``draft_tokens``); ``writes`` (page growth) go first."""
+        cap = next(c for c in self.decode_caps if c >= len(batch))
+        rows = np.zeros((max(self.decode_caps), len(io.VerifyInput._fields)), np.int32)
+        tokens = np.zeros((max(self.decode_caps), self.caps.draft_tokens), np.int32)
+        for i, (req, d) in enumerate(zip(batch, drafts)):
+            rows[i] = io.pack(io.VerifyInput(req.slot, len(d)))
+            tokens[i, : len(d)] = d
+        return Step(ProgramKind.verify, f"verify.{cap}",
+                    [*writes, Write(io.VERIFY_INPUT, rows), Write(io.DRAFTS, tokens)], batch,
+                    io.VERIFY_COMPLETION, drafts=[list(d) for d in drafts])
+
     def decode_again(self, step: Step, writes: list[Write]) -> Step:
         """The same decode batch once more (a step ahead): its slots after ``writes``."""
         slots = [w for w in step.writes if w.buffer == io.DECODE_SLOTS]

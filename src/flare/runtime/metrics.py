@@ -10,6 +10,7 @@ import bisect
 from collections import defaultdict
 
 # Latency buckets in seconds (time to first token, inter-token latency).
+ACCEPTED_BUCKETS = tuple(float(n) for n in range(17))  # accepted drafts per verified row (at most 16)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -44,6 +45,10 @@ class ServingMetrics:
         self.request_errors: dict[str, int] = defaultdict(int)
         self.ttft = Histogram()
         self.itl = Histogram()
+        # Speculative decoding: drafts verified, drafts accepted, accepted drafts per verified row.
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accepted = Histogram(ACCEPTED_BUCKETS)
 
     # -- hooks (scheduler and server) -----------------------------------------------
 
@@ -56,6 +61,11 @@ class ServingMetrics:
             self.ttft.observe(now - arrival)
         elif last_at is not None:
             self.itl.observe(now - last_at)
+
+    def on_verified(self, drafted: int, accepted: int) -> None:
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        self.spec_accepted.observe(accepted)
 
     def on_finished(self, reason: str) -> None:
         self.requests_finished[reason] += 1
@@ -87,4 +97,10 @@ class ServingMetrics:
                self.ttft.render("flare_time_to_first_token_seconds"))
         metric("flare_inter_token_latency_seconds", "histogram", "time between output tokens of a request",
                self.itl.render("flare_inter_token_latency_seconds"))
+        metric("flare_spec_draft_tokens_total", "counter", "draft tokens verified (speculative decoding)",
+               [f"flare_spec_draft_tokens_total {self.spec_draft_tokens}"])
+        metric("flare_spec_accepted_tokens_total", "counter", "draft tokens accepted",
+               [f"flare_spec_accepted_tokens_total {self.spec_accepted_tokens}"])
+        metric("flare_spec_accepted_length", "histogram", "accepted drafts per verified request row",
+               self.spec_accepted.render("flare_spec_accepted_length"))
         return "\n".join(out) + "\n"

@@ -62,13 +62,15 @@ from flare.runtime.encoder import StepEncoder, derive_seed
 from flare.runtime.metrics import ServingMetrics
 from flare.runtime.pages import PagePool, SlotPool
 from flare.runtime.request import FinishReason, Request, Status
+from flare.runtime.speculation import Speculation
 from flare.runtime.steps import Step, Write
 
 __all__ = ["Scheduler", "Step", "Write", "derive_seed"]
 
 class Scheduler:
     def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None,
-                 prefix_cache: bool = True, prefill_while_decoding: int = 0, decode_with_prefill: bool = False):
+                 prefix_cache: bool = True, prefill_while_decoding: int = 0, decode_with_prefill: bool = False,
+                 draft_tokens: int = 0):
         self.m = manifest
         self.metrics = metrics or ServingMetrics()
         self.caps = manifest.capacities
@@ -88,6 +90,12 @@ class Scheduler:
         if decode_with_prefill and not self.caps.pack_capacities:
             raise ValueError("decode_with_prefill needs a core prepared with pack programs (--pack-capacities)")
         self.decode_with_prefill = decode_with_prefill
+        # Speculative decoding with copy drafts (runtime/speculation.py): up to draft_tokens per
+        # request and step, checked by the core's verify programs.
+        if not 0 <= draft_tokens <= self.caps.draft_tokens:
+            raise ValueError(f"draft_tokens {draft_tokens} must lie in [0, {self.caps.draft_tokens}] (the core's "
+                             f"--draft-tokens)")
+        self.spec = Speculation(draft_tokens) if draft_tokens else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, holding resources until their snapshots complete
@@ -96,6 +104,7 @@ class Scheduler:
         self._last_kind: ProgramKind | None = None
         self._turn_rows = 0  # prefill program rows run since the last decode step
         self._ahead: Step | None = None  # a decode step submitted before its predecessor completed
+        self._device_past: Request | None = None  # a verify row's request whose slot is past its current token
         self.steps_ahead_total = 0
         self.prefill_tokens_total = 0
         self.preemptions_total = 0
@@ -323,7 +332,23 @@ class Scheduler:
     def _decode_step(self) -> Step | None:
         writes: list[Write] = []
         batch = self._decoders(writes)
-        return self.encode.decode(batch, writes) if batch else None
+        if not batch:
+            return None
+        if self.spec is not None:
+            drafts = [self._drafts(r, writes) for r in batch]
+            if any(drafts):
+                return self.encode.verify(batch, drafts, writes)
+        return self.encode.decode(batch, writes)
+
+    def _drafts(self, req: Request, writes: list[Write]) -> list[int]:
+        """The request's drafts for a verify step, within its token limit and within pages
+        that are free now (drafts never evict or preempt: they are cut to fit instead)."""
+        drafts = self.spec.propose(req, req.params.max_tokens - len(req.output) - 1)
+        # Positions consumed .. consumed + len(drafts) are written.
+        need = self.pages_for(req.consumed + 1 + len(drafts)) - len(req.pages)
+        if need > 0 and self.pages.can_allocate(need):
+            self._add_pages(req, need, writes)
+        return drafts[: max(0, len(req.pages) * self.page_size - req.consumed - 1)]
 
     def _decoders(self, writes: list[Write]) -> list[Request]:
         """The decoding requests of the next step, after page growth (which may preempt)
@@ -348,7 +373,8 @@ class Scheduler:
         if (step.kind != ProgramKind.decode or self._ahead not in (None, step) or self._maintenance
                 or (self.waiting and self.slots.free)
                 or any(r.status != Status.DECODING for r in self.running)
-                or len(step.requests) != len(self.running)):
+                or len(step.requests) != len(self.running)
+                or (self.spec is not None and any(self.spec.wants(r) for r in step.requests))):
             return None
         batch = step.requests
         for r in batch:
@@ -437,15 +463,16 @@ class Scheduler:
             elif step.kind == ProgramKind.restore and req.consumed == len(req.target) and req.output:
                 req.status = Status.DECODING  # a readmission whose whole history was cached
             return
+        if step.kind == ProgramKind.verify:
+            verified = [io.verify_record(row, self.caps.draft_tokens) for row in records[: len(step.requests)]]
+            self._check_slots(step, [head.slot for head, _ in verified])
+            for req, drafts, (head, tokens) in zip(step.requests, step.drafts, verified):
+                self._verified(req, drafts, head, tokens)
+            return
         rows = [io.completion(row) for row in records[: len(step.requests)]]
         if step is self._ahead:
             self._ahead = None
-        for req, row in zip(step.requests, rows):
-            if req.finished and req.slot is None:
-                continue  # finished and released while this step was in flight
-            if row.slot != req.slot:
-                raise ExecutionError(f"{step.program}: completion for slot {row.slot}, expected {req.slot}",
-                                     code="bad_completion")
+        self._check_slots(step, [row.slot for row in rows])
         if step.kind in (ProgramKind.prefill, ProgramKind.resume, ProgramKind.score):
             req = step.requests[0]
             if step.kind == ProgramKind.score and not req.finished:
@@ -461,6 +488,36 @@ class Scheduler:
             return
         for req, row, record in zip(step.requests, rows, records):
             self._decoded(req, row, record)
+
+    def _check_slots(self, step: Step, slots: list[int]) -> None:
+        for req, slot in zip(step.requests, slots):
+            if req.finished and req.slot is None:
+                continue  # finished and released while this step was in flight
+            if slot != req.slot:
+                raise ExecutionError(f"{step.program}: completion for slot {slot}, expected {req.slot}",
+                                     code="bad_completion")
+
+    def _verified(self, req: Request, drafts: list[int], head: io.VerifyCompletion, tokens: list[int]) -> None:
+        """A verify row of the request completed: its emitted tokens, each as a decode row's."""
+        if req.finished:
+            return
+        # A rejected draft is never emitted at its position: equal tokens are the accepted drafts.
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, tokens)) if d != t),
+                        min(len(drafts), len(tokens)))
+        self.spec.observe(req, len(drafts), accepted)
+        if drafts:
+            self.metrics.on_verified(len(drafts), accepted)
+        for i, token in enumerate(tokens):
+            if req.finished:  # a stop sequence matched before the last emitted token
+                break
+            req.consumed += 1
+            last = i == len(tokens) - 1
+            # Before the last token the device has consumed more than the host keeps if a stop
+            # sequence ends the request here: its slot is past the endpoint (no terminal snapshot).
+            self._device_past = None if last else req
+            self._accept(req, io.Completion(head.slot, token, head.generated - len(tokens) + i + 1,
+                                            head.status if last else int(DeviceStatus.running)), None)
+        self._device_past = None
 
     def _decoded(self, req: Request, row: io.Completion, record) -> None:
         """A decode row of the request completed."""
@@ -549,6 +606,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason, error: Exception | None = None, *,
                 device_done: bool = False) -> None:
+        if self.spec is not None:
+            self.spec.forget(req)
         if req.finished:
             return
         req.status = Status.FINISHED
@@ -557,7 +616,8 @@ class Scheduler:
         self.metrics.on_finished(reason.value)
         # A step ahead that still runs this request's row live (the host, not the device,
         # decided the finish) moves its slot past the endpoint: no terminal snapshot.
-        live_ahead = self._ahead is not None and req in self._ahead.requests and not device_done
+        live_ahead = (self._ahead is not None and req in self._ahead.requests and not device_done
+                      or self._device_past is req)
         if reason in (FinishReason.stop, FinishReason.length) and req.slot is not None and not live_ahead:
             terminal = self.checkpoints.on_finish(req)
             if terminal is not None:

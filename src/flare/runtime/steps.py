@@ -34,3 +34,4 @@ class Step:
     # pack: (tokens, samples, decoding) of each request's segment, in the order of ``requests``
     # (decoding: a decode row of the pending token, not a prefill chunk)
     segments: list[tuple[int, bool, bool]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # verify: each request's draft tokens

@@ -1,0 +1,162 @@
+"""Speculative decoding on the real engine, reference executor and model (issue 20): copy
+drafts from each request's history, verified by the core's verify programs.
+
+Greedy requests (top_k 1) must come out exactly as without speculation, whatever was
+drafted and rejected, with the prefix cache, a host-side stop inside a verified chain and a
+follow-up turn; sampled requests keep their lengths. The tiny random model, greedy, falls
+into repetition quickly, which is what copy drafts live on: drafts are accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from flare.core.manifest import load_manifest
+from tests.conftest import TINY_OPTS, prepare_core
+from tests.test_pipeline import Sink, _params, _run
+
+
+def _core():
+    return prepare_core("llama-tiny", [*TINY_OPTS, "--draft-tokens", "3"], name="llama-tiny-verify")
+
+
+def _greedy(seed: int, max_tokens: int):
+    return _params(seed, max_tokens, top_k=1, repetition_penalty=1.0)
+
+
+def test_greedy_requests_are_the_same_with_copy_drafts(tiny_core):
+    core = _core()
+    vocab = load_manifest(core).capacities.vocab_size
+    # Prompts that repeat a phrase (a quoted tool result) and one that does not.
+    phrase = [(13 * k + 5) % vocab for k in range(12)]
+    prompts = [phrase * 3, [7] + phrase * 2 + [9, 9], [(31 * k + 2) % vocab for k in range(40)], phrase[:5]]
+
+    def batches():
+        return [[(p, _greedy(10 + i, 40 + 5 * i), Sink()) for i, p in enumerate(prompts)],
+                [(prompts[0] + [3, 4], _greedy(20, 30), Sink())]]
+
+    ran: list[str] = []
+    plain, _ = asyncio.run(_run(tiny_core, 2, batches()))
+    spec, gauges = asyncio.run(_run(core, 2, batches(), ran, draft_tokens=3))
+    assert any(name.startswith("verify.") for name in ran), ran
+    for a, b in zip(sum(plain, []), sum(spec, [])):
+        assert a.output == b.output and len(b.output) == b.params.max_tokens, (a.output, b.output)
+    assert spec[1][0].cached_tokens >= len(prompts[0])
+
+
+def test_copy_drafts_are_accepted_and_counted():
+    """The metrics: drafts verified and accepted, and the accepted-length histogram; fewer
+    steps than tokens."""
+    core = _core()
+    vocab = load_manifest(core).capacities.vocab_size
+    phrase = [(13 * k + 5) % vocab for k in range(12)]
+
+    async def go():
+        from flare.runtime.engine import Engine
+        from flare.runtime.reference import ReferenceExecutor
+        from flare.runtime.request import Request
+
+        engine = Engine(ReferenceExecutor(core, load_manifest(core)), draft_tokens=3)
+        await engine.start()
+        try:
+            req = Request(phrase * 3, _greedy(1, 60), Sink())
+            engine.submit(req)
+            await asyncio.wait_for(req.sink.done.wait(), 300)
+            return req, engine.metrics, engine.gauges(), engine.metrics.render(engine.gauges())
+        finally:
+            await engine.shutdown(1.0)
+
+    req, metrics, gauges, text = asyncio.run(go())
+    assert len(req.output) == 60
+    assert metrics.spec_accepted_tokens > 0 and metrics.spec_draft_tokens >= metrics.spec_accepted_tokens
+    assert gauges["flare_engine_steps_total"] < 60  # some steps emitted several tokens
+    assert f"flare_spec_accepted_tokens_total {metrics.spec_accepted_tokens}" in text
+    assert "flare_spec_accepted_length_bucket" in text and "flare_spec_draft_tokens_total" in text
+
+
+class _StopAt(Sink):
+    """Plays a stop string that the host matches on the request's (k + 1)-th token."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def on_tokens(self, request, ids):
+        self.visible.extend(ids)
+        return len(self.visible) > self.k
+
+
+def test_a_host_stop_inside_a_verified_chain(tiny_core):
+    """Stop strings (the host's) on tokens 21, 22 and 23 of a greedy request whose verify steps
+    emit up to 4 tokens (so some stops fall before a step's last token, where the device has
+    consumed more than the host keeps): each request ends there as without speculation, and a
+    follow-up turn continuing its conversation, and one repeating its history, get the same
+    tokens."""
+    core = _core()
+    vocab = load_manifest(core).capacities.vocab_size
+    phrase = [(13 * k + 5) % vocab for k in range(12)]
+    prompt = phrase * 3
+    free, _ = asyncio.run(_run(tiny_core, 1, [[(prompt, _greedy(1, 40), Sink())]]))
+    tokens = free[0][0].output
+
+    def batches():
+        out = []
+        for k in (21, 22, 23):
+            # follow-ups: the conversation continued, and the stopped request's own history
+            # (a whole-prompt hit of its terminal checkpoint when it has one: resume samples
+            # from the checkpoint's hidden vector, which must be the endpoint's)
+            out += [[(prompt, _greedy(1, 40), _StopAt(k))],
+                    [(prompt + tokens[: k + 1] + [2, 3], _greedy(2, 12), Sink())],
+                    [(prompt + tokens[:k], _greedy(3, 6), Sink())]]
+        return out
+
+    plain, _ = asyncio.run(_run(tiny_core, 2, batches()))
+    spec, _ = asyncio.run(_run(core, 2, batches(), draft_tokens=3))
+    for a, b in zip(sum(plain, []), sum(spec, [])):
+        assert a.output == b.output and a.finish_reason == b.finish_reason, (a.output, b.output)
+    assert [len(spec[i][0].output) for i in (0, 3, 6)] == [22, 23, 24]
+
+
+def test_sampled_requests_keep_their_lengths_with_copy_drafts():
+    core = _core()
+    vocab = load_manifest(core).capacities.vocab_size
+    phrase = [(13 * k + 5) % vocab for k in range(12)]
+    batches = [[(phrase * 3, _params(40 + i, 25 + 3 * i, temperature=0.3), Sink()) for i in range(3)]]
+    out, _ = asyncio.run(_run(core, 2, batches, draft_tokens=3))
+    for r in out[0]:
+        assert len(r.output) == r.params.max_tokens and all(0 <= t < vocab for t in r.output)
+
+
+def test_served_with_the_official_client_and_refused_without_verify_programs(tiny_core):
+    """flare-serve speculates by default on a core with verify programs: a greedy completion
+    (temperature 0) of a repetitive text streams the same text as with --speculative off, and
+    /metrics counts accepted drafts. On a core without verify programs --speculative copy
+    (and, on the verify core, more drafts than it was prepared for) refuses to start."""
+    import subprocess
+    import sys
+
+    import openai
+
+    from tests.conftest import running_server, scrape_metrics
+
+    core = _core()
+    prompt = "The cat sat on the mat. The dog sat on the log. " * 4 + "The cat"
+
+    def complete(srv) -> str:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        stream = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=48,
+                                           extra_body={"top_k": 1}, stream=True)
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with running_server(core) as srv:
+        text = complete(srv)
+        assert text
+        metrics = scrape_metrics(srv.url)
+    with running_server(core, "--speculative", "off") as srv:
+        assert complete(srv) == text
+        assert scrape_metrics(srv.url)["flare_spec_draft_tokens_total"] == 0
+    assert metrics["flare_spec_accepted_tokens_total"] > 0, metrics
+    for c, flags in ((tiny_core, ["--speculative", "copy"]), (core, ["--draft-tokens", "4"])):
+        proc = subprocess.run([sys.executable, "-m", "flare.server.cli", str(c), "--port", "0", *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "--draft-tokens" in proc.stderr, proc.stderr[-1000:]
