@@ -30,7 +30,7 @@ serve: $(CORE)/manifest.json
 	scripts/serve-and-ask.sh $(CORE) $(PORT)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --durations=25 tests
 
 test-gpu: $(VENV)/.installed
 	tests/gpu/run_on_device.sh

@@ -20,10 +20,12 @@ from bench.client import (
     Refused,
     Stream,
     Target,
+    SAMPLING,
     chat,
     complete,
     pct,
     spread,
+    stream,
     token_prompt,
 )
 
@@ -48,6 +50,8 @@ class Options:
     interference_after: int = 64  # tokens every decoder has streamed before the long prompt is sent
     arrival_prompts: int = 4  # short cold prompts sent together (arrivals)
     arrival_tokens: int = 12
+    rewrite_items: int = 10  # records of the JSON document the rewrite scenario re-emits (~30 tokens each)
+    rewrite_tokens: int = 320
     repeats: int = 3
     salt: str = "0"
     context_limit: int | None = None
@@ -267,8 +271,41 @@ async def arrivals(env: Env) -> dict:
     return out
 
 
+def rewrite_messages(salt: str, items: int) -> list[dict]:
+    """A copy-heavy agent turn: re-emit a JSON document with one change (what speculative
+    copy drafts are for). The salt keeps the document cold."""
+    doc = {"session": salt, "tickets": [{"id": 4100 + i, "title": f"Page boundary bug in module {i}",
+                                         "status": "open", "owner": f"dev{i % 3}", "points": i % 5 + 1}
+                                        for i in range(items)]}
+    return [{"role": "system", "content": "You are a careful editor. Output only the JSON document."},
+            {"role": "user", "content": "Rewrite this JSON document exactly as it is, except that ticket "
+                                        f"{4100 + items // 2} gets the status \"closed\":\n\n"
+                                        + json.dumps(doc, indent=1)}]
+
+
+async def rewrite(env: Env) -> dict:
+    """Decode speed of a copy-heavy turn (re-emit a ~300-token JSON document with one change),
+    sampled (the client's sampling) and greedy (top_k 1), ``repeats`` times each: decode
+    tokens/s after the first token, the median. Compare a server with and without
+    speculative decoding on the same core (bench.ab_serve)."""
+    o = env.opts
+    out = {}
+    for mode, sampling in (("sampled", SAMPLING), ("greedy", {**SAMPLING, "top_k": 1})):
+        runs = []
+        for k in range(o.repeats):
+            body = {"messages": rewrite_messages(f"{o.salt}:{mode}:{k}", o.rewrite_items),
+                    "max_tokens": o.rewrite_tokens, "ignore_eos": True, "seed": k, **sampling}
+            s = await stream(env.client, env.target, "/v1/chat/completions", body)
+            r = s.summary()
+            runs.append({"decode_tokens_per_s": (r["tokens"] - 1) / (r["total_s"] - r["ttft_s"]),
+                         "tokens": r["tokens"], "ttft_s": r["ttft_s"], "prompt_tokens": r["prompt_tokens"]})
+        out[mode] = {"decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs), "raw": runs}
+        print("rewrite", mode, out[mode]["decode_tokens_per_s"], flush=True)
+    return out
+
+
 SCENARIOS = {"decode": decode, "cold": cold_ttft, "prefill": prefill, "prefix": prefix_hit, "agent": agent,
-             "interference": interference, "arrivals": arrivals}
+             "interference": interference, "arrivals": arrivals, "rewrite": rewrite}
 
 
 def options_record(o: Options) -> dict:

@@ -13,6 +13,8 @@ Primary sampling: temperature 1, top-k 20, top-p 0.95. Scenarios (docs/performan
   agent         multi-turn chat with tools in the system prompt: per-turn TTFT and cached_tokens
   interference  ITL of running decodes before and while a long prompt is prefilled
   arrivals      TTFT of short cold prompts sent together against one sent alone
+  rewrite       decode tokens/s of a copy-heavy turn: a ~300-token JSON document re-emitted with one
+                change, sampled and greedy (what speculative copy drafts are for)
 
 The context limit comes from --context-limit, else /v1/models, else a 400. The
 JSON keeps every raw sample, the client machine, the options and the server's
@@ -56,6 +58,7 @@ async def run(a: argparse.Namespace) -> dict:
                    interference_decoders=a.interference_decoders, interference_tokens=a.interference_tokens,
                    interference_prompt=a.interference_prompt, interference_after=a.interference_after,
                    arrival_prompts=a.arrival_prompts, arrival_tokens=a.arrival_tokens,
+                   rewrite_items=a.rewrite_items, rewrite_tokens=a.rewrite_tokens,
                    repeats=a.repeats, salt=a.salt or secrets.token_hex(4))
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     async with httpx.AsyncClient(timeout=a.timeout, headers=headers) as client:
@@ -105,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival-prompts", type=int, default=d.arrival_prompts,
                    help="short prompts sent together (arrivals)")
     p.add_argument("--arrival-tokens", type=int, default=d.arrival_tokens)
+    p.add_argument("--rewrite-items", type=int, default=d.rewrite_items,
+                   help="records of the JSON document the rewrite scenario re-emits")
+    p.add_argument("--rewrite-tokens", type=int, default=d.rewrite_tokens)
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="repeats of cold, prefill, prefix and arrivals (median)")
     p.add_argument("--context-limit", type=int, default=None, help="override the limit read from /v1/models")

@@ -23,14 +23,18 @@ def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
     model = httpx.get(smol_server.url + "/v1/models").json()["data"][0]["id"]
     out = tmp_path / "serve.json"
     subprocess.run([sys.executable, "-m", "bench.serve_bench", smol_server.url, model, str(out),
-                    "--scenarios", "decode,cold,prefill,prefix,agent,interference,arrivals", "--tokens", "8",
+                    "--scenarios", "decode,cold,prefill,prefix,agent,interference,arrivals,rewrite", "--tokens", "8",
                     "--concurrency", "1,2", "--cold-prompts", "32", "--prefill-prompts", "32,4096",
                     "--prefix-tokens", str(PREFIX), "--short-prompt", "16", "--agent-turns", "3",
                     "--agent-tokens", "8", "--agent-result-items", "2", "--interference-decoders", "1",
                     "--interference-tokens", "24", "--interference-after", "4", "--interference-prompt", "96",
-                    "--repeats", "1"], cwd=ROOT, check=True, timeout=240)
+                    "--rewrite-items", "2", "--rewrite-tokens", "6", "--repeats", "1"],
+                   cwd=ROOT, check=True, timeout=240)
     r = json.loads(out.read_text())
 
+    for mode in ("sampled", "greedy"):
+        (run,) = r["rewrite"][mode]["raw"]
+        assert run["tokens"] == 6 and run["prompt_tokens"] > 60 and r["rewrite"][mode]["decode_tokens_per_s"] > 0
     assert r["model"] == model and r["sampling"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
     assert r["machine"]["versions"]["httpx"] and r["machine"]["python"]
     assert (r["options"]["context_limit"], r["options"]["limit_source"]) == (2048, "/v1/models max_model_len")

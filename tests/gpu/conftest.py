@@ -40,9 +40,10 @@ ATTENTION = os.environ.get("FLARE_GPU_ATTENTION", "triton")
 COMPILE = [] if os.environ.get("FLARE_GPU_COMPILE", "1") == "1" else ["--no-compile"]
 SHAPES = {
     "smollm2-135m-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
-    # With pack programs (packed prompts, decode steps that carry a chunk): replayed like the rest.
+    # With pack programs (packed prompts, decode steps that carry a chunk) and verify programs
+    # (speculative decoding; its serve test then speculates, the default): replayed like the rest.
     "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024",
-                           "--pack-capacities", "64,256"],
+                           "--pack-capacities", "64,256", "--draft-tokens", "5"],
     # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md).
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
