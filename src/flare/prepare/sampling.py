@@ -113,7 +113,11 @@ def choose(
     never cut at an arbitrary candidate count. Its reductions (softmax, sort, scans)
     stay eager ATen kernels, whose per-row results do not depend on the batch size.
     """
-    kept, si, n_keep = filtered(x, top_k, top_p, min_p)
+    return _draw(*filtered(x, top_k, top_p, min_p), u)
+
+
+def _draw(kept: torch.Tensor, si: torch.Tensor, n_keep: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`choose`'s inverse-CDF draw over :func:`filtered`'s output."""
     cdf = torch.cumsum(kept, dim=-1)
     target = u * cdf[:, -1]
     idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), n_keep - 1)
@@ -154,6 +158,12 @@ def verify_draft(
     proposal. Returns (tokens int64 ``[B]``, accepted bool ``[B]``). Plain tensor ops, as
     ``choose``: capturable, and a row never reads another row."""
     kept, si, _ = filtered(x, top_k, top_p, min_p)
+    return _verify(kept, si, proposal, u_accept, u_draw)
+
+
+def _verify(kept: torch.Tensor, si: torch.Tensor, proposal: torch.Tensor, u_accept: torch.Tensor,
+            u_draw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify_draft` over :func:`filtered`'s output."""
     at_x = si == proposal[:, None]
     p_x = torch.where(at_x, kept, torch.zeros_like(kept)).sum(dim=-1) / kept.sum(dim=-1)
     accepted = u_accept < p_x
@@ -162,7 +172,7 @@ def verify_draft(
     target = u_draw * cdf[:, -1]
     # The first position whose mass ends past the target; rounding at the top falls back
     # to the last position that still has mass (never the removed proposal).
-    positions = torch.arange(rest.shape[-1], device=x.device)
+    positions = torch.arange(rest.shape[-1], device=rest.device)
     last = torch.where(rest > 0, positions, torch.zeros_like(positions)).amax(dim=-1)
     idx = torch.minimum((cdf <= target[:, None]).sum(dim=-1), last)
     drawn = si.gather(1, idx[:, None])[:, 0]
@@ -207,11 +217,12 @@ def verify_chain(
         x = scores(logits[:, j], hist, samp["temperature"], samp["repetition"], samp["presence"],
                    samp["frequency"], sampling_vocab)
         u = uniform(seed, counter + j)
-        plain = choose(x, samp["top_k"], samp["top_p"], samp["min_p"], u)
+        # One sort per position, shared by the plain draw and the verification.
+        kept, si, n_keep = filtered(x, samp["top_k"], samp["top_p"], samp["min_p"])
+        plain = _draw(kept, si, n_keep, u)
         checked = count > j
         if j < W - 1:
-            tok_v, acc = verify_draft(x, samp["top_k"], samp["top_p"], samp["min_p"], drafts[:, j], u,
-                                      uniform(seed ^ REJECT_STREAM, counter + j))
+            tok_v, acc = _verify(kept, si, drafts[:, j], u, uniform(seed ^ REJECT_STREAM, counter + j))
             tok = torch.where(checked, tok_v, plain)
             accepted = checked & acc
         else:
