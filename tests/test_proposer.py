@@ -55,8 +55,9 @@ def test_bad_ngram_lengths_are_refused():
 def test_speculation_adapts_drafts_and_backs_off():
     """runtime/speculation.py: drafts follow the request's history after its pending token;
     their number grows after full acceptance and falls to accepted + 1; a miss (nothing to
-    copy, or every draft rejected) backs off 1, 2, 4 ... tokens (at most MAX_BACKOFF) and an
-    accepted draft resets it; the room caps drafts; log-probabilities or a grammar: none."""
+    copy, no room, or every draft rejected) skips the next 1, 2, 4 ... steps (at most
+    MAX_BACKOFF) and an accepted draft resets it; the room caps drafts; log-probabilities or
+    a grammar: none."""
     import msgspec
 
     from flare.runtime.request import Request, SamplingParams
@@ -67,27 +68,37 @@ def test_speculation_adapts_drafts_and_backs_off():
                             presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
     req = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
     req.output = [3]  # pending: the history ends ... 1 2 3, seen before followed by 4 5 6
+
+    def step(*tokens):  # a step completed: its tokens join the output
+        req.output += list(tokens)
+
     assert spec.propose(req, 10) == [4, 5, 6, 1]
     assert spec.propose(req, 2) == [4, 5]  # the room caps it
+    step(4, 5, 6, 1, 2)
     spec.observe(req, 4, 4)  # all accepted: stays at the ceiling of 4
-    spec.observe(req, 4, 1)  # one accepted: next time 2
-    assert spec.propose(req, 10) == [4, 5]
-    req.output += [9]  # ... 3 9: nothing to copy; a miss backs off one token
-    assert spec.propose(req, 10) == [] and not spec.wants(req)
-    req.output += [8]
-    assert spec.wants(req) and spec.propose(req, 10) == []  # a second miss: two tokens
-    req.output += [7]
+    assert spec.propose(req, 10) == [3, 4, 5, 6]  # ... 6 1 2, seen before followed by 3 4 5 6
+    step(3, 4, 7)
+    spec.observe(req, 4, 2)  # two accepted: next time 3
+    assert spec.propose(req, 10) == []  # ... 4 7: nothing to copy: skips the next step
+    step(8)  # the plain step that was about to run
     assert not spec.wants(req)
-    req.output += [1, 2]  # ... 1 2: once the backoff has passed, its latest occurrence's 3 9
-    assert spec.propose(req, 10) == [3, 9]
-    spec.observe(req, 2, 0)  # all rejected: a miss (backoff 4 now), and one draft next time
+    step(9)  # the skipped one
+    assert spec.wants(req) and spec.propose(req, 10) == []  # a second miss: two steps
+    step(1)
     assert not spec.wants(req)
-    req.output += [3, 4, 5, 6]
-    assert spec.propose(req, 10) == [1]
-    spec.observe(req, 1, 1)  # accepted: the backoff resets, drafts grow
+    step(2)
+    assert not spec.wants(req)
+    step(3)  # ... 1 2 3: copies its latest earlier continuation, 3 drafts
+    assert spec.wants(req) and spec.propose(req, 10) == [4, 7, 8]
+    step(5)
+    spec.observe(req, 3, 0)  # all rejected: a miss (the backoff doubles to 4), one draft next
+    for _ in range(4):
+        assert not spec.wants(req)
+        step(6)
+    assert spec.wants(req) and len(spec.propose(req, 10)) <= 1
     for _ in range(20):
-        spec._miss(req, spec._state(req))
-    assert spec._state(req).backoff == MAX_BACKOFF
+        spec.miss(req)
+    assert spec._states[req.id].backoff == MAX_BACKOFF
     for kw in ({"logprobs": 0}, {}):
         other = Request([1, 2, 1], msgspec.structs.replace(params, **kw), grammar=None if kw else object())
         other.output = [2]

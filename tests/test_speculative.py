@@ -131,7 +131,8 @@ def test_served_with_the_official_client_and_refused_without_verify_programs(tin
     """flare-serve speculates by default on a core with verify programs: a greedy completion
     (temperature 0) of a repetitive text streams the same text as with --speculative off, and
     /metrics counts accepted drafts. On a core without verify programs --speculative copy
-    (and, on the verify core, more drafts than it was prepared for) refuses to start."""
+    refuses to start, as do more drafts than the core was prepared for and --draft-tokens
+    without speculation."""
     import subprocess
     import sys
 
@@ -156,7 +157,39 @@ def test_served_with_the_official_client_and_refused_without_verify_programs(tin
         assert complete(srv) == text
         assert scrape_metrics(srv.url)["flare_spec_draft_tokens_total"] == 0
     assert metrics["flare_spec_accepted_tokens_total"] > 0, metrics
-    for c, flags in ((tiny_core, ["--speculative", "copy"]), (core, ["--draft-tokens", "4"])):
+    for c, flags in ((tiny_core, ["--speculative", "copy"]), (core, ["--draft-tokens", "4"]),
+                     (core, ["--speculative", "off", "--draft-tokens", "2"])):
         proc = subprocess.run([sys.executable, "-m", "flare.server.cli", str(c), "--port", "0", *flags],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and "--draft-tokens" in proc.stderr, proc.stderr[-1000:]
+
+
+class _LogprobSink(Sink):
+    def __init__(self):
+        super().__init__()
+        self.blocks: list = []
+
+    def on_tokens(self, request, ids, logprobs=None):
+        self.blocks.extend(logprobs or [])
+        return super().on_tokens(request, ids)
+
+
+def test_a_request_with_logprobs_beside_a_drafting_one(tiny_core):
+    """A verify record carries no log-probabilities: while a request that asks for them runs,
+    its batch decodes plainly (the other request's drafts wait); both come out as without
+    speculation, every token of the first with its block."""
+    core = _core()
+    vocab = load_manifest(core).capacities.vocab_size
+    phrase = [(13 * k + 5) % vocab for k in range(12)]
+
+    def batches():
+        return [[(phrase * 3, _greedy(1, 30), Sink()),
+                 (phrase[:7], _params(2, 20, top_k=1, repetition_penalty=1.0, logprobs=2), _LogprobSink())]]
+
+    plain, _ = asyncio.run(_run(tiny_core, 2, batches()))
+    ran: list[str] = []
+    spec, _ = asyncio.run(_run(core, 2, batches(), ran, draft_tokens=3))
+    for a, b in zip(plain[0], spec[0]):
+        assert a.output == b.output
+    assert len(spec[0][1].sink.blocks) == 20
+    assert any(name.startswith("verify.") for name in ran)  # after the logprobs request finished

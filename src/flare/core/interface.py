@@ -18,6 +18,7 @@ Rows by program::
                                                                     and out.scores (one row per token)
     pack[C]            in.pack    PackSegment x B (+ in.tokens)  -> out.pack_completion     Completion x min(B, C)
     verify[B]          in.verify  VerifyInput x B (+ in.drafts)  -> out.verify_completion   VerifyCompletion x B
+                       (B: the decode capacities up to manifest.MAX_VERIFY_BATCH)
 
 ``pack`` runs up to min(B, C) segments of different slots (B: the largest decode
 capacity) in one program of C rows: segment i is ``count`` tokens of ``in.tokens`` from

@@ -364,6 +364,16 @@ def pack_capacity_error(capacities: tuple[int, ...], prefill_chunk: int) -> str 
 PREFILL_SMALLEST = (16, 32, 64, 128)  # the smallest prefill capacities a core may declare
 
 
+# Verify programs exist for the decode capacities up to this batch (at least the smallest):
+# speculation pays at small batches, and a verify program of B rows holds B x (D + 1)
+# positions' logits and sorts.
+MAX_VERIFY_BATCH = 16
+
+
+def verify_capacities(decode_capacities: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(b for b in decode_capacities if b <= MAX_VERIFY_BATCH) or decode_capacities[:1]
+
+
 def prefill_capacities_for(chunk: int, context_limit: int, smallest: int = 128) -> tuple[int, ...]:
     """The capacity rule (docs/core.md): powers of two from ``smallest`` (16, 32, 64 or 128;
     128 unless prepared with --min-prefill-capacity) below the chunk limit, plus the exact
@@ -475,9 +485,9 @@ def validate(m: Manifest) -> None:
         _fail(f"capacities.draft_tokens must lie in [0, {io.MAX_DRAFT_TOKENS}]", "capacities.draft_tokens")
     if c.draft_tokens and set(m.continuation.state) - {"state.hidden"}:
         _fail("verify programs need a model without recurrent state", "capacities.draft_tokens")
-    want = c.decode_capacities if c.draft_tokens else ()
+    want = verify_capacities(c.decode_capacities) if c.draft_tokens else ()
     if tuple(p.capacity for p in m.programs_of(ProgramKind.verify)) != want:
-        _fail(f"verify programs do not match the decode capacities {list(want)}", "capacities.draft_tokens")
+        _fail(f"verify programs do not match the verify capacities {list(want)}", "capacities.draft_tokens")
     if not 0 < c.sampling_vocab <= c.vocab_size:
         _fail("sampling_vocab must lie in (0, vocab_size]", "capacities.sampling_vocab")
     if c.stop_ids < len(m.frontend.eos_ids) + 1:

@@ -93,8 +93,8 @@ def parser() -> argparse.ArgumentParser:
                         "and decode steps carry a prompt's chunk while it prefills (default: none; models "
                         "with recurrent state cannot pack)")
     p.add_argument("--draft-tokens", type=int, default=0, metavar="D",
-                   help="add verify programs (one per decode capacity) that check up to D draft tokens per "
-                        "request in one step, for speculative decoding (default 0: none; at most "
+                   help="add verify programs (one per decode capacity up to 16) that check up to D draft tokens "
+                        "per request in one step, for speculative decoding (default 0: none; at most "
                         f"{io.MAX_DRAFT_TOKENS}; models with recurrent state cannot verify yet)")
     p.add_argument("--max-logprobs", type=int, default=io.MAX_LOGPROBS,
                    help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "

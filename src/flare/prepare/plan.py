@@ -241,7 +241,7 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
         add(ProgramKind.pack, c, (io.PACK_INPUT, "in.tokens", "kv", *state, *mask),
             ("kv", *state, "out.logits", "out.prefill_hidden", io.PACK_COMPLETION), io.PACK_COMPLETION)
     if caps.draft_tokens:
-        for b in caps.decode_capacities:
+        for b in mf.verify_capacities(caps.decode_capacities):
             add(ProgramKind.verify, b, (io.VERIFY_INPUT, io.DRAFTS, "kv", *state, *mask),
                 ("kv", *state, "out.logits", io.VERIFY_COMPLETION), io.VERIFY_COMPLETION)
     one = mf.STATE_PROGRAM_CAPACITY

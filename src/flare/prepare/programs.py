@@ -359,7 +359,7 @@ class ProgramSet:
         max_new = v["state.max_new"].index_select(0, slots).long()
         stop_ids = v["state.stop_ids"].index_select(0, slots)
         counter = v["state.counter"].index_select(0, slots)
-        out, emitted, hist = verify_chain(
+        out, emitted, _ = verify_chain(
             logits, drafts, count, live, v["state.hist"].index_select(0, slots),
             {"temperature": params["temperature"], "top_k": v[INTEGER_STATE["top_k"]].index_select(0, slots),
              "top_p": params["top_p"], "min_p": params["min_p"], "repetition": params["repetition_penalty"],
@@ -385,7 +385,10 @@ class ProgramSet:
         v["state.counter"].index_copy_(0, slots, counter + emitted)
         v["state.done"].index_copy_(0, slots, torch.where(live, status, v["state.done"].index_select(0, slots)
                                                            .long()).int())
-        # Rows that are not live emitted nothing: their histograms come back unchanged.
+        # The histograms count rank 0's emitted tokens (rows that are not live emitted none and
+        # come back unchanged), as verify_chain's own did on every rank that agrees with it.
+        hist = v["state.hist"].index_select(0, slots)
+        hist.scatter_add_(1, out.clamp(min=0), (out >= 0).to(hist.dtype))
         v["state.hist"].index_copy_(0, slots, hist)
         record = torch.cat([torch.stack(VerifyCompletion(slots, emitted, total, torch.where(
             live, status, int(Status.inactive))), dim=-1), out], dim=-1)

@@ -42,6 +42,7 @@ class StepEncoder:
         self.prefill_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.prefill))
         self.score_program = next((p.name for p in manifest.programs_of(ProgramKind.score)), None)
         self.decode_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.decode))
+        self.verify_caps = tuple(p.capacity for p in manifest.programs_of(ProgramKind.verify))
         self.admit_program = manifest.programs_of(ProgramKind.admit)[0]
         self._programs = {k: manifest.programs_of(k)[0].name
                           for k in (ProgramKind.snapshot, ProgramKind.restore, ProgramKind.resume)}
@@ -147,7 +148,7 @@ class StepEncoder:
     def verify(self, batch: list[Request], drafts: list[list[int]], writes: list[Write]) -> Step:
         """A speculative step for the batch (``verify.{B}``): each request's pending token and its
         drafts (at most the core's ``draft_tokens``); ``writes`` (page growth) go first."""
-        cap = next(c for c in self.decode_caps if c >= len(batch))
+        cap = next(c for c in self.verify_caps if c >= len(batch))
         rows = np.zeros((max(self.decode_caps), len(io.VerifyInput._fields)), np.int32)
         tokens = np.zeros((max(self.decode_caps), self.caps.draft_tokens), np.int32)
         for i, (req, d) in enumerate(zip(batch, drafts)):

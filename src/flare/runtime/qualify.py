@@ -183,7 +183,7 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         out[io.VERIFY_INPUT] = arr
         out[io.DRAFTS] = rng.integers(0, c.sampling_vocab, base[io.DRAFTS].shape).astype(np.int32)
         lens = base["state.len"].copy()
-        lens[slots] = rng.integers(1, per_slot_tokens - D - 1, live)
+        lens[slots] = rng.integers(1, max(2, per_slot_tokens - D - 1), live)
         out["state.len"] = lens
         if index == 2:
             done = base["state.done"].copy()

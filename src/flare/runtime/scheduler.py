@@ -47,6 +47,7 @@ engine turns its ``Step``s into executor writes and launches. Policy (docs/archi
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
@@ -334,7 +335,10 @@ class Scheduler:
         batch = self._decoders(writes)
         if not batch:
             return None
-        if self.spec is not None:
+        # A verify record has no log-probability block: a batch with a request that asks for
+        # them decodes plainly (as one larger than the verify programs).
+        if (self.spec is not None and len(batch) <= self.encode.verify_caps[-1]
+                and all(r.params.logprobs < 0 for r in batch)):
             drafts = [self._drafts(r, writes) for r in batch]
             if any(drafts):
                 return self.encode.verify(batch, drafts, writes)
@@ -344,11 +348,16 @@ class Scheduler:
         """The request's drafts for a verify step, within its token limit and within pages
         that are free now (drafts never evict or preempt: they are cut to fit instead)."""
         drafts = self.spec.propose(req, req.params.max_tokens - len(req.output) - 1)
+        # Ids the model never samples (a padded vocabulary's, from the prompt) cannot be accepted.
+        drafts = list(itertools.takewhile(lambda t: t < self.caps.sampling_vocab, drafts))
         # Positions consumed .. consumed + len(drafts) are written.
         need = self.pages_for(req.consumed + 1 + len(drafts)) - len(req.pages)
         if need > 0 and self.pages.can_allocate(need):
             self._add_pages(req, need, writes)
-        return drafts[: max(0, len(req.pages) * self.page_size - req.consumed - 1)]
+        fit = drafts[: max(0, len(req.pages) * self.page_size - req.consumed - 1)]
+        if drafts and not fit:
+            self.spec.miss(req)  # no room: back off rather than hold the batch back each step
+        return fit
 
     def _decoders(self, writes: list[Write]) -> list[Request]:
         """The decoding requests of the next step, after page growth (which may preempt)
@@ -504,7 +513,6 @@ class Scheduler:
         # A rejected draft is never emitted at its position: equal tokens are the accepted drafts.
         accepted = next((i for i, (d, t) in enumerate(zip(drafts, tokens)) if d != t),
                         min(len(drafts), len(tokens)))
-        self.spec.observe(req, len(drafts), accepted)
         if drafts:
             self.metrics.on_verified(len(drafts), accepted)
         for i, token in enumerate(tokens):
@@ -518,6 +526,8 @@ class Scheduler:
             self._accept(req, io.Completion(head.slot, token, head.generated - len(tokens) + i + 1,
                                             head.status if last else int(DeviceStatus.running)), None)
         self._device_past = None
+        if not req.finished:  # after its tokens: a backoff counts from here
+            self.spec.observe(req, len(drafts), accepted)
 
     def _decoded(self, req: Request, row: io.Completion, record) -> None:
         """A decode row of the request completed."""

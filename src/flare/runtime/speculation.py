@@ -70,16 +70,17 @@ class Speculation:
         s.fed = n + len(req.output)
         drafts = s.proposer.propose(min(s.drafts, room))
         if not drafts:
-            self._miss(req, s)
+            self.miss(req)
         return drafts
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
-        """A verify step's outcome for the request: ``accepted`` of its ``drafted`` drafts."""
+        """A verify step's outcome for the request (called once its tokens are in its output):
+        ``accepted`` of its ``drafted`` drafts."""
         if drafted <= 0:
             return
         s = self._state(req)
         if accepted == 0:
-            self._miss(req, s)
+            self._back_off(s, len(req.output))
             s.drafts = 1
             return
         s.backoff = 0
@@ -94,6 +95,13 @@ class Speculation:
             s = self._states[req.id] = _State(CopyProposer(), self.max_drafts)
         return s
 
-    def _miss(self, req: Request, s: _State) -> None:
+    def miss(self, req: Request) -> None:
+        """The request could not draft for the step about to run (nothing to copy, no room):
+        it backs off from the output it will have after that step."""
+        self._back_off(self._state(req), len(req.output) + 1)
+
+    @staticmethod
+    def _back_off(s: _State, base: int) -> None:
+        """Skip the next ``backoff`` tokens' steps counted from an output length of ``base``."""
         s.backoff = min(MAX_BACKOFF, max(1, 2 * s.backoff))
-        s.resume_at = len(req.output) + s.backoff
+        s.resume_at = base + s.backoff

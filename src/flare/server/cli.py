@@ -98,6 +98,9 @@ async def serve(a: argparse.Namespace) -> int:
             return 2
         prepared = manifest.capacities.draft_tokens
         speculative = a.speculative or ("copy" if prepared else "off")
+        if speculative == "off" and a.draft_tokens is not None:
+            log.error("startup failed: --draft-tokens needs --speculative copy")
+            return 2
         draft_tokens = (prepared if a.draft_tokens is None else a.draft_tokens) if speculative == "copy" else 0
         if speculative == "copy" and not 1 <= draft_tokens <= prepared:
             log.error("startup failed: --speculative copy needs a core prepared with --draft-tokens, and "
