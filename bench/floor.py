@@ -9,6 +9,10 @@ time per step with one step in flight (launch, wait) and with two (launch N+1,
 wait for N) -- the floor the full server is measured against -- plus the
 device copy bandwidth for the roofline.
 
+``verify`` (cores prepared with ``--draft-tokens D``): each verify.B's GPU time per step
+against decode.B's, every row verifying D drafts (``verify_times``): the cost of W = D + 1
+positions, what an accepted draft must pay for.
+
 ``programs``: the GPU time of the programs a first token waits for, one launch
 at a time on the same state (``program_times``): what a cold short prompt runs
 (admit, prefill of 16 tokens) against what a prefix hit runs (admit, restore,
@@ -148,6 +152,27 @@ def program_times(ex: CudaExecutor, m, history: int = 4096, tail: int = 11, shor
     return out
 
 
+def verify_times(ex: CudaExecutor, m, steps: int, decode: dict) -> dict:
+    """GPU ms per launch of each verify.B with every row verifying the core's D drafts (W = D + 1
+    positions; what a step costs does not depend on how many are accepted), against decode.B's."""
+    c = m.capacities
+    rng = np.random.default_rng(0)
+    out = {}
+    for p in m.programs_of(ProgramKind.verify):
+        b = p.capacity
+        _setup_slots(ex, m, b)
+        rows = np.zeros((max(c.decode_capacities), len(io.VerifyInput._fields)), np.int32)
+        rows[:b] = [io.pack(io.VerifyInput(s, c.draft_tokens)) for s in range(1, b + 1)]
+        ex.write(io.VERIFY_INPUT, rows)
+        ex.write(io.DRAFTS, rng.integers(1000, min(30000, c.sampling_vocab),
+                                         (max(c.decode_capacities), c.draft_tokens)).astype(np.int32))
+        ex.sync()
+        ms = gpu_ms_per_step(ex, p.name, steps, warmup=5)
+        out[b] = {"width": c.draft_tokens + 1, "gpu_ms_per_step": ms,
+                  "over_decode": ms / decode[b]["gpu_ms_per_step"] if b in decode else None}
+    return out
+
+
 async def main(core: str, out: str, steps: int, decode_only: bool = False) -> None:
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
@@ -183,6 +208,10 @@ async def main(core: str, out: str, steps: int, decode_only: bool = False) -> No
         results["decode"][b] = {"gpu_ms_per_step": gpu_ms, "wall_ms_per_step_one_in_flight": wall_ms,
                                 "wall_ms_per_step_two_in_flight": wall2_ms,
                                 "tokens_per_s_gpu": b / gpu_ms * 1e3, "tokens_per_s_wall": b / wall_ms * 1e3}
+    verify = m.programs_of(ProgramKind.verify)
+    if verify:
+        results["verify"] = verify_times(ex, m, steps, results["decode"])
+        print(json.dumps(results["verify"]))
     if not decode_only:
         results["programs"] = program_times(ex, m)
         print(json.dumps(results["programs"]))
