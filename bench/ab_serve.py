@@ -8,7 +8,8 @@ usage: python -m bench.ab_serve CORE OUT.json --a="OPTIONS" --b="OPTIONS" -- [se
 Each configuration gets a fresh ``flare-serve`` on the core (port 8391), the
 ``bench.serve_bench`` options after ``--`` (the same for both), and is stopped before the
 next starts. The JSON holds both serve_bench outputs under ``a`` and ``b`` with their
-flare-serve options and the server's startup log tail.
+flare-serve options, the server's startup log tail and its step, token and speculation
+counters after the run (``server_counters``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import httpx
 
 PORT = 8391
+COUNTERS = ("flare_engine_steps_total", "flare_generation_tokens_total", "flare_spec_")
 
 
 def _serve(core: str, options: str, bench_args: list[str], log: Path, out: Path) -> dict:
@@ -47,7 +49,13 @@ def _serve(core: str, options: str, bench_args: list[str], log: Path, out: Path)
                 raise RuntimeError(f"flare-serve {options!r} not ready after 300 s")
             time.sleep(0.25)
         subprocess.run([sys.executable, "-m", "bench.serve_bench", url, "ab", str(out), *bench_args], check=True)
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        # The server's own counters after the run (steps, tokens, speculation's drafts).
+        result["server_counters"] = {
+            name: float(value) for name, _, value in (line.rpartition(" ") for line in
+                                                      httpx.get(url + "/metrics", timeout=30).text.splitlines())
+            if name.startswith(COUNTERS)}
+        return result
     finally:
         server.terminate()
         server.wait(timeout=60)

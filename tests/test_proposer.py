@@ -103,3 +103,32 @@ def test_speculation_adapts_drafts_and_backs_off():
         other = Request([1, 2, 1], msgspec.structs.replace(params, **kw), grammar=None if kw else object())
         other.output = [2]
         assert not spec.wants(other) and spec.propose(other, 10) == []
+
+
+def test_speculation_verifies_only_where_it_pays():
+    """The cost model: unmeasured steps verify (to measure); with verify.1 measured at twice
+    decode.1 a request needs more than one expected accepted draft per row (first-draft
+    rate x mean accepted run), and one that cannot pay does not ask for drafts; the rate
+    also learns from decode tokens (shadow: did the proposal before a token predict it)."""
+    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.speculation import Speculation
+
+    spec = Speculation(4)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
+    req = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
+    req.output = [3]
+    drafts = spec.propose(req, 10)
+    assert spec.pays("decode.1", "verify.1", [req], [drafts])  # nothing measured yet
+    for _ in range(3):
+        spec.timed("decode.1", 10.0)
+        spec.timed("verify.1", 20.0)
+    assert spec.step_ms == {"decode.1": 10.0, "verify.1": 20.0}
+    assert not spec.pays("decode.1", "verify.1", [req], [drafts])  # prior: 0.5 x 2 = 1, not > 1
+    assert not spec.wants(req)
+    spec.observe(req, 4, 4)  # a run of 4 accepted: rate and run go up
+    spec.observe(req, 4, 4)
+    assert spec.pays("decode.1", "verify.1", [req], [drafts]) and spec.wants(req)
+    for _ in range(6):  # decode tokens the history's proposal did not predict
+        spec.shadow(req, 99)
+    assert not spec.wants(req)

@@ -105,6 +105,7 @@ class Scheduler:
         self._last_kind: ProgramKind | None = None
         self._turn_rows = 0  # prefill program rows run since the last decode step
         self._ahead: Step | None = None  # a decode step submitted before its predecessor completed
+        self._completed_at = 0.0  # when the last step completed (monotonic)
         self._device_past: Request | None = None  # a verify row's request whose slot is past its current token
         self.steps_ahead_total = 0
         self.prefill_tokens_total = 0
@@ -341,7 +342,14 @@ class Scheduler:
                 and all(r.params.logprobs < 0 for r in batch)):
             drafts = [self._drafts(r, writes) for r in batch]
             if any(drafts):
-                return self.encode.verify(batch, drafts, writes)
+                step = self.encode.verify(batch, drafts, writes)
+                plain = self.encode.decode(batch, writes)
+                if self.spec.pays(plain.program, step.program, batch, drafts):
+                    return step
+                for req, d in zip(batch, drafts):
+                    if d:
+                        self.spec.declined(req)
+                return plain
         return self.encode.decode(batch, writes)
 
     def _drafts(self, req: Request, writes: list[Write]) -> list[int]:
@@ -460,6 +468,12 @@ class Scheduler:
 
     def complete(self, step: Step, records: np.ndarray | None) -> None:
         """Apply a finished step. Records are validated before any state changes."""
+        now = time.monotonic()
+        if self.spec is not None and step.kind in (ProgramKind.decode, ProgramKind.verify):
+            # From when the device could start it: its decision, or its predecessor's completion
+            # when it was submitted ahead.
+            self.spec.timed(step.program, (now - max(step.scheduled_at, self._completed_at)) * 1e3)
+        self._completed_at = now
         if step.kind == ProgramKind.admit:
             return
         if records is None:
@@ -535,6 +549,8 @@ class Scheduler:
             return  # finished after the step ahead was submitted: nothing of its row is kept
         if row.token >= 0:
             req.consumed += 1  # the pending token was consumed by this decode
+            if self.spec is not None:
+                self.spec.shadow(req, row.token)
         self._accept(req, row, record)
 
     def _prefilled(self, req: Request, count: int, sample: bool, row: io.Completion, record) -> None:

@@ -10,6 +10,17 @@ drafting pays:
 
 * the number of drafts follows acceptance: after a step that accepted every draft it grows by
   one (up to ``max_drafts``), otherwise it becomes the accepted count plus one;
+* a step verifies only when it is expected to pay. A request's expected accepted drafts are
+  r x min(L, k): r the rate at which its first draft is accepted, L its mean accepted run
+  when the first one is (copies come in runs: measured, a per-draft rate would
+  underestimate them), k its drafts; each a running mean. A verify step of B rows pays
+  when the sum exceeds B (t_verify / t_decode - 1), the step times measured on this
+  machine for this batch size (a verify step runs first to measure it). Otherwise the batch
+  decodes plainly and its drafting requests back off. A request whose own expected gain
+  cannot pay for its row does not ask for drafts at all (its batch keeps running ahead).
+  r learns from verify steps and, between them, from every token a decode step emits:
+  whether the first draft the history proposed before it is that token (for a sampled
+  request that happens with probability p(draft), the acceptance probability itself);
 * a request whose history offers no proposal, or whose drafts were all rejected, backs off:
   it is not considered again for ``backoff`` more tokens, a backoff that doubles on each
   consecutive miss (up to ``MAX_BACKOFF``) and resets on an accepted draft. While every
@@ -27,6 +38,10 @@ from flare.runtime.proposer import CopyProposer
 from flare.runtime.request import Request
 
 MAX_BACKOFF = 32  # tokens a request waits before it proposes again, at most
+PRIOR_RATE = 0.5  # a request's first-draft acceptance rate before anything is known
+PRIOR_RUN = 2.0  # its mean accepted run (given the first draft accepted) before a verify step
+RATE_WEIGHT = 0.3  # weight of a step's outcome in a request's running acceptance rate
+TIME_WEIGHT = 0.2  # weight of a step's duration in a program's running step time
 
 
 @dataclass
@@ -36,6 +51,8 @@ class _State:
     backoff: int = 0  # current backoff length (0: none yet)
     resume_at: int = 0  # output length from which it proposes again
     fed: int = 0  # history tokens (prompt, then output) already in the proposer
+    rate: float = PRIOR_RATE  # running fraction of first drafts accepted
+    run: float = PRIOR_RUN  # running mean of accepted drafts when the first one was
 
 
 class Speculation:
@@ -44,16 +61,52 @@ class Speculation:
             raise ValueError(f"speculation needs at least one draft token, got {max_drafts}")
         self.max_drafts = max_drafts
         self._states: dict[str, _State] = {}
+        self.step_ms: dict[str, float] = {}  # program name -> running step time
+
+    def timed(self, program: str, ms: float) -> None:
+        """A step's measured duration (the scheduler's: scheduled to completed, or between two
+        completions of a steady decode batch)."""
+        old = self.step_ms.get(program)
+        self.step_ms[program] = ms if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * ms
+
+    def pays(self, decode: str, verify: str, batch: list[Request], drafts: list[list[int]]) -> bool:
+        """Whether verifying ``drafts`` for ``batch`` (program ``verify``) is expected to emit
+        tokens faster than the ``decode`` program would; a first verify step measures."""
+        t_decode, t_verify = self.step_ms.get(decode), self.step_ms.get(verify)
+        if t_decode is None or t_verify is None:
+            return True
+        gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
+        return gain > len(batch) * (t_verify / t_decode - 1)
+
+    def declined(self, req: Request) -> None:
+        """The request's drafts were not worth a verify step: it backs off like a miss."""
+        self.miss(req)
 
     def eligible(self, req: Request) -> bool:
         return req.grammar is None and req.params.logprobs < 0
 
     def wants(self, req: Request) -> bool:
-        """Whether the request may draft in its next step (not backing off)."""
+        """Whether the request may draft in its next step: not backing off, and its expected
+        accepted drafts pay for its row at the measured cost of a verify step."""
         if not self.eligible(req):
             return False
         s = self._states.get(req.id)
-        return s is None or len(req.output) >= s.resume_at
+        if s is None:
+            return True
+        ratio = max((self.step_ms[v] / self.step_ms[d] for d, v in self._pairs() if v in self.step_ms
+                     and d in self.step_ms), default=None)
+        return len(req.output) >= s.resume_at and (ratio is None or _gain(s, s.drafts) > ratio - 1)
+
+    def shadow(self, req: Request, token: int) -> None:
+        """A decode step emitted ``token`` for the request (not yet in its output): the rate
+        learns whether the history's proposal before it was that token."""
+        if not self.eligible(req):
+            return
+        s = self._state(req)
+        self._sync(req, s)
+        guess = s.proposer.propose(1)
+        if guess:
+            s.rate = (1 - RATE_WEIGHT) * s.rate + RATE_WEIGHT * float(guess[0] == token)
 
     def propose(self, req: Request, room: int) -> list[int]:
         """Drafts that continue the request's history after its pending token (at most
@@ -61,13 +114,7 @@ class Speculation:
         if room <= 0 or not self.wants(req):
             return []
         s = self._state(req)
-        # The history only grows (a preempted request keeps its prompt and output): feed the new part.
-        n = len(req.prompt)
-        if s.fed < n:
-            s.proposer.extend(req.prompt[s.fed :])
-            s.fed = n
-        s.proposer.extend(req.output[s.fed - n :])
-        s.fed = n + len(req.output)
+        self._sync(req, s)
         drafts = s.proposer.propose(min(s.drafts, room))
         if not drafts:
             self.miss(req)
@@ -79,12 +126,31 @@ class Speculation:
         if drafted <= 0:
             return
         s = self._state(req)
+        s.rate = (1 - RATE_WEIGHT) * s.rate + RATE_WEIGHT * float(accepted > 0)
+        if accepted:
+            s.run = (1 - RATE_WEIGHT) * s.run + RATE_WEIGHT * accepted
         if accepted == 0:
             self._back_off(s, len(req.output))
             s.drafts = 1
             return
         s.backoff = 0
         s.drafts = min(self.max_drafts, s.drafts + 1) if accepted == drafted else accepted + 1
+
+    def _pairs(self):
+        for name in self.step_ms:
+            if name.startswith("verify."):
+                yield "decode." + name.split(".", 1)[1], name
+
+    @staticmethod
+    def _sync(req: Request, s: _State) -> None:
+        """Feed the proposer the history it has not seen (it only grows: a preempted request
+        keeps its prompt and output)."""
+        n = len(req.prompt)
+        if s.fed < n:
+            s.proposer.extend(req.prompt[s.fed :])
+            s.fed = n
+        s.proposer.extend(req.output[s.fed - n :])
+        s.fed = n + len(req.output)
 
     def forget(self, req: Request) -> None:
         self._states.pop(req.id, None)
@@ -105,3 +171,8 @@ class Speculation:
         """Skip the next ``backoff`` tokens' steps counted from an output length of ``base``."""
         s.backoff = min(MAX_BACKOFF, max(1, 2 * s.backoff))
         s.resume_at = base + s.backoff
+
+
+def _gain(s: _State, drafts: int) -> float:
+    """Expected accepted drafts of a request's next ``drafts`` (module docstring)."""
+    return s.rate * min(s.run, drafts) if drafts else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,3 +36,4 @@ class Step:
     # (decoding: a decode row of the pending token, not a prefill chunk)
     segments: list[tuple[int, bool, bool]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # verify: each request's draft tokens
+    scheduled_at: float = field(default_factory=time.monotonic)  # when it was decided (step times)
