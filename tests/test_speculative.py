@@ -45,7 +45,8 @@ def test_greedy_requests_are_the_same_with_copy_drafts(tiny_core):
 
 
 def test_copy_drafts_are_accepted_and_counted():
-    """The metrics: drafts verified and accepted, and the accepted-length histogram."""
+    """--speculative copy-always: drafts verified and accepted, the accepted-length histogram,
+    fewer steps than tokens."""
     core = _core()
     vocab = load_manifest(core).capacities.vocab_size
     phrase = [(13 * k + 5) % vocab for k in range(12)]
@@ -55,19 +56,20 @@ def test_copy_drafts_are_accepted_and_counted():
         from flare.runtime.reference import ReferenceExecutor
         from flare.runtime.request import Request
 
-        engine = Engine(ReferenceExecutor(core, load_manifest(core)), draft_tokens=3)
+        engine = Engine(ReferenceExecutor(core, load_manifest(core)), draft_tokens=3, speculate_always=True)
         await engine.start()
         try:
             req = Request(phrase * 3, _greedy(1, 60), Sink())
             engine.submit(req)
             await asyncio.wait_for(req.sink.done.wait(), 300)
-            return req, engine.metrics, engine.metrics.render(engine.gauges())
+            return req, engine.metrics, engine.gauges(), engine.metrics.render(engine.gauges())
         finally:
             await engine.shutdown(1.0)
 
-    req, metrics, text = asyncio.run(go())
+    req, metrics, gauges, text = asyncio.run(go())
     assert len(req.output) == 60
     assert metrics.spec_accepted_tokens > 0 and metrics.spec_draft_tokens >= metrics.spec_accepted_tokens
+    assert gauges["flare_engine_steps_total"] < 60  # some steps emitted several tokens
     assert f"flare_spec_accepted_tokens_total {metrics.spec_accepted_tokens}" in text
     assert "flare_spec_accepted_length_bucket" in text and "flare_spec_draft_tokens_total" in text
 
@@ -86,7 +88,7 @@ class _StopAt(Sink):
 
 def test_a_host_stop_inside_a_verified_chain(tiny_core):
     """Stop strings (the host's) on tokens 21, 22 and 23 of a greedy request whose verify steps
-    emit up to 4 tokens (so some stops fall before a step's last token, where the device has
+    (copy-always) emit up to 4 tokens (so some stops fall before a step's last token, where the device has
     consumed more than the host keeps): each request ends there as without speculation, and a
     follow-up turn continuing its conversation, and one repeating its history, get the same
     tokens."""
@@ -109,7 +111,7 @@ def test_a_host_stop_inside_a_verified_chain(tiny_core):
         return out
 
     plain, _ = asyncio.run(_run(tiny_core, 2, batches()))
-    spec, _ = asyncio.run(_run(core, 2, batches(), draft_tokens=3))
+    spec, _ = asyncio.run(_run(core, 2, batches(), draft_tokens=3, speculate_always=True))
     for a, b in zip(sum(plain, []), sum(spec, [])):
         assert a.output == b.output and a.finish_reason == b.finish_reason, (a.output, b.output)
     assert [len(spec[i][0].output) for i in (0, 3, 6)] == [22, 23, 24]
@@ -120,7 +122,7 @@ def test_sampled_requests_keep_their_lengths_with_copy_drafts():
     vocab = load_manifest(core).capacities.vocab_size
     phrase = [(13 * k + 5) % vocab for k in range(12)]
     batches = [[(phrase * 3, _params(40 + i, 25 + 3 * i, temperature=0.3), Sink()) for i in range(3)]]
-    out, _ = asyncio.run(_run(core, 2, batches, draft_tokens=3))
+    out, _ = asyncio.run(_run(core, 2, batches, draft_tokens=3, speculate_always=True))
     for r in out[0]:
         assert len(r.output) == r.params.max_tokens and all(0 <= t < vocab for t in r.output)
 
@@ -186,7 +188,7 @@ def test_a_request_with_logprobs_beside_a_drafting_one(tiny_core):
 
     plain, _ = asyncio.run(_run(tiny_core, 2, batches()))
     ran: list[str] = []
-    spec, _ = asyncio.run(_run(core, 2, batches(), ran, draft_tokens=3))
+    spec, _ = asyncio.run(_run(core, 2, batches(), ran, draft_tokens=3, speculate_always=True))
     for a, b in zip(plain[0], spec[0]):
         assert a.output == b.output
     assert len(spec[0][1].sink.blocks) == 20

@@ -71,7 +71,7 @@ __all__ = ["Scheduler", "Step", "Write", "derive_seed"]
 class Scheduler:
     def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None,
                  prefix_cache: bool = True, prefill_while_decoding: int = 0, decode_with_prefill: bool = False,
-                 draft_tokens: int = 0):
+                 draft_tokens: int = 0, speculate_always: bool = False):
         self.m = manifest
         self.metrics = metrics or ServingMetrics()
         self.caps = manifest.capacities
@@ -96,7 +96,7 @@ class Scheduler:
         if not 0 <= draft_tokens <= self.caps.draft_tokens:
             raise ValueError(f"draft_tokens {draft_tokens} must lie in [0, {self.caps.draft_tokens}] (the core's "
                              f"--draft-tokens)")
-        self.spec = Speculation(draft_tokens) if draft_tokens else None
+        self.spec = Speculation(draft_tokens, always=speculate_always) if draft_tokens else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, holding resources until their snapshots complete

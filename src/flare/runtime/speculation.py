@@ -9,15 +9,18 @@ when it completes), and it runs W positions per row. So a request asks for draft
 drafting pays:
 
 * the number of drafts follows acceptance: after a step that accepted every draft it grows by
-  one (up to ``max_drafts``), otherwise it becomes the accepted count plus one;
+  one (up to ``max_drafts``), after one that accepted none it halves, otherwise it becomes
+  the accepted count plus one;
 * a step verifies only when it is expected to pay. A request's expected accepted drafts are
   r x min(L, k): r the rate at which its first draft is accepted, L its mean accepted run
   when the first one is (copies come in runs: measured, a per-draft rate would
   underestimate them), k its drafts; each a running mean. A verify step of B rows pays
   when the sum exceeds B (t_verify / t_decode - 1), the step times measured on this
-  machine for this batch size (a verify step runs first to measure it). Otherwise the batch
-  decodes plainly and its drafting requests back off. A request whose own expected gain
-  cannot pay for its row does not ask for drafts at all (its batch keeps running ahead).
+  machine for this batch size (a verify step runs first to measure it, and again after
+  REFRESH decisions against it). Otherwise the batch decodes plainly and its drafting
+  requests back off. A request whose own expected gain (at max_drafts) cannot pay for its
+  row at the cheapest measured batch size does not ask for drafts at all (its batch keeps
+  running ahead).
   r learns from verify steps and, between them, from every token a decode step emits:
   whether the first draft the history proposed before it is that token (for a sampled
   request that happens with probability p(draft), the acceptance probability itself);
@@ -42,6 +45,7 @@ PRIOR_RATE = 0.5  # a request's first-draft acceptance rate before anything is k
 PRIOR_RUN = 2.0  # its mean accepted run (given the first draft accepted) before a verify step
 RATE_WEIGHT = 0.3  # weight of a step's outcome in a request's running acceptance rate
 TIME_WEIGHT = 0.2  # weight of a step's duration in a program's running step time
+REFRESH = 64  # decisions against a verify program after which one runs anyway (re-measures it)
 
 
 @dataclass
@@ -56,27 +60,44 @@ class _State:
 
 
 class Speculation:
-    def __init__(self, max_drafts: int):
+    def __init__(self, max_drafts: int, *, always: bool = False):
+        """``always``: verify whenever there are drafts (no cost model; backoff after misses
+        still applies): ``flare-serve --speculative copy-always``, for measurement and tests."""
         if max_drafts < 1:
             raise ValueError(f"speculation needs at least one draft token, got {max_drafts}")
         self.max_drafts = max_drafts
+        self.always = always
         self._states: dict[str, _State] = {}
         self.step_ms: dict[str, float] = {}  # program name -> running step time
+        self._ratio: float | None = None  # the smallest measured t_verify / t_decode (cached)
+        self._declines: dict[str, int] = {}  # verify program -> decisions against it since it last ran
 
     def timed(self, program: str, ms: float) -> None:
         """A step's measured duration (the scheduler's: scheduled to completed, or between two
         completions of a steady decode batch)."""
         old = self.step_ms.get(program)
         self.step_ms[program] = ms if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * ms
+        if program.startswith("verify."):
+            self._declines[program] = 0
+        # Optimistic across batch sizes: a request does not know the batch it will run in
+        # (``pays`` then checks the batch's own pair).
+        ratios = [self.step_ms[v] / max(self.step_ms[d], 1e-6) for d, v in self._pairs() if d in self.step_ms]
+        self._ratio = min(ratios) if ratios else None
 
     def pays(self, decode: str, verify: str, batch: list[Request], drafts: list[list[int]]) -> bool:
         """Whether verifying ``drafts`` for ``batch`` (program ``verify``) is expected to emit
         tokens faster than the ``decode`` program would; a first verify step measures."""
         t_decode, t_verify = self.step_ms.get(decode), self.step_ms.get(verify)
-        if t_decode is None or t_verify is None:
+        if self.always or t_decode is None or t_verify is None:
+            return True
+        # A cost measured once would never be measured again once it declines every step:
+        # every REFRESH decisions against a verify program, one runs anyway.
+        n = self._declines.get(verify, 0) + 1
+        self._declines[verify] = n
+        if n >= REFRESH:
             return True
         gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
-        return gain > len(batch) * (t_verify / t_decode - 1)
+        return gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1)
 
     def declined(self, req: Request) -> None:
         """The request's drafts were not worth a verify step: it backs off like a miss."""
@@ -93,14 +114,14 @@ class Speculation:
         s = self._states.get(req.id)
         if s is None:
             return True
-        ratio = max((self.step_ms[v] / self.step_ms[d] for d, v in self._pairs() if v in self.step_ms
-                     and d in self.step_ms), default=None)
-        return len(req.output) >= s.resume_at and (ratio is None or _gain(s, s.drafts) > ratio - 1)
+        if len(req.output) < s.resume_at:
+            return False
+        return self.always or self._ratio is None or _gain(s, self.max_drafts) > self._ratio - 1
 
     def shadow(self, req: Request, token: int) -> None:
         """A decode step emitted ``token`` for the request (not yet in its output): the rate
         learns whether the history's proposal before it was that token."""
-        if not self.eligible(req):
+        if self.always or not self.eligible(req):
             return
         s = self._state(req)
         self._sync(req, s)
@@ -131,7 +152,7 @@ class Speculation:
             s.run = (1 - RATE_WEIGHT) * s.run + RATE_WEIGHT * accepted
         if accepted == 0:
             self._back_off(s, len(req.output))
-            s.drafts = 1
+            s.drafts = max(1, s.drafts // 2)
             return
         s.backoff = 0
         s.drafts = min(self.max_drafts, s.drafts + 1) if accepted == drafted else accepted + 1

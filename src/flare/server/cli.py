@@ -44,11 +44,12 @@ def parser() -> argparse.ArgumentParser:
                         "core prepared with --pack-capacities): running requests get a token every step; the "
                         "prompt advances by up to the largest pack capacity less the decoders per step (whole "
                         "attention tiles once it continues a history; at most --prefill-while-decoding when set)")
-    p.add_argument("--speculative", choices=("off", "copy"), default=None,
+    p.add_argument("--speculative", choices=("off", "copy", "copy-always"), default=None,
                    help="speculative decoding: copy drafts each request's next tokens from its own history "
                         "(prompt, earlier turns, tool results, output) and the core's verify programs check "
-                        "them exactly; requests with log-probabilities or a grammar decode without drafts "
-                        "(default: copy when the core was prepared with --draft-tokens, else off)")
+                        "them exactly, when the measured step costs say it pays; copy-always verifies "
+                        "whenever there are drafts; requests with log-probabilities or a grammar decode "
+                        "without drafts (default: copy when the core was prepared with --draft-tokens, else off)")
     p.add_argument("--draft-tokens", type=int, default=None, metavar="N",
                    help="drafts per request and step with --speculative copy (default and maximum: the core's "
                         "--draft-tokens)")
@@ -101,15 +102,16 @@ async def serve(a: argparse.Namespace) -> int:
         if speculative == "off" and a.draft_tokens is not None:
             log.error("startup failed: --draft-tokens needs --speculative copy")
             return 2
-        draft_tokens = (prepared if a.draft_tokens is None else a.draft_tokens) if speculative == "copy" else 0
-        if speculative == "copy" and not 1 <= draft_tokens <= prepared:
+        draft_tokens = (prepared if a.draft_tokens is None else a.draft_tokens) if speculative != "off" else 0
+        if speculative != "off" and not 1 <= draft_tokens <= prepared:
             log.error("startup failed: --speculative copy needs a core prepared with --draft-tokens, and "
                       "--draft-tokens between 1 and the core's %d", prepared)
             return 2
         engine = Engine(make_executor(a.executor, core, manifest, a.torch_threads), max_waiting=a.max_waiting,
                         prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight,
                         prefill_while_decoding=a.prefill_while_decoding,
-                        decode_with_prefill=a.decode_with_prefill, draft_tokens=draft_tokens)
+                        decode_with_prefill=a.decode_with_prefill, draft_tokens=draft_tokens,
+                        speculate_always=speculative == "copy-always")
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
