@@ -76,7 +76,7 @@ class Speculation:
         """A step's measured duration (the scheduler's: scheduled to completed, or between two
         completions of a steady decode batch)."""
         old = self.step_ms.get(program)
-        self.step_ms[program] = ms if old is None else (1 - TIME_WEIGHT) * old + TIME_WEIGHT * ms
+        self.step_ms[program] = ms if old is None else _running(old, ms, TIME_WEIGHT)
         if program.startswith("verify."):
             self._declines[program] = 0
         # Optimistic across batch sizes: a request does not know the batch it will run in
@@ -98,10 +98,6 @@ class Speculation:
             return True
         gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
         return gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1)
-
-    def declined(self, req: Request) -> None:
-        """The request's drafts were not worth a verify step: it backs off like a miss."""
-        self.miss(req)
 
     def eligible(self, req: Request) -> bool:
         return req.grammar is None and req.params.logprobs < 0
@@ -127,7 +123,7 @@ class Speculation:
         self._sync(req, s)
         guess = s.proposer.propose(1)
         if guess:
-            s.rate = (1 - RATE_WEIGHT) * s.rate + RATE_WEIGHT * float(guess[0] == token)
+            s.rate = _running(s.rate, float(guess[0] == token), RATE_WEIGHT)
 
     def propose(self, req: Request, room: int) -> list[int]:
         """Drafts that continue the request's history after its pending token (at most
@@ -147,9 +143,9 @@ class Speculation:
         if drafted <= 0:
             return
         s = self._state(req)
-        s.rate = (1 - RATE_WEIGHT) * s.rate + RATE_WEIGHT * float(accepted > 0)
+        s.rate = _running(s.rate, float(accepted > 0), RATE_WEIGHT)
         if accepted:
-            s.run = (1 - RATE_WEIGHT) * s.run + RATE_WEIGHT * accepted
+            s.run = _running(s.run, accepted, RATE_WEIGHT)
         if accepted == 0:
             self._back_off(s, len(req.output))
             s.drafts = max(1, s.drafts // 2)
@@ -183,8 +179,8 @@ class Speculation:
         return s
 
     def miss(self, req: Request) -> None:
-        """The request could not draft for the step about to run (nothing to copy, no room):
-        it backs off from the output it will have after that step."""
+        """The request will not draft in the step about to run (nothing to copy, no room, or
+        drafts not worth a verify step): it backs off from the output it will have after it."""
         self._back_off(self._state(req), len(req.output) + 1)
 
     @staticmethod
@@ -197,3 +193,8 @@ class Speculation:
 def _gain(s: _State, drafts: int) -> float:
     """Expected accepted drafts of a request's next ``drafts`` (module docstring)."""
     return s.rate * min(s.run, drafts) if drafts else 0.0
+
+
+def _running(mean: float, value: float, weight: float) -> float:
+    """An exponentially weighted running mean after one more ``value``."""
+    return (1 - weight) * mean + weight * value
