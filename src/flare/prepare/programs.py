@@ -43,6 +43,14 @@ TORCH_DTYPES = {
 }
 
 
+def _status(stop_ids: torch.Tensor, tok: torch.Tensor, generated: torch.Tensor, max_new: torch.Tensor) -> torch.Tensor:
+    """A row's status after emitting ``tok`` as its ``generated``-th token: a stop id wins
+    over the length limit."""
+    stop_hit = (stop_ids.long() == tok[:, None]).any(dim=-1)
+    return torch.where(stop_hit, int(Status.stop),
+                       torch.where(generated >= max_new.long(), int(Status.length), int(Status.running)))
+
+
 def arena_views(arena: torch.Tensor, buffers) -> dict[str, torch.Tensor]:
     """Typed, shaped views of every buffer over a flat uint8 arena tensor."""
     views = {}
@@ -372,9 +380,7 @@ class ProgramSet:
         last_at = (emitted - 1).clamp(min=0)
         last = out.gather(1, last_at[:, None])[:, 0]
         total = generated + emitted
-        stop_hit = (stop_ids.long() == last[:, None]).any(dim=-1)
-        status = torch.where(stop_hit, int(Status.stop),
-                             torch.where(total >= max_new, int(Status.length), int(Status.running)))
+        status = _status(stop_ids, last, total, max_new)
         old_hidden = v["state.hidden"].index_select(0, slots)
         new_hidden = hidden.reshape(B, W, -1).gather(1, last_at[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], new_hidden, old_hidden))
@@ -438,9 +444,8 @@ class ProgramSet:
         v = self.v
         li = live.long()
         generated = v["state.generated"].index_select(0, slots).long() + li
-        stop_hit = (v["state.stop_ids"].index_select(0, slots).long() == tok[:, None]).any(dim=-1)
-        at_limit = generated >= v["state.max_new"].index_select(0, slots).long()
-        status = torch.where(stop_hit, int(Status.stop), torch.where(at_limit, int(Status.length), int(Status.running)))
+        status = _status(v["state.stop_ids"].index_select(0, slots), tok, generated,
+                         v["state.max_new"].index_select(0, slots))
         pending = torch.where(live, tok, v["state.pending"].index_select(0, slots).long())
         done = torch.where(live, status, v["state.done"].index_select(0, slots).long())
         counter = v["state.counter"].index_select(0, slots) + li
