@@ -70,12 +70,16 @@ case "$1" in
       done
       # Load errors first: they reserve the core's address range, which torch's
       # allocations in the kernel tests could otherwise take.
-      parallel kernels "$G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_moe_kernels.py"; rc=$?
+      # The hybrid's eager Triton-vs-reference comparison prepares its own core and compiles
+      # flash-linear-attention's float32 kernels (autotuned): it runs from the start, beside.
+      RIG=$G/test_numerics.py::test_hybrid_triton_path_matches_the_reference_path_on_the_gpu
+      parallel kernels "$G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_moe_kernels.py" \
+        hybrid-rig $RIG; rc=$?
       for p in "${preps[@]}"; do wait $p || rc=1; done
       echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback $R/prepare-*.log
       # Numerics: one process per shape, side by side (they share the GPU's memory).
       args=()
-      for m in $SHAPE_LIST; do GPU_SHAPES[numerics-$m]=$m; args+=(numerics-$m "$G/test_numerics.py"); done
+      for m in $SHAPE_LIST; do GPU_SHAPES[numerics-$m]=$m; args+=(numerics-$m "$G/test_numerics.py --deselect $RIG"); done
       parallel "${args[@]}"; rc=$((rc | $?))
     else  # alone [test files]: all three by default; a call's time limit may want them split
       shift 2
