@@ -128,17 +128,23 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
 
 # Where cache on and off do not yet give identical tokens (issues 16 and 17, docs/prefix-cache.md).
 # A cache-on turn prefills its suffix in a smaller program than the cache-off turn's whole
-# prompt, and on the H200 cuBLAS splits K for small row counts where K is large against N
-# (o_proj 4096 -> 2048 at 16-64 rows, Llama-8B's down_proj at 16-256 rows): a row's result
-# then depends on the program's capacity (bench/results/gemm-row-invariance-2026-12-02.json;
-# every non-split tiling, cuBLAS's at large M and Triton's at any tile size, gives the same
-# bits). Routed experts amplify that rounding into other expert choices. The hybrid adds
-# flash-linear-attention's chunked delta rule, which rounds by chunk start (3 of 10 turns
-# identical; 6 of 10 with kernels/gdn.py's token-by-token rule, gdn_prefill_recurrent, not
-# used: 5.6x the chunked rule's time at 2,048 tokens). Measured at 53ed7ca: MoE 3 of 10,
-# hybrid 2 of 10. Strict: the test fails once they agree, so the mark is then removed.
-NOT_YET_EXACT = {"qwen3_5-small-shape": "hybrid: the chunked delta rule and split-K GEMMs round by partition",
-                 "qwen3-moe-small-shape": "MoE: split-K GEMMs of small prefill programs round by capacity"}
+# prompt, so every row must compute the same whatever the program's capacity. Two hazards
+# are known. (1) Routing: prefill programs route with torch ops over [T, experts], whose
+# weights agree across capacities only to float32 rounding (kernels/moe.py); routed experts
+# amplify that into other choices. The MoE core's conversation parts at turn 4, the first
+# whose cache-off prompt (153 tokens) runs prefill.256 while the cache-on suffix runs
+# prefill.128 (3 of 10 turns identical at 53ed7ca). (2) GEMMs: on the H200 cuBLAS splits
+# K for small row counts where K is large against N (o_proj 4096 -> 2048 at 16-64 rows,
+# Llama-8B's down_proj at 16-256), and a split row differs from a non-split one
+# (bench/results/gemm-row-invariance-2026-12-02.json; every non-split tiling, cuBLAS's at
+# large M and Triton's at any tile size, gives the same bits). It does not touch these
+# cores' 128/256-row programs, but would any core with smaller prefill capacities. The
+# hybrid adds flash-linear-attention's chunked delta rule, which rounds by chunk start
+# (2 of 10 turns identical at 53ed7ca; 6 of 10 earlier with kernels/gdn.py's token-by-token
+# rule, gdn_prefill_recurrent, not used: 5.6x the chunked rule's time at 2,048 tokens).
+# Strict: the test fails once they agree, so the mark is then removed.
+NOT_YET_EXACT = {"qwen3_5-small-shape": "hybrid: the chunked delta rule rounds by chunk start",
+                 "qwen3-moe-small-shape": "MoE: prefill routing weights round by capacity"}
 
 
 def test_conversation_cache_on_and_off(runs, results_dir, request):
