@@ -6,7 +6,7 @@ and cache-off runs to agree (tests/gpu/test_generation.py, ``NOT_YET_EXACT``). F
 (K, N) below: x [2048, K] and W [N, K] random in bfloat16; the reference is ``F.linear``
 at M = 2048; each M compares the first M rows bit for bit, for cuBLAS (``F.linear``) and
 for Triton GEMMs that sum the whole of K in order in one program
-(``kernels/moe.py``'s ``_invariant_linear_kernel``) at several tilings. Times are eager
+(``kernels/gemm.py``'s ``nonsplit_kernel``) at several tilings. Times are eager
 (launch overhead included), microseconds, mean of 20.
 
     python -m bench.gemm_invariance OUT.json
@@ -22,7 +22,7 @@ import torch
 import triton
 from torch.nn import functional as F
 
-from flare.prepare.kernels import moe as K
+from flare.prepare.kernels import gemm
 
 SHAPES = {"moe-qkv": (2048, 5120), "moe-o": (4096, 2048), "8b-qkv": (4096, 6144), "8b-o": (4096, 4096),
           "8b-gateup": (4096, 28672), "8b-down": (14336, 4096), "smol-qkv": (576, 960), "smol-gateup": (576, 3072),
@@ -32,12 +32,8 @@ TILES = ((16, 32, 64, 4), (16, 64, 128, 4), (32, 64, 64, 4), (64, 64, 64, 4), (6
 
 
 def nonsplit(x: torch.Tensor, w: torch.Tensor, bm: int, bn: int, bk: int, warps: int) -> torch.Tensor:
-    T, Kd = x.shape
-    N = w.shape[0]
-    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    K._invariant_linear_kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
-        x, w, out, T, N, Kd, x.stride(0), w.stride(0), out.stride(0), BM=bm, BN=bn, BK=bk, PRECISION="tf32",
-        num_warps=warps)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    gemm.launch(x, w, None, out, (bm, bn, bk, warps))
     return out
 
 

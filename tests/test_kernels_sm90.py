@@ -4,7 +4,7 @@ Triton's CPU interpreter (which runs the kernels' numerical tests) executes the
 kernel source as Python and accepts code the real compiler rejects: a name
 whose type differs between an ``if`` block and the code before it compiled in
 the interpreter and failed on the H200. This test runs the real front end and
-ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py`` and ``kernels/moe.py`` at the
+ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``kernels/gemm.py`` and ``kernels/moe.py`` at the
 dtypes and block shapes the recipe launches, so such an error fails CI instead
 of a device call. It runs in a subprocess: the interpreter switch of the test
 session would otherwise stand in for the compiler.
@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
 
     from flare.prepare.kernels import gdn as K
+    from flare.prepare.kernels import gemm as G
     from flare.prepare.kernels import moe as M
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4):
@@ -62,8 +63,9 @@ SCRIPT = textwrap.dedent('''
                      dict(BN=16, BK=512))
     compile_for_sm90(M._decode_down_kernel, {**bf16("h_ptr", "w_ptr", "out_ptr"), "ids_ptr": "*i64",
                                              "weights_ptr": "*fp32"}, dict(TOPK=8, BN=4, BK=512))
-    compile_for_sm90(M._invariant_linear_kernel, bf16("x_ptr", "w_ptr", "out_ptr"),
-                     dict(BM=16, BN=16, BK=128, PRECISION="tf32"))
+    for bm, bn, bk, bias in ((16, 16, 128, False), (16, 64, 128, True), (64, 128, 64, False)):
+        compile_for_sm90(G.nonsplit_kernel, bf16("x_ptr", "w_ptr", "b_ptr", "out_ptr"),
+                         dict(BM=bm, BN=bn, BK=bk, PRECISION="tf32", HAS_BIAS=bias))
     compile_for_sm90(M._combine_kernel, {**bf16("y_ptr", "out_ptr"), "ids_ptr": "*i64", "weights_ptr": "*fp32"},
                      dict(TOPK=8, BN=512))
     compile_for_sm90(M._route_plan_kernel,
@@ -80,4 +82,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 12, proc.stdout
+    assert proc.stdout.count("compiled") == 14, proc.stdout

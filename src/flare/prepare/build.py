@@ -87,7 +87,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     with target.pool():
         recipe.compute_constants(model, specs, views)
         progress("building programs")
-        programs = target.programs(recipe, model, views, caps, opts, continuation)
+        programs = target.programs(recipe, model, views, caps, opts, continuation, progress)
         table = program_table(caps, target.graph_files(caps, continuation), continuation)
         partial = partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
                                    base=target.base, device=target.device, sampling=sampling)
@@ -143,7 +143,7 @@ class _CpuArena:
     def after_load(self) -> None:
         pass
 
-    def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
+    def programs(self, recipe, model, views, caps, opts: Options, continuation, progress) -> ProgramSet:
         return ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "reference", continuation)
 
     def graph_files(self, caps, continuation) -> None:
@@ -203,7 +203,9 @@ class _CudaArena:
         if self.tp.active:
             torch.cuda.empty_cache()
 
-    def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
+    def programs(self, recipe, model, views, caps, opts: Options, continuation, progress) -> ProgramSet:
+        if not opts.split_prompt_gemms:
+            _row_invariant_linears(recipe, model.module, caps, progress)
         if opts.compile:
             _compile_layers(recipe, model.module)
         programs = ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "triton", continuation)
@@ -322,6 +324,20 @@ def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> No
         batch[name] = (torch.empty(shape, dtype=dtype, device=view.device), view, shard)
         held += nbytes
     flush()
+
+
+def _row_invariant_linears(recipe, model, caps, progress) -> None:
+    """Linear layers that cuBLAS would split at a prompt program's row count compute those
+    programs with the unsplit Triton GEMM (kernels/gemm.py)."""
+    from flare.prepare.kernels.gemm import make_row_invariant
+
+    rows = {*caps.prefill_capacities, *caps.pack_capacities, *([caps.score_chunk] if caps.score_chunk else [])}
+    found = make_row_invariant(recipe.decoder_layers(model), rows)
+    by_name: dict[str, set[int]] = {}
+    for name, counts in found.items():
+        by_name.setdefault(name.split(".", 1)[1], set()).update(counts)
+    for name, counts in sorted(by_name.items()):
+        progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
 
 
 def _compile_layers(recipe, model) -> None:

@@ -101,6 +101,10 @@ def parser() -> argparse.ArgumentParser:
                         f"OpenAI's limit; 0: requests for log-probabilities are refused)")
     p.add_argument("--attention", choices=("reference", "gather", "triton"), default=None)
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
+    p.add_argument("--split-prompt-gemms", action="store_true",
+                   help="CUDA: let prompt programs use cuBLAS's split-K GEMMs where it picks them for few rows "
+                        "(faster short prefills, but a prompt prefilled in pieces, as with the prefix cache, may "
+                        "then generate other tokens than the same prompt prefilled whole)")
     p.add_argument("--scratch-memory", type=float, default=4.0,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept)")
     p.add_argument("--gpu-reserve", type=float, default=4.0,
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_tokens": a.draft_tokens,
         "attention": a.attention,
         "compile": not a.no_compile,
+        "split_prompt_gemms": a.split_prompt_gemms,
         "served_name": a.served_name,
         "scratch_memory_gib": a.scratch_memory,
         "reserve_gib": a.gpu_reserve,

@@ -49,6 +49,9 @@ class Options:
     draft_tokens: int = 0  # drafts per verify program row (speculative decoding); 0: no verify programs
     attention: str | None = None  # reference | triton
     compile: bool = True
+    # CUDA: prompt programs keep cuBLAS's split-K GEMMs (faster short prefills; a prompt prefilled in
+    # pieces may then differ from the prompt prefilled whole, cache on against off: kernels/gemm.py)
+    split_prompt_gemms: bool = False
     scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
     reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
     qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce

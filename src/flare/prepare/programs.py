@@ -28,6 +28,7 @@ from flare.core.interface import (AdmitInput, AdmitMode, Completion, PackSegment
                                   StateInput, Status, VerifyCompletion)
 from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
 from flare.core.sampling_params import INTEGER_STATE, column
+from flare.prepare import prompt_rows
 from flare.prepare.attention import PagedBatch
 from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import PreparedModel, Recipe
@@ -58,6 +59,11 @@ def arena_views(arena: torch.Tensor, buffers) -> dict[str, torch.Tensor]:
         raw = arena[b.offset : b.offset + b.nbytes]
         views[b.name] = raw.view(TORCH_DTYPES[b.dtype.value]).view(b.shape)
     return views
+
+
+# Programs whose rows are prompt tokens: their linear layers compute a row the same whatever the
+# capacity (kernels/gemm.py), so a prompt prefilled in pieces equals the prompt prefilled whole.
+PROMPT_PROGRAMS = frozenset({ProgramKind.prefill, ProgramKind.pack, ProgramKind.score})
 
 
 class ProgramSet:
@@ -136,7 +142,7 @@ class ProgramSet:
             # eager=True runs compiled modules' original code (a program whose compiled
             # build failed is captured eagerly instead).
             stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
-            with stance, torch.inference_mode():
+            with stance, torch.inference_mode(), prompt_rows.marked(kind in PROMPT_PROGRAMS):
                 fn(capacity)
 
         return run

@@ -56,6 +56,8 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from flare.prepare.kernels.gemm import launch
+
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
           valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,40 +66,15 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
     return route_logits(F.linear(x, weight), top_k, renormalize, valid)
 
 
-@triton.jit
-def _invariant_linear_kernel(x_ptr, w_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
-                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    m = tl.program_id(0) * BM + tl.arange(0, BM)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    m_in, n_in = m < T, n < N
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):  # the whole of K in one program, in order: no split to reduce
-        kk = k0 + tl.arange(0, BK)
-        k_in = kk < K
-        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xt + kk[None, :], mask=m_in[:, None] & k_in[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=n_in[None, :] & k_in[:, None],
-                    other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_in[:, None] & n_in[None, :])
-
-
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, *, block_m: int = 16, block_n: int = 16,
                      block_k: int = 128) -> torch.Tensor:
     """``x @ weight.T`` (``x [T, K]``, ``weight [N, K]``, float32 accumulation, the result in
     x's dtype) where each row's result is the same whatever the other rows and ``T``: the
-    tiles are fixed and each program sums the whole of K in order. For small N (the
-    router, a one-column gate), where cuBLAS splits K by the batch size."""
-    if x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("invariant_linear needs rows with unit stride")
+    tiles are fixed and each program sums the whole of K in order (``gemm.nonsplit_kernel``).
+    For small N (the router, a one-column gate), where cuBLAS splits K by the batch size."""
     T, Kd = x.shape
-    N = weight.shape[0]
-    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    _invariant_linear_kernel[(triton.cdiv(T, block_m), triton.cdiv(N, block_n))](
-        x, weight, out, T, N, Kd, x.stride(0), weight.stride(0), out.stride(0), BM=block_m, BN=block_n,
-        BK=min(block_k, max(16, triton.next_power_of_2(Kd))),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    out = torch.empty((T, weight.shape[0]), dtype=x.dtype, device=x.device)
+    launch(x, weight, None, out, (block_m, block_n, min(block_k, max(16, triton.next_power_of_2(Kd))), 4))
     return out
 
 

@@ -1,0 +1,156 @@
+"""Linear layers whose rows do not depend on how many rows the program has.
+
+A prompt's tokens reach the model through prefill programs of several capacities: with
+the prefix cache on, a follow-up turn prefills only its suffix, in a smaller program than
+the same prompt prefilled whole with the cache off. For the two to generate the same
+tokens, every row must be computed the same way in each. cuBLAS picks its GEMM kernel by
+the shapes, and for few rows where K is large against N it splits K and reduces the
+partial sums afterwards: on the H200, Llama-8B's down_proj (14,336 -> 4,096) splits at
+16-256 rows, an o_proj of 4,096 -> 2,048 at 16-64 rows, and a split row's bits differ
+from an unsplit one's. Every unsplit tiling (cuBLAS at many rows; Triton at any tile
+size, warp count or K step tried) gives the same bits: each output is one float32
+accumulation over K in order (bench/results/gemm-row-invariance-2026-12-02.json).
+
+So, at preparation on a GPU, each linear layer of the decoder is tried at the row counts
+of the programs that run prompt rows (prefill, pack, score): where ``F.linear`` differs
+from ``nonsplit_linear`` on random data, that layer computes those programs with
+``nonsplit_linear`` (a Triton GEMM that sums the whole of K in order in each program);
+elsewhere it keeps cuBLAS. Decode steps are untouched (their rows need not equal a
+prefill's, and split-K is what makes small-batch GEMMs fast). The choice is made per
+layer and row count once, and compiled into each program's graph.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from torch.library import triton_op, wrap_triton
+from torch.nn import functional as F
+
+from flare.prepare import prompt_rows
+
+
+@triton.jit
+def nonsplit_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    """``out = x @ w.T (+ b)``, float32 accumulation over the whole of K in order in one
+    program (no split to reduce), the bias added in float32 before the one rounding."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_in, n_in = m < T, n < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < K
+        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xt + kk[None, :], mask=m_in[:, None] & k_in[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=n_in[None, :] & k_in[:, None],
+                    other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_in, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_in[:, None] & n_in[None, :])
+
+
+def tiles(rows: int, k: int, *, block_m: int | None = None, block_n: int | None = None,
+          block_k: int | None = None) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, warps): narrow tiles for few rows (more programs to stream the weight),
+    wide ones for many. Any tiling gives the same bits; only the time differs."""
+    bm, bn, bk, warps = (16, 64, 128, 4) if rows <= 64 else (64, 128, 64, 4)
+    return (block_m or bm, block_n or bn, min(block_k or bk, max(16, triton.next_power_of_2(k))), warps)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+           tiling: tuple[int, int, int, int], kernel=nonsplit_kernel) -> None:
+    """Run the kernel over rows ``x [T, K]`` into ``out [T, N]`` (``kernel``: the plain
+    Triton kernel eagerly, or its ``wrap_triton`` form inside a custom op)."""
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("nonsplit_linear needs rows with unit stride")
+    T, K = x.shape
+    N = weight.shape[0]
+    bm, bn, bk, warps = tiling
+    kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
+        x, weight, bias if bias is not None else weight, out, T, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        BM=bm, BN=bn, BK=bk, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", HAS_BIAS=bias is not None,
+        num_warps=warps)
+
+
+@triton_op("flare::nonsplit_linear", mutates_args=())
+def _nonsplit_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    launch(x, weight, bias, out, tiles(x.shape[0], x.shape[1]), wrap_triton(nonsplit_kernel))
+    return out
+
+
+def nonsplit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose rows are the same bits whatever the number of
+    rows (a custom op, so a compiled layer calls it without a graph break)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return _nonsplit_op(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# -- which programs, which layers ---------------------------------------------------
+
+def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iterable[int]) -> frozenset[int]:
+    """The row counts at which ``F.linear`` over a weight of this shape, dtype and device
+    gives other bits than ``nonsplit_linear`` (random data: cuBLAS picks its kernel by the
+    shapes, never by the values)."""
+    counts = sorted(set(row_counts))
+    if not counts:
+        return frozenset()
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    n, k = weight.shape
+    w = torch.randn((n, k), generator=g, device=weight.device, dtype=torch.float32).mul_(k ** -0.5).to(weight.dtype)
+    b = None if bias is None else torch.randn(n, generator=g, device=weight.device).to(bias.dtype)
+    x = torch.randn((counts[-1], k), generator=g, device=weight.device, dtype=torch.float32).to(weight.dtype)
+    ref = nonsplit_linear(x, w, b)
+    return frozenset(c for c in counts if not torch.equal(F.linear(x[:c], w, b), ref[:c]))
+
+
+class _RowInvariant:
+    """Mixed into a linear layer's class: prompt rows at a row count in
+    ``flare_split_rows`` go through ``nonsplit_linear``; everything else as before."""
+
+    flare_split_rows: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if prompt_rows.active() and x.numel() // x.shape[-1] in self.flare_split_rows:
+            return nonsplit_linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, frozenset[int]]:
+    """Give every linear layer (a module with ``weight [N, K]``, ``bias`` and an
+    ``F.linear`` forward: ``nn.Linear``, ``fused.FusedLinear``) under ``layers`` the row
+    counts at which cuBLAS splits it; returns {module name: row counts} for those with any."""
+    from flare.prepare.recipes.fused import FusedLinear
+
+    counts = tuple(row_counts)
+    measured: dict[tuple, frozenset[int]] = {}
+    found = {}
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            if not isinstance(module, (nn.Linear, FusedLinear)) or isinstance(module, _RowInvariant):
+                continue
+            w, b = module.weight, module.bias
+            key = (tuple(w.shape), w.dtype, None if b is None else b.dtype)
+            if key not in measured:
+                measured[key] = split_rows(w, b, counts)
+            if not measured[key]:
+                continue
+            cls = type(module)
+            if cls not in _CLASSES:
+                _CLASSES[cls] = type(f"RowInvariant{cls.__name__}", (_RowInvariant, cls), {})
+            module.__class__ = _CLASSES[cls]
+            module.flare_split_rows = measured[key]
+            found[f"{i}.{name}"] = measured[key]
+    return found

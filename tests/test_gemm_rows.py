@@ -1,0 +1,106 @@
+"""kernels/gemm.py: the unsplit GEMM and the choice of which linear layers use it.
+
+On the CPU the kernel runs in Triton's interpreter (float32: its bfloat16 ``tl.dot`` is
+wrong), which checks its arithmetic and masking; that its rows are the same bits whatever
+the row count, and equal to cuBLAS's unsplit kernels, is a property of the GPU
+(bench/gemm_invariance.py, tests/gpu). The choice is tested with the layers' own
+``F.linear`` standing in for cuBLAS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from flare.prepare import prompt_rows  # noqa: E402
+from flare.prepare.kernels import gemm  # noqa: E402
+from flare.prepare.recipes.fused import FusedLinear, Part  # noqa: E402
+
+
+@pytest.mark.parametrize("rows,k,n,bias", [(1, 64, 40, False), (37, 96, 50, True), (130, 200, 129, True)])
+def test_nonsplit_linear_is_a_linear_layer(rows, k, n, bias):
+    """Masked edges (rows, K and N not multiples of the tiles), both tilings, the bias
+    added before the rounding, leading dimensions kept."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, k, generator=g, dtype=torch.float64).float()
+    w = torch.randn(n, k, generator=g, dtype=torch.float64).float()
+    b = torch.randn(n, generator=g).float() if bias else None
+    y = gemm.nonsplit_linear(x, w, b)
+    assert y.shape == (2, rows, n)
+    torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_layers_switch_only_in_prompt_programs_at_their_split_row_counts(monkeypatch):
+    """``make_row_invariant`` measures each shape once, swaps the class of the layers that
+    split (plain and fused linears), and their forward takes the unsplit kernel only while a
+    prompt program runs at one of those row counts."""
+    calls = []
+    measured = []
+
+    def fake_split_rows(weight, bias, counts):
+        measured.append(tuple(weight.shape))
+        return frozenset({16, 64}) if weight.shape[1] == 96 else frozenset()
+
+    monkeypatch.setattr(gemm, "split_rows", fake_split_rows)
+    real = gemm.nonsplit_linear
+    monkeypatch.setattr(gemm, "nonsplit_linear", lambda x, w, b=None: calls.append(x.shape[:-1]) or real(x, w, b))
+    fused = FusedLinear((Part("q_proj", 24), Part("k_proj", 8)), 96, True, torch.float32)
+    nn.init.normal_(fused.weight)
+    nn.init.normal_(fused.bias)
+    layers = [nn.ModuleDict({"o": nn.Linear(96, 32), "down": nn.Linear(48, 32), "qkv": fused}),
+              nn.ModuleDict({"o": nn.Linear(96, 32)})]
+    found = gemm.make_row_invariant(layers, [16, 64, 128])
+    assert sorted(found) == ["0.o", "0.qkv", "1.o"] and found["0.o"] == frozenset({16, 64})
+    assert sorted(measured) == [(32, 48), (32, 96)]  # one measurement per (shape, dtype), the fused one too
+    assert type(layers[0]["down"]) is nn.Linear and type(layers[0]["o"]).__name__ == "RowInvariantLinear"
+    assert isinstance(layers[0]["qkv"], FusedLinear)
+    o = layers[0]["o"]
+    x = torch.randn(1, 16, 96)
+    plain = F.linear(x, o.weight, o.bias)
+    assert torch.equal(o(x), plain) and not calls  # not a prompt program
+    with prompt_rows.marked(True):
+        o(torch.randn(1, 128, 96))  # a prompt program at a row count cuBLAS does not split
+        assert not calls
+        torch.testing.assert_close(o(x), plain, atol=1e-4, rtol=1e-5)
+        layers[0]["qkv"](torch.randn(64, 96))
+    assert calls == [(1, 16), (64,)]
+    assert not prompt_rows.active()
+    assert gemm.make_row_invariant(layers, [16]) == {}  # already switched: left as they are
+
+
+def test_program_set_marks_prompt_programs_while_they_run():
+    """``ProgramSet.callable`` marks prefill, pack and score programs (their rows are prompt
+    tokens) while they run, and no other kind."""
+    from flare.core.manifest import ProgramKind
+    from flare.prepare.programs import ProgramSet
+
+    seen = {}
+    programs = object.__new__(ProgramSet)  # only the dispatch is exercised: no model is built
+    for kind in ProgramKind:
+        setattr(programs, kind.value, lambda capacity, kind=kind: seen.__setitem__(kind, prompt_rows.active()))
+    for kind in ProgramKind:
+        programs.callable(kind, 1)()
+    assert {k for k, on in seen.items() if on} == {ProgramKind.prefill, ProgramKind.pack, ProgramKind.score}
+    assert len(seen) == len(ProgramKind) and not prompt_rows.active()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's split-K choice is the GPU's")
+def test_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu():
+    """On the GPU, compiled as the programs are: an o_proj-like layer (K large against N,
+    which cuBLAS splits for few rows on the H200) and a wide one, made row invariant for
+    the capacities 16 ... 512, give every row the same bits at each capacity inside a
+    prompt program, and equal to the unsplit kernel's."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4096, 2048, bias=False), nn.Linear(2048, 5120, bias=False)).to(dev, torch.bfloat16)
+    capacities = (16, 32, 64, 128, 256, 512)
+    print("unsplit at", gemm.make_row_invariant([block], capacities))  # the H200 splits the first at 16-64 rows
+    compiled = torch.compile(block, dynamic=False)
+    x = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16)
+    with torch.inference_mode(), prompt_rows.marked(True):
+        outs = {c: compiled(x[:c]) for c in capacities}
+    for c in capacities:
+        assert torch.equal(outs[c], outs[512][:c]), c
