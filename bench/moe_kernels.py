@@ -10,11 +10,11 @@ batch hits are as many as real routing would hit, not one), and each candidate c
 the routed experts' weighted sum for the chunk:
 
 * ``ours[bm,bn,bk,w]``  kernels/moe.py's tiled path (prefill chunks): the invariant router GEMM,
-  routing and plan as torch ops (as the recipe, for every prefill capacity), grouped gate/up,
+  routing per token (``route_rows``) and the plan as torch ops (as the recipe), grouped gate/up,
   grouped down, the weighted sum (``BLOCK_M`` 64, the recipe's, for prefill; 16 at decode sizes,
   against the GEMVs).
 * ``ours.decode``  the decode path (at most ``DECODE_PAIRS`` pairs): router GEMM,
-  ``route_plan``, a gate/up GEMV program per pair and feature block, and the down GEMVs
+  ``route_rows``, a gate/up GEMV program per pair and feature block, and the down GEMVs
   summed over each token's pairs in place (two expert launches, no tiles);
   ``decode_gate_up[...]`` / ``decode_down[...]`` sweep one kernel's blocks (the whole
   expert computation is timed, the other kernel at its default blocks).
@@ -133,10 +133,10 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
     if T * k <= K.DECODE_PAIRS:
         def decode(x, w, ids, gu=(16, 512, 4), dn=(4, 512, 4)):
             logits = K.invariant_linear(x, router)
-            w, ids, _ = K.route_plan(logits, k, True, None, 16, with_plan=False)
+            w, ids = K.route_rows(logits, k, True)
             return (K.experts_decode(x, w, ids, gate_up, down, gate_up_blocks=gu, down_blocks=dn),)
         out.append(Case(f"{tag}.ours.decode", [(lambda s=s: decode(*s)) for s in sets], [], check,
-                        "as the recipe runs a decode step: invariant router GEMM, route_plan, the two GEMV kernels",
+                        "as the recipe runs a decode step: invariant router GEMM, route_rows, the two GEMV kernels",
                         bytes_per_call=active))
         expert_bytes = hit * H * I * gate_up.element_size()
         for gu in sweeps[0]:
@@ -154,8 +154,8 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
             continue
 
         def ours(x, w, ids, bm=bm, bn=bn, bk=bk, warps=warps):
-            # As the recipe runs a prefill chunk: the invariant router, torch routing, the plan.
-            w, ids = K.route_logits(K.invariant_linear(x, router), k, True)
+            # As the recipe runs a prefill chunk: the invariant router, routing per token, the plan.
+            w, ids = K.route_rows(K.invariant_linear(x, router), k, True)
             p = K.plan(ids, E, bm)
             h = K.grouped_gate_up(x, gate_up, p, k, block_n=bn, block_k=bk, num_warps=warps)
             return (K.combine_triton(K.grouped_down(h, down, p, block_n=bn, block_k=bk, num_warps=warps), w, ids,

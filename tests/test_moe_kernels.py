@@ -28,6 +28,7 @@ from flare.prepare.kernels.moe import (  # noqa: E402
     route,
     route_logits,
     route_plan,
+    route_rows,
 )
 
 F64 = torch.float64
@@ -204,26 +205,43 @@ def test_fused_route_plan_equals_route_then_plan(T, E, k, bm, renorm):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_routed_rows_do_not_depend_on_the_batch(dtype):
     """What a token gets from the routed layer is bitwise the same whatever it is batched
-    with: decode routing (128 experts, top 8) and GEMVs at batches 1 to 4, the tiled
-    experts at a prefill chunk of 16 rows and of 130. The GPU generation tests (cache on
-    against off, a repeated prompt) need this; the H200 showed both failing when routing
-    reduced over a batch-wide layout."""
+    with: routing (128 experts, top 8) at decode batches 1 to 4 and at prefill chunks of
+    16 to 260 rows (any capacity: a cache-on turn prefills its suffix in a smaller program
+    than the cache-off turn's prompt), the GEMVs at batches 1 to 4, the tiled experts at a
+    prefill chunk of 16 rows and of 130. The GPU generation tests (cache on against off, a
+    repeated prompt) need this; the H200 showed both failing when routing reduced over a
+    batch-wide layout, and torch's routing ops over [T, E] round by T."""
     E, H, I, k = 128, 64, 32, 8
     gate_up, down = _weights(E, H, I, 5, dtype)
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(130, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
-    logits = torch.randn(130, E, generator=g).to(DEVICE)
-    w4, ids4, _ = route_plan(logits[:4], k, True, None, 16, with_plan=False)
-    out4 = experts_decode(x[:4], w4, ids4, gate_up, down)
+    x = torch.randn(260, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    logits = torch.randn(260, E, generator=g).to(DEVICE)
+    w_all, ids_all = route_rows(logits, k, True)
+    _, ids_ref = route_logits(logits, k, True)
+    assert torch.equal(ids_all, ids_ref)  # the reference path's choices (weights: float32 rounding)
+    for start, T in ((0, 1), (1, 2), (1, 3), (0, 4), (50, 16), (3, 128), (0, 130), (4, 256)):
+        w, ids = route_rows(logits[start:start + T], k, True)
+        assert torch.equal(ids, ids_all[start:start + T]) and torch.equal(w, w_all[start:start + T]), T
+    out4 = experts_decode(x[:4], w_all[:4], ids_all[:4], gate_up, down)
     for T in (1, 2, 3):
-        w, ids, _ = route_plan(logits[4 - T:4], k, True, None, 16, with_plan=False)
-        assert torch.equal(ids, ids4[4 - T:]) and torch.equal(w, w4[4 - T:]), T
-        assert torch.equal(experts_decode(x[4 - T:4], w, ids, gate_up, down), out4[4 - T:]), T
+        assert torch.equal(experts_decode(x[4 - T:4], w_all[4 - T:4], ids_all[4 - T:4], gate_up, down),
+                           out4[4 - T:]), T
     if DEVICE == "cpu":
         return  # the interpreter's tl.dot is numpy's matmul, which rounds by a row's place in the tile
-    w, ids = route_logits(logits, k, True)
-    full = experts_triton(x, w, ids, gate_up, down)
+    w, ids = w_all[:130], ids_all[:130]
+    full = experts_triton(x[:130], w, ids, gate_up, down)
     assert torch.equal(experts_triton(x[50:66], w[50:66], ids[50:66], gate_up, down), full[50:66])
+
+
+def test_route_rows_masks_padded_rows():
+    """Rows of a program's padding (``valid`` false) route to the sentinel with weight 0."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 16, generator=g).to(DEVICE)
+    valid = torch.tensor([True, False, True, True, False], device=DEVICE)
+    w, ids = route_rows(logits, 3, False, valid)
+    w_ref, ids_ref = route_logits(logits, 3, False, valid)
+    assert torch.equal(ids, ids_ref) and ids[1].tolist() == [16] * 3 and w[4].tolist() == [0.0] * 3
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
 
 
 def test_fused_route_plan_refuses_large_batches():

@@ -149,15 +149,17 @@ def triton_matches_reference(core, stream) -> None:
 
 
 def test_triton_experts_match_the_reference_path(moe_core, stream, monkeypatch):
-    """... and the CUDA path routes decode steps (and short prefills) in one launch."""
+    """... and the CUDA path routes every program a token at a time (``route_rows``): decode
+    steps and prefill chunks alike, so a token's weights do not depend on the capacity."""
     from flare.prepare.kernels import moe as K
 
     calls = []
-    fused = K.route_plan
-    monkeypatch.setattr(K, "route_plan",
-                        lambda logits, *a, **kw: calls.append(logits.shape[0]) or fused(logits, *a, **kw))
+    rows = K.route_rows
+    monkeypatch.setattr(K, "route_rows",
+                        lambda logits, *a, **kw: calls.append(logits.shape[0]) or rows(logits, *a, **kw))
     triton_matches_reference(moe_core, stream)
-    assert calls and set(calls) <= {1, 2, 4, 8}, calls  # the decode capacities (the prefills are 128 rows)
+    decodes = set(calls) - {128}  # prefill.128, and the decode capacities the stream ran
+    assert 128 in calls and decodes and decodes <= {1, 2, 4, 8}, calls
 
 
 def test_tp2_splits_the_experts_and_matches_tp1(moe_core, hf_models):

@@ -20,12 +20,14 @@ the device, so the whole layer is captured once and replayed:
   rows: a decode step of one slot and of four, or a prefill of 128 and of 256 tokens,
   routed the same token with logits differing in the last bit, enough to change the
   generation (cache on against off, measured on the H200).
-* ``route_plan``: both in one program for a batch of at most 128 pairs (decode): top k by
-  repeated maxima, the order and tiles by comparing every two pairs, so a decode step
-  pays one launch for them instead of the dozens of small kernels of the torch ops.
-  Routing alone (the decode GEMVs need no plan) runs one program per token, so a token's
-  weights do not depend on its batch either (the batch-wide program's softmax did, in the
-  last bit, measured on the H200).
+* ``route_rows``: routing as the captured programs run it, one Triton program per token
+  (softmax, top k by repeated maxima, renormalisation), so a token's weights do not depend
+  on its batch or on the program's capacity: the batch-wide program's softmax changed them
+  in the last bit (measured on the H200), and so do torch's softmax and sums over [T, E]
+  (``route_logits``, the CPU reference path's) between prefill capacities.
+* ``route_plan``: routing and the plan in one program for a batch of at most 128 pairs, the
+  order and tiles by comparing every two pairs (kept for its tests and the kernel benchmark;
+  the recipe plans with ``plan``).
 * ``plan``: the (token, slot) pairs sorted by expert, and a static list of row tiles of
   ``block_m`` pairs, each within one expert (``tile_expert`` = -1 for unused tiles). At
   most ``min(P, cdiv(P, block_m) + E)`` tiles for ``P = T * k`` pairs: a decode step of
@@ -208,7 +210,9 @@ def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch
                block_m: int, *, with_plan: bool = True) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """``route`` and ``plan`` in one launch from the router's logits ``[T, E]`` (when
     ``fits_route_plan``): the same ids, order and used tiles, weights to float32 rounding.
-    ``with_plan=False`` routes only (the decode GEMVs need no plan) and returns no plan."""
+    ``with_plan=False`` is ``route_rows`` (no plan, any T)."""
+    if not with_plan:
+        return (*route_rows(logits, top_k, renormalize, valid), None)
     T, E = logits.shape
     P = T * top_k
     if not fits_route_plan(T, top_k):
@@ -222,15 +226,36 @@ def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch
     MT = max_tiles(P, E, block_m)
     order = torch.empty(P, dtype=torch.int32, device=dev)
     tiles = [torch.empty(triton.next_power_of_2(MT), dtype=torch.int32, device=dev) for _ in range(3)]
-    # Routing alone (decode) runs a program per token: a batch-wide program's reductions follow
-    # a layout that changes with the batch, and with it the weights' last bits.
-    BT, BK = (triton.next_power_of_2(T), triton.next_power_of_2(top_k)) if with_plan else (1, triton.next_power_of_2(top_k))
-    _route_plan_kernel[(1 if with_plan else T,)](
+    BT, BK = triton.next_power_of_2(T), triton.next_power_of_2(top_k)
+    _route_plan_kernel[(1,)](
         logits, valid, weights, ids, order, *tiles, T, E, *logits.stride(),
         K=top_k, RENORM=renormalize, BM=block_m, BT=BT, BE=triton.next_power_of_2(E), BK=BK, BP=BT * BK,
-        MT=triton.next_power_of_2(MT), PLAN=with_plan, num_warps=8 if BT * BK > 64 else 4,
+        MT=triton.next_power_of_2(MT), PLAN=True, num_warps=8 if BT * BK > 64 else 4,
     )
-    return weights, ids, Plan(order, tiles[0][:MT], tiles[1][:MT], tiles[2][:MT], block_m) if with_plan else None
+    return weights, ids, Plan(order, tiles[0][:MT], tiles[1][:MT], tiles[2][:MT], block_m)
+
+
+def route_rows(logits: torch.Tensor, top_k: int, renormalize: bool,
+               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` from the router's logits ``[T, E]`` with one program per token, for any T:
+    a token's softmax, top-k and renormalisation reduce over the same register layout
+    whatever it is batched with, so a row's weights are bitwise the same in a decode step
+    and in a prefill chunk of any capacity (the ids agree with ``route_logits``, the
+    weights to float32 rounding)."""
+    T, E = logits.shape
+    dev = logits.device
+    if valid is None:
+        valid = torch.ones(T, dtype=torch.bool, device=dev)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
+    BK = triton.next_power_of_2(top_k)
+    unused = torch.empty(1, dtype=torch.int32, device=dev)  # the plan's outputs (PLAN=False)
+    _route_plan_kernel[(T,)](
+        logits, valid, weights, ids, unused, unused, unused, unused, T, E, *logits.stride(),
+        K=top_k, RENORM=renormalize, BM=16, BT=1, BE=triton.next_power_of_2(E), BK=BK, BP=BK, MT=1, PLAN=False,
+        num_warps=4,
+    )
+    return weights, ids
 
 
 @triton.jit

@@ -52,13 +52,11 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     split = local != gate.weight.shape[0]
     T, k = x.shape[0], gate.top_k
     decode = triton and T * k <= K.DECODE_PAIRS  # the expert GEMVs, which need no plan
-    # Decode batches route in one launch; every prefill program routes with the same torch
-    # ops, whatever its capacity, so that a prompt token gets the same weights on prefill.16
-    # as on prefill.128 (the two agree on ids, on weights only to float32 rounding).
-    if decode and not split and K.fits_route_plan(T, k):
-        weights, ids, _ = K.route_plan(logits, k, renorm, valid, K.BLOCK_M, with_plan=False)
-    else:
-        weights, ids = K.route_logits(logits, k, renorm, valid)
+    # Every program routes a token by itself (one Triton program per token), so that it gets
+    # the same weights in a decode step and in a prefill chunk of any capacity: a cache-on
+    # turn prefills its suffix in a smaller program than the cache-off turn's whole prompt.
+    # (torch's softmax and sums over [T, E] agree across capacities only to float32 rounding.)
+    weights, ids = K.route_rows(logits, k, renorm, valid) if triton else K.route_logits(logits, k, renorm, valid)
     if split:
         ids = ids - block.flare_tp.rank * local
         outside = (ids < 0) | (ids >= local)
