@@ -89,18 +89,25 @@ def test_program_set_marks_prompt_programs_while_they_run():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's split-K choice is the GPU's")
 def test_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu():
-    """On the GPU, compiled as the programs are: an o_proj-like layer (K large against N,
-    which cuBLAS splits for few rows on the H200) and a wide one, made row invariant for
-    the capacities 16 ... 512, give every row the same bits at each capacity inside a
-    prompt program, and equal to the unsplit kernel's."""
+    """On the GPU, compiled as the programs are (one graph, no break): an o_proj-like layer
+    (K large against N, which the H200's cuBLAS splits for 16-64 rows), one with a bias and
+    a wide one, made row invariant for the capacities 16 ... 512, give every row the same
+    bits at each capacity inside a prompt program; outside one they are cuBLAS's."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(4096, 2048, bias=False), nn.Linear(2048, 5120, bias=False)).to(dev, torch.bfloat16)
+    block = nn.Sequential(nn.Linear(4096, 2048, bias=False), nn.Linear(2048, 2048), nn.Linear(2048, 5120, bias=False))
+    block = block.to(dev, torch.bfloat16)
     capacities = (16, 32, 64, 128, 256, 512)
-    print("unsplit at", gemm.make_row_invariant([block], capacities))  # the H200 splits the first at 16-64 rows
-    compiled = torch.compile(block, dynamic=False)
+    found = gemm.make_row_invariant([block], capacities)
+    assert found.get("0.0"), found  # bench/results/gemm-row-invariance-2026-12-02.json: split at 16-64 rows
+    compiled = torch.compile(block, dynamic=False, fullgraph=True)
     x = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16)
-    with torch.inference_mode(), prompt_rows.marked(True):
-        outs = {c: compiled(x[:c]) for c in capacities}
+    with torch.inference_mode():
+        with prompt_rows.marked(True):
+            outs = {c: compiled(x[:c]) for c in capacities}
+        plain = x[:16]
+        for layer in block:
+            plain = F.linear(plain, layer.weight, layer.bias)
+        assert torch.equal(compiled(x[:16]), plain)  # a decode-sized step outside a prompt program
     for c in capacities:
         assert torch.equal(outs[c], outs[512][:c]), c

@@ -72,6 +72,10 @@ SCRIPT = textwrap.dedent('''
                      {"logits_ptr": "*bf16", "valid_ptr": "*i1", "w_ptr": "*fp32", "ids_ptr": "*i64",
                       "order_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"},
                      dict(K=8, RENORM=True, BM=16, BT=16, BE=512, BK=8, BP=128, MT=128, PLAN=True), num_warps=8)
+    compile_for_sm90(M._route_plan_kernel,  # route_rows: one token per program, no plan
+                     {"logits_ptr": "*bf16", "valid_ptr": "*i1", "w_ptr": "*fp32", "ids_ptr": "*i64",
+                      "order_ptr": "*i64", "tile_expert_ptr": "*i64", "tile_start_ptr": "*i64", "tile_end_ptr": "*i64"},
+                     dict(K=8, RENORM=True, BM=16, BT=1, BE=512, BK=8, BP=8, MT=1, PLAN=False), num_warps=4)
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
@@ -82,4 +86,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 14, proc.stdout
+    assert proc.stdout.count("compiled") == 15, proc.stdout

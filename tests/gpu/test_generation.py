@@ -126,25 +126,16 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
     assert all(a > 0 for a in agree), summary
 
 
-# Where cache on and off do not yet give identical tokens (issues 16 and 17, docs/prefix-cache.md).
+# Where cache on and off do not yet give identical tokens (issue 16, docs/prefix-cache.md).
 # A cache-on turn prefills its suffix in a smaller program than the cache-off turn's whole
-# prompt, so every row must compute the same whatever the program's capacity. Two hazards
-# are known. (1) Routing: prefill programs route with torch ops over [T, experts], whose
-# weights agree across capacities only to float32 rounding (kernels/moe.py); routed experts
-# amplify that into other choices. The MoE core's conversation parts at turn 4, the first
-# whose cache-off prompt (153 tokens) runs prefill.256 while the cache-on suffix runs
-# prefill.128 (3 of 10 turns identical at 53ed7ca). (2) GEMMs: on the H200 cuBLAS splits
-# K for small row counts where K is large against N (o_proj 4096 -> 2048 at 16-64 rows,
-# Llama-8B's down_proj at 16-256), and a split row differs from a non-split one
-# (bench/results/gemm-row-invariance-2026-12-02.json; every non-split tiling, cuBLAS's at
-# large M and Triton's at any tile size, gives the same bits). It does not touch these
-# cores' 128/256-row programs, but would any core with smaller prefill capacities. The
-# hybrid adds flash-linear-attention's chunked delta rule, which rounds by chunk start
-# (2 of 10 turns identical at 53ed7ca; 6 of 10 earlier with kernels/gdn.py's token-by-token
-# rule, gdn_prefill_recurrent, not used: 5.6x the chunked rule's time at 2,048 tokens).
-# Strict: the test fails once they agree, so the mark is then removed.
-NOT_YET_EXACT = {"qwen3_5-small-shape": "hybrid: the chunked delta rule rounds by chunk start",
-                 "qwen3-moe-small-shape": "MoE: prefill routing weights round by capacity"}
+# prompt, so every prompt row must compute the same whatever the program's capacity: the
+# linear layers cuBLAS would split for few rows take the unsplit GEMM in prompt programs
+# (kernels/gemm.py) and routed experts route each token in its own program (route_rows).
+# The hybrid also needs flash-linear-attention's chunked delta rule, which rounds by chunk
+# start (2 of 10 turns identical at 53ed7ca; 6 of 10 earlier with kernels/gdn.py's
+# token-by-token rule, gdn_prefill_recurrent, not used: 5.6x the chunked rule's time at
+# 2,048 tokens). Strict: the test fails once they agree, so the mark is then removed.
+NOT_YET_EXACT = {"qwen3_5-small-shape": "hybrid: the chunked delta rule rounds by chunk start"}
 
 
 def test_conversation_cache_on_and_off(runs, results_dir, request):

@@ -186,9 +186,9 @@ def test_hybrid_triton_path_matches_the_reference_path_on_the_gpu(results_dir):
 
 
 def test_routed_experts_match_transformers(gpu_shape_core, results_dir):
-    """Routing as the captured programs compute it (``kernels/moe.py``: ``route_plan``
-    for decode-sized batches, ``route_logits`` for prefill chunks, over BF16 router
-    logits from ``invariant_linear``) against Transformers' FP32 router, on the same rows:
+    """Routing as the captured programs compute it (``kernels/moe.py``: ``route_rows``, one
+    token per program in every program, over BF16 router logits from ``invariant_linear``)
+    against Transformers' FP32 router, on the same rows:
     the FP32 model's own router inputs at every sparse layer (hooks on each ``gate``),
     rounded to BF16 for Flare. The programs expose no expert ids, so the routing kernels run
     here on those rows. A row's BF16 error is err = max |p_bf16 - p_fp32| over its experts
@@ -228,10 +228,7 @@ def test_routed_experts_match_transformers(gpu_shape_core, results_dir):
                 err = err_rows.max().item()
                 top = p32.topk(k + 1, -1)
                 margin = top.values[:, k - 1] - top.values[:, k]
-                if K.fits_route_plan(n, k):
-                    _, ids, _ = K.route_plan(logits16, k, renorm, None, K.BLOCK_M)
-                else:
-                    _, ids = K.route_logits(logits16, k, renorm, None)
+                _, ids = K.route_rows(logits16, k, renorm)
                 same = (ids.sort(-1).values == top.indices[:, :k].sort(-1).values).all(-1)
                 ok = margin > 2 * err_rows
                 checked += same.numel()

@@ -33,7 +33,7 @@ from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
 from flare.prepare.plan import (GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
                                 buffer_requests, continuation_rows, partial_manifest, plan_capacities, program_table,
                                 sampling_defaults)
-from flare.prepare.programs import TORCH_DTYPES, ProgramSet, arena_views
+from flare.prepare.programs import PROMPT_PROGRAMS, TORCH_DTYPES, ProgramSet, arena_views
 from flare.prepare.sources import ModelSource
 
 __all__ = ["Options", "PrepareError", "prepare"]
@@ -84,10 +84,12 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         progress("loading weights into the arena")
         _load_weights(src, specs, views)
     target.after_load()
+    # Outside the pool: the measurement's random operands would stay in the arena.
+    target.row_invariance(recipe, model, caps, opts, continuation, progress)
     with target.pool():
         recipe.compute_constants(model, specs, views)
         progress("building programs")
-        programs = target.programs(recipe, model, views, caps, opts, continuation, progress)
+        programs = target.programs(recipe, model, views, caps, opts, continuation)
         table = program_table(caps, target.graph_files(caps, continuation), continuation)
         partial = partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
                                    base=target.base, device=target.device, sampling=sampling)
@@ -143,7 +145,10 @@ class _CpuArena:
     def after_load(self) -> None:
         pass
 
-    def programs(self, recipe, model, views, caps, opts: Options, continuation, progress) -> ProgramSet:
+    def row_invariance(self, recipe, model, caps, opts: Options, continuation, progress) -> None:
+        pass  # the CPU reference path's GEMMs are not captured programs
+
+    def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
         return ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "reference", continuation)
 
     def graph_files(self, caps, continuation) -> None:
@@ -203,9 +208,21 @@ class _CudaArena:
         if self.tp.active:
             torch.cuda.empty_cache()
 
-    def programs(self, recipe, model, views, caps, opts: Options, continuation, progress) -> ProgramSet:
-        if not opts.split_prompt_gemms:
-            _row_invariant_linears(recipe, model.module, caps, progress)
+    def row_invariance(self, recipe, model, caps, opts: Options, continuation, progress) -> None:
+        """Linear layers that cuBLAS would split at a prompt program's row count compute
+        those programs with the unsplit Triton GEMM (kernels/gemm.py)."""
+        if opts.split_prompt_gemms:
+            return
+        from flare.prepare.kernels.gemm import make_row_invariant
+
+        rows = {p.capacity for p in program_table(caps, None, continuation) if p.kind in PROMPT_PROGRAMS}
+        by_name: dict[str, set[int]] = {}
+        for name, counts in make_row_invariant(recipe.decoder_layers(model.module), rows).items():
+            by_name.setdefault(name.split(".", 1)[1], set()).update(counts)  # over the layers
+        for name, counts in sorted(by_name.items()):
+            progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
+
+    def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
         if opts.compile:
             _compile_layers(recipe, model.module)
         programs = ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "triton", continuation)
@@ -324,20 +341,6 @@ def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> No
         batch[name] = (torch.empty(shape, dtype=dtype, device=view.device), view, shard)
         held += nbytes
     flush()
-
-
-def _row_invariant_linears(recipe, model, caps, progress) -> None:
-    """Linear layers that cuBLAS would split at a prompt program's row count compute those
-    programs with the unsplit Triton GEMM (kernels/gemm.py)."""
-    from flare.prepare.kernels.gemm import make_row_invariant
-
-    rows = {*caps.prefill_capacities, *caps.pack_capacities, *([caps.score_chunk] if caps.score_chunk else [])}
-    found = make_row_invariant(recipe.decoder_layers(model), rows)
-    by_name: dict[str, set[int]] = {}
-    for name, counts in found.items():
-        by_name.setdefault(name.split(".", 1)[1], set()).update(counts)
-    for name, counts in sorted(by_name.items()):
-        progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
 
 
 def _compile_layers(recipe, model) -> None:

@@ -15,8 +15,9 @@ So, at preparation on a GPU, each linear layer of the decoder is tried at the ro
 of the programs that run prompt rows (prefill, pack, score): where ``F.linear`` differs
 from ``nonsplit_linear`` on random data, that layer computes those programs with
 ``nonsplit_linear`` (a Triton GEMM that sums the whole of K in order in each program);
-elsewhere it keeps cuBLAS. Decode steps are untouched (their rows need not equal a
-prefill's, and split-K is what makes small-batch GEMMs fast). The choice is made per
+elsewhere it keeps cuBLAS. Decode and verify steps are untouched (their rows need not
+equal a prefill's, and split-K is what makes small-batch GEMMs fast); a pack program's
+decode rows are rows of a prompt program and take the unsplit GEMM with its prompt rows. The choice is made per
 layer and row count once, and compiled into each program's graph.
 """
 
@@ -100,16 +101,27 @@ def nonsplit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iterable[int]) -> frozenset[int]:
     """The row counts at which ``F.linear`` over a weight of this shape, dtype and device
     gives other bits than ``nonsplit_linear`` (random data: cuBLAS picks its kernel by the
-    shapes, never by the values)."""
+    shapes, never by the values). Raises if ``nonsplit_linear`` itself differs between row
+    counts (its tilings for few and many rows must agree: measured on the H200, checked
+    here on the device at hand). A float32 layer with a bias counts as split everywhere:
+    compiled, Inductor adds such a bias after the GEMM's rounding, which the eager
+    comparison here would not see (half-precision layers keep the fused bias)."""
     counts = sorted(set(row_counts))
     if not counts:
         return frozenset()
     g = torch.Generator(device=weight.device).manual_seed(0)
     n, k = weight.shape
-    w = torch.randn((n, k), generator=g, device=weight.device, dtype=torch.float32).mul_(k ** -0.5).to(weight.dtype)
-    b = None if bias is None else torch.randn(n, generator=g, device=weight.device).to(bias.dtype)
-    x = torch.randn((counts[-1], k), generator=g, device=weight.device, dtype=torch.float32).to(weight.dtype)
+    dt = weight.dtype
+    w = torch.randn((n, k), generator=g, device=weight.device, dtype=dt) * k ** -0.5
+    b = None if bias is None else torch.randn(n, generator=g, device=weight.device, dtype=bias.dtype)
+    x = torch.randn((counts[-1], k), generator=g, device=weight.device, dtype=dt)
     ref = nonsplit_linear(x, w, b)
+    for c in counts:
+        if not torch.equal(nonsplit_linear(x[:c], w, b), ref[:c]):
+            raise RuntimeError(f"the unsplit GEMM's rows differ between {c} and {counts[-1]} rows ({n} x {k}, {dt}): "
+                               f"its tilings do not agree on this device (use --split-prompt-gemms)")
+    if dt == torch.float32 and bias is not None:
+        return frozenset(counts)
     return frozenset(c for c in counts if not torch.equal(F.linear(x[:c], w, b), ref[:c]))
 
 
@@ -120,7 +132,7 @@ class _RowInvariant:
     flare_split_rows: frozenset[int] = frozenset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if prompt_rows.active() and x.numel() // x.shape[-1] in self.flare_split_rows:
+        if x.numel() // x.shape[-1] in self.flare_split_rows and prompt_rows.active():
             return nonsplit_linear(x, self.weight, self.bias)
         return super().forward(x)
 
@@ -129,9 +141,11 @@ _CLASSES: dict[type, type] = {}
 
 
 def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, frozenset[int]]:
-    """Give every linear layer (a module with ``weight [N, K]``, ``bias`` and an
-    ``F.linear`` forward: ``nn.Linear``, ``fused.FusedLinear``) under ``layers`` the row
-    counts at which cuBLAS splits it; returns {module name: row counts} for those with any."""
+    """Give every linear layer under ``layers`` whose forward is ``F.linear`` of its weight
+    and bias (``nn.Linear``'s and ``fused.FusedLinear``'s own forward, not a subclass's
+    other forward) the row counts at which cuBLAS splits it; returns {module name: row
+    counts} for those with any. (A layer whose weight a prepared module uses directly, such
+    as a routed block's shared-expert gate, is measured too; its forward is never called.)"""
     from flare.prepare.recipes.fused import FusedLinear
 
     counts = tuple(row_counts)
@@ -139,8 +153,8 @@ def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -
     found = {}
     for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
-            if not isinstance(module, (nn.Linear, FusedLinear)) or isinstance(module, _RowInvariant):
-                continue
+            if type(module).forward not in (nn.Linear.forward, FusedLinear.forward):
+                continue  # not a plain linear, or already row invariant
             w, b = module.weight, module.bias
             key = (tuple(w.shape), w.dtype, None if b is None else b.dtype)
             if key not in measured:

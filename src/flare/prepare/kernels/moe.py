@@ -249,9 +249,8 @@ def route_rows(logits: torch.Tensor, top_k: int, renormalize: bool,
     weights = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((T, top_k), dtype=torch.long, device=dev)
     BK = triton.next_power_of_2(top_k)
-    unused = torch.empty(1, dtype=torch.int32, device=dev)  # the plan's outputs (PLAN=False)
-    _route_plan_kernel[(T,)](
-        logits, valid, weights, ids, unused, unused, unused, unused, T, E, *logits.stride(),
+    _route_plan_kernel[(T,)](  # the plan's four outputs are never touched with PLAN=False
+        logits, valid, weights, ids, ids, ids, ids, ids, T, E, *logits.stride(),
         K=top_k, RENORM=renormalize, BM=16, BT=1, BE=triton.next_power_of_2(E), BK=BK, BP=BK, MT=1, PLAN=False,
         num_warps=4,
     )

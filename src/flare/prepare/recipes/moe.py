@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from flare.prepare import prompt_rows
 from flare.prepare.attention import PagedBatch
 from flare.prepare.kernels import moe as K
 from flare.prepare.parallel import SINGLE, TensorParallel
@@ -51,7 +52,9 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
     local = experts.gate_up_proj.shape[0]
     split = local != gate.weight.shape[0]
     T, k = x.shape[0], gate.top_k
-    decode = triton and T * k <= K.DECODE_PAIRS  # the expert GEMVs, which need no plan
+    # The expert GEMVs (no plan) for decode-sized steps; prompt programs always tile, so that a
+    # prompt row is computed the same in a 16-row prefill as in a 2,048-row one.
+    decode = triton and T * k <= K.DECODE_PAIRS and not prompt_rows.active()
     # Every program routes a token by itself (one Triton program per token), so that it gets
     # the same weights in a decode step and in a prefill chunk of any capacity: a cache-on
     # turn prefills its suffix in a smaller program than the cache-off turn's whole prompt.
