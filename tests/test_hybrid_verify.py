@@ -15,7 +15,7 @@ import torch
 from flare.core import interface as io
 from flare.core.manifest import verify_buffer
 from tests.conftest import HYBRID_OPTS, prepare_core
-from tests.rig import admit, decode, load_rig, prefill
+from tests.rig import admit, decode, greedy_continuation, load_rig, prefill
 from tests.test_programs import _verify
 
 STATE = ("state.gdn.conv", "state.gdn.recurrent")
@@ -44,11 +44,7 @@ def test_rejections_at_every_position_leave_the_state_of_the_accepted_tokens(hyb
         for slot, prompt in prompts.items():
             admit(r, slot, prompt, r.pages(4), seed=slot)
             prefill(r, slot, prompt)
-    truth = {s: [int(shadow.v["state.pending"][s])] for s in prompts}
-    for _ in range(4):
-        _, recs = decode(shadow, list(prompts), [truth[s][-1] for s in prompts])
-        for rec in recs:
-            truth[rec.slot].append(rec.token)
+    truth = greedy_continuation(shadow, list(prompts), 4)
     wrong = lambda t: (t + 1) % c.sampling_vocab  # noqa: E731
     t = {s: truth[s][1:4] for s in prompts}
     rows = [(1, t[1]), (2, [t[2][0], t[2][1], wrong(t[2][2])]), (3, [t[3][0], wrong(t[3][1]), t[3][2]]),
