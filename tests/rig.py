@@ -185,3 +185,14 @@ def transformers_model(core: Path, m: Manifest, dtype: torch.dtype) -> torch.nn.
     assert not unexpected and all("rotary" in k or ("lm_head" in k and tied) for k in missing), (missing, unexpected)
     model.tie_weights()
     return model.eval()
+
+
+def greedy_continuation(r: Rig, slots: list[int], steps: int) -> dict[int, list[int]]:
+    """Each slot's pending token, then ``steps`` tokens decoded for all the slots together
+    (greedy requests: their true continuation, for drafts to be judged against)."""
+    out = {s: [int(r.v["state.pending"][s])] for s in slots}
+    for _ in range(steps):
+        _, recs = decode(r, slots, [out[s][-1] for s in slots])
+        for rec in recs:
+            out[rec.slot].append(rec.token)
+    return out

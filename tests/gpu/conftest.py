@@ -44,8 +44,10 @@ SHAPES = {
     # (speculative decoding; its serve test then speculates, the default): replayed like the rest.
     "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024",
                            "--pack-capacities", "64,256", "--draft-tokens", "5"],
-    # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md).
-    "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md), and
+    # verify programs with per-position state (speculative decoding's rollback).
+    "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
+                            "--draft-tokens", "3"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Sliding-window attention: Mistral-7B-v0.1's per-layer geometry (window 4,096) at 4 layers.

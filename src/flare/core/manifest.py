@@ -352,6 +352,15 @@ def snapshot_buffer(state: str) -> str:
     return SNAPSHOT_PREFIX + state
 
 
+VERIFY_PREFIX = "verify."
+
+
+def verify_buffer(state: str) -> str:
+    """A recurrent state buffer's per-position twin in verify programs: ``[B, W, *row]``, the
+    state of each verified row after each of its positions (the commit keeps the accepted one)."""
+    return VERIFY_PREFIX + state
+
+
 def pack_capacity_error(capacities: tuple[int, ...], prefill_chunk: int) -> str | None:
     """Why pack capacities are not valid (ascending, unique multiples of 16 in [16, the
     prefill chunk]), or None."""
@@ -483,8 +492,10 @@ def validate(m: Manifest) -> None:
               "capacities.pack_capacities")
     if not 0 <= c.draft_tokens <= io.MAX_DRAFT_TOKENS:
         _fail(f"capacities.draft_tokens must lie in [0, {io.MAX_DRAFT_TOKENS}]", "capacities.draft_tokens")
-    if c.draft_tokens and set(m.continuation.state) - {"state.hidden"}:
-        _fail("verify programs need a model without recurrent state", "capacities.draft_tokens")
+    names = {b.name for b in m.buffers}
+    for name in sorted(set(m.continuation.state) - {"state.hidden"}) if c.draft_tokens else ():
+        if verify_buffer(name) not in names:
+            _fail(f"verify programs of a recurrent model need the buffer {verify_buffer(name)}", "buffers")
     want = verify_capacities(c.decode_capacities) if c.draft_tokens else ()
     if tuple(p.capacity for p in m.programs_of(ProgramKind.verify)) != want:
         _fail(f"verify programs do not match the verify capacities {list(want)}", "capacities.draft_tokens")

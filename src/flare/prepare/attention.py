@@ -50,6 +50,12 @@ class PagedBatch:
     # Per-slot recurrent state of the model (``manifest.continuation``), by buffer name:
     # recurrent layers read and write their rows; attention never touches it.
     state: dict[str, torch.Tensor] | None = None
+    # A verify program: rows come in runs of ``verify_width`` positions of one slot each
+    # (row b * W + j is slot b's j-th position). Recurrent layers then leave the slots' state
+    # as it is and write the state after each position into ``verify_state`` (by state buffer
+    # name, [B, W, *row]); the program's commit keeps the accepted position's.
+    verify_width: int = 0
+    verify_state: dict[str, torch.Tensor] | None = None
 
     @property
     def page_size(self) -> int:

@@ -95,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=int, default=0, metavar="D",
                    help="add verify programs (one per decode capacity up to 16) that check up to D draft tokens "
                         "per request in one step, for speculative decoding (default 0: none; at most "
-                        f"{io.MAX_DRAFT_TOKENS}; models with recurrent state cannot verify yet)")
+                        f"{io.MAX_DRAFT_TOKENS}; a model with recurrent state keeps its state after every verified "
+                        f"position, D + 1 rows of it per verified request)")
     p.add_argument("--max-logprobs", type=int, default=io.MAX_LOGPROBS,
                    help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "
                         f"OpenAI's limit; 0: requests for log-probabilities are refused)")

@@ -113,11 +113,6 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
             raise PrepareError("--pack-capacities needs the reference or the triton attention, not gather")
     if not 0 <= opts.draft_tokens <= io.MAX_DRAFT_TOKENS:
         raise PrepareError(f"--draft-tokens must lie in [0, {io.MAX_DRAFT_TOKENS}], got {opts.draft_tokens}")
-    # A rejected draft's recurrent state would have to be rolled back (issue 20: per-position
-    # state or a replay); until then a recurrent model gets no verify programs.
-    if opts.draft_tokens and recipe.state_buffers(src.config, DType(opts.resolved_dtype())):
-        raise PrepareError(f"--draft-tokens: {recipe.name} keeps recurrent state per slot, which a rejected "
-                           f"draft would leave advanced (no rollback for it yet)")
     caps = mf.Capacities(
         context_limit=context,
         prefill_chunk=chunk,
@@ -186,6 +181,10 @@ def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: O
     for name, dt, row in continuation_rows(recipe, src.config, caps, dtype):
         reqs.append(BufferRequest(name, BufferRole.state, dt, (caps.slots + 1, *row)))
         reqs.append(BufferRequest(mf.snapshot_buffer(name), BufferRole.snapshot, dt, (caps.snapshot_rows + 1, *row)))
+        if caps.draft_tokens and name != "state.hidden":  # a recurrent state's rows after each verified position
+            rows = max(mf.verify_capacities(caps.decode_capacities))
+            reqs.append(BufferRequest(mf.verify_buffer(name), BufferRole.state, dt,
+                                      (rows, caps.draft_tokens + 1, *row)))
     reqs.append(BufferRequest(KV_TAIL, BufferRole.snapshot, dtype, (caps.snapshot_rows + 1, *page_shape)))
     reqs.append(
         BufferRequest("out.prefill_hidden", BufferRole.output, dtype, (max(caps.prefill_capacities), caps.hidden_size))
@@ -245,8 +244,9 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
             ("kv", *state, "out.logits", "out.prefill_hidden", io.PACK_COMPLETION), io.PACK_COMPLETION)
     if caps.draft_tokens:
         for b in mf.verify_capacities(caps.decode_capacities):
+            per_position = tuple(mf.verify_buffer(n) for n in continuation.state if n != "state.hidden")
             add(ProgramKind.verify, b, (io.VERIFY_INPUT, io.DRAFTS, "kv", *state, *mask),
-                ("kv", *state, "out.logits", io.VERIFY_COMPLETION), io.VERIFY_COMPLETION)
+                ("kv", *state, *per_position, "out.logits", io.VERIFY_COMPLETION), io.VERIFY_COMPLETION)
     one = mf.STATE_PROGRAM_CAPACITY
     add(ProgramKind.resume, one, ("in.prefill", *state, *mask), (*state, "out.logits", "out.prefill_completion"),
         "out.prefill_completion")

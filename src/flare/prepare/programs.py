@@ -26,7 +26,8 @@ import torch
 from flare.core import interface as io
 from flare.core.interface import (AdmitInput, AdmitMode, Completion, PackSegment, PrefillInput, StateCompletion,
                                   StateInput, Status, VerifyCompletion)
-from flare.core.manifest import HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer
+from flare.core.manifest import (HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer,
+                                 verify_buffer)
 from flare.core.sampling_params import INTEGER_STATE, column
 from flare.prepare import prompt_rows
 from flare.prepare.attention import PagedBatch
@@ -360,7 +361,8 @@ class ProgramSet:
         valid = valid.reshape(-1)
         row_slot = slots.repeat_interleave(W)
         pt = v["state.page_table"].index_select(0, row_slot).long()
-        batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid)
+        batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid, verify_width=W,
+                            verify_state={n: v[verify_buffer(n)][:B] for n in self.model_state})
         hidden = self._forward(torch.where(valid, tokens.reshape(-1), 0), pos, batch)  # [B * W, H]
         logits = self.recipe.lm_head(self.model, hidden).float().reshape(B, W, -1)
         v["out.logits"][:B].copy_(logits[:, 0])  # the first position's, raw (as a decode step's)
@@ -390,6 +392,13 @@ class ProgramSet:
         old_hidden = v["state.hidden"].index_select(0, slots)
         new_hidden = hidden.reshape(B, W, -1).gather(1, last_at[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], new_hidden, old_hidden))
+        # Recurrent state: the state after the last consumed position (the pending token and
+        # the accepted drafts); the rejected positions' states are never read.
+        rows = torch.arange(B, device=dev)
+        for name, per_position in batch.verify_state.items():
+            kept = per_position[rows, last_at]
+            keep = live.reshape(-1, *([1] * (kept.dim() - 1)))
+            v[name].index_copy_(0, slots, torch.where(keep, kept, v[name].index_select(0, slots)))
         v["state.len"].index_copy_(0, slots, (length + emitted).int())
         v["state.pending"].index_copy_(0, slots, torch.where(live, last, v["state.pending"].index_select(0, slots)
                                                               .long()).int())
@@ -415,7 +424,7 @@ class ProgramSet:
         return torch.where(valid, page * ps + pos % ps, -1)
 
     def _batch(self, token_slot, pos, slot_mapping, valid, single_slot: bool = False,
-               tiles: bool = False) -> PagedBatch:
+               tiles: bool = False, verify_width: int = 0, verify_state: dict | None = None) -> PagedBatch:
         return PagedBatch(
             kv=self.v["kv"],
             page_table=self.v["state.page_table"],
@@ -427,6 +436,8 @@ class ProgramSet:
             single_slot=single_slot,
             tiles=tiles,
             state=self.model_state,
+            verify_width=verify_width,
+            verify_state=verify_state,
         )
 
     def _select_eager(self, slots: torch.Tensor, logits: torch.Tensor):

@@ -110,47 +110,78 @@ def _split_heads(mod, mixed: torch.Tensor):
 @torch.compiler.disable
 def _mix_torch(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     """The reference path: Transformers' convolution and delta rules in torch."""
+    if paged.verify_width:
+        return _verify(mod, paged, mixed, b, a, _decode_torch)
     conv_rows, rec_rows = _state_rows(mod, paged)
+    if not paged.single_slot:
+        return _decode_torch(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)
     valid = paged.valid
     weight = mod.conv1d.weight  # [conv_dim, 1, K]
     history = mod.conv_kernel_size - 1
-    if paged.single_slot:
-        slot = paged.token_slot[:1]
-        conv = conv_rows.index_select(0, slot)[0]  # [conv_dim, K-1]
-        seq = torch.cat([conv, mixed.transpose(0, 1).to(conv.dtype)], dim=1)  # [conv_dim, K-1+T]
-        out = F.conv1d(seq[None].to(weight.dtype), weight, mod.conv1d.bias, groups=mod.conv_dim)[0]
-        count = valid.sum()
-        keep = torch.arange(history, device=mixed.device) + count  # the last K-1 valid inputs
-        conv_rows.index_copy_(0, slot, seq.index_select(1, keep)[None])
-        mixed = F.silu(out).transpose(0, 1).to(mixed.dtype)  # [T, conv_dim]
-    else:
-        slots = paged.token_slot
-        conv = conv_rows.index_select(0, slots)  # [T, conv_dim, K-1]
-        seq = torch.cat([conv, mixed[:, :, None].to(conv.dtype)], dim=2)  # [T, conv_dim, K]
-        out = F.conv1d(seq.to(weight.dtype), weight, mod.conv1d.bias, groups=mod.conv_dim)[:, :, 0]
-        conv_rows.index_copy_(0, slots, torch.where(valid[:, None, None], seq[:, :, 1:], conv))
-        mixed = F.silu(out).to(mixed.dtype)
+    slot = paged.token_slot[:1]
+    conv = conv_rows.index_select(0, slot)[0]  # [conv_dim, K-1]
+    seq = torch.cat([conv, mixed.transpose(0, 1).to(conv.dtype)], dim=1)  # [conv_dim, K-1+T]
+    out = F.conv1d(seq[None].to(weight.dtype), weight, mod.conv1d.bias, groups=mod.conv_dim)[0]
+    count = valid.sum()
+    keep = torch.arange(history, device=mixed.device) + count  # the last K-1 valid inputs
+    conv_rows.index_copy_(0, slot, seq.index_select(1, keep)[None])
+    mixed = F.silu(out).transpose(0, 1).to(mixed.dtype)  # [T, conv_dim]
+    query, key, value, beta, g = _gated_inputs(mod, mixed, b, a, valid)
+    chunk_rule, _ = _torch_delta_rules()
+    initial = rec_rows.index_select(0, slot)  # [1, Hv, Dk, Dv]
+    core, final = chunk_rule(query[None], key[None], value[None], g=g[None], beta=beta[None],
+                             initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
+    return core[0]
+
+
+def _gated_inputs(mod, mixed, b, a, valid):
+    """q, k, v, beta and the decay g of the convolution's output; rows that are not valid
+    enter with zero inputs, zero decay and zero beta: the recurrence passes through them
+    unchanged."""
     query, key, value = _split_heads(mod, mixed)
     beta = b.sigmoid()
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
-    # Rows that are not valid enter with zero inputs, zero decay and zero beta:
-    # the recurrence passes through them unchanged.
     m = valid[:, None]
     query, key, value = (torch.where(m[:, :, None], t, torch.zeros_like(t)) for t in (query, key, value))
-    beta = torch.where(m, beta, torch.zeros_like(beta))
-    g = torch.where(m, g, torch.zeros_like(g))
-    chunk_rule, recurrent_rule = _torch_delta_rules()
-    if paged.single_slot:
-        initial = rec_rows.index_select(0, slot)  # [1, Hv, Dk, Dv]
-        core, final = chunk_rule(query[None], key[None], value[None], g=g[None], beta=beta[None],
-                                 initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
-        return core[0]
+    return (query, key, value, torch.where(m, beta, torch.zeros_like(beta)), torch.where(m, g, torch.zeros_like(g)))
+
+
+def _decode_torch(mod, conv_rows, rec_rows, slots, valid, mixed, b, a) -> torch.Tensor:
+    """One token for each row, each on its slot's state rows (updated in place where valid)."""
+    weight = mod.conv1d.weight
+    conv = conv_rows.index_select(0, slots)  # [T, conv_dim, K-1]
+    seq = torch.cat([conv, mixed[:, :, None].to(conv.dtype)], dim=2)  # [T, conv_dim, K]
+    out = F.conv1d(seq.to(weight.dtype), weight, mod.conv1d.bias, groups=mod.conv_dim)[:, :, 0]
+    conv_rows.index_copy_(0, slots, torch.where(valid[:, None, None], seq[:, :, 1:], conv))
+    query, key, value, beta, g = _gated_inputs(mod, F.silu(out).to(mixed.dtype), b, a, valid)
+    _, recurrent_rule = _torch_delta_rules()
     initial = rec_rows.index_select(0, slots)  # [T, Hv, Dk, Dv]
     core, final = recurrent_rule(query[:, None], key[:, None], value[:, None], g=g[:, None], beta=beta[:, None],
                                  initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
     rec_rows.index_copy_(0, slots, torch.where(valid[:, None, None, None], final.to(rec_rows.dtype), initial))
     return core[:, 0]
+
+
+def _verify(mod, paged: PagedBatch, mixed, b, a, step) -> torch.Tensor:
+    """A verify program's rows (``PagedBatch.verify_width`` positions per slot): the decode
+    step ``step`` position by position on a copy of each slot's state rows, the copy after
+    each position stored in the per-position buffers; the slots' own rows are not touched
+    (the program's commit writes the accepted position's)."""
+    W = paged.verify_width
+    conv_rows, rec_rows = _state_rows(mod, paged)
+    slots = paged.token_slot[::W]
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    conv_work, rec_work = conv_rows.index_select(0, slots), rec_rows.index_select(0, slots)
+    conv_out = paged.verify_state[CONV_STATE].select(2, mod.state_index)  # [B, W, conv_dim, K-1]
+    rec_out = paged.verify_state[RECURRENT_STATE].select(2, mod.state_index)  # [B, W, Hv, Dk, Dv]
+    cores = []
+    for j in range(W):
+        at = rows * W + j
+        cores.append(step(mod, conv_work, rec_work, rows, paged.valid[at], mixed[at], b[at], a[at]))
+        conv_out[:, j].copy_(conv_work)
+        rec_out[:, j].copy_(rec_work)
+    return torch.stack(cores, dim=1).flatten(0, 1)  # back to row b * W + j
 
 
 def _chunk_rule(device: torch.device):
@@ -193,13 +224,12 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     torch rule under Triton's CPU interpreter, where the Triton pieces are tested)."""
     from flare.prepare.kernels import gdn as K
 
+    if paged.verify_width:
+        return _verify(mod, paged, mixed, b, a, _decode_triton)
     conv_rows, rec_rows = _state_rows(mod, paged)
     weight, bias = mod.conv1d.weight, mod.conv1d.bias
     if not paged.single_slot:
-        slots, live = paged.token_slot, paged.valid
-        mixed = K.conv1d_decode_step(mixed, conv_rows, weight, bias, slots, live)
-        query, key, value = _split_heads(mod, mixed)
-        return K.gdn_decode_step(query, key, value, a, b, mod.A_log, mod.dt_bias, rec_rows, slots, live)
+        return _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)
     slot = paged.token_slot[:1]
     count = paged.valid.sum(dtype=torch.int32).reshape(1)
     mixed = K.conv1d_prefill_chunk(mixed, conv_rows, weight, bias, slot, count)  # zero past the count
@@ -210,6 +240,15 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
                                             use_qk_l2norm_in_kernel=True)
     rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
     return core[0]
+
+
+def _decode_triton(mod, conv_rows, rec_rows, slots, live, mixed, b, a) -> torch.Tensor:
+    """The convolution step and the delta-rule step of each live row, its state updated in place."""
+    from flare.prepare.kernels import gdn as K
+
+    mixed = K.conv1d_decode_step(mixed, conv_rows, mod.conv1d.weight, mod.conv1d.bias, slots, live)
+    query, key, value = _split_heads(mod, mixed)
+    return K.gdn_decode_step(query, key, value, a, b, mod.A_log, mod.dt_bias, rec_rows, slots, live)
 
 
 def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
