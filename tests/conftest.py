@@ -63,6 +63,34 @@ HYBRID_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-si
                "--page-size", "16", "--decode-capacities", "1,2,4", "--snapshot-rows", "64"]
 
 
+# Under pytest-xdist (make test: -n 2) the tests of these modules run on one worker. Each
+# shares module-scope fixtures that cost 10 s to over a minute on the CI machine (Transformers'
+# float32/float64 references and the programs' outcomes, the conversation acceptance runs, the
+# TP=1/TP=2 drives, a module's server), which xdist's default load scheduling computes again
+# on every worker it sends one of the module's tests to (seen: test_programs' and
+# test_conversation_cache's twice, ~50 s and ~75 s each). ``--dist loadgroup`` with xdist_group
+# marks would do this, but xdist 3.8 tags node ids through Item._nodeid, which pytest 9 ignores.
+ONE_WORKER_MODULES = frozenset(f"tests/{name}.py" for name in (
+    "test_programs", "test_conversation_cache", "test_tensor_parallel", "test_qwen3_5", "test_qwen3_moe",
+    "test_agent_http"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's ``load`` mode test by test (each worker asks for more as it runs out), but each
+    module of ONE_WORKER_MODULES one unit of work; those are handed out first (most tests first)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return ModulesOnOneWorker(config, log)
+
+
 def _code_digest() -> str:
     """What a core depends on: the preparation code, the contract, the configs and the
     qualification inputs its golden replays record (the rest of the runtime and the
