@@ -31,8 +31,11 @@ def test_continuation_is_declared(rig):
     names = rig.m.continuation.state
     assert names[0] == "state.hidden"
     if rig.m.reference.recipe == "qwen3_5":
-        assert names == ("state.hidden", "state.gdn.conv", "state.gdn.recurrent")
-        assert rig.v["state.gdn.recurrent"].dtype == torch.float32
+        assert names == ("state.hidden", "state.gdn.conv", "state.gdn.recurrent", "state.gdn.block",
+                         "state.gdn.stash", "state.gdn.grid")
+        # The block grid is prefill state: no verify twins; the matrices are float32.
+        assert rig.m.continuation.prefill_only == ("state.gdn.block", "state.gdn.stash", "state.gdn.grid")
+        assert rig.v["state.gdn.recurrent"].dtype == rig.v["state.gdn.block"].dtype == torch.float32
     else:
         assert names == ("state.hidden",)
 
@@ -136,8 +139,8 @@ def test_padded_and_finished_rows_keep_their_state(rig):
     for n in state_names(rig):
         for row in range(2, v[n].shape[0]):
             assert torch.equal(v[n][row], before[n][row]), f"{n}[{row}] changed"
-    for n in rig.m.continuation.state:
-        assert not torch.equal(v[n][1], before[n][1]), n  # the live slot advanced
+    for n in rig.m.continuation.state:  # the live slot advanced (what only prefill writes stays)
+        assert torch.equal(v[n][1], before[n][1]) == (n in rig.m.continuation.prefill_only), n
 
 
 def test_branches_share_immutable_pages_and_write_only_their_own(rig):

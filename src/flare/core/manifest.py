@@ -157,10 +157,20 @@ class Continuation(_Frozen):
     with the same dtype and row shape and ``snapshot_rows + 1`` rows. ``tail``
     names the snapshot buffer holding one whole KV page per row: the partial tail
     page of an endpoint that is not page-aligned. The ``snapshot`` and ``restore``
-    programs copy exactly these rows, so the runtime needs no model knowledge."""
+    programs copy exactly these rows, so the runtime needs no model knowledge.
+    ``prefill_only`` names those of ``state`` that only prefill programs write (decode
+    and verify steps leave them as they are): verify programs keep no per-position rows
+    of them."""
 
     state: tuple[str, ...]
     tail: str
+    prefill_only: tuple[str, ...] = ()
+
+
+def stepped_state(cont: Continuation) -> tuple[str, ...]:
+    """The recurrent state a decode or verify step advances: continuation state besides the
+    hidden vector and the prefill-only buffers (each has a per-position verify twin)."""
+    return tuple(n for n in cont.state if n != "state.hidden" and n not in cont.prefill_only)
 
 
 class ToolParser(str, enum.Enum):
@@ -493,7 +503,7 @@ def validate(m: Manifest) -> None:
     if not 0 <= c.draft_tokens <= io.MAX_DRAFT_TOKENS:
         _fail(f"capacities.draft_tokens must lie in [0, {io.MAX_DRAFT_TOKENS}]", "capacities.draft_tokens")
     names = {b.name for b in m.buffers}
-    for name in sorted(set(m.continuation.state) - {"state.hidden"}) if c.draft_tokens else ():
+    for name in sorted(stepped_state(m.continuation)) if c.draft_tokens else ():
         if verify_buffer(name) not in names:
             _fail(f"verify programs of a recurrent model need the buffer {verify_buffer(name)}", "buffers")
     want = verify_capacities(c.decode_capacities) if c.draft_tokens else ()
@@ -603,6 +613,8 @@ def _validate_continuation(m: Manifest) -> None:
         _fail("continuation state must include state.hidden (resume samples from it)", "continuation.state")
     if len(set(cont.state)) != len(cont.state):
         _fail("continuation state names a buffer twice", "continuation.state")
+    if not set(cont.prefill_only) <= set(cont.state) - {"state.hidden"}:
+        _fail("continuation.prefill_only must name recurrent continuation buffers", "continuation.prefill_only")
     expected = {cont.tail}
     for name in cont.state:
         b = by_name.get(name)

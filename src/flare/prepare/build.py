@@ -31,8 +31,8 @@ from flare.prepare import recipes
 from flare.prepare.layout import align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
 from flare.prepare.plan import (GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
-                                buffer_requests, continuation_rows, partial_manifest, plan_capacities, program_table,
-                                sampling_defaults)
+                                buffer_requests, continuation_rows, partial_manifest, plan_capacities,
+                                prefill_only_state, program_table, sampling_defaults)
 from flare.prepare.programs import PROMPT_PROGRAMS, TORCH_DTYPES, ProgramSet, arena_views
 from flare.prepare.sources import ModelSource
 
@@ -71,7 +71,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
                  f"leaves the window)")
     buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
     continuation = mf.Continuation(state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, dtype)),
-                                   tail=KV_TAIL)
+                                   tail=KV_TAIL, prefill_only=prefill_only_state(recipe, src.config, dtype))
     sizes = _plan_sizes(buffers, caps, pages)
     progress(f"plan: weights {sizes['weights_bytes'] / GiB:.2f} GiB, kv {pages} pages x {opts.page_size} tokens "
              f"({sizes['kv_bytes'] / GiB:.2f} GiB), state and io {sizes['state_io_bytes'] / 2**20:.1f} MiB, "

@@ -170,6 +170,11 @@ def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType) -> list
             *((b.name, b.dtype, b.row) for b in recipe.state_buffers(config, dtype))]
 
 
+def prefill_only_state(recipe, config, dtype: DType) -> tuple[str, ...]:
+    """The recipe's continuation buffers that only prefill programs write (``StateBuffer.prefill_only``)."""
+    return tuple(b.name for b in recipe.state_buffers(config, dtype) if b.prefill_only)
+
+
 def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: Options, specs) -> list[BufferRequest]:
     dtype = DType(opts.resolved_dtype())
     reqs = [BufferRequest(s.buffer, BufferRole.weight, _dtype_enum(s.dtype), s.shape) for s in specs]
@@ -178,10 +183,12 @@ def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: O
     reqs.append(BufferRequest("kv", BufferRole.kv, dtype, (geo.layers, 2, pages, opts.page_size, geo.kv_heads, geo.head_dim)))
     for name, (role, dt, shape) in mf.runtime_buffer_shapes(caps).items():
         reqs.append(BufferRequest(name, role, dt, shape))
+    prefill_only = prefill_only_state(recipe, src.config, dtype)
     for name, dt, row in continuation_rows(recipe, src.config, caps, dtype):
         reqs.append(BufferRequest(name, BufferRole.state, dt, (caps.slots + 1, *row)))
         reqs.append(BufferRequest(mf.snapshot_buffer(name), BufferRole.snapshot, dt, (caps.snapshot_rows + 1, *row)))
-        if caps.draft_tokens and name != "state.hidden":  # a recurrent state's rows after each verified position
+        # A recurrent state's rows after each verified position (none for what only prefill writes).
+        if caps.draft_tokens and name != "state.hidden" and name not in prefill_only:
             rows = max(mf.verify_capacities(caps.decode_capacities))
             reqs.append(BufferRequest(mf.verify_buffer(name), BufferRole.state, dt,
                                       (rows, caps.draft_tokens + 1, *row)))
@@ -244,7 +251,7 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
             ("kv", *state, "out.logits", "out.prefill_hidden", io.PACK_COMPLETION), io.PACK_COMPLETION)
     if caps.draft_tokens:
         for b in mf.verify_capacities(caps.decode_capacities):
-            per_position = tuple(mf.verify_buffer(n) for n in continuation.state if n != "state.hidden")
+            per_position = tuple(mf.verify_buffer(n) for n in mf.stepped_state(continuation))
             add(ProgramKind.verify, b, (io.VERIFY_INPUT, io.DRAFTS, "kv", *state, *mask),
                 ("kv", *state, *per_position, "out.logits", io.VERIFY_COMPLETION), io.VERIFY_COMPLETION)
     one = mf.STATE_PROGRAM_CAPACITY

@@ -27,7 +27,7 @@ from flare.core import interface as io
 from flare.core.interface import (AdmitInput, AdmitMode, Completion, PackSegment, PrefillInput, StateCompletion,
                                   StateInput, Status, VerifyCompletion)
 from flare.core.manifest import (HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer,
-                                 verify_buffer)
+                                 stepped_state, verify_buffer)
 from flare.core.sampling_params import INTEGER_STATE, column
 from flare.prepare import prompt_rows
 from flare.prepare.attention import PagedBatch
@@ -362,7 +362,7 @@ class ProgramSet:
         row_slot = slots.repeat_interleave(W)
         pt = v["state.page_table"].index_select(0, row_slot).long()
         batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid, verify_width=W,
-                            verify_state={n: v[verify_buffer(n)][:B] for n in self.model_state})
+                            verify_state={n: v[verify_buffer(n)][:B] for n in stepped_state(self.continuation)})
         hidden = self._forward(torch.where(valid, tokens.reshape(-1), 0), pos, batch)  # [B * W, H]
         logits = self.recipe.lm_head(self.model, hidden).float().reshape(B, W, -1)
         v["out.logits"][:B].copy_(logits[:, 0])  # the first position's, raw (as a decode step's)

@@ -60,6 +60,8 @@ class StateBuffer:
     name: str  # "state.<...>"; its snapshot twin is named by the contract's rule
     dtype: DType
     row: tuple[int, ...]  # shape of one slot's row
+    # Written by prefill programs only; decode and verify steps leave it (no verify twin).
+    prefill_only: bool = False
 
 
 @dataclass(frozen=True)

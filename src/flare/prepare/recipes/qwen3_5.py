@@ -14,13 +14,19 @@ Continuation state (declared to the manifest, copied by snapshot/restore)::
 
     state.gdn.conv       [slots+1, gdn_layers, conv_dim, kernel-1]   model dtype
     state.gdn.recurrent  [slots+1, gdn_layers, v_heads, k_dim, v_dim] float32
+    state.gdn.block      [slots+1, gdn_layers, v_heads, k_dim, v_dim] float32  (prefill only)
+    state.gdn.stash      [slots+1, gdn_layers, 64, conv_dim + 2 v_heads] model dtype  (prefill only)
+    state.gdn.grid       [slots+1, gdn_layers, 2]                     int32  (prefill only)
 
-A prefill chunk (one slot) runs the canonical chunked delta rule from the
-slot's state over the chunk; tokens past the chunk's count enter with zero
+A prefill chunk (one slot) runs the canonical chunked delta rule on the slot's grid of
+64-token blocks (``_aligned_prefill``): it re-runs the inputs of the block under way
+(the stash) from the matrix at that block's start, then its own tokens, so every block
+is computed the same however the prompt was cut into chunks (a cache hit restores a
+message end and prefills from there). Tokens past the chunk's count enter with zero
 q/k/v, zero decay and zero beta, which leaves the recurrence unchanged, and the
-convolution history is cut at the count. A decode batch runs one recurrent
-step per row from that row's own state; rows that are not live (padding,
-finished requests) keep their state bitwise.
+convolution history is cut at the count. A decode batch runs one recurrent step per row
+from that row's own state (a chunk after decode steps starts a grid of its own); rows
+that are not live (padding, finished requests) keep their state bitwise.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ from flare.prepare.recipes.moe import check_moe, prepared_moe
 
 CONV_STATE = "state.gdn.conv"
 RECURRENT_STATE = "state.gdn.recurrent"
+BLOCK_STATE = "state.gdn.block"
+STASH = "state.gdn.stash"
+GRID = "state.gdn.grid"
 LINEAR = "linear_attention"
 
 
@@ -115,24 +124,91 @@ def _mix_torch(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     conv_rows, rec_rows = _state_rows(mod, paged)
     if not paged.single_slot:
         return _decode_torch(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)
-    valid = paged.valid
     weight = mod.conv1d.weight  # [conv_dim, 1, K]
     history = mod.conv_kernel_size - 1
     slot = paged.token_slot[:1]
     conv = conv_rows.index_select(0, slot)[0]  # [conv_dim, K-1]
     seq = torch.cat([conv, mixed.transpose(0, 1).to(conv.dtype)], dim=1)  # [conv_dim, K-1+T]
     out = F.conv1d(seq[None].to(weight.dtype), weight, mod.conv1d.bias, groups=mod.conv_dim)[0]
-    count = valid.sum()
-    keep = torch.arange(history, device=mixed.device) + count  # the last K-1 valid inputs
+    keep = torch.arange(history, device=mixed.device) + paged.valid.sum()  # the last K-1 valid inputs
     conv_rows.index_copy_(0, slot, seq.index_select(1, keep)[None])
     mixed = F.silu(out).transpose(0, 1).to(mixed.dtype)  # [T, conv_dim]
-    query, key, value, beta, g = _gated_inputs(mod, mixed, b, a, valid)
-    chunk_rule, _ = _torch_delta_rules()
-    initial = rec_rows.index_select(0, slot)  # [1, Hv, Dk, Dv]
-    core, final = chunk_rule(query[None], key[None], value[None], g=g[None], beta=beta[None],
-                             initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
-    return core[0]
+
+    def inputs(rows, count):
+        valid = torch.arange(rows.shape[0], device=rows.device) < count
+        query, key, value, beta, g = _gated_inputs(mod, *_split_rows(mod, rows), valid)
+        return query, key, value, g, beta
+
+    return _aligned_prefill(mod, paged, mixed, b, a, inputs, _torch_delta_rules()[0])
+
+
+BLOCK = 64  # the chunked delta rule's block: a slot's prefill blocks start on its grid of BLOCK tokens
+
+
+def _split_rows(mod, rows: torch.Tensor):
+    """Stash rows (the convolution's output | b | a) back into their three parts."""
+    Hv = mod.num_v_heads
+    return rows[:, :mod.conv_dim], rows[:, mod.conv_dim:mod.conv_dim + Hv], rows[:, mod.conv_dim + Hv:]
+
+
+def _aligned_prefill(mod, paged: PagedBatch, mixed, b, a, inputs, rule) -> torch.Tensor:
+    """One slot's prefill chunk through the chunked delta rule on the slot's block grid, so
+    that every block of BLOCK tokens is computed the same whatever the chunks were: a
+    follow-up turn restored at a message end computes the bits the same prompt prefilled
+    whole computes (the chunked rule rounds by where its blocks start).
+
+    The slot keeps, besides its recurrent matrix at the consumed count S, the matrix at the
+    start of S's block (``state.gdn.block``), the convolution output, b and a of the tokens
+    from there to S (``state.gdn.stash``, r rows) and (S, r) (``state.gdn.grid``). A chunk
+    re-runs those r rows before its own: one call of the rule over the complete blocks,
+    whose final state is the new block start, and one over the partial block after them,
+    whose final state is the matrix at the new S. Where the grid does not end at the chunk's
+    start (decode steps consumed tokens since: they keep no stash), the chunk starts a grid
+    of its own from the recurrent matrix. ``inputs(rows, count)`` gives q, k, v, g, beta
+    of stash-layout rows with rows from ``count`` on entering as no update."""
+    _, rec_rows = _state_rows(mod, paged)
+    block_rows = paged.state[BLOCK_STATE].select(1, mod.state_index)  # [rows, Hv, Dk, Dv]
+    stash_rows = paged.state[STASH].select(1, mod.state_index)  # [rows, BLOCK, width]
+    grid_rows = paged.state[GRID].select(1, mod.state_index)  # [rows, 2] int32: (S, r)
+    dev, T = mixed.device, mixed.shape[0]
+    slot = paged.token_slot[:1]
+    count = paged.valid.sum()
+    start = paged.positions[0]
+    grid = grid_rows.index_select(0, slot)[0].long()
+    on_grid = grid[0] == start
+    r = torch.where(on_grid, grid[1], 0)
+    initial = torch.where(on_grid, block_rows.index_select(0, slot), rec_rows.index_select(0, slot))
+    rows = torch.cat([mixed, b.to(mixed.dtype), a.to(mixed.dtype)], dim=-1)  # [T, width]
+    whole = -(-T // BLOCK) * BLOCK  # the first call's length: every complete block fits
+    i = torch.arange(whole + BLOCK, device=dev)
+    stash = stash_rows.index_select(0, slot)[0].to(rows.dtype)
+    seq = torch.where((i < r)[:, None], stash.index_select(0, i.clamp(max=BLOCK - 1)),
+                      rows.index_select(0, (i - r).clamp(0, T - 1)))  # stash ++ chunk, on the grid
+    total = r + count
+    edge = total // BLOCK * BLOCK  # the start of the last (partial) block
+
+    def run(part, valid, initial):
+        q, k, v, g, beta = inputs(part, valid)
+        core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return core[0], final.to(torch.float32)
+
+    whole_core, block = run(seq[:whole], edge, initial)  # complete blocks; final state: the new block start
+    tail_rows = seq.index_select(0, edge + torch.arange(BLOCK, device=dev))
+    tail_core, final = run(tail_rows, total - edge, block)
+    at = torch.arange(T, device=dev) + r
+    core = torch.where((at < edge)[:, None, None], whole_core.index_select(0, at.clamp(max=whole - 1)),
+                       tail_core.index_select(0, (at - edge).clamp(0, BLOCK - 1)))
+    live = count > 0  # a chunk without tokens leaves the slot's state as it is
+
+    def keep(rows, new):
+        rows.index_copy_(0, slot, torch.where(live, new[None].to(rows.dtype), rows.index_select(0, slot)))
+
+    keep(rec_rows, final[0])
+    keep(block_rows, block[0])
+    keep(stash_rows, tail_rows)
+    keep(grid_rows, torch.stack([start + count, total - edge]))
+    return core
 
 
 def _gated_inputs(mod, mixed, b, a, valid):
@@ -233,13 +309,14 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     slot = paged.token_slot[:1]
     count = paged.valid.sum(dtype=torch.int32).reshape(1)
     mixed = K.conv1d_prefill_chunk(mixed, conv_rows, weight, bias, slot, count)  # zero past the count
-    g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, count)  # zero past the count: no update
-    query, key, value = _split_heads(mod, mixed)
-    core, final = _chunk_rule(mixed.device)(query[None], key[None], value[None], g=g[None], beta=beta[None],
-                                            initial_state=rec_rows.index_select(0, slot), output_final_state=True,
-                                            use_qk_l2norm_in_kernel=True)
-    rec_rows.index_copy_(0, slot, final.to(rec_rows.dtype))
-    return core[0]
+
+    def inputs(rows, count):
+        mixed, b, a = _split_rows(mod, rows)
+        mixed = torch.where((torch.arange(rows.shape[0], device=rows.device) < count)[:, None], mixed, 0)
+        g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, count.reshape(1).int())  # zero past the count
+        return *_split_heads(mod, mixed), g, beta
+
+    return _aligned_prefill(mod, paged, mixed, b, a, inputs, _chunk_rule(mixed.device))
 
 
 def _decode_triton(mod, conv_rows, rec_rows, slots, live, mixed, b, a) -> torch.Tensor:
@@ -255,11 +332,15 @@ def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
     t = config.get_text_config()
     layers = sum(1 for kind in t.layer_types if kind == LINEAR)
     conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
+    matrix = (layers, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)
     return [
         StateBuffer(CONV_STATE, dtype, (layers, conv_dim, t.linear_conv_kernel_dim - 1)),
         # The delta rule accumulates in float32 whatever the model dtype (as Transformers does).
-        StateBuffer(RECURRENT_STATE, DType.float32,
-                    (layers, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)),
+        StateBuffer(RECURRENT_STATE, DType.float32, matrix),
+        # The slot's block grid (_aligned_prefill): written by prefill chunks only.
+        StateBuffer(BLOCK_STATE, DType.float32, matrix, prefill_only=True),
+        StateBuffer(STASH, dtype, (layers, BLOCK, conv_dim + 2 * t.linear_num_value_heads), prefill_only=True),
+        StateBuffer(GRID, DType.int32, (layers, 2), prefill_only=True),
     ]
 
 
