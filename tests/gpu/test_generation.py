@@ -126,16 +126,14 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
     assert all(a > 0 for a in agree), summary
 
 
-# Where cache on and off do not yet give identical tokens (issue 16, docs/prefix-cache.md).
-# A cache-on turn prefills its suffix in a smaller program than the cache-off turn's whole
-# prompt, so every prompt row must compute the same whatever the program's capacity: the
-# linear layers cuBLAS would split for few rows take the unsplit GEMM in prompt programs
-# (kernels/gemm.py) and routed experts route each token in its own program (route_rows).
-# The hybrid also needs flash-linear-attention's chunked delta rule, which rounds by chunk
-# start (2 of 10 turns identical at 53ed7ca; 6 of 10 earlier with kernels/gdn.py's
-# token-by-token rule, gdn_prefill_recurrent, not used: 5.6x the chunked rule's time at
-# 2,048 tokens). Strict: the test fails once they agree, so the mark is then removed.
-NOT_YET_EXACT = {"qwen3_5-small-shape": "hybrid: the chunked delta rule rounds by chunk start"}
+# Where cache on and off do not yet give identical tokens (none now). A cache-on turn prefills
+# its suffix in a smaller program than the cache-off turn's whole prompt, so every prompt row
+# must compute the same whatever the program's capacity: the linear layers cuBLAS would split
+# for few rows take the unsplit GEMM in prompt programs (kernels/gemm.py), routed experts route
+# each token in its own program (route_rows), and the hybrid's chunked delta rule runs on the
+# slot's 64-token block grid (recipes/qwen3_5._aligned_prefill). Strict: a marked model fails
+# the test once it agrees.
+NOT_YET_EXACT: dict[str, str] = {}
 
 
 def test_conversation_cache_on_and_off(runs, results_dir, request):
