@@ -42,7 +42,7 @@ class Refused(RuntimeError):
 @dataclass
 class Stream:
     """One streamed request: t0 is when it was sent; arrivals are perf_counter times of
-    chunks that carried output text."""
+    chunks that carried output text (or the finishing chunk, when no chunk carried any)."""
 
     t0: float
     arrivals: list[float] = field(default_factory=list)
@@ -99,11 +99,16 @@ async def stream(client: httpx.AsyncClient, target: Target, route: str, body: di
             ev = json.loads(line[6:])
             if ev.get("usage"):
                 s.usage = ev["usage"]
+            choices = ev.get("choices") or ()
             if any(c.get("text") or (c.get("delta") or {}).get("content") or (c.get("delta") or {}).get("tool_calls")
-                   for c in ev.get("choices") or ()):
+                   for c in choices):
                 s.arrivals.append(time.perf_counter())
                 if on_text:
                     on_text(s)
+            elif not s.arrivals and any(c.get("finish_reason") for c in choices):
+                # Tokens without text so far (a character's first bytes held back, a special
+                # token): the finishing chunk is when the first token arrived.
+                s.arrivals.append(time.perf_counter())
     s.end = time.perf_counter()
     return s
 

@@ -8,6 +8,8 @@ the row count, and equal to cuBLAS's unsplit kernels, is a property of the GPU
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +21,9 @@ from flare.prepare import prompt_rows  # noqa: E402
 from flare.prepare.kernels import gemm  # noqa: E402
 from flare.prepare.recipes.fused import FusedLinear, Part  # noqa: E402
 
+# The interpreter on the CPU (conftest.py sets TRITON_INTERPRET=1 without CUDA), the GPU on the device.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
+
 
 @pytest.mark.parametrize("rows,k,n,bias", [(1, 64, 40, False), (37, 96, 50, True), (130, 200, 129, True)])
 def test_nonsplit_linear_is_a_linear_layer(rows, k, n, bias):
@@ -27,7 +32,8 @@ def test_nonsplit_linear_is_a_linear_layer(rows, k, n, bias):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(2, rows, k, generator=g, dtype=torch.float64).float()
     w = torch.randn(n, k, generator=g, dtype=torch.float64).float()
-    b = torch.randn(n, generator=g).float() if bias else None
+    b = torch.randn(n, generator=g).float().to(DEVICE) if bias else None
+    x, w = x.to(DEVICE), w.to(DEVICE)
     y = gemm.nonsplit_linear(x, w, b)
     assert y.shape == (2, rows, n)
     torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
@@ -50,22 +56,22 @@ def test_linear_layers_switch_only_in_prompt_programs_at_their_split_row_counts(
     fused = FusedLinear((Part("q_proj", 24), Part("k_proj", 8)), 96, True, torch.float32)
     nn.init.normal_(fused.weight)
     nn.init.normal_(fused.bias)
-    layers = [nn.ModuleDict({"o": nn.Linear(96, 32), "down": nn.Linear(48, 32), "qkv": fused}),
-              nn.ModuleDict({"o": nn.Linear(96, 32)})]
+    layers = [nn.ModuleDict({"o": nn.Linear(96, 32), "down": nn.Linear(48, 32), "qkv": fused}).to(DEVICE),
+              nn.ModuleDict({"o": nn.Linear(96, 32)}).to(DEVICE)]
     found = gemm.make_row_invariant(layers, [16, 64, 128])
     assert sorted(found) == ["0.o", "0.qkv", "1.o"] and found["0.o"] == frozenset({16, 64})
     assert sorted(measured) == [(32, 48), (32, 96)]  # one measurement per (shape, dtype), the fused one too
     assert type(layers[0]["down"]) is nn.Linear and type(layers[0]["o"]).__name__ == "RowInvariantLinear"
     assert isinstance(layers[0]["qkv"], FusedLinear)
     o = layers[0]["o"]
-    x = torch.randn(1, 16, 96)
+    x = torch.randn(1, 16, 96, device=DEVICE)
     plain = F.linear(x, o.weight, o.bias)
     assert torch.equal(o(x), plain) and not calls  # not a prompt program
     with prompt_rows.marked(True):
-        o(torch.randn(1, 128, 96))  # a prompt program at a row count cuBLAS does not split
+        o(torch.randn(1, 128, 96, device=DEVICE))  # a prompt program at a row count cuBLAS does not split
         assert not calls
         torch.testing.assert_close(o(x), plain, atol=1e-4, rtol=1e-5)
-        layers[0]["qkv"](torch.randn(64, 96))
+        layers[0]["qkv"](torch.randn(64, 96, device=DEVICE))
     assert calls == [(1, 16), (64,)]
     assert not prompt_rows.active()
     assert gemm.make_row_invariant(layers, [16]) == {}  # already switched: left as they are
