@@ -117,3 +117,51 @@ def test_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu():
         assert torch.equal(compiled(x[:16]), plain)  # a decode-sized step outside a prompt program
     for c in capacities:
         assert torch.equal(outs[c], outs[512][:c]), c
+
+
+@pytest.mark.parametrize("tiling", gemm.STEP_TILINGS)
+def test_every_step_tiling_is_a_linear_layer(tiling):
+    """The tilings tried for decode and verify steps, at step-sized row counts."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 200, generator=g, dtype=torch.float64).float().to(DEVICE)
+    b = torch.randn(70, generator=g).float().to(DEVICE)
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, 200, generator=g, dtype=torch.float64).float().to(DEVICE)
+        torch.testing.assert_close(gemm.nonsplit_linear(x, w, b, tiling), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
+    """``choose_step_gemms`` times cuBLAS and each tiling once per (shape, dtype, rows) and
+    switches a layer at the row counts where the fastest tiling takes at most 0.97 x
+    cuBLAS's time; the layer then runs decode-sized rows outside prompt programs with that
+    tiling, and everything else as before."""
+    k = len(gemm.STEP_TILINGS)
+    # Measurement order: layer o at 1 then 4 rows, layer down at 1 then 4 rows (cuBLAS first).
+    groups = iter([[10, 9, 5, 8, 8, 8], [10] + [9.9] * k, [1] + [2] * k, [10, 4] + [5] * (k - 1)])
+    pending = []
+
+    def timer(fn):
+        if not pending:
+            pending.extend(next(groups))
+        return pending.pop(0)
+
+    layers = [nn.ModuleDict({"o": nn.Linear(96, 32), "down": nn.Linear(48, 32)}).to(DEVICE)]
+    found = gemm.choose_step_gemms(layers, [4, 1], timer=timer)
+    assert found == {"0.o": {1: gemm.STEP_TILINGS[1]}, "0.down": {4: gemm.STEP_TILINGS[0]}}
+    assert not pending and next(groups, None) is None
+    calls = []
+    real = gemm.nonsplit_linear
+    monkeypatch.setattr(gemm, "nonsplit_linear", lambda x, w, b=None, t=None: calls.append((x.shape[0], t))
+                        or real(x, w, b, t))
+    o, down = layers[0]["o"], layers[0]["down"]
+    one, four = torch.randn(1, 96, device=DEVICE), torch.randn(4, 96, device=DEVICE)
+    torch.testing.assert_close(o(one), F.linear(one, o.weight, o.bias), atol=1e-4, rtol=1e-5)
+    assert torch.equal(o(four), F.linear(four, o.weight, o.bias))
+    with prompt_rows.marked(True):  # a prompt program: no step tiling
+        assert torch.equal(o(one), F.linear(one, o.weight, o.bias))
+    down(torch.randn(4, 48, device=DEVICE))
+    assert calls == [(1, gemm.STEP_TILINGS[1]), (4, gemm.STEP_TILINGS[0])]
+    # Prompt rows still measured for the layers switched here (the two choices compose).
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({16}) if w.shape[1] == 96 else frozenset())
+    assert gemm.make_row_invariant(layers, [16]) == {"0.o": frozenset({16})}
+    assert o.flare_step_tiling == {1: gemm.STEP_TILINGS[1]}

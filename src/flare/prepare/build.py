@@ -211,6 +211,8 @@ class _CudaArena:
     def row_invariance(self, recipe, model, caps, opts: Options, continuation, progress) -> None:
         """Linear layers that cuBLAS would split at a prompt program's row count compute
         those programs with the unsplit Triton GEMM (kernels/gemm.py)."""
+        if opts.step_gemms == "measure":
+            self._step_gemms(recipe, model, caps, continuation, progress)
         if opts.split_prompt_gemms:
             return
         from flare.prepare.kernels.gemm import make_row_invariant
@@ -221,6 +223,20 @@ class _CudaArena:
             by_name.setdefault(name.split(".", 1)[1], set()).update(counts)  # over the layers
         for name, counts in sorted(by_name.items()):
             progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
+
+    def _step_gemms(self, recipe, model, caps, continuation, progress) -> None:
+        """Decode and verify steps: each linear layer takes the unsplit Triton GEMM at the
+        row counts where it measured faster than cuBLAS (kernels/gemm.choose_step_gemms)."""
+        from flare.prepare.kernels.gemm import choose_step_gemms
+
+        rows = {p.capacity * (caps.draft_tokens + 1 if p.kind == mf.ProgramKind.verify else 1)
+                for p in program_table(caps, None, continuation)
+                if p.kind in (mf.ProgramKind.decode, mf.ProgramKind.verify)}
+        by_name: dict[str, set] = {}
+        for name, chosen in choose_step_gemms(recipe.decoder_layers(model.module), rows).items():
+            by_name.setdefault(name.split(".", 1)[1], set()).update(chosen.items())
+        for name, chosen in sorted(by_name.items()):
+            progress(f"step GEMM for {name}: " + ", ".join(f"{r} rows {t}" for r, t in sorted(chosen)))
 
     def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
         if opts.compile:

@@ -106,6 +106,9 @@ def parser() -> argparse.ArgumentParser:
                    help="CUDA: let prompt programs use cuBLAS's split-K GEMMs where it picks them for few rows "
                         "(faster short prefills, but a prompt prefilled in pieces, as with the prefix cache, may "
                         "then generate other tokens than the same prompt prefilled whole)")
+    p.add_argument("--step-gemms", choices=("cublas", "measure"), default="cublas",
+                   help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM "
+                        "where it times faster at preparation (no split-K reduce kernels)")
     p.add_argument("--scratch-memory", type=float, default=4.0,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept)")
     p.add_argument("--gpu-reserve", type=float, default=4.0,
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention": a.attention,
         "compile": not a.no_compile,
         "split_prompt_gemms": a.split_prompt_gemms,
+        "step_gemms": a.step_gemms,
         "served_name": a.served_name,
         "scratch_memory_gib": a.scratch_memory,
         "reserve_gib": a.gpu_reserve,

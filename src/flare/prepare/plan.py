@@ -52,6 +52,9 @@ class Options:
     # CUDA: prompt programs keep cuBLAS's split-K GEMMs (faster short prefills; a prompt prefilled in
     # pieces may then differ from the prompt prefilled whole, cache on against off: kernels/gemm.py)
     split_prompt_gemms: bool = False
+    # CUDA: decode and verify steps' linear layers: "cublas", or "measure" (the unsplit Triton
+    # GEMM at the row counts and layers where it times faster than cuBLAS: kernels/gemm.py)
+    step_gemms: str = "cublas"
     scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
     reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
     qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce

@@ -83,17 +83,20 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 
 
 @triton_op("flare::nonsplit_linear", mutates_args=())
-def _nonsplit_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _nonsplit_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiling: list[int]) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    launch(x, weight, bias, out, tiles(x.shape[0], x.shape[1]), wrap_triton(nonsplit_kernel))
+    bm, bn, bk, warps = tiling if tiling else tiles(x.shape[0], x.shape[1])
+    launch(x, weight, bias, out, (bm, bn, bk, warps), wrap_triton(nonsplit_kernel))
     return out
 
 
-def nonsplit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def nonsplit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    tiling: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose rows are the same bits whatever the number of
-    rows (a custom op, so a compiled layer calls it without a graph break)."""
+    rows (a custom op, so a compiled layer calls it without a graph break). ``tiling``
+    (BM, BN, BK, warps) overrides ``tiles``' choice: the bits stay the same, the time not."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _nonsplit_op(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return _nonsplit_op(rows, weight, bias, list(tiling or ())).reshape(*x.shape[:-1], weight.shape[0])
 
 
 # -- which programs, which layers ---------------------------------------------------
@@ -127,44 +130,131 @@ def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iter
 
 class _RowInvariant:
     """Mixed into a linear layer's class: prompt rows at a row count in
-    ``flare_split_rows`` go through ``nonsplit_linear``; everything else as before."""
+    ``flare_split_rows`` go through ``nonsplit_linear``; the rows of other programs at a
+    row count in ``flare_step_tiling`` go through it with that tiling (where it measured
+    faster than cuBLAS: ``choose_step_gemms``); everything else as before."""
 
     flare_split_rows: frozenset[int] = frozenset()
+    flare_step_tiling: dict[int, tuple[int, int, int, int]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] in self.flare_split_rows and prompt_rows.active():
-            return nonsplit_linear(x, self.weight, self.bias)
+        rows = x.numel() // x.shape[-1]
+        if prompt_rows.active():
+            if rows in self.flare_split_rows:
+                return nonsplit_linear(x, self.weight, self.bias)
+        elif rows in self.flare_step_tiling:
+            return nonsplit_linear(x, self.weight, self.bias, self.flare_step_tiling[rows])
         return super().forward(x)
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, frozenset[int]]:
-    """Give every linear layer under ``layers`` whose forward is ``F.linear`` of its weight
-    and bias (``nn.Linear``'s and ``fused.FusedLinear``'s own forward, not a subclass's
-    other forward) the row counts at which cuBLAS splits it; returns {module name: row
-    counts} for those with any. (A layer whose weight a prepared module uses directly, such
-    as a routed block's shared-expert gate, is measured too; its forward is never called.)"""
+def _plain_linears(layers: Iterable[nn.Module]):
+    """(name, module) of every linear layer under ``layers`` whose forward is ``F.linear``
+    of its weight and bias (``nn.Linear``'s and ``fused.FusedLinear``'s own forward, not a
+    subclass's other forward), or that is one already made row invariant here."""
     from flare.prepare.recipes.fused import FusedLinear
 
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            if isinstance(module, _RowInvariant) or type(module).forward in (nn.Linear.forward, FusedLinear.forward):
+                yield f"{i}.{name}", module
+
+
+def _switch(module: nn.Module) -> None:
+    if isinstance(module, _RowInvariant):
+        return
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"RowInvariant{cls.__name__}", (_RowInvariant, cls), {})
+    module.__class__ = _CLASSES[cls]
+
+
+def _key(module: nn.Module) -> tuple:
+    w, b = module.weight, module.bias
+    return tuple(w.shape), w.dtype, None if b is None else b.dtype
+
+
+def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, frozenset[int]]:
+    """Give every plain linear layer under ``layers`` (``_plain_linears``) the row counts
+    at which cuBLAS splits it; returns {module name: row counts} for those with any. (A
+    layer whose weight a prepared module uses directly, such as a routed block's
+    shared-expert gate, is measured too; its forward is never called.)"""
     counts = tuple(row_counts)
     measured: dict[tuple, frozenset[int]] = {}
     found = {}
-    for i, layer in enumerate(layers):
-        for name, module in layer.named_modules():
-            if type(module).forward not in (nn.Linear.forward, FusedLinear.forward):
-                continue  # not a plain linear, or already row invariant
-            w, b = module.weight, module.bias
-            key = (tuple(w.shape), w.dtype, None if b is None else b.dtype)
+    for name, module in _plain_linears(layers):
+        if module.flare_split_rows if isinstance(module, _RowInvariant) else False:
+            continue  # already measured
+        key = _key(module)
+        if key not in measured:
+            measured[key] = split_rows(module.weight, module.bias, counts)
+        if not measured[key]:
+            continue
+        _switch(module)
+        module.flare_split_rows = measured[key]
+        found[name] = measured[key]
+    return found
+
+
+# -- decode and verify steps: the unsplit GEMM where it is faster -----------------------
+
+# Tilings tried for step rows (BM, BN, BK, warps): one 16-row tile holds the batch, and
+# narrow column blocks give the weight's stream enough programs without splitting K.
+STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (16, 16, 512, 8))
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    """Median GPU time of ``fn`` over ``reps`` runs (CUDA events), after two warm-ups."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=_time_ms,
+                margin: float = 0.97) -> tuple[tuple[int, int, int, int] | None, dict]:
+    """The fastest of ``STEP_TILINGS`` for ``rows`` rows over a weight of this shape, where
+    it takes at most ``margin`` x cuBLAS's time (``F.linear``), else None; and the times
+    measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values."""
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    n, k = weight.shape
+    w = torch.randn((n, k), generator=g, device=weight.device, dtype=weight.dtype) * k ** -0.5
+    b = None if bias is None else torch.randn(n, generator=g, device=weight.device, dtype=bias.dtype)
+    x = torch.randn((rows, k), generator=g, device=weight.device, dtype=weight.dtype)
+    times = {"cublas": timer(lambda: F.linear(x, w, b))}
+    for t in STEP_TILINGS:
+        times[t] = timer(lambda t=t: nonsplit_linear(x, w, b, t))
+    best = min(STEP_TILINGS, key=lambda t: times[t])
+    return (best if times[best] <= margin * times["cublas"] else None), times
+
+
+def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], **kw) -> dict[str, dict]:
+    """For each plain linear layer under ``layers`` and each row count of the decode and
+    verify programs, the unsplit GEMM with the tiling ``step_tiling`` picks where it beats
+    cuBLAS (which splits K for few rows and adds a reduce kernel). Returns {module name:
+    {rows: tiling}} for the layers switched, measuring each (shape, dtype, rows) once."""
+    counts = sorted(set(row_counts))
+    measured: dict[tuple, tuple] = {}
+    found = {}
+    for name, module in _plain_linears(layers):
+        chosen = {}
+        for rows in counts:
+            key = (*_key(module), rows)
             if key not in measured:
-                measured[key] = split_rows(w, b, counts)
-            if not measured[key]:
-                continue
-            cls = type(module)
-            if cls not in _CLASSES:
-                _CLASSES[cls] = type(f"RowInvariant{cls.__name__}", (_RowInvariant, cls), {})
-            module.__class__ = _CLASSES[cls]
-            module.flare_split_rows = measured[key]
-            found[f"{i}.{name}"] = measured[key]
+                measured[key] = step_tiling(module.weight, module.bias, rows, **kw)[0]
+            if measured[key] is not None:
+                chosen[rows] = measured[key]
+        if chosen:
+            _switch(module)
+            module.flare_step_tiling = chosen
+            found[name] = chosen
     return found
