@@ -39,12 +39,13 @@ def tokens(hybrid_core):
 class Layer:
     """One GDN layer's mixer over a rig's state buffers."""
 
-    def __init__(self, core, attention: str):
+    def __init__(self, core, attention: str, caps=None):
         self.r = load_rig(core)
         self.mod = next(m for m in self.r.model.modules()
                         if type(m).__name__ == "PagedGatedDeltaNet" and m.state_index == 1)
         self.attention = attention
-        self.caps = sorted(self.r.m.capacities.prefill_capacities)
+        # Program capacities (the mixer runs any): the core's, or others (below 64, not multiples of 64).
+        self.caps = sorted(caps or self.r.m.capacities.prefill_capacities)
         self.len = {}
 
     def batch(self, slots, positions, valid, single) -> PagedBatch:
@@ -99,13 +100,15 @@ def _equal_state(x: Layer, s: int, y: Layer, t: int) -> None:
     assert torch.equal(a[Q.STASH][:, :r], b[Q.STASH][:, :r])  # rows past r are never read
 
 
+@pytest.mark.parametrize("caps", [None, (16, 40, 100)], ids=["core", "16-40-100"])
 @pytest.mark.parametrize("attention", ["reference", "triton"])
-def test_any_partition_of_a_prompt_computes_the_same_bits(hybrid_core, tokens, attention):
-    """The same 300 tokens in chunks cut at 128 and 256 (the chunk size), at five odd places,
-    and one token after another for the first 70: every output row and the final state rows
-    are bitwise equal; the grid records (S, S mod 64) in each."""
+def test_any_partition_of_a_prompt_computes_the_same_bits(hybrid_core, tokens, attention, caps):
+    """The same 300 tokens in chunks cut at the largest capacity, at five odd places, and
+    one token after another for the first 70: every output row and the final state rows
+    are bitwise equal; the grid records (S, S mod 64) in each. With the core's capacity
+    (128) and with capacities below 64 and not multiples of it."""
     mixed, b, a = tokens
-    x = Layer(hybrid_core, attention)
+    x = Layer(hybrid_core, attention, caps)
     whole = x.run(1, mixed, b, a, [128, 256])
     for slot, cuts in ((2, [37, 101, 170, 257, 299]), (3, [*range(1, 71), 190])):
         got = x.run(slot, mixed, b, a, cuts)
@@ -151,9 +154,10 @@ def test_after_decode_steps_a_chunk_starts_a_grid_of_its_own(hybrid_core, tokens
     torch.testing.assert_close(x.rows(2)[Q.RECURRENT_STATE], x.rows(1)[Q.RECURRENT_STATE], atol=2e-4, rtol=2e-3)
 
 
-def test_a_chunk_without_tokens_changes_no_state(hybrid_core, tokens):
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_a_chunk_without_tokens_changes_no_state(hybrid_core, tokens, attention):
     mixed, b, a = tokens
-    x = Layer(hybrid_core, "reference")
+    x = Layer(hybrid_core, attention)
     x.run(1, mixed[:90], b[:90], a[:90], [])
     before = x.rows(1)
     C = x.caps[0]

@@ -158,9 +158,9 @@ class Continuation(_Frozen):
     names the snapshot buffer holding one whole KV page per row: the partial tail
     page of an endpoint that is not page-aligned. The ``snapshot`` and ``restore``
     programs copy exactly these rows, so the runtime needs no model knowledge.
-    ``prefill_only`` names those of ``state`` that only prefill programs write (decode
-    and verify steps leave them as they are): verify programs keep no per-position rows
-    of them."""
+    ``prefill_only`` names those of ``state`` that decode and verify steps never advance
+    (prefill chunks do; admit resets and restore copies them like the rest): verify
+    programs keep no per-position rows of them."""
 
     state: tuple[str, ...]
     tail: str
@@ -613,8 +613,10 @@ def _validate_continuation(m: Manifest) -> None:
         _fail("continuation state must include state.hidden (resume samples from it)", "continuation.state")
     if len(set(cont.state)) != len(cont.state):
         _fail("continuation state names a buffer twice", "continuation.state")
-    if not set(cont.prefill_only) <= set(cont.state) - {"state.hidden"}:
-        _fail("continuation.prefill_only must name recurrent continuation buffers", "continuation.prefill_only")
+    if len(set(cont.prefill_only)) != len(cont.prefill_only) \
+            or not set(cont.prefill_only) <= set(cont.state) - {"state.hidden"}:
+        _fail("continuation.prefill_only must name distinct recurrent continuation buffers",
+              "continuation.prefill_only")
     expected = {cont.tail}
     for name in cont.state:
         b = by_name.get(name)

@@ -164,7 +164,9 @@ def _aligned_prefill(mod, paged: PagedBatch, mixed, b, a, inputs, rule) -> torch
     whose final state is the new block start, and one over the partial block after them,
     whose final state is the matrix at the new S. Where the grid does not end at the chunk's
     start (decode steps consumed tokens since: they keep no stash), the chunk starts a grid
-    of its own from the recurrent matrix. ``inputs(rows, count)`` gives q, k, v, g, beta
+    of its own from the recurrent matrix. That test relies on a slot's consumed count only
+    growing between prefill chunks; a restore sets count and rows together from one
+    snapshot, so its grid ends at the restored count. ``inputs(rows, count)`` gives q, k, v, g, beta
     of stash-layout rows with rows from ``count`` on entering as no update."""
     _, rec_rows = _state_rows(mod, paged)
     block_rows = paged.state[BLOCK_STATE].select(1, mod.state_index)  # [rows, Hv, Dk, Dv]
@@ -189,8 +191,9 @@ def _aligned_prefill(mod, paged: PagedBatch, mixed, b, a, inputs, rule) -> torch
 
     def run(part, valid, initial):
         q, k, v, g, beta = inputs(part, valid)
+        # The rule's blocks are the grid's: its chunk size is given, not left to its default.
         core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
-                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+                           output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=BLOCK)
         return core[0], final.to(torch.float32)
 
     whole_core, block = run(seq[:whole], edge, initial)  # complete blocks; final state: the new block start
