@@ -39,8 +39,9 @@ def tokens(hybrid_core):
 class Layer:
     """One GDN layer's mixer over a rig's state buffers."""
 
-    def __init__(self, core, attention: str, caps=None):
-        self.r = load_rig(core)
+    def __init__(self, core, attention: str, caps=None, device: str = "cpu"):
+        self.r = load_rig(core, device=device)
+        self.device = device
         self.mod = next(m for m in self.r.model.modules()
                         if type(m).__name__ == "PagedGatedDeltaNet" and m.state_index == 1)
         self.attention = attention
@@ -62,11 +63,11 @@ class Layer:
         """One chunk in the smallest program capacity that holds it; returns its valid rows."""
         n = mixed.shape[0]
         C = next(c for c in self.caps if c >= n)
-        pad = lambda t: torch.cat([t, torch.full((C - n, *t.shape[1:]), 3.0, dtype=t.dtype)])  # noqa: E731
-        idx = torch.arange(C)
+        pad = lambda t: torch.cat([t, torch.full((C - n, *t.shape[1:]), 3.0, dtype=t.dtype, device=t.device)])  # noqa
+        idx = torch.arange(C, device=self.device)
         start = self.len.get(slot, 0)
         valid = idx < n
-        paged = self.batch(torch.full((C,), slot), torch.where(valid, start + idx, 0), valid, True)
+        paged = self.batch(torch.full((C,), slot, device=self.device), torch.where(valid, start + idx, 0), valid, True)
         out = self.mix(paged, pad(mixed), pad(b), pad(a))
         self.len[slot] = start + n
         return out[:n]
@@ -81,9 +82,10 @@ class Layer:
         """Decode steps of one slot, one token each."""
         outs = []
         for t in range(mixed.shape[0]):
-            pos = torch.tensor([self.len[slot]])
-            outs.append(self.mix(self.batch(torch.tensor([slot]), pos, torch.tensor([True]), False),
-                                 mixed[t:t + 1], b[t:t + 1], a[t:t + 1]))
+            dev = self.device
+            pos = torch.tensor([self.len[slot]], device=dev)
+            paged = self.batch(torch.tensor([slot], device=dev), pos, torch.tensor([True], device=dev), False)
+            outs.append(self.mix(paged, mixed[t:t + 1], b[t:t + 1], a[t:t + 1]))
             self.len[slot] += 1
         return torch.cat(outs)
 
