@@ -297,7 +297,10 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
   16-token prompt (ratio 1.16); in the agent scenario every turn's
   `cached_tokens` equals the previous turn's prompt. Cold prefill 34.0k tok/s at
   4K and 26.6k tok/s at 32K (Gated DeltaNet layers cost the same per token at any
-  depth; only the 8 attention layers grow with the history).
+  depth; only the 8 attention layers grow with the history). These hybrid figures
+  predate the block grid (2026-12-02, docs/prefix-cache.md), which adds a second
+  delta-rule call to every prefill chunk and 75.7 MB to every slot and snapshot
+  row: its TTFT and prefill figures are not yet measured.
 * **Runtime over floor** is negative: `flare-serve`'s inter-token latency
   (4.71 ms at c = 1) is below the floor's back-to-back GPU time per step
   (4.92 ms), on the 135M shape too (1.08 against 1.26 ms): the server's steps
