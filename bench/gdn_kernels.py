@@ -24,6 +24,8 @@ layer 1 is used, so every state access is a strided view as in the real buffers)
   chunked forms are not (``split_invariant``: the chunk prefilled whole against cut at
   T/2 - 3 and continued, state and outputs compared bit for bit).
 * prefill[T].layer.ours+fla / ours   conv + gates + FLA's chunk rule / Flare's recurrent rule.
+* prefill[T].layer.grid   the recipe's prefill (``_mix_triton``) on the slot's block grid: the
+  same conv and gates, then the chunk rule in two calls over 37 stashed rows and the chunk.
 
 Each candidate runs R calls on R input sets (rotating inputs and state rows so that
 L2 does not hold them, about 3x L2 in all); its time is the median over replays of
@@ -79,7 +81,7 @@ except Exception as e:  # noqa: BLE001 - reported, the other candidates still ru
 F64 = torch.float64
 # Run order: FLA's chunk rule autotunes on its first call (tens of seconds) and the torch
 # chunk baseline is slow, so they come last, where a spent budget skips them first.
-LAST = (".rule.fla", ".layer.", ".rule.torch_chunk")
+LAST = (".rule.fla", ".layer.", ".rule.torch_chunk")  # (.layer.grid counts as a layer)
 
 
 def run_order(case) -> int:
@@ -440,7 +442,41 @@ class Bench:
                           notes="conv + gates + Flare's recurrent rule, in place; parts checked separately"))
         cases.append(Case(f"prefill[{T}].rule.torch_chunk", [(lambda s=s: torch_rule(s)) for s in sets],
                           [rec, conv], rule_check, "float32, chunk 64, solve_triangular"))
+        cases.append(self.grid_case(T, sets, rec, conv))
         return cases
+
+    def grid_case(self, T, sets, rec, conv):
+        """The recipe's own prefill of one layer on the slot's block grid
+        (``recipes/qwen3_5._mix_triton``): conv, gates, then the chunk rule over the block
+        under way (37 stashed rows, re-run) and the chunk, in two calls (FLA's on the GPU,
+        Transformers' torch rule on the CPU). Against ``layer.ours+fla``: what the grid costs."""
+        from types import SimpleNamespace
+
+        from flare.prepare.attention import PagedBatch
+        from flare.prepare.recipes import qwen3_5 as Q
+
+        g = self.geo
+        rows = rec.shape[0]
+        start, r0 = 1000 + 37, 37  # the slots' grids end where the chunk starts, 37 rows into a block
+        block = torch.randn(rows, 2, g.Hv, g.Dk, g.Dv, generator=self.gen, device=self.device).mul_(0.5)
+        stash = self.randn(rows, 2, Q.BLOCK, g.D + 2 * g.Hv)
+        grid = torch.tensor([start, r0], dtype=torch.int32, device=self.device).repeat(rows, 2, 1)
+        mod = SimpleNamespace(conv1d=SimpleNamespace(weight=self.weight, bias=None), A_log=self.A_log,
+                              dt_bias=self.dt_bias, conv_dim=g.D, num_v_heads=g.Hv, key_dim=g.Hk * g.Dk,
+                              value_dim=g.Hv * g.Dv, head_k_dim=g.Dk, head_v_dim=g.Dv, state_index=1)
+        state = {Q.CONV_STATE: conv, Q.RECURRENT_STATE: rec, Q.BLOCK_STATE: block, Q.STASH: stash, Q.GRID: grid}
+        idx = torch.arange(T, device=self.device)
+
+        def call(s):
+            valid = idx < s["count"]
+            paged = PagedBatch(kv=rec, page_table=grid, token_slot=s["slot"].expand(T),
+                               positions=torch.where(valid, start + idx, 0), slot_mapping=idx, valid=valid,
+                               impl="triton", single_slot=True, state=state)
+            return (Q._mix_triton(mod, paged, s["x"], s["b"], s["a"]),)
+
+        return Case(f"prefill[{T}].layer.grid", [(lambda s=s: call(s)) for s in sets],
+                    [rec, conv, block, stash, grid],
+                    notes="recipe prefill on the block grid: conv + gates + two chunk-rule calls (37 stashed rows)")
 
 
 # ---------------------------------------------------------------- measurement
