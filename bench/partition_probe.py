@@ -23,22 +23,14 @@ import asyncio
 import json
 import platform
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from flare.core import interface as io
 from flare.core.manifest import ProgramKind, load_manifest
 from flare.core.sampling_params import NEUTRAL
-
-
-def _executor(kind: str, core: str, m):
-    if kind == "cuda":
-        from flare.runtime.cuda_executor import CudaExecutor
-
-        return CudaExecutor(core, m)
-    from flare.runtime.reference import ReferenceExecutor
-
-    return ReferenceExecutor(core, m)
+from flare.server.cli import make_executor
 
 
 def _bytes(ex, name: str) -> bytes:
@@ -95,7 +87,7 @@ async def _one(ex, m, slot: int, pages: list[int], prompt: list[int], chunks: li
 
 async def main(args) -> dict:
     m = load_manifest(args.core)
-    ex = _executor(args.executor, args.core, m)
+    ex = make_executor(args.executor, Path(args.core), m, None)
     await ex.start()
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(100, min(m.capacities.sampling_vocab, 40000), args.prompt).tolist()

@@ -196,3 +196,18 @@ def greedy_continuation(r: Rig, slots: list[int], steps: int) -> dict[int, list[
         for rec in recs:
             out[rec.slot].append(rec.token)
     return out
+
+
+# Per-slot request state a decode or verify step advances (besides model state): two rigs
+# that consumed the same tokens hold these bitwise equal.
+STEP_STATE = ("state.len", "state.pending", "state.generated", "state.counter", "state.hist", "state.done")
+
+
+def decode_alike(a: Rig, b: Rig, slots: list[int], steps: int = 2) -> None:
+    """``steps`` greedy decode steps of ``slots`` in both rigs, each slot feeding its own
+    pending token: the same tokens, logits within float32 tolerance."""
+    for _ in range(steps):
+        a_logits, x = decode(a, slots, [int(a.v["state.pending"][s]) for s in slots])
+        b_logits, y = decode(b, slots, [int(b.v["state.pending"][s]) for s in slots])
+        assert x == y
+        torch.testing.assert_close(a_logits, b_logits, atol=1e-4, rtol=1e-4)

@@ -15,7 +15,7 @@ import torch
 from flare.core import interface as io
 from flare.core.manifest import verify_buffer
 from tests.conftest import HYBRID_OPTS, prepare_core
-from tests.rig import admit, decode, greedy_continuation, load_rig, prefill
+from tests.rig import STEP_STATE, admit, decode, decode_alike, greedy_continuation, load_rig, prefill
 from tests.test_programs import _verify
 
 STATE = ("state.gdn.conv", "state.gdn.recurrent")
@@ -60,17 +60,12 @@ def test_rejections_at_every_position_leave_the_state_of_the_accepted_tokens(hyb
         due = [s for s in prompts if want[s] > k]
         decode(plain, due, [int(plain.v["state.pending"][s]) for s in due])
     for slot in prompts:
-        for name in ("state.len", "state.pending", "state.generated", "state.counter", "state.hist", "state.done"):
+        for name in STEP_STATE:
             assert torch.equal(spec.v[name][slot], plain.v[name][slot]), (slot, name)
         for name in (*STATE, "state.hidden"):
             torch.testing.assert_close(spec.v[name][slot], plain.v[name][slot], atol=2e-5, rtol=1e-5,
                                        msg=lambda m, slot=slot, name=name: f"slot {slot} {name}: {m}")
-    for _ in range(2):
-        slots = list(prompts)
-        a_logits, a = decode(spec, slots, [int(spec.v["state.pending"][s]) for s in slots])
-        b_logits, b = decode(plain, slots, [int(plain.v["state.pending"][s]) for s in slots])
-        assert a == b
-        torch.testing.assert_close(a_logits, b_logits, atol=1e-4, rtol=1e-4)
+    decode_alike(spec, plain, list(prompts))
 
 
 def test_a_finished_slot_keeps_its_state(hybrid_verify_core):

@@ -48,7 +48,7 @@ from flare.core.manifest import HIST_PROMPT_BIT
 from flare.prepare.recipes import by_name
 from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec
-from tests.rig import Rig, admit, decode, load_rig, prefill
+from tests.rig import STEP_STATE, Rig, admit, decode, decode_alike, greedy_continuation, load_rig, prefill
 
 DECODE_STEPS = 10
 BASE_LENGTHS = (15, 16, 17, 31, 32, 33, 127, 128, 129, 257, 290)  # page size 16, prefill chunk 128
@@ -571,12 +571,7 @@ def test_verify_program_emits_what_decode_steps_emit(attention):
     plain = copy_of_spec()
     # The true greedy continuation of each slot (the pending token, then 4 more), from a third
     # rig decoding the four slots together (a row does not depend on its batch).
-    shadow = copy_of_spec()
-    truth = {s: [int(shadow.v["state.pending"][s])] for s in prompts}
-    for _ in range(4):
-        _, recs = decode(shadow, list(prompts), [truth[s][-1] for s in prompts])
-        for rec in recs:
-            truth[rec.slot].append(rec.token)
+    truth = greedy_continuation(copy_of_spec(), list(prompts), 4)
     # Drafts continue the pending token: the true next tokens are truth[s][1:].
     wrong = lambda t: (t + 1) % c.sampling_vocab  # noqa: E731
     rows = [(1, truth[1][1:4]), (2, [truth[2][1], wrong(truth[2][2]), truth[2][3]]), (3, [wrong(truth[3][1]), 0, 0]),
@@ -591,17 +586,12 @@ def test_verify_program_emits_what_decode_steps_emit(attention):
         due = [s for s in prompts if want_emitted[s] > k]
         decode(plain, due, [int(plain.v["state.pending"][s]) for s in due])
     for (slot, _), (rec, _) in zip(rows, got):
-        for name in ("state.len", "state.pending", "state.generated", "state.counter", "state.hist", "state.done"):
+        for name in STEP_STATE:
             assert torch.equal(spec.v[name][slot], plain.v[name][slot]), (slot, name)
         assert rec.generated == int(plain.v["state.generated"][slot])
         torch.testing.assert_close(spec.v["state.hidden"][slot], plain.v["state.hidden"][slot], atol=1e-5, rtol=1e-5)
     # The next steps read only accepted KV: both rigs go on alike.
-    for _ in range(2):
-        slots = list(prompts)
-        a_logits, a = decode(spec, slots, [int(spec.v["state.pending"][s]) for s in slots])
-        b_logits, b = decode(plain, slots, [int(plain.v["state.pending"][s]) for s in slots])
-        assert a == b
-        torch.testing.assert_close(a_logits, b_logits, atol=1e-4, rtol=1e-4)
+    decode_alike(spec, plain, list(prompts))
     # A finished slot: nothing changes, the record says inactive and emitted nothing.
     spec.v["state.done"][2] = int(io.Status.stop)
     before = {n: spec.v[n][2].clone() for n in ("state.len", "state.pending", "state.counter", "state.hist")}

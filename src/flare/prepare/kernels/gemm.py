@@ -185,7 +185,7 @@ def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -
     measured: dict[tuple, frozenset[int]] = {}
     found = {}
     for name, module in _plain_linears(layers):
-        if module.flare_split_rows if isinstance(module, _RowInvariant) else False:
+        if getattr(module, "flare_split_rows", None):
             continue  # already measured
         key = _key(module)
         if key not in measured:
