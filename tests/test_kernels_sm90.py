@@ -1,10 +1,11 @@
-"""The Gated DeltaNet and mixture-of-experts kernels compile for the H200 (sm_90) here, without a GPU.
+"""The Gated DeltaNet, mixture-of-experts, GEMM and paged-attention kernels compile for the H200 (sm_90) here,
+without a GPU.
 
 Triton's CPU interpreter (which runs the kernels' numerical tests) executes the
 kernel source as Python and accepts code the real compiler rejects: a name
 whose type differs between an ``if`` block and the code before it compiled in
 the interpreter and failed on the H200. This test runs the real front end and
-ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``kernels/gemm.py`` and ``kernels/moe.py`` at the
+ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``gemm.py``, ``moe.py`` and ``paged_attention.py`` at the
 dtypes and block shapes the recipe launches, so such an error fails CI instead
 of a device call. It runs in a subprocess: the interpreter switch of the test
 session would otherwise stand in for the compiler.
@@ -29,6 +30,7 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import gdn as K
     from flare.prepare.kernels import gemm as G
     from flare.prepare.kernels import moe as M
+    from flare.prepare.kernels import paged_attention as A
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4):
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -79,6 +81,18 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
+    # Paged attention: decode's even split (SEG 0) and prompt programs' segments (8B at 131K).
+    attend = {**bf16("q_ptr", "out_ptr", "k_cache", "v_cache"), **f32("part_acc", "part_m", "part_l"),
+              "page_table": "*i32", "token_slot": "*i64", "positions": "*i64", "valid": "*u8", "part_eff": "*i32",
+              "scale_log2": "fp32"}
+    for block_t, heads, splits, seg, nseg in ((1, 16, 32, 0, 0), (16, 4, 32, 8, 256), (16, 4, 1, 8, 256)):
+        compile_for_sm90(A._attend_kernel, attend,
+                         dict(GROUP=4, HEADS=heads, BLOCK_T=block_t, PAGE=16, D=128, D_PAD=128, BLOCK_N=64,
+                              SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg))
+    for seg, nseg in ((0, 0), (8, 256)):
+        compile_for_sm90(A._combine_kernel, {**bf16("out_ptr"), **f32("part_acc", "part_m", "part_l"),
+                                             "part_eff": "*i32", "valid": "*u8", "positions": "*i64"},
+                         dict(SPLITS=32, SPLITS_PAD=32, D=128, D_PAD=128, SEG=seg, NSEG=nseg, BLOCK_N=64))
 ''')
 
 
@@ -86,4 +100,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 15, proc.stdout
+    assert proc.stdout.count("compiled") == 20, proc.stdout

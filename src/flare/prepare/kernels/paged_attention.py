@@ -38,6 +38,18 @@ writes unnormalised partials for its valid rows and a second kernel combines
 them; with ``eff == 1`` the program writes the output itself and the combine
 does nothing. Every program computes the same ``eff``,
 and program (0, 0, 0) stores it for the combine.
+
+Prompt programs (``SEG > 0``) must give a row the same bits whatever program it runs in
+(the prefix cache prefills a suffix in a small program, the same prompt without the cache
+in a large one), and ``eff`` depends on how many tiles hold tokens. So their keys come in
+segments of ``SEG`` blocks at fixed positions (``plan_launch``: at most 256 a row, the same
+for every prompt program of a core). Each segment starts from a fresh softmax state and
+the segments are folded in order (``_fold``): by the program itself when ``eff == 1``,
+otherwise each split program stores its segments' partials (program ``split`` takes
+segments ``split, split + eff, ...``) and the combine folds the row's segments the same
+way. Only prompt launches whose partials of every segment fit 128 MiB split (short chunks,
+such as a suffix after a long cached prefix); longer chunks have tiles enough. Decode
+steps keep the even split (their rows need not equal a prompt's).
 """
 
 from __future__ import annotations
@@ -54,7 +66,47 @@ LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 32
 _PARTIAL_BYTES = 64 << 20  # largest split partials buffer of one launch (float32 acc)
+_SEG_COUNT = 256  # most key segments of a prompt row (segments grow with the context limit)
+_SEG_PARTIAL_BYTES = 128 << 20  # largest segment partials buffer of one prompt launch
 _DOT_MIN = 16  # tl.dot needs at least 16 rows
+
+
+@triton.jit
+def _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d, d_in,
+               stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2,
+               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of BLOCK_N keys into the online softmax state (m, l, acc) of the rows."""
+    j = b * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_in = j < n_keys
+    page = tl.load(pt_row + (j // PAGE) * stride_ptp, mask=k_in, other=0)
+    # A page id outside the pool is treated as absent: never read out of bounds.
+    k_in = k_in & (page >= 0) & (page < num_pages)
+    off = page.to(tl.int64) * stride_cp + (j % PAGE) * stride_co + kvh * stride_ch
+    k = tl.load(k_cache + off[None, :] + d[:, None] * stride_cd, mask=k_in[None, :] & d_in[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+    sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
+    s = tl.where(sees, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache + off[:, None] + d[None, :] * stride_cd, mask=k_in[:, None] & d_in[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _fold(M, L, O, m, l, acc):
+    """Fold one segment's softmax state (m, l [R], acc [R, D_PAD]) into the running one
+    (M, L, O), in explicit fused multiply-adds so that the attend kernel (R = its rows) and
+    the combine kernel (R = 1) round it alike. A segment a row sees nothing of (m = -1e30,
+    l = 0, acc = 0) leaves the running state as it is."""
+    M2 = tl.maximum(M, m)
+    a = tl.exp2(M - M2)
+    b = tl.exp2(m - M2)
+    a2 = tl.broadcast_to(a[:, None], acc.shape)
+    b2 = tl.broadcast_to(b[:, None], acc.shape)
+    return M2, tl.fma(L, a, l * b), tl.fma(O, a2, acc * b2)
 
 
 @triton.jit
@@ -69,7 +121,7 @@ def _attend_kernel(
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr,
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    TILES_PAD: tl.constexpr, TARGET: tl.constexpr,
+    TILES_PAD: tl.constexpr, TARGET: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
 ):
     tb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -131,36 +183,37 @@ def _attend_kernel(
         # A sliding window: blocks wholly before every active row's window are skipped.
         first_key = tl.maximum(tl.min(tl.where(act, pos, key_limit), 0) - win + 1, 0)
         b_first = tl.minimum(first_key // BLOCK_N, n_blocks)
-        per_split = (n_blocks - b_first + eff - 1) // eff
-        b_lo = b_first + split * per_split
-        b_hi = tl.minimum(b_lo + per_split, n_blocks)
         pt_row = page_table + kslot.to(tl.int64) * stride_pts
-        for b in range(b_lo, b_hi):
-            j = b * BLOCK_N + tl.arange(0, BLOCK_N)
-            k_in = j < n_keys
-            page = tl.load(pt_row + (j // PAGE) * stride_ptp, mask=k_in, other=0)
-            # A page id outside the pool is treated as absent: never read out of bounds.
-            k_in = k_in & (page >= 0) & (page < num_pages)
-            off = page.to(tl.int64) * stride_cp + (j % PAGE) * stride_co + kvh * stride_ch
-            k = tl.load(
-                k_cache + off[None, :] + d[:, None] * stride_cd,
-                mask=k_in[None, :] & d_in[:, None],
-                other=0.0,
-            )
-            s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-            sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
-            s = tl.where(sees, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache + off[:, None] + d[None, :] * stride_cd,
-                mask=k_in[:, None] & d_in[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+        if SEG > 0:
+            # Prompt programs: the keys in segments of SEG blocks at fixed positions, each
+            # from a fresh softmax state, folded in order (_fold); a split program stores
+            # its segments' partials and the combine folds them the same way, so a row's
+            # bits do not depend on how many programs shared its keys.
+            for sg in range(b_first // SEG + split, (n_blocks + SEG - 1) // SEG, eff):
+                sm = tl.full([ROWS], -1.0e30, tl.float32)
+                sl = tl.zeros([ROWS], tl.float32)
+                sacc = tl.zeros([ROWS, D_PAD], tl.float32)
+                for b in range(tl.maximum(sg * SEG, b_first), tl.minimum(sg * SEG + SEG, n_blocks)):
+                    sm, sl, sacc = _key_block(
+                        b, q, sm, sl, sacc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d,
+                        d_in, stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE, BLOCK_N,
+                        PRECISION)
+                if eff == 1:
+                    m, l, acc = _fold(m, l, acc, sm, sl, sacc)
+                else:
+                    keep = act & row_valid
+                    prow = (t * H + h) * NSEG + sg
+                    tl.store(part_m + prow, sm, mask=keep)
+                    tl.store(part_l + prow, sl, mask=keep)
+                    tl.store(part_acc + prow[:, None] * D_PAD + d[None, :], sacc, mask=keep[:, None])
+        else:
+            per_split = (n_blocks - b_first + eff - 1) // eff
+            b_lo = b_first + split * per_split
+            b_hi = tl.minimum(b_lo + per_split, n_blocks)
+            for b in range(b_lo, b_hi):
+                m, l, acc = _key_block(
+                    b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d, d_in,
+                    stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE, BLOCK_N, PRECISION)
 
     if eff == 1:
         if split == 0:
@@ -170,7 +223,7 @@ def _attend_kernel(
                 o.to(out_ptr.dtype.element_ty),
                 mask=row_in[:, None] & d_in[None, :],
             )
-    else:
+    elif SEG == 0:
         # Partials of valid rows only, of the working splits only: the combine reads
         # exactly these (an invalid row's output is zeros without any partial).
         keep = row_valid & ((tl.zeros([ROWS], tl.int32) + split) < eff)  # (a tensor: see the `|` note)
@@ -194,9 +247,10 @@ def _effective_splits(valid, T, stride_val, KVH, BLOCK_T: tl.constexpr, TILES_PA
 
 @triton.jit
 def _combine_kernel(
-    part_acc, part_m, part_l, part_eff, out_ptr, valid,
-    H, stride_ot, stride_oh, stride_od, stride_val,
+    part_acc, part_m, part_l, part_eff, out_ptr, valid, positions,
+    H, stride_ot, stride_oh, stride_od, stride_val, stride_pos, key_limit, window,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    SEG: tl.constexpr, NSEG: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)  # t * H + h
     t = row // H
@@ -204,15 +258,34 @@ def _combine_kernel(
     eff = tl.load(part_eff)
     if eff > 1:  # eff == 1: the attend kernel wrote the output itself
         ok = tl.load(valid + t * stride_val) != 0
-        sp = tl.arange(0, SPLITS_PAD)
-        sp_in = sp < tl.where(ok, eff, 0)  # an invalid row reads no partial
-        m = tl.load(part_m + row * SPLITS + sp, mask=sp_in, other=-1.0e30)
-        l = tl.load(part_l + row * SPLITS + sp, mask=sp_in, other=0.0)
-        w = tl.exp2(m - tl.max(m, 0))
-        l_sum = tl.sum(w * l, 0)
         d = tl.arange(0, D_PAD)
-        acc = tl.load(part_acc + (row * SPLITS + sp[:, None]) * D_PAD + d[None, :], mask=sp_in[:, None], other=0.0)
-        o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)  # an invalid row: zeros
+        if SEG > 0:
+            # The row's own segments, in order, folded as the attend kernel folds them
+            # (segments of the tile this row sees nothing of would leave the state as it is).
+            pos = tl.load(positions + t * stride_pos).to(tl.int32)
+            n_blocks = (tl.minimum(pos + 1, key_limit) + BLOCK_N - 1) // BLOCK_N
+            win = tl.where(window > 0, window, key_limit + 1)
+            s_lo = tl.maximum(pos - win + 1, 0) // BLOCK_N // SEG
+            s_hi = tl.where(ok, (n_blocks + SEG - 1) // SEG, s_lo)  # an invalid row reads no partial
+            one = tl.arange(0, 1)
+            M = tl.full([1], -1.0e30, tl.float32)
+            L = tl.zeros([1], tl.float32)
+            O = tl.zeros([1, D_PAD], tl.float32)
+            for sg in range(s_lo, s_hi):
+                prow = row * NSEG + sg + one
+                M, L, O = _fold(M, L, O, tl.load(part_m + prow), tl.load(part_l + prow),
+                                tl.load(part_acc + prow[:, None] * D_PAD + d[None, :]))
+            o = tl.reshape(O / tl.where(L > 0, L, 1.0)[:, None], [D_PAD])  # an invalid row: zeros
+        else:
+            sp = tl.arange(0, SPLITS_PAD)
+            sp_in = sp < tl.where(ok, eff, 0)  # an invalid row reads no partial
+            m = tl.load(part_m + row * SPLITS + sp, mask=sp_in, other=-1.0e30)
+            l = tl.load(part_l + row * SPLITS + sp, mask=sp_in, other=0.0)
+            w = tl.exp2(m - tl.max(m, 0))
+            l_sum = tl.sum(w * l, 0)
+            acc = tl.load(part_acc + (row * SPLITS + sp[:, None]) * D_PAD + d[None, :], mask=sp_in[:, None],
+                          other=0.0)
+            o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)  # an invalid row: zeros
         tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
                  mask=d < D)
 
@@ -226,6 +299,11 @@ class Launch:
     block_n: int  # keys per inner step
     splits: int  # most programs sharing one row tile's key range (the device picks how many do)
     target: int = 264  # programs the device aims for when it picks the splits (2 x multiprocessors)
+    # Prompt programs: keys in segments of ``seg`` blocks at fixed positions (0: decode's
+    # even split of each tile's key range), at most ``nseg`` a row; the same for every
+    # prompt program of a core, so a prompt row's bits do not depend on its program.
+    seg: int = 0
+    nseg: int = 0
     num_warps: int = 4
     num_stages: int = 2
 
@@ -245,15 +323,25 @@ def plan_launch(
         block_t = 1
     heads = max(heads, -(-_DOT_MIN // block_t))  # pad a short tile up to tl.dot's minimum
     block_n = 64 if D <= 128 else 32
-    if num_splits is None:
+    key_blocks = -(-(max_pages * page_size) // block_n)
+    d_pad = max(16, triton.next_power_of_2(D))
+    seg = nseg = 0
+    if tile_tokens:
+        # Segments small enough that a short chunk after a long cached prefix still
+        # spreads its keys over many programs; splits only where every segment's partial
+        # of every row fits the partials' memory (a long chunk has tiles enough anyway).
+        seg = -(-key_blocks // _SEG_COUNT)
+        nseg = -(-key_blocks // seg)
+        if num_splits is None:
+            fits = T * H * nseg * d_pad * 4 <= _SEG_PARTIAL_BYTES
+            num_splits = min(-(-2 * sm_count // KVH), nseg, _MAX_SPLITS) if fits else 1
+    elif num_splits is None:
         # As many as one active tile would need to fill the chip twice, within the key
         # blocks a slot can have and the partials' memory (the device picks how many work).
-        key_blocks = -(-(max_pages * page_size) // block_n)
-        d_pad = max(16, triton.next_power_of_2(D))
         budget = max(1, _PARTIAL_BYTES // (T * H * d_pad * 4))
         num_splits = min(-(-2 * sm_count // KVH), key_blocks, _MAX_SPLITS, budget)
     return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits),
-                  target=2 * sm_count)
+                  target=2 * sm_count, seg=seg, nseg=nseg)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -308,9 +396,10 @@ def attend_triton(
     d_pad = max(16, triton.next_power_of_2(D))
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]  # [P, page_size, KVH, D] views
     if lc.splits > 1:
-        part_acc = torch.empty((T, H, lc.splits, d_pad), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((T, H, lc.splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((T, H, lc.splits), dtype=torch.float32, device=q.device)
+        slots = lc.nseg if lc.seg else lc.splits  # partials a row may get
+        part_acc = torch.empty((T, H, slots, d_pad), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((T, H, slots), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((T, H, slots), dtype=torch.float32, device=q.device)
         part_eff = torch.empty((1,), dtype=torch.int32, device=q.device)
     else:
         part_acc = part_m = part_l = part_eff = out  # never touched when SPLITS == 1
@@ -328,12 +417,13 @@ def attend_triton(
         BLOCK_N=lc.block_n, SPLITS=lc.splits,
         PRECISION="ieee" if kv.dtype == torch.float32 else "tf32",
         TILES_PAD=triton.next_power_of_2(tiles), TARGET=lc.target if target is None else target,
-        num_warps=lc.num_warps, num_stages=lc.num_stages,
+        SEG=lc.seg, NSEG=lc.nseg, num_warps=lc.num_warps, num_stages=lc.num_stages,
     )
     if lc.splits > 1:
         _combine_kernel[(T * H,)](
-            part_acc, part_m, part_l, part_eff, out, valid, H, *out.stride(), valid.stride(0),
+            part_acc, part_m, part_l, part_eff, out, valid, batch.positions, H, *out.stride(), valid.stride(0),
+            batch.positions.stride(0), max_pages * ps, window,
             SPLITS=lc.splits, SPLITS_PAD=triton.next_power_of_2(lc.splits), D=D, D_PAD=d_pad,
-            num_warps=4,
+            SEG=lc.seg, NSEG=lc.nseg, BLOCK_N=lc.block_n, num_warps=4,
         )
     return out
