@@ -50,6 +50,22 @@ segments ``split, split + eff, ...``) and the combine folds the row's segments t
 way. Only prompt launches whose partials of every segment fit 128 MiB split (short chunks,
 such as a suffix after a long cached prefix); longer chunks have tiles enough. Decode
 steps keep the even split (their rows need not equal a prompt's).
+
+Open before this replaces main's kernel (a review, 2026-12-02; nothing here has run on a GPU):
+* Speed: with 256 segments a row, only chunks of at most 32 tokens split at the 8B shape
+  (partials of T x 4 MiB), so a 128-token suffix after a long prefix runs 8 programs per
+  kv head over every key block in series. Index the partials by the tile's rank among the
+  active tiles (sized for R splitting tiles, eff = 1 beyond R: the bits do not depend on
+  eff), or fewer segments; at 131K a fixed segment is 8-32 blocks either way, so a 4K
+  prefix has few segments to spread. Measure the prefix-hit TTFT.
+* A segment of 1 block (contexts up to 16K) restarts the pipelined key loop every block;
+  a minimum of 4 blocks, or one flat loop that folds at segment boundaries.
+* The combine folds up to 256 segments in series per row, one load each.
+* Invariance also needs the same query tile height in every prompt program (block_t
+  follows next_pow2(T) for small T): pin it for prompt programs.
+* Tests: segments of more than one block (a monkeypatched _SEG_COUNT on a 12-block slot,
+  windows crossing a segment inside a tile, mixed tiles, num_splits=1 against 32); on the
+  GPU, a row in a 16-row program against the same row in a 2,048-row one.
 """
 
 from __future__ import annotations
