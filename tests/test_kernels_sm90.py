@@ -85,14 +85,17 @@ SCRIPT = textwrap.dedent('''
     attend = {**bf16("q_ptr", "out_ptr", "k_cache", "v_cache"), **f32("part_acc", "part_m", "part_l"),
               "page_table": "*i32", "token_slot": "*i64", "positions": "*i64", "valid": "*u8", "part_eff": "*i32",
               "scale_log2": "fp32"}
-    for block_t, heads, splits, seg, nseg in ((1, 16, 32, 0, 0), (16, 4, 32, 8, 256), (16, 4, 1, 8, 256)):
+    for block_t, heads, splits, seg, nseg, rtiles in ((1, 16, 32, 0, 0, 0), (16, 4, 32, 16, 128, 3),
+                                                      (16, 4, 1, 16, 128, 1)):
         compile_for_sm90(A._attend_kernel, attend,
                          dict(GROUP=4, HEADS=heads, BLOCK_T=block_t, PAGE=16, D=128, D_PAD=128, BLOCK_N=64,
-                              SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg))
-    for seg, nseg in ((0, 0), (8, 256)):
+                              SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg,
+                              RTILES=rtiles))
+    for seg, nseg in ((0, 0), (16, 128)):
         compile_for_sm90(A._combine_kernel, {**bf16("out_ptr"), **f32("part_acc", "part_m", "part_l"),
                                              "part_eff": "*i32", "valid": "*u8", "positions": "*i64"},
-                         dict(SPLITS=32, SPLITS_PAD=32, D=128, D_PAD=128, SEG=seg, NSEG=nseg, BLOCK_N=64))
+                         dict(SPLITS=32, SPLITS_PAD=32, D=128, D_PAD=128, SEG=seg, NSEG=nseg, BLOCK_N=64,
+                              BLOCK_T=16, TILES_PAD=16))
 ''')
 
 

@@ -175,19 +175,19 @@ def test_launch_plan_depends_on_shapes_only():
     lc = plan_launch(T=8, H=9, KVH=3, D=64, max_pages=64, page_size=16, tile_tokens=False, sm_count=132)
     assert (lc.block_t, lc.heads, lc.rows, lc.block_n, lc.target) == (1, 16, 16, 64, 264)
     assert lc.splits == 16
-    # Prefill: 16 tokens x 4 (padded group of 3) rows per program; keys in segments of one
-    # block (256 key blocks: 256 segments at most). A 4,096-row chunk's partials of every
-    # segment would not fit 128 MiB: one program per tile, folding its segments in order.
-    lc = plan_launch(T=4096, H=9, KVH=3, D=64, max_pages=1024, page_size=16, tile_tokens=True, sm_count=132)
-    assert (lc.block_t, lc.heads, lc.rows, lc.splits, lc.seg, lc.nseg) == (16, 4, 64, 1, 1, 256)
-    # A 16-token chunk's do (16 x 9 x 256 x 64 floats: 9 MiB): as many splits as 132 SMs need.
-    lc = plan_launch(T=16, H=9, KVH=3, D=64, max_pages=1024, page_size=16, tile_tokens=True, sm_count=132)
-    assert (lc.splits, lc.seg, lc.nseg) == (32, 1, 256)
-    # Llama-3.1-8B at a 131,072-token context: segments of 8 blocks (512 keys), the same in
-    # every prompt program; a 32-token chunk splits (128 MiB of partials), a 64-token one not.
-    for T, splits in ((16, 32), (32, 32), (64, 1), (2048, 1)):
+    # Prefill: 16 tokens x 4 (padded group of 3) rows per program, in every prompt program;
+    # keys in segments of 4 blocks (256 key blocks: 64 segments). The partials of every
+    # segment of a tile take 16 x 9 x 64 x 66 floats (2.3 MiB): 55 tiles fit 128 MiB, so
+    # a launch with at most 55 tiles holding tokens may split, one with more does not.
+    for T in (16, 4096):
+        lc = plan_launch(T=T, H=9, KVH=3, D=64, max_pages=1024, page_size=16, tile_tokens=True, sm_count=132)
+        assert (lc.block_t, lc.heads, lc.rows, lc.splits, lc.seg, lc.nseg) == (16, 4, 64, 32, 4, 64), T
+        assert lc.rtiles == min(T // 16, 55), T
+    # Llama-3.1-8B at a 131,072-token context: segments of 16 blocks (1,024 keys), the same in
+    # every prompt program; 3 tiles of 16 tokens (48 tokens) may split.
+    for T in (16, 64, 2048):
         lc = plan_launch(T=T, H=32, KVH=8, D=128, max_pages=8192, page_size=16, tile_tokens=True, sm_count=132)
-        assert (lc.splits, lc.seg, lc.nseg) == (splits, 8, 256), T
+        assert (lc.block_t, lc.splits, lc.seg, lc.nseg, lc.rtiles) == (16, 32, 16, 128, min(T // 16, 3)), T
     # Llama-3.1-8B decode: 32 splits at most; never more than the key blocks a slot can have.
     assert plan_launch(T=4, H=32, KVH=8, D=128, max_pages=4096, page_size=16, tile_tokens=False,
                        sm_count=132).splits == 32
@@ -231,27 +231,38 @@ def test_decode_splits_follow_the_live_rows():
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("window", [0, 100])
-def test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled(window):
+@pytest.mark.parametrize("seg_count, seg_min, partial_bytes", [(128, 4, 128 << 20), (2, 1, 128 << 20), (3, 1, 1)],
+                         ids=["one-segment", "segments-of-3-blocks", "segments-of-2-no-room"])
+@pytest.mark.parametrize("window", [0, 100, 150])
+def test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled(window, seg_count, seg_min,
+                                                                            partial_bytes, monkeypatch):
     """Prompt programs fold key segments at fixed positions in order: rows 300..316 of one
     slot (the same queries and cached keys) get the same bits whether the device splits
     their keys over 1, some or all 6 programs (a short chunk after a cached prefix takes
-    many, a long chunk few; before segments, the split count changed the bits). On the GPU
-    also whether they are the whole chunk or the tail of a longer one (its tiles start
-    elsewhere); Triton's interpreter multiplies through numpy, whose rows round by where
-    they sit in the matrix, so not there."""
+    many, a long chunk few; before segments, the split count changed the bits), whether
+    the partials have room for the launch's tiles (else it does not split), and whether
+    they are the whole chunk or rows of a longer one, in 1 to 3 tiles holding tokens. Keys
+    in one segment, in segments of 3 blocks and of 2 (windows crossing them). Rows in
+    other tiles of a launch: on the GPU also where those tiles start (Triton's interpreter
+    multiplies through numpy, whose rows round by where they sit in the matrix)."""
+    from flare.prepare.kernels import paged_attention as A
+
+    monkeypatch.setattr(A, "_SEG_COUNT", seg_count)
+    monkeypatch.setattr(A, "_SEG_MIN", seg_min)
+    monkeypatch.setattr(A, "_SEG_PARTIAL_BYTES", partial_bytes)
     g = torch.Generator().manual_seed(4)
     qs = torch.randn(LONG.max_keys, LONG.H, LONG.D, generator=g).to(DEVICE)
-    cases = [(300, 17, 1), (300, 17, 5), (300, 17, 10**6)]
+    cases = [(300, 17, 1, None), (300, 17, 5, None), (300, 17, 10**6, None), (300, 17, 10**6, 1),
+             (300, 40, 10**6, None), (300, 40, 2, None)]
     if DEVICE == "cuda":
-        cases += [(290, 27, 1), (290, 27, 10**6), (283, 34, 3)]
+        cases += [(290, 27, 1, None), (290, 27, 10**6, None), (283, 34, 3, None)]
     outs = []
-    for start, n, target in cases:
+    for start, n, target, splits in cases:
         step = prefill_step(LONG, start=start, n=n, chunk=64, dtype=torch.float32, seed=20, device=DEVICE)
         q = step.q.clone()
         q[:n] = qs[start:start + n]
-        out = attend_triton(step.batch(step.kv.clone(), "triton"), step.layer, q, scale(LONG), num_splits=6,
-                            target=target, window=window)
+        out = attend_triton(step.batch(step.kv.clone(), "triton"), step.layer, q, scale(LONG),
+                            num_splits=splits or 6, target=target, window=window)
         outs.append(out[300 - start:317 - start])
     for o in outs[1:]:
         assert torch.equal(o, outs[0])

@@ -42,31 +42,25 @@ and program (0, 0, 0) stores it for the combine.
 Prompt programs (``SEG > 0``) must give a row the same bits whatever program it runs in
 (the prefix cache prefills a suffix in a small program, the same prompt without the cache
 in a large one), and ``eff`` depends on how many tiles hold tokens. So their keys come in
-segments of ``SEG`` blocks at fixed positions (``plan_launch``: at most 256 a row, the same
-for every prompt program of a core). Each segment starts from a fresh softmax state and
-the segments are folded in order (``_fold``): by the program itself when ``eff == 1``,
-otherwise each split program stores its segments' partials (program ``split`` takes
-segments ``split, split + eff, ...``) and the combine folds the row's segments the same
-way. Only prompt launches whose partials of every segment fit 128 MiB split (short chunks,
-such as a suffix after a long cached prefix); longer chunks have tiles enough. Decode
-steps keep the even split (their rows need not equal a prompt's).
+segments of ``SEG`` blocks at fixed positions (``plan_launch``: at least 4 blocks, at most
+128 segments a row, the same for every prompt program of a core), and their query tiles
+have the same height in every prompt program. Each segment starts from a fresh softmax
+state and the segments are folded in order (``_fold``): by the program itself when
+``eff == 1``, otherwise each split program stores its segments' partials (program ``split``
+takes segments ``split, split + eff, ...``; partials by the tile's rank among the tiles
+holding tokens) and the combine folds the row's segments the same way. The partials have
+room for ``RTILES`` such tiles (128 MiB); a launch with more does not split (it has tiles
+enough, and the bits do not depend on it). Decode steps keep the even split (their rows
+need not equal a prompt's).
 
-Open before this replaces main's kernel (a review, 2026-12-02; nothing here has run on a GPU):
-* Speed: with 256 segments a row, only chunks of at most 32 tokens split at the 8B shape
-  (partials of T x 4 MiB), so a 128-token suffix after a long prefix runs 8 programs per
-  kv head over every key block in series. Index the partials by the tile's rank among the
-  active tiles (sized for R splitting tiles, eff = 1 beyond R: the bits do not depend on
-  eff), or fewer segments; at 131K a fixed segment is 8-32 blocks either way, so a 4K
-  prefix has few segments to spread. Measure the prefix-hit TTFT.
-* A segment of 1 block (contexts up to 16K) restarts the pipelined key loop every block;
-  a minimum of 4 blocks, or one flat loop that folds at segment boundaries.
-* The combine folds up to 256 segments in series per row, one load each.
-* Invariance also needs the same query tile height in every prompt program (block_t
-  follows next_pow2(T) for small T): pin it for prompt programs.
-* Tests: segments of more than one block (a monkeypatched _SEG_COUNT on a 12-block slot,
-  windows crossing a segment inside a tile, mixed tiles, num_splits=1 against 32); on the
-  GPU, a row in a 16-row program against the same row in a 2,048-row one.
-"""
+Open before this replaces main's kernel (reviewed 2026-12-02; not yet run on a GPU):
+* Speed, to measure on the H200: at the 8B shape with a 131K context a segment is 16 blocks
+  (1,024 keys) and 3 tiles (48 tokens) may split, so a 128-token suffix after a 4K prefix
+  runs one program per tile and kv head over 64 blocks in series (before: about 5 splits
+  of 13 blocks); the prefix-hit TTFT and a 16- against a 2,048-row program's bits decide.
+* The combine folds up to 128 segments in series per row, one load each (prefetch the
+  next segment, keeping the order, if it shows).
+""""""
 
 from __future__ import annotations
 
@@ -82,7 +76,8 @@ LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_SPLITS = 32
 _PARTIAL_BYTES = 64 << 20  # largest split partials buffer of one launch (float32 acc)
-_SEG_COUNT = 256  # most key segments of a prompt row (segments grow with the context limit)
+_SEG_COUNT = 128  # most key segments of a prompt row (segments grow with the context limit)
+_SEG_MIN = 4  # fewest key blocks a segment (the key loop is pipelined within a segment)
 _SEG_PARTIAL_BYTES = 128 << 20  # largest segment partials buffer of one prompt launch
 _DOT_MIN = 16  # tl.dot needs at least 16 rows
 
@@ -138,6 +133,7 @@ def _attend_kernel(
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILES_PAD: tl.constexpr, TARGET: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
+    RTILES: tl.constexpr,
 ):
     tb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,11 +141,17 @@ def _attend_kernel(
     ROWS: tl.constexpr = BLOCK_T * HEADS
 
     if SPLITS > 1:
-        eff = _effective_splits(valid, T, stride_val, tl.num_programs(1), BLOCK_T, TILES_PAD, SPLITS, TARGET)
+        eff = _effective_splits(valid, T, stride_val, tl.num_programs(1), BLOCK_T, TILES_PAD, SPLITS, TARGET,
+                                RTILES)
         if (tb == 0) & (kvh == 0) & (split == 0):
             tl.store(part_eff, eff)
     else:
         eff = 1
+    # Segment partials go by the tile's rank among the tiles holding tokens (at most RTILES).
+    rank = 0
+    if SEG > 0:
+        if SPLITS > 1:
+            rank = _tile_rank(valid, T, stride_val, tb, BLOCK_T, TILES_PAD)
 
     r = tl.arange(0, ROWS)
     tok = r // HEADS  # token within the tile
@@ -218,7 +220,7 @@ def _attend_kernel(
                     m, l, acc = _fold(m, l, acc, sm, sl, sacc)
                 else:
                     keep = act & row_valid
-                    prow = (t * H + h) * NSEG + sg
+                    prow = ((rank * BLOCK_T + tok) * H + h) * NSEG + sg
                     tl.store(part_m + prow, sm, mask=keep)
                     tl.store(part_l + prow, sl, mask=keep)
                     tl.store(part_acc + prow[:, None] * D_PAD + d[None, :], sacc, mask=keep[:, None])
@@ -250,23 +252,41 @@ def _attend_kernel(
 
 
 @triton.jit
-def _effective_splits(valid, T, stride_val, KVH, BLOCK_T: tl.constexpr, TILES_PAD: tl.constexpr,
-                      SPLITS: tl.constexpr, TARGET: tl.constexpr):
-    """Programs per tile for this launch: enough that the tiles holding a valid token,
-    times the kv heads, times the splits come to about TARGET, at most SPLITS. A
-    function of ``valid`` alone, so every program of both kernels agrees."""
+def _active_tiles(valid, T, stride_val, BLOCK_T: tl.constexpr, TILES_PAD: tl.constexpr):
+    """[TILES_PAD] int32: 1 where the tile holds a valid token."""
     tt = tl.arange(0, TILES_PAD)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
     vv = (tl.load(valid + tt * stride_val, mask=tt < T, other=0) != 0).to(tl.int32)
-    active = tl.maximum(tl.sum(tl.max(vv, 1), 0), 1)
-    return tl.minimum(tl.maximum((TARGET + active * KVH - 1) // (active * KVH), 1), SPLITS)
+    return tl.max(vv, 1)
+
+
+@triton.jit
+def _tile_rank(valid, T, stride_val, tile, BLOCK_T: tl.constexpr, TILES_PAD: tl.constexpr):
+    """How many tiles before ``tile`` hold a valid token."""
+    act = _active_tiles(valid, T, stride_val, BLOCK_T, TILES_PAD)
+    return tl.sum(tl.where(tl.arange(0, TILES_PAD) < tile, act, 0), 0)
+
+
+@triton.jit
+def _effective_splits(valid, T, stride_val, KVH, BLOCK_T: tl.constexpr, TILES_PAD: tl.constexpr,
+                      SPLITS: tl.constexpr, TARGET: tl.constexpr, RTILES: tl.constexpr):
+    """Programs per tile for this launch: enough that the tiles holding a valid token,
+    times the kv heads, times the splits come to about TARGET, at most SPLITS; in a
+    prompt launch (``RTILES`` > 0) one when more tiles hold tokens than the segment
+    partials have room for (a row's bits do not depend on it there). A function of
+    ``valid`` alone, so every program of both kernels agrees."""
+    active = tl.maximum(tl.sum(_active_tiles(valid, T, stride_val, BLOCK_T, TILES_PAD), 0), 1)
+    eff = tl.minimum(tl.maximum((TARGET + active * KVH - 1) // (active * KVH), 1), SPLITS)
+    if RTILES > 0:
+        eff = tl.where(active > RTILES, 1, eff)
+    return eff
 
 
 @triton.jit
 def _combine_kernel(
     part_acc, part_m, part_l, part_eff, out_ptr, valid, positions,
-    H, stride_ot, stride_oh, stride_od, stride_val, stride_pos, key_limit, window,
+    T, H, stride_ot, stride_oh, stride_od, stride_val, stride_pos, key_limit, window,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    SEG: tl.constexpr, NSEG: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEG: tl.constexpr, NSEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, TILES_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)  # t * H + h
     t = row // H
@@ -283,12 +303,14 @@ def _combine_kernel(
             win = tl.where(window > 0, window, key_limit + 1)
             s_lo = tl.maximum(pos - win + 1, 0) // BLOCK_N // SEG
             s_hi = tl.where(ok, (n_blocks + SEG - 1) // SEG, s_lo)  # an invalid row reads no partial
+            rank = _tile_rank(valid, T, stride_val, t // BLOCK_T, BLOCK_T, TILES_PAD)
+            prow0 = ((rank * BLOCK_T + t % BLOCK_T) * H + h) * NSEG
             one = tl.arange(0, 1)
             M = tl.full([1], -1.0e30, tl.float32)
             L = tl.zeros([1], tl.float32)
             O = tl.zeros([1, D_PAD], tl.float32)
             for sg in range(s_lo, s_hi):
-                prow = row * NSEG + sg + one
+                prow = prow0 + sg + one
                 M, L, O = _fold(M, L, O, tl.load(part_m + prow), tl.load(part_l + prow),
                                 tl.load(part_acc + prow[:, None] * D_PAD + d[None, :]))
             o = tl.reshape(O / tl.where(L > 0, L, 1.0)[:, None], [D_PAD])  # an invalid row: zeros
@@ -320,6 +342,7 @@ class Launch:
     # prompt program of a core, so a prompt row's bits do not depend on its program.
     seg: int = 0
     nseg: int = 0
+    rtiles: int = 0  # prompt launches: most tiles holding tokens whose segment partials fit (more: no split)
     num_warps: int = 4
     num_stages: int = 2
 
@@ -334,30 +357,34 @@ def plan_launch(
 ) -> Launch:
     heads = triton.next_power_of_2(H // KVH)
     if tile_tokens and T > 1:
-        block_t = min(query_tile_tokens(H, KVH), triton.next_power_of_2(T))
+        # The same tile height in every prompt program, however few its rows: a row's
+        # arithmetic (the dot's shape) must not depend on the program.
+        block_t = query_tile_tokens(H, KVH)
     else:
         block_t = 1
     heads = max(heads, -(-_DOT_MIN // block_t))  # pad a short tile up to tl.dot's minimum
     block_n = 64 if D <= 128 else 32
     key_blocks = -(-(max_pages * page_size) // block_n)
     d_pad = max(16, triton.next_power_of_2(D))
-    seg = nseg = 0
-    if tile_tokens:
-        # Segments small enough that a short chunk after a long cached prefix still
-        # spreads its keys over many programs; splits only where every segment's partial
-        # of every row fits the partials' memory (a long chunk has tiles enough anyway).
-        seg = -(-key_blocks // _SEG_COUNT)
+    seg = nseg = rtiles = 0
+    if tile_tokens and T > 1:
+        # Segments of at least _SEG_MIN blocks, at most _SEG_COUNT a row; the partials of
+        # every segment of up to ``rtiles`` tiles (ranked among those holding tokens) fit
+        # the budget, and a launch with more such tiles does not split (it has tiles enough).
+        seg = max(_SEG_MIN, -(-key_blocks // _SEG_COUNT))
         nseg = -(-key_blocks // seg)
+        per_tile = block_t * H * nseg * (d_pad + 2) * 4
+        rtiles = min(-(-T // block_t), _SEG_PARTIAL_BYTES // per_tile)
         if num_splits is None:
-            fits = T * H * nseg * d_pad * 4 <= _SEG_PARTIAL_BYTES
-            num_splits = min(-(-2 * sm_count // KVH), nseg, _MAX_SPLITS) if fits else 1
+            num_splits = min(-(-2 * sm_count // KVH), nseg, _MAX_SPLITS) if rtiles else 1
+        rtiles = max(rtiles, 1)
     elif num_splits is None:
         # As many as one active tile would need to fill the chip twice, within the key
         # blocks a slot can have and the partials' memory (the device picks how many work).
         budget = max(1, _PARTIAL_BYTES // (T * H * d_pad * 4))
         num_splits = min(-(-2 * sm_count // KVH), key_blocks, _MAX_SPLITS, budget)
     return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits),
-                  target=2 * sm_count, seg=seg, nseg=nseg)
+                  target=2 * sm_count, seg=seg, nseg=nseg, rtiles=rtiles)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -412,10 +439,10 @@ def attend_triton(
     d_pad = max(16, triton.next_power_of_2(D))
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]  # [P, page_size, KVH, D] views
     if lc.splits > 1:
-        slots = lc.nseg if lc.seg else lc.splits  # partials a row may get
-        part_acc = torch.empty((T, H, slots, d_pad), dtype=torch.float32, device=q.device)
-        part_m = torch.empty((T, H, slots), dtype=torch.float32, device=q.device)
-        part_l = torch.empty((T, H, slots), dtype=torch.float32, device=q.device)
+        rows, slots = (lc.rtiles * lc.block_t, lc.nseg) if lc.seg else (T, lc.splits)  # partials' rows, per row
+        part_acc = torch.empty((rows, H, slots, d_pad), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((rows, H, slots), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((rows, H, slots), dtype=torch.float32, device=q.device)
         part_eff = torch.empty((1,), dtype=torch.int32, device=q.device)
     else:
         part_acc = part_m = part_l = part_eff = out  # never touched when SPLITS == 1
@@ -433,13 +460,14 @@ def attend_triton(
         BLOCK_N=lc.block_n, SPLITS=lc.splits,
         PRECISION="ieee" if kv.dtype == torch.float32 else "tf32",
         TILES_PAD=triton.next_power_of_2(tiles), TARGET=lc.target if target is None else target,
-        SEG=lc.seg, NSEG=lc.nseg, num_warps=lc.num_warps, num_stages=lc.num_stages,
+        SEG=lc.seg, NSEG=lc.nseg, RTILES=lc.rtiles, num_warps=lc.num_warps, num_stages=lc.num_stages,
     )
     if lc.splits > 1:
         _combine_kernel[(T * H,)](
-            part_acc, part_m, part_l, part_eff, out, valid, batch.positions, H, *out.stride(), valid.stride(0),
+            part_acc, part_m, part_l, part_eff, out, valid, batch.positions, T, H, *out.stride(), valid.stride(0),
             batch.positions.stride(0), max_pages * ps, window,
             SPLITS=lc.splits, SPLITS_PAD=triton.next_power_of_2(lc.splits), D=D, D_PAD=d_pad,
-            SEG=lc.seg, NSEG=lc.nseg, BLOCK_N=lc.block_n, num_warps=4,
+            SEG=lc.seg, NSEG=lc.nseg, BLOCK_N=lc.block_n, BLOCK_T=lc.block_t,
+            TILES_PAD=triton.next_power_of_2(tiles), num_warps=4,
         )
     return out
