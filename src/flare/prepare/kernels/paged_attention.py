@@ -60,7 +60,7 @@ Open before this replaces main's kernel (reviewed 2026-12-02; not yet run on a G
   of 13 blocks); the prefix-hit TTFT and a 16- against a 2,048-row program's bits decide.
 * The combine folds up to 128 segments in series per row, one load each (prefetch the
   next segment, keeping the order, if it shows).
-""""""
+"""
 
 from __future__ import annotations
 
