@@ -72,6 +72,29 @@ def test_bf16_prefill_4096_tokens():
     check_bf16(step, shape)
 
 
+@pytest.mark.parametrize("window", [0, 1000])
+def test_bf16_prompt_rows_are_the_same_bits_in_a_short_and_a_long_program(window):
+    """Rows 2048..2063 of one slot (the same queries over the same cached keys), in bf16 at
+    Llama-8B's attention geometry: computed as a 16-row chunk after 2,048 cached tokens (the
+    prefix-cache hit: the device splits its keys over many programs), as the tail of a
+    1,040-row chunk in a 2,048-row program and of a 64-row chunk in a 128-row program, they
+    are the same bits. The prefix cache's exactness rests on this for every attention layer."""
+    from flare.prepare.kernels.paged_attention import attend_triton
+
+    shape = Shape(H=32, KVH=8, D=128, page_size=16, slots=3, max_pages=136, layers=1)
+    qs = torch.randn(2064, shape.H, shape.D, generator=torch.Generator().manual_seed(9)).bfloat16().cuda()
+    outs = []
+    for start, n, chunk in [(2048, 16, 16), (1024, 1040, 2048), (2000, 64, 128), (2048, 16, 128)]:
+        step = prefill_step(shape, start=start, n=n, chunk=chunk, dtype=torch.bfloat16, seed=11, device="cuda")
+        q = step.q.clone()
+        q[:n] = qs[start:start + n]
+        out = attend_triton(step.batch(step.kv.clone(), "triton"), step.layer, q, shape.D**-0.5, window=window)
+        outs.append(out[2048 - start:2064 - start])
+    assert outs[0].abs().sum() > 0
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
 def test_fp32_decode_is_tight_on_gpu():
     shape = SHAPES[1]
     step = decode_step(shape, [1, 17, None, 300, 640], torch.float32, 4, "cuda")
