@@ -53,7 +53,7 @@ async def _one(ex, m, slot: int, pages: list[int], prompt: list[int], chunks: li
     C = m.programs_of(ProgramKind.admit)[0].capacity
     for i in range(0, len(prompt), C):
         chunk = prompt[i:i + C]
-        ex.write(io.TOKENS, np.array(chunk, np.int32), slice(0, len(chunk)))
+        ex.write(io.TOKENS, np.array(chunk, np.int32))
         ex.write(io.AdmitInput.buffer, io.pack(io.AdmitInput(slot, len(chunk), int(i == 0), io.AdmitMode.prompt)))
         await ex.wait(ex.submit(f"admit.{C}"))
     hidden_buf = next(b for b in m.buffers if b.name == "out.prefill_hidden")
@@ -63,7 +63,7 @@ async def _one(ex, m, slot: int, pages: list[int], prompt: list[int], chunks: li
     hidden, start = [], 0
     for n in chunks:
         cap = min(x for x in c.prefill_capacities if x >= n)
-        ex.write(io.TOKENS, np.array(prompt[start:start + n], np.int32), slice(0, n))
+        ex.write(io.TOKENS, np.array(prompt[start:start + n], np.int32))
         last = start + n == len(prompt)
         ex.write(io.PrefillInput.buffer, io.pack(io.PrefillInput(slot, n, int(last))))
         ticket = ex.submit(f"prefill.{cap}")
