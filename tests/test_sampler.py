@@ -529,3 +529,58 @@ def test_chain_rows_are_independent_of_their_batch():
     for i in range(B):
         one = verify_chain(*args(slice(i, i + 1)))
         assert all(torch.equal(a, b[i : i + 1]) for a, b in zip(one, both))
+
+
+def _chain_position_by_position(logits, drafts, count, live, hist, samp, seed, counter, stop_ids, generated,
+                                max_new, V):
+    """A speculative chain as a sequence of ordinary draws: position j is scored with the
+    histogram of everything emitted before it in the step, then either verifies draft j
+    (``verify_draft``) or samples (``choose``'s draw, ``sample``); the chain stops at the
+    first rejection, stop id or ``max_new``."""
+    B, W, _ = logits.shape
+    alive, emitted, hist, out = live.clone(), torch.zeros(B, dtype=torch.long), hist.clone(), []
+    for j in range(W):
+        u = uniform(seed, counter + j)
+        x = scores(logits[:, j], hist, samp["temperature"], samp["repetition"], samp["presence"], samp["frequency"], V)
+        plain = sample(logits[:, j], hist, samp["temperature"], samp["top_k"], samp["top_p"], samp["min_p"],
+                       samp["repetition"], samp["presence"], samp["frequency"], seed, counter + j, V)
+        tok, accepted = plain, torch.zeros_like(alive)
+        if j < W - 1:
+            tok_v, acc = verify_draft(x, samp["top_k"], samp["top_p"], samp["min_p"], drafts[:, j], u,
+                                      uniform(seed ^ REJECT_STREAM, counter + j))
+            tok, accepted = torch.where(count > j, tok_v, plain), (count > j) & acc
+        out.append(torch.where(alive, tok, -1))
+        emitted += alive.long()
+        hist.scatter_add_(1, tok[:, None], alive[:, None].to(hist.dtype))
+        stop = (stop_ids == tok[:, None]).any(dim=-1) | (generated + emitted >= max_new)
+        alive = alive & accepted & ~stop
+    return torch.stack(out, dim=1), emitted, hist
+
+
+def test_a_chain_is_the_same_bits_as_its_positions_drawn_one_by_one():
+    """verify_chain scores and draws all W positions in one pass (each position's histogram
+    counting the drafts before it); drawn one position at a time, with the histogram grown
+    by each emitted token, 600 rows with every filter and penalty, drafts that are often
+    accepted (the argmax), sometimes not, counts 0..5, stop ids and max_new limits give the
+    same tokens, counts and histograms."""
+    g = torch.Generator().manual_seed(21)
+    V, B, W = 24, 600, 6
+    parts = [random_row(g, V) for _ in range(B)]
+    _, p = stack(parts)
+    logits = torch.randn(B, W, V, generator=g) * 3
+    drafts = logits[:, : W - 1].argmax(dim=-1)
+    wrong = torch.rand(B, W - 1, generator=g) < 0.15
+    drafts = torch.where(wrong, torch.randint(0, V, (B, W - 1), generator=g), drafts)
+    p["temperature"] = torch.where(torch.rand(B, generator=g) < 0.5, torch.full((B,), 0.05), p["temperature"])
+    count = torch.randint(0, W, (B,), generator=g)
+    live = torch.rand(B, generator=g) < 0.9
+    stop_ids = torch.where(torch.rand(B, 2, generator=g) < 0.3, torch.randint(0, V, (B, 2), generator=g), -1)
+    generated = torch.randint(0, 20, (B,), generator=g)
+    max_new = generated + torch.randint(1, 8, (B,), generator=g)
+    args = (logits, drafts, count, live, p["hist"], {k: p[k] for k in SAMP}, p["seed"], p["counter"], stop_ids,
+            generated, max_new, V)
+    ours = verify_chain(*args)
+    ref = _chain_position_by_position(*args)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    emitted = ours[1]
+    assert (emitted >= 3).sum() > 50 and (emitted == 1).sum() > 50 and (emitted == 0).sum() > 20
