@@ -168,3 +168,54 @@ def test_a_chunk_without_tokens_changes_no_state(hybrid_core, tokens, attention)
     after = x.rows(1)
     for n in (Q.RECURRENT_STATE, Q.BLOCK_STATE, Q.STASH, Q.GRID):
         assert torch.equal(before[n], after[n]), n
+
+
+def _movement_in_torch(mod, paged, rows, slot, count, rule):
+    """The CUDA path's prefill with ``_aligned_prefill``'s torch data movement in place of
+    ``kernels/gdn_grid.py``'s three launches (the same convolution, gates and rule)."""
+    from flare.prepare.kernels import gdn as K
+
+    def inputs(part, valid):
+        mixed, b, a = Q._split_rows(mod, part)
+        mixed = torch.where((torch.arange(part.shape[0], device=part.device) < valid)[:, None], mixed, 0)
+        g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, valid.reshape(1).int())
+        return *Q._split_heads(mod, mixed), g, beta
+
+    return Q._aligned_prefill(mod, paged, *Q._split_rows(mod, rows), inputs, rule)
+
+
+def test_the_fused_grid_moves_the_bits_of_the_torch_movement(hybrid_core, tokens, monkeypatch):
+    """The CUDA path gathers the stash and the chunk, picks the initial matrix, assembles the
+    output rows and writes the state rows in three launches (``kernels/gdn_grid.py``); with
+    the torch movement of the reference in their place, chunks on the grid, chunks after
+    decode steps (off the grid), a chunk of one token and an empty chunk give the same
+    output rows and state rows, bitwise."""
+    mixed, b, a = tokens
+    x, y = Layer(hybrid_core, "triton"), Layer(hybrid_core, "triton")
+    cuts = [(0, 37), (37, 101), (101, 102), (102, 170)]
+    for lo, hi in cuts:
+        got = x.prefill(1, mixed[lo:hi], b[lo:hi], a[lo:hi])
+        with monkeypatch.context() as m:
+            m.setattr(Q, "_aligned_prefill_triton", _movement_in_torch)
+            want = y.prefill(1, mixed[lo:hi], b[lo:hi], a[lo:hi])
+        assert torch.equal(got, want), (lo, hi)
+        _equal_state(x, 1, y, 1)
+    x.decode(1, mixed[170:173], b[170:173], a[170:173])
+    y.decode(1, mixed[170:173], b[170:173], a[170:173])
+    got = x.prefill(1, mixed[173:260], b[173:260], a[173:260])
+    with monkeypatch.context() as m:
+        m.setattr(Q, "_aligned_prefill_triton", _movement_in_torch)
+        want = y.prefill(1, mixed[173:260], b[173:260], a[173:260])
+    assert x.rows(1)[Q.GRID][1].tolist() == [260, (260 - 173) % 64]
+    assert torch.equal(got, want)
+    _equal_state(x, 1, y, 1)
+    C = x.caps[0]
+    empty = lambda layer: layer.batch(torch.full((C,), 1), torch.zeros(C, dtype=torch.long),  # noqa: E731
+                                      torch.zeros(C, dtype=torch.bool), True)
+    before = x.rows(1)
+    x.mix(empty(x), mixed[:C], b[:C], a[:C])
+    with monkeypatch.context() as m:
+        m.setattr(Q, "_aligned_prefill_triton", _movement_in_torch)
+        y.mix(empty(y), mixed[:C], b[:C], a[:C])
+    _equal_state(x, 1, y, 1)
+    assert all(torch.equal(before[n], x.rows(1)[n]) for n in GDN)

@@ -5,7 +5,7 @@ Triton's CPU interpreter (which runs the kernels' numerical tests) executes the
 kernel source as Python and accepts code the real compiler rejects: a name
 whose type differs between an ``if`` block and the code before it compiled in
 the interpreter and failed on the H200. This test runs the real front end and
-ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``gemm.py``, ``moe.py`` and
+ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``gdn_grid.py``, ``gemm.py``, ``moe.py`` and
 ``paged_attention.py`` at the dtypes and block shapes the recipe launches, so such an error fails CI instead
 of a device call. It runs in a subprocess: the interpreter switch of the test
 session would otherwise stand in for the compiler.
@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
 
     from flare.prepare.kernels import gdn as K
+    from flare.prepare.kernels import gdn_grid as GG
     from flare.prepare.kernels import gemm as G
     from flare.prepare.kernels import moe as M
     from flare.prepare.kernels import paged_attention as A
@@ -81,6 +82,16 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
+    # The block grid's movement: the stash and rows in bf16, states fp32, int32 grid rows and
+    # meta, the slot and start int64, an int32 count.
+    grid = {"grid_ptr": "*i32", "slot_ptr": "*i64", "start_ptr": "*i64", "count_ptr": "*i32", "meta_ptr": "*i32"}
+    compile_for_sm90(GG._grid_rows_kernel, {**bf16("rows_ptr", "stash_ptr", "seq_ptr"), **grid},
+                     dict(BLOCK=64, BLOCK_T=16, BLOCK_C=256))
+    compile_for_sm90(GG._grid_initial_kernel, {**f32("block_ptr", "rec_ptr", "out_ptr"), **grid}, dict(BLOCK_N=1024))
+    compile_for_sm90(GG._grid_commit_kernel,
+                     {**bf16("whole_ptr", "tail_ptr", "core_ptr", "seq_ptr", "stash_rows_ptr"),
+                      **f32("final_ptr", "block_ptr", "rec_rows_ptr", "block_rows_ptr"), **grid},
+                     dict(BLOCK=64, BLOCK_N=1024))
     # Paged attention: decode's even split (SEG 0) and prompt programs' segments (8B at 131K).
     attend = {**bf16("q_ptr", "out_ptr", "k_cache", "v_cache"), **f32("part_acc", "part_m", "part_l"),
               "page_table": "*i32", "token_slot": "*i64", "positions": "*i64", "valid": "*u8", "part_eff": "*i32",
@@ -103,4 +114,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 20, proc.stdout
+    assert proc.stdout.count("compiled") == 23, proc.stdout

@@ -312,14 +312,37 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     slot = paged.token_slot[:1]
     count = paged.valid.sum(dtype=torch.int32).reshape(1)
     mixed = K.conv1d_prefill_chunk(mixed, conv_rows, weight, bias, slot, count)  # zero past the count
+    return _aligned_prefill_triton(mod, paged, torch.cat([mixed, b.to(mixed.dtype), a.to(mixed.dtype)], dim=-1),
+                                   slot, count, _chunk_rule(mixed.device))
 
-    def inputs(rows, count):
-        mixed, b, a = _split_rows(mod, rows)
-        mixed = torch.where((torch.arange(rows.shape[0], device=rows.device) < count)[:, None], mixed, 0)
-        g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, count.reshape(1).int())  # zero past the count
-        return *_split_heads(mod, mixed), g, beta
 
-    return _aligned_prefill(mod, paged, mixed, b, a, inputs, _chunk_rule(mixed.device))
+def _aligned_prefill_triton(mod, paged: PagedBatch, rows, slot, count, rule) -> torch.Tensor:
+    """``_aligned_prefill`` with its data movement in three launches (``kernels/gdn_grid.py``):
+    the same rule calls on the same inputs, the same output and state rows."""
+    from flare.prepare.kernels import gdn as K
+    from flare.prepare.kernels import gdn_grid as G
+
+    _, rec_rows = _state_rows(mod, paged)
+    block_rows = paged.state[BLOCK_STATE].select(1, mod.state_index)
+    stash_rows = paged.state[STASH].select(1, mod.state_index)
+    grid_rows = paged.state[GRID].select(1, mod.state_index)
+    T = rows.shape[0]
+    whole = -(-T // BLOCK) * BLOCK
+    start = paged.positions[:1]
+    seq, meta = G.grid_rows(rows, stash_rows, grid_rows, slot, start, count, whole, BLOCK)
+
+    def run(part, valid, initial):
+        mixed, b, a = _split_rows(mod, part)  # rows past the valid count are zero
+        g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, valid)  # zero past the count
+        q, k, v = _split_heads(mod, mixed)
+        core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
+                           output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=BLOCK)
+        return core[0].contiguous(), final.to(torch.float32).contiguous()
+
+    whole_core, block = run(seq[:whole], meta[0:1], G.grid_initial(block_rows, rec_rows, slot, meta))
+    tail_core, final = run(seq[whole:], meta[1:2], block)
+    return G.grid_commit(whole_core, tail_core, final, block, seq, rec_rows, block_rows, stash_rows, grid_rows,
+                         slot, start, count, meta, T)
 
 
 def _decode_triton(mod, conv_rows, rec_rows, slots, live, mixed, b, a) -> torch.Tensor:
