@@ -5,7 +5,7 @@ Triton's CPU interpreter (which runs the kernels' numerical tests) executes the
 kernel source as Python and accepts code the real compiler rejects: a name
 whose type differs between an ``if`` block and the code before it compiled in
 the interpreter and failed on the H200. This test runs the real front end and
-ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``gdn_grid.py``, ``gemm.py``, ``moe.py`` and
+ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``gdn_grid.py``, ``gemm.py``, ``rownorm.py``, ``moe.py`` and
 ``paged_attention.py`` at the dtypes and block shapes the recipe launches, so such an error fails CI instead
 of a device call. It runs in a subprocess: the interpreter switch of the test
 session would otherwise stand in for the compiler.
@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import gemm as G
     from flare.prepare.kernels import moe as M
     from flare.prepare.kernels import paged_attention as A
+    from flare.prepare.kernels import rownorm as RN
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4):
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -82,6 +83,9 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
+    for block in (1024, 4096):  # hidden 576 .. 1,024, and 4,096 (8B)
+        compile_for_sm90(RN._mean_square_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp32"}, dict(BLOCK=block),
+                         num_warps=RN._warps(block))
     # The block grid's movement: the stash and rows in bf16, states fp32, int32 grid rows and
     # meta, the slot and start int64, an int32 count.
     grid = {"grid_ptr": "*i32", "slot_ptr": "*i64", "start_ptr": "*i64", "count_ptr": "*i32", "meta_ptr": "*i32"}
@@ -114,4 +118,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 23, proc.stdout
+    assert proc.stdout.count("compiled") == 25, proc.stdout

@@ -210,7 +210,8 @@ class _CudaArena:
 
     def row_invariance(self, recipe, model, caps, opts: Options, continuation, progress) -> None:
         """Linear layers that cuBLAS would split at a prompt program's row count compute
-        those programs with the unsplit Triton GEMM (kernels/gemm.py)."""
+        those programs with the unsplit Triton GEMM (kernels/gemm.py), and the RMS norms take
+        their mean of squares from a row-invariant kernel there (kernels/rownorm.py)."""
         if opts.step_gemms == "measure":
             self._step_gemms(recipe, model, caps, continuation, progress)
         if opts.split_prompt_gemms:
@@ -223,6 +224,14 @@ class _CudaArena:
             by_name.setdefault(name.split(".", 1)[1], set()).update(counts)  # over the layers
         for name, counts in sorted(by_name.items()):
             progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
+        from flare.prepare.kernels.rownorm import make_norms_row_invariant
+
+        switched, left = make_norms_row_invariant(model.module)
+        if switched:
+            progress("row-invariant mean of squares in prompt programs for " +
+                     ", ".join(f"{n} ({k})" for n, k in sorted(switched.items())))
+        if left:
+            progress(f"norms left to the compiler (their code is not one rownorm knows): {', '.join(left)}")
 
     def _step_gemms(self, recipe, model, caps, continuation, progress) -> None:
         """Decode and verify steps: each linear layer takes the unsplit Triton GEMM at the

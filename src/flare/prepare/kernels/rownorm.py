@@ -1,0 +1,179 @@
+"""RMS norms whose prompt rows do not depend on how many rows the program has.
+
+The decoder layers are compiled by Inductor, which turns an RMS norm's mean of squares
+into a reduction kernel per program capacity and picks that kernel's blocks and warps by
+the capacity's row count (and, for rows longer than 1,024, among candidates by timing
+them): a wider block or more warps sum a row in another order, so a prompt token's norm
+can round differently in a 32-row program (a follow-up's suffix, prefix cache on) than in
+a 512-row one (the same prompt prefilled whole). The linear layers had the same problem
+(``gemm.py``).
+
+In prompt programs (``prompt_rows.active()``) the norms of the model take their mean of
+squares from ``mean_square``: one Triton program per row, whose block and warps follow
+from the row's length only, so every row sums in the same order in every program. The
+rest of each norm is elementwise and stays in the compiled graph, where Inductor fuses it
+as before. Decode and verify steps keep Inductor's reduction (their rows need not equal a
+prefill's).
+
+Norm classes are switched by what their code is, not their name: a class whose ``_norm``
+is Transformers' zero-centred one (Qwen3.5, Qwen3-Next: ``x * rsqrt(mean(x^2) + eps)``,
+scaled by ``1 + weight`` in its forward) gets that ``_norm``; a class whose ``forward`` is
+Llama's (Llama, Qwen2/3, Qwen3-MoE, Mistral) or the gated one of a Gated DeltaNet gets that
+forward with the mean of squares swapped. Any other norm is left as it is and reported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from torch.library import triton_op, wrap_triton
+
+from flare.prepare import prompt_rows
+
+
+@triton.jit
+def _mean_square_kernel(x_ptr, out_ptr, N, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + n, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row, tl.sum(x * x, axis=0) / N)
+
+
+def _warps(n: int) -> int:
+    return 4 if n <= 1024 else 8 if n <= 4096 else 16
+
+
+@triton_op("flare::mean_square", mutates_args=())
+def _mean_square_op(x: torch.Tensor) -> torch.Tensor:
+    rows, n = x.shape
+    out = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(n)
+        wrap_triton(_mean_square_kernel)[(rows,)](x, out, n, x.stride(0), BLOCK=block, num_warps=_warps(block))
+    return out
+
+
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1, keepdim=True)`` in float32, each row summed in one fixed
+    order whatever the number of rows (a custom op: a compiled layer calls it without a
+    graph break). Rows up to 16,384 long."""
+    n = x.shape[-1]
+    if n > 16384:
+        raise ValueError(f"mean_square: rows of {n} exceed 16,384")
+    return _mean_square_op(x.reshape(-1, n).contiguous()).reshape(*x.shape[:-1], 1)
+
+
+class _ZeroCentred:
+    """Transformers' zero-centred ``_norm`` with the mean of squares from ``mean_square`` in
+    prompt programs."""
+
+    def _norm(self, x):
+        if not prompt_rows.active():
+            return super()._norm(x)
+        return x * torch.rsqrt(mean_square(x) + self.eps)
+
+
+class _Scaled:
+    """Llama's RMS norm with the mean of squares from ``mean_square`` in prompt programs."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not prompt_rows.active():
+            return super().forward(hidden_states)
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states * torch.rsqrt(mean_square(hidden_states) + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class _Gated:
+    """A Gated DeltaNet's gated RMS norm with the mean of squares from ``mean_square`` in
+    prompt programs."""
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if not prompt_rows.active():
+            return super().forward(hidden_states, gate)
+        from transformers.activations import ACT2FN
+
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states * torch.rsqrt(mean_square(hidden_states) + self.variance_epsilon)
+        hidden_states = self.weight * hidden_states.to(input_dtype)
+        hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
+        return hidden_states.to(input_dtype)
+
+
+# The Transformers code each mixin stands for, with ``variance`` the mean of squares it swaps.
+_ZERO_CENTRED_NORM = '''
+def _norm(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+'''
+_SCALED_FORWARD = '''
+def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+'''
+_GATED_FORWARD = '''
+def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    # Norm before gate
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight * hidden_states.to(input_dtype)
+    hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))
+
+    return hidden_states.to(input_dtype)
+'''
+
+
+def _code(fn) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(fn)).strip()
+    except (OSError, TypeError):
+        return None
+
+
+def _mixin(cls: type) -> type | None:
+    """The mixin whose Transformers code ``cls`` runs, or None."""
+    if _code(getattr(cls, "_norm", None)) == _ZERO_CENTRED_NORM.strip():
+        return _ZeroCentred
+    forward = _code(cls.forward)
+    if forward == _SCALED_FORWARD.strip():
+        return _Scaled
+    if forward == _GATED_FORWARD.strip():
+        return _Gated
+    return None
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def make_norms_row_invariant(model: nn.Module) -> tuple[dict[str, int], list[str]]:
+    """Switch every RMS norm of ``model`` whose code is one of the three above (module
+    docstring); returns ({class name: modules switched}, names of the norm classes left as
+    they are)."""
+    switched: dict[str, int] = {}
+    left: set[str] = set()
+    for module in model.modules():
+        cls = type(module)
+        if cls in _CLASSES.values():
+            continue
+        if "RMSNorm" not in cls.__name__:
+            continue
+        mixin = _mixin(cls)
+        if mixin is None:
+            left.add(cls.__name__)
+            continue
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"RowInvariant{cls.__name__}", (mixin, cls), {})
+        module.__class__ = _CLASSES[cls]
+        switched[cls.__name__] = switched.get(cls.__name__, 0) + 1
+    return switched, sorted(left)

@@ -1,0 +1,88 @@
+"""RMS norms with a row-invariant mean of squares in prompt programs (``kernels/rownorm.py``).
+
+Without CUDA the kernel runs in Triton's CPU interpreter; with CUDA (the GPU suite's kernel
+phase) compiled, in bfloat16 too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from flare.prepare import prompt_rows  # noqa: E402
+from flare.prepare.kernels import rownorm as R  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [100, 576, 2048, 4096])
+def test_a_rows_mean_square_is_the_same_bits_for_any_number_of_rows(n, dtype):
+    """Rows 0..k of 300 rows alone (k = 1, 16, 37) and among all 300, and as rows of a 3-D
+    input, get the same bits; against torch's mean of squares within float32 rounding."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(300, n, generator=g) * 3).to(dtype).to(DEVICE)
+    whole = R.mean_square(x)
+    assert whole.shape == (300, 1) and whole.dtype == torch.float32
+    for k in (1, 16, 37):
+        assert torch.equal(R.mean_square(x[:k]), whole[:k])
+    assert torch.equal(R.mean_square(x.reshape(3, 100, n)).reshape(300, 1), whole)
+    torch.testing.assert_close(whole, x.float().pow(2).mean(-1, keepdim=True), rtol=2e-6, atol=0)
+
+
+def _classes():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    return [LlamaRMSNorm, Qwen3MoeRMSNorm, Qwen3_5RMSNorm, Qwen3NextRMSNorm, Qwen3_5RMSNormGated]
+
+
+@pytest.mark.parametrize("cls", _classes(), ids=lambda c: c.__name__)
+def test_a_switched_norm_computes_transformers_formula(cls, monkeypatch):
+    """With torch's own mean of squares in the kernel's place, a switched norm gives the
+    original class's output bitwise in prompt programs (the formula around the mean is
+    Transformers'), and runs the original forward elsewhere; with the kernel, the same to
+    float32 rounding of the mean."""
+    torch.manual_seed(0)
+    n, gated = 64, "Gated" in cls.__name__
+    norm = cls(n, eps=1e-6) if not gated else cls(n, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    original = cls(n, eps=1e-6)
+    original.load_state_dict(norm.state_dict())
+    holder = nn.ModuleList([norm])
+    switched, left = R.make_norms_row_invariant(holder)
+    assert switched == {cls.__name__: 1} and left == [] and type(norm) is not cls and isinstance(norm, cls)
+    # Rows of mean square near eps (where eps matters) and near one, in bfloat16.
+    x = (torch.randn(8, n) * torch.tensor([3e-3, 1.0]).repeat(4)[:, None]).to(torch.bfloat16)
+    args = (x, torch.randn(8, n).to(torch.bfloat16)) if gated else (x,)
+    want = original(*args)
+    torch.testing.assert_close(norm(*args), want, rtol=0, atol=0)  # outside prompt programs
+    with prompt_rows.marked(True):
+        kernel = norm(*args)
+        monkeypatch.setattr(R, "mean_square", lambda t: t.float().pow(2).mean(-1, keepdim=True))
+        assert torch.equal(norm(*args), want)
+    torch.testing.assert_close(kernel.float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_a_norm_of_other_code_is_left_and_reported():
+    class OddRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x / x.abs().amax(-1, keepdim=True) * self.weight
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    holder = nn.ModuleList([OddRMSNorm(), LlamaRMSNorm(8), LlamaRMSNorm(8), nn.Linear(8, 8)])
+    switched, left = R.make_norms_row_invariant(holder)
+    assert switched == {"LlamaRMSNorm": 2} and left == ["OddRMSNorm"]
+    assert type(holder[0]) is OddRMSNorm and type(holder[1]) is type(holder[2])
+    assert R.make_norms_row_invariant(holder) == ({}, ["OddRMSNorm"])  # switched ones stay as they are
