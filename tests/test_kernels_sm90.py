@@ -7,8 +7,9 @@ whose type differs between an ``if`` block and the code before it compiled in
 the interpreter and failed on the H200. This test runs the real front end and
 ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``gdn_grid.py``,
 ``gemm.py``, ``rownorm.py``, ``moe.py`` and ``paged_attention.py`` at the dtypes and block
-shapes the recipe launches, so such an error fails CI instead of a device call. It runs in a subprocess: the interpreter switch of the test
-session would otherwise stand in for the compiler.
+shapes the recipe launches, so such an error fails CI instead of a device call. It runs
+in a subprocess: the interpreter switch of the test session would otherwise stand in for
+the compiler.
 """
 
 from __future__ import annotations
