@@ -27,9 +27,11 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 from flare.prepare.kernels.gdn import (  # noqa: E402
     conv1d_decode_step,
     conv1d_prefill_chunk,
+    conv1d_verify_steps,
     gdn_decode_step,
     gdn_prefill_gates,
     gdn_prefill_recurrent,
+    gdn_verify_steps,
 )
 
 F64 = torch.float64
@@ -331,3 +333,56 @@ def test_rejects_bad_shapes():
         conv1d_decode_step(x, conv_state[:, :, :2], weight, bias, slots, live)
     with pytest.raises(ValueError, match="block_t"):
         conv1d_prefill_chunk(x, conv_state, weight, bias, slots, slots, block_t=2)
+
+
+# Verify programs: rows of W positions (the pending token and its drafts); a position past
+# a row's drafts is not valid. Row 2 is padding (the null slot, no valid position).
+VERIFY_ROWS = ([3, 5, 0, 1], [[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]])
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES[:2], ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_verify_steps_are_the_bits_of_decode_steps_in_a_row(geo, dtype):
+    """gdn_verify_steps over B rows of W positions in one launch: the outputs and the state
+    after every position are the bits of W gdn_decode_step calls on a copy of each row's
+    slot state; positions past a row's drafts leave the state and output zeros; the slots'
+    own rows are untouched."""
+    slots, valid = VERIFY_ROWS
+    B, W = len(slots), len(valid[0])
+    q, k, v, a, b, A_log, dt_bias, state = decode_inputs(geo, B * W, dtype, 400)
+    before = state.clone()
+    slots_t = torch.tensor(slots, device=DEVICE)
+    valid_t = torch.tensor([x == 1 for row in valid for x in row], device=DEVICE)
+    steps = torch.full((B, W, geo.Hv, geo.Dk, geo.Dv), float("nan"), device=DEVICE)
+    out = gdn_verify_steps(q, k, v, a, b, A_log, dt_bias, state, slots_t, valid_t, steps, block_v=8)
+    assert torch.equal(state, before)
+    work = before.index_select(0, slots_t)
+    rows = torch.arange(B, device=DEVICE)
+    for j in range(W):
+        at = rows * W + j
+        want = gdn_decode_step(q[at], k[at], v[at], a[at], b[at], A_log, dt_bias, work, rows, valid_t[at], block_v=8)
+        assert torch.equal(out[at], want), j
+        assert torch.equal(steps[:, j], work), j
+    assert not torch.equal(steps[0, 2], steps[0, 1]) and torch.equal(steps[1, 2], steps[1, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("W", [4, 3, 2])
+def test_conv_verify_steps_are_the_bits_of_decode_steps_in_a_row(dtype, W):
+    """conv1d_verify_steps likewise against W conv1d_decode_step calls, kernels 2 to 4 wide."""
+    slots, valid = VERIFY_ROWS
+    B, width, D = len(slots), len(valid[0]), 40
+    x, weight, bias, conv_state = conv_inputs(D, W, B * width, dtype, 500 + W)
+    before = conv_state.clone()
+    slots_t = torch.tensor(slots, device=DEVICE)
+    valid_t = torch.tensor([v == 1 for row in valid for v in row], device=DEVICE)
+    steps = torch.full((B, width, D, W - 1), float("nan"), dtype=dtype, device=DEVICE)
+    out = conv1d_verify_steps(x, conv_state, weight, bias, slots_t, valid_t, steps, block_c=16)
+    assert torch.equal(conv_state, before)
+    work = before.index_select(0, slots_t)
+    rows = torch.arange(B, device=DEVICE)
+    for j in range(width):
+        at = rows * width + j
+        want = conv1d_decode_step(x[at], work, weight, bias, rows, valid_t[at], block_c=16)
+        assert torch.equal(out[at], want), j
+        assert torch.equal(steps[:, j], work), j

@@ -81,6 +81,13 @@ SCRIPT = textwrap.dedent('''
                      {"logits_ptr": "*bf16", "valid_ptr": "*i1", "w_ptr": "*fp32", "ids_ptr": "*i64",
                       "order_ptr": "*i64", "tile_expert_ptr": "*i64", "tile_start_ptr": "*i64", "tile_end_ptr": "*i64"},
                      dict(K=8, RENORM=True, BM=16, BT=1, BE=512, BK=8, BP=8, MT=1, PLAN=False), num_warps=4)
+    compile_for_sm90(K._verify_conv_kernel,
+                     {**bf16("x_ptr", "state_ptr", "w_ptr", "bias_ptr", "out_ptr", "steps_ptr"), "slots_ptr": "*i64",
+                      "valid_ptr": "*i1"}, dict(W=4, HAS_BIAS=False, BLOCK_C=256))
+    compile_for_sm90(K._verify_rule_kernel,
+                     {**bf16("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "out_ptr"),
+                      **f32("state_ptr", "steps_ptr"), "slots_ptr": "*i64", "valid_ptr": "*i1", "scale": "fp32"},
+                     dict(GROUP=2, DK=128, DV=128, BK=128, BV=32, EPS=1e-6))
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
@@ -119,4 +126,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 25, proc.stdout
+    assert proc.stdout.count("compiled") == 27, proc.stdout

@@ -429,3 +429,161 @@ def gdn_prefill_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_
         BLOCK_T=block_t, BLOCK_H=triton.next_power_of_2(H), num_warps=4,
     )
     return g, beta
+
+
+# -- verify programs: W positions of each row in one launch ---------------------------------
+
+@triton.jit
+def _verify_conv_kernel(
+    x_ptr, state_ptr, w_ptr, bias_ptr, slots_ptr, valid_ptr, out_ptr, steps_ptr, D, WIDTH,
+    stride_xb, stride_xd, stride_ss, stride_sd, stride_sw, stride_wd, stride_ww,
+    stride_ob, stride_od, stride_slot, stride_valid,
+    stride_pb, stride_pj, stride_pd, stride_pw,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_in = c < D
+    slot = tl.load(slots_ptr + row * stride_slot).to(tl.int64)
+    hist = state_ptr + slot * stride_ss + c * stride_sd
+    steps = steps_ptr + row * stride_pb + c * stride_pd
+    w_last = tl.load(w_ptr + c * stride_wd + (W - 1) * stride_ww, mask=c_in, other=0.0).to(tl.float32)
+    # The history in registers, oldest first (W - 1 <= 3 taps: Qwen3.5's kernel is 4 wide).
+    h0 = tl.load(hist, mask=c_in, other=0.0)
+    h1 = tl.load(hist + 1 * stride_sw, mask=c_in & (W > 2), other=0.0)
+    h2 = tl.load(hist + 2 * stride_sw, mask=c_in & (W > 3), other=0.0)
+    for j in range(WIDTH):
+        at = row * WIDTH + j
+        live = tl.load(valid_ptr + at * stride_valid) != 0
+        x = tl.load(x_ptr + at * stride_xb + c * stride_xd, mask=c_in, other=0.0).to(state_ptr.dtype.element_ty)
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + c, mask=c_in, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptr + c * stride_wd, mask=c_in, other=0.0).to(tl.float32) * h0.to(tl.float32)
+        if W > 2:
+            acc += tl.load(w_ptr + c * stride_wd + stride_ww, mask=c_in, other=0.0).to(tl.float32) * h1.to(tl.float32)
+        if W > 3:
+            acc += (tl.load(w_ptr + c * stride_wd + 2 * stride_ww, mask=c_in, other=0.0).to(tl.float32)
+                    * h2.to(tl.float32))
+        acc += w_last * x.to(tl.float32)
+        # A position past the row's drafts leaves the history as it is and outputs zeros.
+        if W == 2:
+            h0 = tl.where(live, x, h0)
+        elif W == 3:
+            h0, h1 = tl.where(live, h1, h0), tl.where(live, x, h1)
+        else:
+            h0, h1, h2 = tl.where(live, h1, h0), tl.where(live, h2, h1), tl.where(live, x, h2)
+        tl.store(steps + j * stride_pj, h0, mask=c_in)
+        if W > 2:
+            tl.store(steps + j * stride_pj + stride_pw, h1, mask=c_in)
+        if W > 3:
+            tl.store(steps + j * stride_pj + 2 * stride_pw, h2, mask=c_in)
+        y = tl.where(live, _silu_rounded(acc, w_ptr.dtype.element_ty), 0.0)
+        tl.store(out_ptr + at * stride_ob + c * stride_od, y.to(out_ptr.dtype.element_ty), mask=c_in)
+
+
+def conv1d_verify_steps(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        slots: torch.Tensor, valid: torch.Tensor, steps: torch.Tensor, *,
+                        out: torch.Tensor | None = None, block_c: int = 256, num_warps: int = 4) -> torch.Tensor:
+    """``conv1d_decode_step`` over the W positions of each of B rows in one launch, from the
+    row's slot history, which is left untouched: x ``[B * W, D]`` (row b's positions at
+    b * W ..); slots ``[B]``; valid ``[B * W]`` (a position that is not valid leaves the
+    history as it is and outputs zeros); ``steps [B, W, D, K-1]`` receives the history after
+    each position. The same arithmetic as W decode steps in a row. Kernels up to 4 wide."""
+    w, out = _conv_args(x, conv_state, weight, bias, out)
+    N, D = x.shape
+    B = slots.shape[0]
+    if B == 0 or N % B:
+        raise ValueError(f"x has {N} rows, not a multiple of the {B} rows' slots")
+    width = N // B
+    if w.shape[1] > 4:
+        raise ValueError(f"conv1d_verify_steps: kernels up to 4 wide, not {w.shape[1]}")
+    _check_shape("valid", valid, (N,))
+    _check_shape("steps", steps, (B, width, D, w.shape[1] - 1))
+    block_c = min(block_c, triton.next_power_of_2(D))
+    _verify_conv_kernel[(B, triton.cdiv(D, block_c))](
+        x, conv_state, w, bias if bias is not None else w, slots, valid, out, steps, D, width,
+        *x.stride(), *conv_state.stride(), *w.stride(), *out.stride(), slots.stride(0), valid.stride(0),
+        *steps.stride(), W=w.shape[1], HAS_BIAS=bias is not None, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out
+
+
+@triton.jit
+def _verify_rule_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, valid_ptr, out_ptr, steps_ptr,
+    scale, WIDTH,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+    stride_ab, stride_ah, stride_bb, stride_bh, stride_slot, stride_valid,
+    stride_ss, stride_sh, stride_sk, stride_sv, stride_ob, stride_oh, stride_od,
+    stride_pb, stride_pj, stride_ph, stride_pk, stride_pv,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    hv = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = hv // GROUP
+    slot = tl.load(slots_ptr + row * stride_slot).to(tl.int64)
+    kk = tl.arange(0, BK)
+    vv = vb * BV + tl.arange(0, BV)
+    k_in = kk < DK
+    v_in = vv < DV
+    s_mask = k_in[:, None] & v_in[None, :]
+    s = tl.load(state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :] * stride_sv,
+                mask=s_mask, other=0.0)
+    A = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+    for j in range(WIDTH):
+        at = row * WIDTH + j
+        live = tl.load(valid_ptr + at * stride_valid) != 0
+        q = tl.load(q_ptr + at * stride_qb + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + at * stride_kb + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + at * stride_vb + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + EPS) * scale
+        k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
+        b_raw = tl.load(b_ptr + at * stride_bb + hv * stride_bh)
+        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+        a = tl.load(a_ptr + at * stride_ab + hv * stride_ah).to(tl.float32)
+        g = -A * _softplus(a + dt_bias)
+        stepped = s * tl.exp(g)
+        delta = (v - tl.sum(stepped * k[:, None], 0)) * beta
+        stepped = stepped + k[:, None] * delta[None, :]
+        o = tl.where(live, tl.sum(stepped * q[:, None], 0), 0.0)
+        # A position past the row's drafts leaves the state as it is.
+        s = tl.where(live, stepped, s)
+        tl.store(steps_ptr + row * stride_pb + j * stride_pj + hv * stride_ph + kk[:, None] * stride_pk
+                 + vv[None, :] * stride_pv, s, mask=s_mask)
+        tl.store(out_ptr + at * stride_ob + hv * stride_oh + vv * stride_od, o.to(out_ptr.dtype.element_ty),
+                 mask=v_in)
+
+
+def gdn_verify_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     valid: torch.Tensor, steps: torch.Tensor, *, out: torch.Tensor | None = None, block_v: int = 32,
+                     num_warps: int = 4) -> torch.Tensor:
+    """``gdn_decode_step`` over the W positions of each of B rows in one launch, from the
+    row's slot state, which is left untouched: q, k ``[B * W, Hk, Dk]``, v ``[B * W, Hv, Dv]``,
+    a, b ``[B * W, Hv]`` (row b's positions at b * W ..); slots ``[B]``; valid ``[B * W]`` (a
+    position that is not valid leaves the state as it is and outputs zeros); ``steps [B, W,
+    Hv, Dk, Dv]`` float32 receives the state after each position. The same arithmetic as W
+    decode steps in a row (the state stays in registers between them: float32 either way)."""
+    N, Hk, Dk, Hv, Dv = _rule_geometry(q, k, v, state, "B * W")
+    B = slots.shape[0]
+    if B == 0 or N % B:
+        raise ValueError(f"q has {N} rows, not a multiple of the {B} rows' slots")
+    width = N // B
+    for name, t, shape in (("a", a, (N, Hv)), ("b", b, (N, Hv)), ("A_log", A_log, (Hv,)),
+                           ("dt_bias", dt_bias, (Hv,)), ("valid", valid, (N,)),
+                           ("steps", steps, (B, width, Hv, Dk, Dv))):
+        _check_shape(name, t, shape)
+    out = _output(out, (N, Hv, Dv), v)
+    block_v = min(block_v, triton.next_power_of_2(Dv))
+    _verify_rule_kernel[(B, Hv, triton.cdiv(Dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, state, slots, valid, out, steps, Dk ** -0.5, width,
+        *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(), slots.stride(0), valid.stride(0),
+        *state.stride(), *out.stride(), *steps.stride(),
+        GROUP=Hv // Hk, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=block_v, EPS=_L2_EPS,
+        num_warps=num_warps,
+    )
+    return out

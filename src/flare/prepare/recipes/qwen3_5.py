@@ -304,7 +304,7 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     from flare.prepare.kernels import gdn as K
 
     if paged.verify_width:
-        return _verify(mod, paged, mixed, b, a, _decode_triton)
+        return _verify_triton(mod, paged, mixed, b, a)
     conv_rows, rec_rows = _state_rows(mod, paged)
     weight, bias = mod.conv1d.weight, mod.conv1d.bias
     if not paged.single_slot:
@@ -352,6 +352,22 @@ def _decode_triton(mod, conv_rows, rec_rows, slots, live, mixed, b, a) -> torch.
     mixed = K.conv1d_decode_step(mixed, conv_rows, mod.conv1d.weight, mod.conv1d.bias, slots, live)
     query, key, value = _split_heads(mod, mixed)
     return K.gdn_decode_step(query, key, value, a, b, mod.A_log, mod.dt_bias, rec_rows, slots, live)
+
+
+def _verify_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
+    """``_verify`` with ``_decode_triton``'s steps, the W positions of each row in one launch
+    of each kernel (``gdn.conv1d_verify_steps``, ``gdn.gdn_verify_steps``): the same
+    arithmetic, the state after each position written to the per-position buffers, the
+    slots' own rows untouched."""
+    from flare.prepare.kernels import gdn as K
+
+    conv_rows, rec_rows = _state_rows(mod, paged)
+    slots = paged.token_slot[::paged.verify_width]
+    mixed = K.conv1d_verify_steps(mixed, conv_rows, mod.conv1d.weight, mod.conv1d.bias, slots, paged.valid,
+                                  paged.verify_state[CONV_STATE].select(2, mod.state_index))
+    query, key, value = _split_heads(mod, mixed)
+    return K.gdn_verify_steps(query, key, value, a, b, mod.A_log, mod.dt_bias, rec_rows, slots, paged.valid,
+                              paged.verify_state[RECURRENT_STATE].select(2, mod.state_index))
 
 
 def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
