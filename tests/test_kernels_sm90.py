@@ -91,8 +91,8 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
-    for block in (1024, 4096):  # hidden 576 .. 1,024, and 4,096 (8B)
-        compile_for_sm90(RN._mean_square_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp32"}, dict(BLOCK=block),
+    for block in (1024, 4096):  # hidden 576 .. 1,024 and 4,096 (8B); the norms pass float32 rows
+        compile_for_sm90(RN._mean_square_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK=block),
                          num_warps=RN._warps(block))
     # The block grid's movement: the stash and rows in bf16, states fp32, int32 grid rows and
     # meta, the slot and start int64, an int32 count.

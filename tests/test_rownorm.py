@@ -50,7 +50,7 @@ def test_a_switched_norm_computes_transformers_formula(cls, monkeypatch):
     float32 rounding of the mean."""
     torch.manual_seed(0)
     n, gated = 64, "Gated" in cls.__name__
-    norm = cls(n, eps=1e-6) if not gated else cls(n, eps=1e-6)
+    norm = cls(n, eps=1e-6)
     with torch.no_grad():
         norm.weight.normal_()
     original = cls(n, eps=1e-6)

@@ -214,8 +214,13 @@ def verify_chain(
     drawn, and its histogram is the row's plus them. (The sampler's sort and scans over the
     vocabulary, once per position, made a step of six positions cost three decode steps on
     the H200 for a 135M model.) Each row's arithmetic is the one a pass of its own would do:
-    elementwise, or row-wise reductions whose results do not depend on the row count
-    (:func:`choose`). Plain tensor ops: capturable, and no row reads another."""
+    elementwise, or row-wise reductions (softmax, sort, scans, sums). On the CPU a row's
+    bits do not depend on how many rows run together; on CUDA, ATen may split a long row's
+    sum or scan over a number of blocks that depends on the row count, so a probability
+    can round differently than in a pass of B rows (as between decode capacities).
+    Preconditions, as the verify program guarantees: drafts are token ids below
+    ``sampling_vocab`` (those past ``count`` too) and ``count <= W - 1``. Plain tensor ops:
+    capturable, and no row reads another."""
     B, W, _ = logits.shape
     dev = logits.device
     j = torch.arange(W, device=dev)
@@ -234,7 +239,7 @@ def verify_chain(
     # The last position has no draft: its verdict is computed against a stand-in and unused.
     proposal = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1)
     tok_v, acc = _verify(kept, si, proposal, u, uniform(per(seed ^ REJECT_STREAM), steps))
-    checked = count[:, None] > j[None, :]  # never at the last position: count <= W - 1
+    checked = (count[:, None] > j[None, :]) & (j[None, :] < W - 1)  # the last position has no draft
     tok = torch.where(checked, tok_v.reshape(B, W), plain)
     accepted = checked & acc.reshape(B, W)
     # Position j emitted: the row's (j + 1)-th token of the step.

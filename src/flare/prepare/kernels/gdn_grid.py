@@ -9,8 +9,9 @@ matrix), assembles the output rows and writes four state rows back. In torch tha
 about fifty small launches per layer; on the H200 they made a 128-token chunk's layer
 cost 218 µs against 60 µs for one call of the rule (``bench/gdn_kernels.py``,
 ``layer.grid``). Here the same movement takes three launches, reads each byte once and
-does no arithmetic, so the rule sees the same inputs and every output and state row is
-the reference's bits (``tests/test_gdn_grid.py``)::
+does no arithmetic, so the rule sees the same inputs: the valid output rows and the state
+rows are the reference's bits (``tests/test_gdn_grid.py``; the stash's rows past ``r``,
+never read, are zero here where the reference leaves other rows' values)::
 
     grid_rows     (cdiv(whole + BLOCK, block_t), cdiv(width, block_c))
                   seq rows [whole + BLOCK, width]: the first ``whole`` are the first call's
@@ -18,7 +19,7 @@ the reference's bits (``tests/test_gdn_grid.py``)::
                   block's (positions ``edge`` .., zero from ``total`` on); and
                   meta int32 [4] = (edge, total - edge, r, on_grid)
     grid_initial  (cdiv(Hv * Dk * Dv, block),)    the initial matrix [1, Hv, Dk, Dv]
-    grid_commit   (cdiv(n, block), 4)             the output rows [T, Hv, Dv] (zero past the
+    grid_commit   (the four parts' blocks,)       the output rows [T, Hv, Dv] (zero past the
                   count); when the chunk has tokens: the recurrent matrix, the block-start
                   matrix, the stash (the partial block's rows) and the grid row (S, r)
 
@@ -85,6 +86,8 @@ def grid_rows(rows: torch.Tensor, stash: torch.Tensor, grid: torch.Tensor, slot:
     if stash.dim() != 3 or stash.shape[1:] != (block, width) or grid.dim() != 2 or grid.shape[1] != 2:
         raise ValueError(f"stash {tuple(stash.shape)} / grid {tuple(grid.shape)}: expected "
                          f"[slots, {block}, {width}] and [slots, 2]")
+    if grid.stride(1) != 1:
+        raise ValueError("grid rows must hold (S, r) side by side")
     if whole % block or whole < T:
         raise ValueError(f"whole {whole} must be a multiple of {block} that holds the chunk's {T} rows")
     seq = torch.empty((whole + block, width), dtype=rows.dtype, device=rows.device)
@@ -137,10 +140,17 @@ def _grid_commit_kernel(
     stride_rec, stride_blk, stride_stash, stride_g,
     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    part = tl.program_id(1)
+    # The programs of the four parts one after another: output rows, recurrent matrix,
+    # block-start matrix, stash.
+    pid = tl.program_id(0)
+    n_core = tl.cdiv(T * F, BLOCK_N)
+    n_state = tl.cdiv(N, BLOCK_N)
+    part = tl.where(pid < n_core, 0, tl.where(pid < n_core + n_state, 1, tl.where(pid < n_core + 2 * n_state, 2, 3)))
+    base = tl.where(part == 0, 0, tl.where(part == 1, n_core, tl.where(part == 2, n_core + n_state,
+                                                                          n_core + 2 * n_state)))
     slot = tl.load(slot_ptr).to(tl.int64)
     count = tl.load(count_ptr).to(tl.int64)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = (pid - base) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = (tl.zeros_like(n) + count) > 0  # a chunk without tokens leaves the slot's state as it is
     if part == 0:  # output rows: chunk row t is grid position t + r, in the first call's rows or the tail's
         edge = tl.load(meta_ptr).to(tl.int64)
@@ -149,10 +159,10 @@ def _grid_commit_kernel(
         f = n % F
         at = t + r
         used = (n < T * F) & (t < count)
-        first = at < edge
-        a = tl.load(whole_ptr + at * F + f, mask=used & first & (at < WHOLE), other=0.0)
-        b = tl.load(tail_ptr + (at - edge) * F + f, mask=used & ~first & (at - edge < BLOCK), other=0.0)
-        tl.store(core_ptr + n, tl.where(first, a, b), mask=n < T * F)
+        in_whole = at < edge
+        a = tl.load(whole_ptr + at * F + f, mask=used & in_whole & (at < WHOLE), other=0.0)
+        b = tl.load(tail_ptr + (at - edge) * F + f, mask=used & ~in_whole & (at - edge < BLOCK), other=0.0)
+        tl.store(core_ptr + n, tl.where(in_whole, a, b), mask=n < T * F)
     elif part == 1:
         rec = tl.load(final_ptr + n, mask=(n < N) & live)
         tl.store(rec_rows_ptr + slot * stride_rec + n, rec, mask=(n < N) & live)
@@ -163,7 +173,7 @@ def _grid_commit_kernel(
         stash = tl.load(seq_ptr + WHOLE * (STASH_N // BLOCK) + n, mask=(n < STASH_N) & live)
         tl.store(stash_rows_ptr + slot * stride_stash + n, stash.to(stash_rows_ptr.dtype.element_ty),
                  mask=(n < STASH_N) & live)
-        if (tl.program_id(0) == 0) & (count > 0):
+        if (pid == base) & (count > 0):
             g = tl.arange(0, 2)
             start = tl.load(start_ptr).to(tl.int64)
             kept = tl.load(meta_ptr + 1).to(tl.int64)
@@ -193,7 +203,8 @@ def grid_commit(whole_core: torch.Tensor, tail_core: torch.Tensor, final: torch.
             raise ValueError(f"{name} must be contiguous")
     core = torch.empty((T, Hv, Dv), dtype=whole_core.dtype, device=whole_core.device)
     F, N, stash_n = Hv * Dv, final.numel(), B * seq.shape[1]
-    _grid_commit_kernel[(triton.cdiv(max(T * F, N, stash_n), block), 4)](
+    blocks = triton.cdiv(T * F, block) + 2 * triton.cdiv(N, block) + triton.cdiv(stash_n, block)
+    _grid_commit_kernel[(blocks,)](
         whole_core, tail_core, core, final, block_state, seq, rec_rows, block_rows, stash_rows, grid, slot, start,
         count, meta, T, F, N, whole, stash_n, _flat_rows("recurrent rows", rec_rows),
         _flat_rows("block rows", block_rows), _flat_rows("stash rows", stash_rows), grid.stride(0),

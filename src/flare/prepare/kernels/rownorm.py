@@ -32,8 +32,12 @@ import triton
 import triton.language as tl
 from torch import nn
 from torch.library import triton_op, wrap_triton
+from transformers.activations import ACT2FN
 
 from flare.prepare import prompt_rows
+
+
+MAX_ROW = 16384  # one block a row; norms of longer rows are left to the compiler
 
 
 @triton.jit
@@ -61,10 +65,10 @@ def _mean_square_op(x: torch.Tensor) -> torch.Tensor:
 def mean_square(x: torch.Tensor) -> torch.Tensor:
     """``x.float().pow(2).mean(-1, keepdim=True)`` in float32, each row summed in one fixed
     order whatever the number of rows (a custom op: a compiled layer calls it without a
-    graph break). Rows up to 16,384 long."""
+    graph break). Rows up to ``MAX_ROW`` long."""
     n = x.shape[-1]
-    if n > 16384:
-        raise ValueError(f"mean_square: rows of {n} exceed 16,384")
+    if n > MAX_ROW:
+        raise ValueError(f"mean_square: rows of {n} exceed {MAX_ROW}")
     return _mean_square_op(x.reshape(-1, n).contiguous()).reshape(*x.shape[:-1], 1)
 
 
@@ -97,8 +101,6 @@ class _Gated:
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if not prompt_rows.active():
             return super().forward(hidden_states, gate)
-        from transformers.activations import ACT2FN
-
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         hidden_states = hidden_states * torch.rsqrt(mean_square(hidden_states) + self.variance_epsilon)
@@ -158,8 +160,8 @@ _CLASSES: dict[type, type] = {}
 
 def make_norms_row_invariant(model: nn.Module) -> tuple[dict[str, int], list[str]]:
     """Switch every RMS norm of ``model`` whose code is one of the three above (module
-    docstring); returns ({class name: modules switched}, names of the norm classes left as
-    they are)."""
+    docstring) and whose rows are at most ``MAX_ROW`` long; returns ({class name: modules
+    switched}, names of the norm classes left as they are)."""
     switched: dict[str, int] = {}
     left: set[str] = set()
     for module in model.modules():
@@ -169,7 +171,8 @@ def make_norms_row_invariant(model: nn.Module) -> tuple[dict[str, int], list[str
         if "RMSNorm" not in cls.__name__:
             continue
         mixin = _mixin(cls)
-        if mixin is None:
+        weight = getattr(module, "weight", None)
+        if mixin is None or weight is None or weight.shape[-1] > MAX_ROW:
             left.add(cls.__name__)
             continue
         if cls not in _CLASSES:
