@@ -7,7 +7,8 @@ layer shape and row count, cuBLAS (``F.linear``) against ``kernels/gemm.py``'s u
 GEMM at each of ``STEP_TILINGS`` and takes the tiling where it is at least 3 % faster.
 This script records the same measurement for the per-layer shapes of Llama-3.1-8B and
 Qwen3.5-9B (bfloat16, random data; GPU time by CUDA events, median of 20, launch
-included), with the bandwidth each reaches streaming the weight.
+included; each call reads the next of several weight copies, past the L2 cache, as a decode
+step streams its weights), with the bandwidth each reaches streaming the weight.
 
     python -m bench.step_gemms OUT.json
 """
@@ -49,7 +50,8 @@ def main(out: str) -> None:
     meta = {"machine": platform.node(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": sys.version.split()[0], "tilings": [list(t) for t in
                                                                                       gemm.STEP_TILINGS],
-            "rows": list(ROWS), "dtype": "bfloat16", "timing": "CUDA events, median of 20 after 2 warm-ups"}
+            "rows": list(ROWS), "dtype": "bfloat16", "timing": "CUDA events, median of 20 after 2 warm-ups",
+            "rotation": f"weight copies of at least {gemm.ROTATE_BYTES >> 20} MiB together, one per call (past L2)"}
     json.dump({"meta": meta, "results": results}, open(out, "w"), indent=1)
 
 

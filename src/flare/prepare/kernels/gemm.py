@@ -23,6 +23,7 @@ layer and row count once, and compiled into each program's graph.
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable
 
 import torch
@@ -220,19 +221,32 @@ def _time_ms(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# Weight copies a timing rotates through, together at least this large: more than the
+# H200's 50 MB L2, so each timed GEMM streams its weight from memory as a decode step does.
+ROTATE_BYTES = 256 << 20
+
+
 def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=_time_ms,
                 margin: float = 0.97) -> tuple[tuple[int, int, int, int] | None, dict]:
     """The fastest of ``STEP_TILINGS`` for ``rows`` rows over a weight of this shape, where
     it takes at most ``margin`` x cuBLAS's time (``F.linear``), else None; and the times
-    measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values."""
+    measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
+    On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``)."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     n, k = weight.shape
     w = torch.randn((n, k), generator=g, device=weight.device, dtype=weight.dtype) * k ** -0.5
+    copies = 1 if weight.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
+    ws = [w] + [w.clone() for _ in range(copies - 1)]
     b = None if bias is None else torch.randn(n, generator=g, device=weight.device, dtype=bias.dtype)
     x = torch.randn((rows, k), generator=g, device=weight.device, dtype=weight.dtype)
-    times = {"cublas": timer(lambda: F.linear(x, w, b))}
+
+    def rotating(call):
+        turn = itertools.count()
+        return lambda: call(ws[next(turn) % len(ws)])
+
+    times = {"cublas": timer(rotating(lambda w: F.linear(x, w, b)))}
     for t in STEP_TILINGS:
-        times[t] = timer(lambda t=t: nonsplit_linear(x, w, b, t))
+        times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
     best = min(STEP_TILINGS, key=lambda t: times[t])
     return (best if times[best] <= margin * times["cublas"] else None), times
 
