@@ -103,9 +103,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("reference", "gather", "triton"), default=None)
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
     p.add_argument("--split-prompt-gemms", action="store_true",
-                   help="CUDA: let prompt programs use cuBLAS's split-K GEMMs where it picks them for few rows "
-                        "(faster short prefills, but a prompt prefilled in pieces, as with the prefix cache, may "
-                        "then generate other tokens than the same prompt prefilled whole)")
+                   help="CUDA: let prompt programs use cuBLAS's split-K GEMMs where it picks them for few rows, "
+                        "and Inductor's norm reductions (faster short prefills, but a prompt prefilled in pieces, "
+                        "as with the prefix cache, may then generate other tokens than the same prompt prefilled "
+                        "whole)")
     p.add_argument("--step-gemms", choices=("cublas", "measure"), default="cublas",
                    help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM "
                         "where it times faster at preparation (no split-K reduce kernels)")
