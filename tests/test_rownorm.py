@@ -127,3 +127,40 @@ def test_compiled_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu():
     for c in capacities:
         assert torch.equal(outs["switched"][c], outs["switched"][512][:c]), c
     torch.testing.assert_close(outs["switched"][512].float(), eager.float(), rtol=2**-6, atol=2**-6)
+
+
+class LlamaRMSNormReworded(nn.Module):
+    """Llama's norm as another Transformers version might write it: other comments, layout,
+    docstring, no annotations."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        """Reworded."""
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)  # in float32
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+
+        hidden_states = hidden_states * torch.rsqrt(variance
+                                                    + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class LlamaRMSNormOtherEps(LlamaRMSNormReworded):
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + 1e-5)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def test_norms_match_by_syntax_tree_not_by_text():
+    """A norm whose code differs from Transformers' only in comments, layout, docstring and
+    annotations is switched; one that computes something else is left."""
+    holder = nn.ModuleList([LlamaRMSNormReworded(8), LlamaRMSNormOtherEps(8)])
+    switched, left = R.make_norms_row_invariant(holder)
+    assert switched == {"LlamaRMSNormReworded": 1} and left == ["LlamaRMSNormOtherEps"]

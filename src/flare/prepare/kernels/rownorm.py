@@ -15,7 +15,8 @@ rest of each norm is elementwise and stays in the compiled graph, where Inductor
 as before. Decode and verify steps keep Inductor's reduction (their rows need not equal a
 prefill's).
 
-Norm classes are switched by what their code is, not their name: a class whose ``_norm``
+Norm classes are switched by what their code is (its syntax tree, so comments, layout and
+annotations do not count), not their name: a class whose ``_norm``
 is Transformers' zero-centred one (Qwen3.5, Qwen3-Next: ``x * rsqrt(mean(x^2) + eps)``,
 scaled by ``1 + weight`` in its forward) gets that ``_norm``; a class whose ``forward`` is
 Llama's (Llama, Qwen2/3, Qwen3-MoE, Mistral) or the gated one of a Gated DeltaNet gets that
@@ -24,6 +25,7 @@ forward with the mean of squares swapped. Any other norm is left as it is and re
 
 from __future__ import annotations
 
+import ast
 import inspect
 import textwrap
 
@@ -136,21 +138,40 @@ def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tens
 '''
 
 
+def _shape(source: str) -> str | None:
+    """A function's code without what does not change what it computes: comments, layout,
+    docstring and type annotations (the syntax tree, so Transformers versions that differ
+    only there match)."""
+    try:
+        fn = ast.parse(textwrap.dedent(source)).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(fn, ast.FunctionDef):
+        return None
+    if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant):
+        fn.body = fn.body[1:]
+    fn.returns = None
+    for arg in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs):
+        arg.annotation = None
+    fn.decorator_list = []
+    return ast.dump(fn)
+
+
 def _code(fn) -> str | None:
     try:
-        return textwrap.dedent(inspect.getsource(fn)).strip()
+        return _shape(inspect.getsource(fn))
     except (OSError, TypeError):
         return None
 
 
 def _mixin(cls: type) -> type | None:
     """The mixin whose Transformers code ``cls`` runs, or None."""
-    if _code(getattr(cls, "_norm", None)) == _ZERO_CENTRED_NORM.strip():
+    if _code(getattr(cls, "_norm", None)) == _shape(_ZERO_CENTRED_NORM):
         return _ZeroCentred
     forward = _code(cls.forward)
-    if forward == _SCALED_FORWARD.strip():
+    if forward == _shape(_SCALED_FORWARD):
         return _Scaled
-    if forward == _GATED_FORWARD.strip():
+    if forward == _shape(_GATED_FORWARD):
         return _Gated
     return None
 
