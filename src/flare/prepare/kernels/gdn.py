@@ -87,6 +87,28 @@ def _silu_rounded(acc, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rule_step(s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, at, hk, hv, kk, vv, k_in, v_in, scale,
+               stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+               stride_ab, stride_ah, stride_bb, stride_bh, EPS: tl.constexpr):
+    """One token's gated delta-rule step on a state tile ``s`` [BK, BV] (float32): token row
+    ``at``'s q, k (head ``hk``, L2-normalised, q scaled) and v, beta and decay (value head
+    ``hv``). Returns (the stepped tile, the output row before any live mask)."""
+    q = tl.load(q_ptr + at * stride_qb + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + at * stride_kb + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + at * stride_vb + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + EPS) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
+    b_raw = tl.load(b_ptr + at * stride_bb + hv * stride_bh)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    a = tl.load(a_ptr + at * stride_ab + hv * stride_ah).to(tl.float32)
+    g = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * _softplus(a + tl.load(dt_bias_ptr + hv).to(tl.float32))
+    s = s * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    return s, tl.sum(s * q[:, None], 0)
+
+
+@triton.jit
 def _decode_step_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, live_ptr, out_ptr,
     scale,
@@ -109,22 +131,12 @@ def _decode_step_kernel(
     # `live` folded into a bound: Triton's interpreter mis-types scalar & tensor masks.
     s_mask = (kk[:, None] < tl.where(live, DK, 0)) & v_in[None, :]
 
-    q = tl.load(q_ptr + row * stride_qb + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row * stride_kb + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + row * stride_vb + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, 0) + EPS) * scale
-    k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
-
-    b_raw = tl.load(b_ptr + row * stride_bb + hv * stride_bh)
-    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
-    a = tl.load(a_ptr + row * stride_ab + hv * stride_ah).to(tl.float32)
-    g = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * _softplus(a + tl.load(dt_bias_ptr + hv).to(tl.float32))
-
     s_ptrs = state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :] * stride_sv
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
-    delta = (v - tl.sum(s * k[:, None], 0)) * beta
-    s = s + k[:, None] * delta[None, :]
-    o = tl.where(live, tl.sum(s * q[:, None], 0), 0.0)
+    s, o = _rule_step(tl.load(s_ptrs, mask=s_mask, other=0.0), q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr,
+                      dt_bias_ptr, row, hk, hv, kk, vv, k_in, v_in, scale, stride_qb, stride_qh, stride_qd,
+                      stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd, stride_ab, stride_ah,
+                      stride_bb, stride_bh, EPS)
+    o = tl.where(live, o, 0.0)
     tl.store(s_ptrs, s, mask=s_mask)
     tl.store(out_ptr + row * stride_ob + hv * stride_oh + vv * stride_od, o.to(out_ptr.dtype.element_ty), mask=v_in)
 
@@ -532,24 +544,13 @@ def _verify_rule_kernel(
     s_mask = k_in[:, None] & v_in[None, :]
     s = tl.load(state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :] * stride_sv,
                 mask=s_mask, other=0.0)
-    A = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
     for j in range(WIDTH):
         at = row * WIDTH + j
         live = tl.load(valid_ptr + at * stride_valid) != 0
-        q = tl.load(q_ptr + at * stride_qb + hk * stride_qh + kk * stride_qd, mask=k_in, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + at * stride_kb + hk * stride_kh + kk * stride_kd, mask=k_in, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + at * stride_vb + hv * stride_vh + vv * stride_vd, mask=v_in, other=0.0).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, 0) + EPS) * scale
-        k = k / tl.sqrt(tl.sum(k * k, 0) + EPS)
-        b_raw = tl.load(b_ptr + at * stride_bb + hv * stride_bh)
-        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
-        a = tl.load(a_ptr + at * stride_ab + hv * stride_ah).to(tl.float32)
-        g = -A * _softplus(a + dt_bias)
-        stepped = s * tl.exp(g)
-        delta = (v - tl.sum(stepped * k[:, None], 0)) * beta
-        stepped = stepped + k[:, None] * delta[None, :]
-        o = tl.where(live, tl.sum(stepped * q[:, None], 0), 0.0)
+        stepped, o = _rule_step(s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, at, hk, hv, kk, vv,
+                                k_in, v_in, scale, stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd,
+                                stride_vb, stride_vh, stride_vd, stride_ab, stride_ah, stride_bb, stride_bh, EPS)
+        o = tl.where(live, o, 0.0)
         # A position past the row's drafts leaves the state as it is.
         s = tl.where(live, stepped, s)
         tl.store(steps_ptr + row * stride_pb + j * stride_pj + hv * stride_ph + kk[:, None] * stride_pk
