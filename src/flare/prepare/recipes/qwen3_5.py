@@ -151,6 +151,15 @@ def _split_rows(mod, rows: torch.Tensor):
     return rows[:, :mod.conv_dim], rows[:, mod.conv_dim:mod.conv_dim + Hv], rows[:, mod.conv_dim + Hv:]
 
 
+def _on_grid(rule, q, k, v, g, beta, initial):
+    """One call of the chunked rule over a run of the grid's rows from ``initial``: (output
+    rows, final matrix in float32). The rule's blocks are the grid's: its chunk size is
+    given, not left to its default."""
+    core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=BLOCK)
+    return core[0], final.to(torch.float32)
+
+
 def _aligned_prefill(mod, paged: PagedBatch, mixed, b, a, inputs, rule) -> torch.Tensor:
     """One slot's prefill chunk through the chunked delta rule on the slot's block grid, so
     that every block of BLOCK tokens is computed the same whatever the chunks were: a
@@ -190,11 +199,7 @@ def _aligned_prefill(mod, paged: PagedBatch, mixed, b, a, inputs, rule) -> torch
     edge = total // BLOCK * BLOCK  # the start of the last (partial) block
 
     def run(part, valid, initial):
-        q, k, v, g, beta = inputs(part, valid)
-        # The rule's blocks are the grid's: its chunk size is given, not left to its default.
-        core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
-                           output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=BLOCK)
-        return core[0], final.to(torch.float32)
+        return _on_grid(rule, *inputs(part, valid), initial)
 
     whole_core, block = run(seq[:whole], edge, initial)  # complete blocks; final state: the new block start
     tail_rows = seq.index_select(0, edge + torch.arange(BLOCK, device=dev))
@@ -334,10 +339,8 @@ def _aligned_prefill_triton(mod, paged: PagedBatch, rows, slot, count, rule) -> 
     def run(part, valid, initial):
         mixed, b, a = _split_rows(mod, part)  # rows past the valid count are zero
         g, beta = K.gdn_prefill_gates(a, b, mod.A_log, mod.dt_bias, valid)  # zero past the count
-        q, k, v = _split_heads(mod, mixed)
-        core, final = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial,
-                           output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=BLOCK)
-        return core[0].contiguous(), final.to(torch.float32).contiguous()
+        core, final = _on_grid(rule, *_split_heads(mod, mixed), g, beta, initial)
+        return core.contiguous(), final.contiguous()
 
     whole_core, block = run(seq[:whole], meta[0:1], G.grid_initial(block_rows, rec_rows, slot, meta))
     tail_core, final = run(seq[whole:], meta[1:2], block)
