@@ -3,26 +3,60 @@ text agents repeat."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flare.runtime.proposer import CopyProposer
 
 
-def brute_force(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """The longest suffix n-gram (max..min) with an earlier occurrence, its latest one."""
+def latest_earlier(tokens: list[int], max_ngram: int, min_ngram: int) -> tuple[int | None, int]:
+    """Where the continuation of the longest suffix n-gram (max..min) with an earlier
+    occurrence starts, for its latest one, and n."""
     end = len(tokens)
     for n in range(min(max_ngram, end), min_ngram - 1, -1):
         suffix = tokens[end - n :]
         for start in range(end - n - 1, -1, -1):  # occurrences ending before the history's end
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
-    return []
+                return start + n, n
+    return None, 0
+
+
+def brute_force(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The copy source replayed token by token (the proposer's rules, with a search of the
+    whole history where it looks an n-gram up): it moves on while each token is the one it
+    predicts, past a miss after a run as long as the new suffix's match as a substitution
+    (remembered when seen twice), and is searched for
+    (``latest_earlier``) otherwise."""
+    source, run, subs, seen = None, 0, {}, {}
+    for end in range(1, len(tokens) + 1):
+        t = tokens[end - 1]
+        if source is not None and subs.get(tokens[source], tokens[source]) == t:
+            source, run = source + 1, run + 1
+        elif source is not None and tokens[source] == t:
+            del subs[t]
+            source, run = source + 1, run + 1
+        else:
+            found, n = latest_earlier(tokens[:end], max_ngram, min_ngram)
+            if source is not None and run and run >= n:
+                if seen.get(tokens[source]) == t:
+                    subs[tokens[source]] = t
+                seen[tokens[source]] = t
+                source, run = source + 1, 0
+            else:
+                source, run = found, 0
+    if source is None:
+        return []
+    history = list(tokens)  # a source near the end copies on through the drafts
+    for i in range(k):
+        history.append(subs.get(history[source + i], history[source + i]) if source + i < len(tokens)
+                       else history[source + i])
+    return history[len(tokens) :]
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 4), max_size=60), st.integers(1, 6), st.integers(1, 3), st.integers(0, 3),
        st.integers(0, 60))
+@example([0, 1, 1, 1, 0, 1, 1], 3, 2, 0, 3)  # the source moving on proposes [1, 0, 1], a re-search [0, 1, 1]
 def test_proposals_equal_a_brute_force_search(tokens, k, min_ngram, extra, split):
     """Whatever the history and however it was appended (built at once, or in two parts),
     the proposal is the brute-force one; a small alphabet makes repeats and overlaps common."""
@@ -43,6 +77,41 @@ def test_a_rewritten_text_is_proposed_from_its_first_copy():
     for i in range(2, 35):
         p.extend([passage[i - 2], passage[i - 1]] if i == 2 else [passage[i - 1]])
         assert p.propose(5) == passage[i : i + 5], i
+
+
+def test_records_that_share_their_structure_are_copied_from_the_record_being_copied():
+    """Re-emitting a list of records that share their keys (a JSON document): the record
+    just written holds every key n-gram too, and the document's own records repeat each
+    other's owners, but the proposals follow the record being copied, values included, and
+    go on past a changed value."""
+    keys = [[7, 8, 9], [10, 11], [12, 13, 14]]  # '"id": ', ', "owner": "', ', "points": '
+    doc = []
+    for i in range(8):
+        doc += [*keys[0], 100 + i, *keys[1], 200 + i % 3, *keys[2], 300 + i]
+    p = CopyProposer([1, 2, *doc, 3])
+    p.extend(doc[:4])  # the model has begun the copy
+    changed = doc.index(304)  # the model writes 999 instead of record 4's points, 304
+    for at in range(4, len(doc)):
+        if at != changed:  # (at the change, the document's value is proposed)
+            assert p.propose(5)[: len(doc) - at] == doc[at : at + 5], at
+        p.extend([999 if at == changed else doc[at]])
+
+
+def test_a_consistent_substitution_is_learned_and_forgotten():
+    """A passage re-emitted with one token always replaced (a document re-indented): the
+    first two replacements are misses, then the replacement is proposed; when the copy
+    writes the original token again, that is one miss and the pair is forgotten."""
+    passage = [t for i in range(12) for t in (50, 1000 + 3 * i, 1001 + 3 * i, 1002 + 3 * i)]  # 50: the indent
+    p = CopyProposer([1, 2, *passage, 3])
+    p.extend(passage[:3])
+    misses = []
+    for at in range(3, len(passage)):
+        t = 60 if passage[at] == 50 and at < 30 else passage[at]  # re-indented up to position 30
+        if p.propose(1) != [t]:
+            misses.append(at)
+        p.extend([t])
+    assert misses == [4, 8, 32], misses  # the first two indents, then the first original one again
+    assert p.substitutions == {}
 
 
 def test_bad_ngram_lengths_are_refused():
@@ -79,19 +148,20 @@ def test_speculation_adapts_drafts_and_backs_off():
     assert spec.propose(req, 10) == [3, 4, 5, 6]  # ... 6 1 2, seen before followed by 3 4 5 6
     step(3, 4, 7)
     spec.observe(req, 4, 2)  # two accepted: next time 3
-    assert spec.propose(req, 10) == []  # ... 4 7: nothing to copy: skips the next step
-    step(8)  # the plain step that was about to run
+    assert spec.propose(req, 10) == [6, 1, 2]  # 7 replaced the copy's 5: the copy goes on after it
+    step(8)  # not 6: a second miss in a row, and ... 7 8 never occurred: nothing to copy
+    spec.observe(req, 3, 0)  # all rejected: a miss: skips the next step, one draft next
     assert not spec.wants(req)
     step(9)  # the skipped one
-    assert spec.wants(req) and spec.propose(req, 10) == []  # a second miss: two steps
+    assert spec.wants(req) and spec.propose(req, 10) == []  # nothing to copy, a second miss: two steps
     step(1)
     assert not spec.wants(req)
     step(2)
     assert not spec.wants(req)
-    step(3)  # ... 1 2 3: copies its latest earlier continuation, 3 drafts
-    assert spec.wants(req) and spec.propose(req, 10) == [4, 7, 8]
+    step(3)  # ... 1 2 3: copies its latest earlier continuation, one draft
+    assert spec.wants(req) and spec.propose(req, 10) == [4]
     step(5)
-    spec.observe(req, 3, 0)  # all rejected: a miss (the backoff doubles to 4), one draft next
+    spec.observe(req, 1, 0)  # rejected: a miss (the backoff doubles to 4)
     for _ in range(4):
         assert not spec.wants(req)
         step(6)
@@ -132,3 +202,32 @@ def test_speculation_verifies_only_where_it_pays():
     for _ in range(6):  # decode tokens the history's proposal did not predict
         spec.shadow(req, 99)
     assert not spec.wants(req)
+
+
+def test_decode_tokens_the_proposal_predicted_grow_the_drafts():
+    """A request cut to one draft (its verify steps rejected them) cannot pay for a verify
+    step that costs 2.5 decode steps, whatever its rate: the decode tokens its proposal
+    predicts grow its drafts again (shadow), up to the ceiling, their streaks its expected
+    accepted run, and then it pays."""
+    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.speculation import PRIOR_RUN, Speculation
+
+    spec = Speculation(4)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
+    req = Request([5, 7, 7], params)
+    req.output = [7]
+    spec.timed("decode.1", 10.0)
+    spec.timed("verify.1", 25.0)
+    assert spec.propose(req, 10) == [7, 7, 7, 7]  # ... 7 7: a repetition, copied on through the drafts
+    spec.observe(req, 4, 0)  # rejected: one draft next
+    spec.observe(req, 1, 0)
+    state = spec._states[req.id]
+    assert state.drafts == 1
+    for _ in range(8):  # the repetition goes on under plain decode steps
+        spec.shadow(req, 7)
+        req.output.append(7)
+    drafts = spec.propose(req, 10)
+    assert state.drafts == 4 and drafts == [7, 7, 7, 7]
+    assert state.run > PRIOR_RUN  # two streaks of 4 predicted tokens: the run a verify step would accept
+    assert spec.pays("decode.1", "verify.1", [req], [drafts])

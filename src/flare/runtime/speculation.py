@@ -23,7 +23,11 @@ drafting pays:
   running ahead).
   r learns from verify steps and, between them, from every token a decode step emits:
   whether the first draft the history proposed before it is that token (for a sampled
-  request that happens with probability p(draft), the acceptance probability itself);
+  request that happens with probability p(draft), the acceptance probability itself); such
+  a hit also grows k by one, as a verify step would (a request cut to one draft would
+  otherwise never pay for a verify step again where one costs over twice a decode step),
+  and L learns from the hits' streaks (up to ``max_drafts``: the run a verify step would
+  have accepted);
 * a request whose history offers no proposal, or whose drafts were all rejected, backs off:
   it is not considered again for ``backoff`` more tokens, a backoff that doubles on each
   consecutive miss (up to ``MAX_BACKOFF``) and resets on an accepted draft. While every
@@ -57,6 +61,7 @@ class _State:
     fed: int = 0  # history tokens (prompt, then output) already in the proposer
     rate: float = PRIOR_RATE  # running fraction of first drafts accepted
     run: float = PRIOR_RUN  # running mean of accepted drafts when the first one was
+    streak: int = 0  # decode tokens in a row the history's proposal predicted (shadow)
 
 
 class Speculation:
@@ -122,8 +127,17 @@ class Speculation:
         s = self._state(req)
         self._sync(req, s)
         guess = s.proposer.propose(1)
-        if guess:
-            s.rate = _running(s.rate, float(guess[0] == token), RATE_WEIGHT)
+        if not guess:
+            return
+        hit = guess[0] == token
+        s.rate = _running(s.rate, float(hit), RATE_WEIGHT)
+        if hit:  # a draft would have been accepted: one more next time, as after a verify step
+            s.drafts = min(self.max_drafts, s.drafts + 1)
+            s.streak += 1
+        # A streak of predicted tokens is the run a verify step would have accepted.
+        if s.streak and (not hit or s.streak == self.max_drafts):
+            s.run = _running(s.run, s.streak, RATE_WEIGHT)
+            s.streak = 0
 
     def propose(self, req: Request, room: int) -> list[int]:
         """Drafts that continue the request's history after its pending token (at most
