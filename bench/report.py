@@ -387,7 +387,7 @@ the same call, `bench.ab_decode` with 5 alternating rounds of 200 steps
 Rounds agree within 0.1 % of each other. A deployment that never needs
 log-probabilities prepares with `--max-logprobs 0` and keeps that 1.4 %.
 
-## Speculative decoding with copy drafts: CPU only so far
+## Speculative decoding with copy drafts
 
 Real SmolLM2-135M-Instruct weights on the 2-core development machine (reference executor,
 float32; server and client share the cores, so the same configuration varies by about
@@ -441,6 +441,39 @@ such short runs is not measured). The verify program now scores, sorts and draws
 positions in one pass over the B x 6 rows (bitwise the same tokens); its cost on the
 H200 is the next measurement, then this A/B again. Neither bar of the issue (2x on a
 copy-heavy workload; within 3 % without copies) is met on the H200 yet.
+
+### On the H200, one-pass verify (`speculative-copy-smollm2-h200-2026-12-02-run2.json`)
+
+The same A/B at 7ff24df, with the verify sampler scoring, sorting and drawing all positions
+in one pass: a verify step of six positions now costs **1.50x a decode step** at batch 1
+(1.99 against 1.33 ms), 1.42x at 2 and 1.48x at 4 (`bench.floor`; at the GPU suite's
+random-weight cores, `verify-cost-2026-12-02.json`: Llama-3.2-1B's shape 1.50x / 1.42x /
+1.52x with six positions, the Qwen3.5 hybrid's small shape 2.02x / 1.75x / 1.89x with
+four). Decode tokens/s:
+
+| `--speculative` (in the same run as `off`) | rewrite, sampled | rewrite, greedy | decode x1 | decode x4 |
+|---|---|---|---|---|
+| `off` | 842 | 847 | 835 | 2,656 |
+| `copy` (measured cost) | 873 (+4 %) | **1,160 (1.37x)** | 778 (-6.8 %) | 2,418 (-9 %) |
+| `off` (second pair) | 858 | 859 | 836 | 2,692 |
+| `copy-always` | 860 | **1,521 (1.77x)** | 823 (-1.6 %) | 2,548 (-5 %) |
+
+Over each whole run the server counted 574 of 940 drafts accepted in 333 verified rows with
+`copy` (1.7 a row) and 609 of 875 in 278 rows with `copy-always` (2.2 a row). SmolLM2
+re-indents the document it is asked to copy (the prompt's one-space indentation becomes
+two, four and six spaces), so every line broke the prompt lookup's copy, and re-anchoring
+at the latest occurrence of the last 2-4 tokens found the record just written, not the one
+being copied, and proposed its values. The copy source of 69e9994 (`runtime/proposer.py`:
+follow the passage being copied, take a miss after a run for a substitution and learn pairs
+seen twice, continue repetitions through the drafts) replays those greedy rewrites at
+4.2-4.9 tokens per verify step of five drafts, against 2.5-2.9 for the prompt lookup (the
+generated tokens replayed through both proposers on the CPU); with the verify cost at
+1.5x (about 2.3 ms a verify step in wall time) that puts the greedy rewrite at an
+estimated 2-2.5x, not yet measured on the H200. The sampled
+rewrite (temperature 1, top-p 0.95, top-k 20) copies little with a 135M model. Without
+copies `copy` lost 6.8 % at one stream and 9 % at four here, against -4.6 % and -1.8 % in
+the first run: one 128-token stream per configuration (0.15-0.2 s) is within its own
+spread; the next run takes more repeats.
 
 ## Method
 

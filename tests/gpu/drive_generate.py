@@ -6,10 +6,12 @@ EXECUTOR is ``cuda`` (the torch-free graph runtime) or ``reference`` (eager
 torch programs on the CPU); CACHE is ``on`` or ``off`` (the prefix cache).
 
 Phase 1 runs every prompt concurrently (the engine batches them) for
-``TOKENS`` greedy tokens. Phase 2 runs, one at a time, follow-up turns of the
+``TOKENS`` greedy tokens, recording the log-probabilities of the first token's most likely
+tokens. Phase 2 runs, one at a time, follow-up turns of the
 last ``FOLLOW_UPS`` prompts (prompt + its output + an 11-token tail: a tool
 result appended to a conversation) and an exact repeat of the last prompt (a
-full-prompt hit), recording cached tokens and the prefill work each did.
+full-prompt hit), recording cached tokens, the prefill work each did and the log-
+probabilities of the first token's most likely tokens.
 
 Phase 3 runs one conversation of ``TURNS`` turns, one request at a time: each
 turn's prompt is the previous prompt, a fixed 20-token assistant reply and an
@@ -41,37 +43,50 @@ from flare.runtime.request import Request, SamplingParams
 TOKENS = int(__import__("os").environ.get("FLARE_DRIVE_TOKENS", "64"))
 FOLLOW_UPS = int(__import__("os").environ.get("FLARE_DRIVE_FOLLOW_UPS", "10"))
 TAIL = 11
+FIRST_LOGPROBS = 5  # every request reports its first token's most likely tokens (near-ties: test_generation.py)
 TURNS = 10  # phase 3: one conversation
 
 
 class _Done:
     def __init__(self):
         self.event = asyncio.Event()
+        self.first = None  # the first token's log-probabilities (requests that ask for them)
 
-    def on_tokens(self, request, ids):
+    def on_tokens(self, request, ids, logprobs=None):
+        if logprobs and self.first is None:
+            self.first = logprobs[0]
         return False
 
     def on_finish(self, request):
         self.event.set()
 
 
-def _params(seed: int, max_tokens: int) -> SamplingParams:
+def _params(seed: int, max_tokens: int, logprobs: int = -1) -> SamplingParams:
     # top_k = 1: the sampled token is the argmax of the (penalty-free) logits.
-    return SamplingParams(**{**NEUTRAL, "top_k": 1}, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(**{**NEUTRAL, "top_k": 1}, seed=seed, max_tokens=max_tokens, ignore_eos=True,
+                          logprobs=logprobs)
 
 
-async def _generate(engine: Engine, prompts: list[list[int]], tokens: int, seeds: list[int]) -> list[Request]:
+async def _generate(engine: Engine, prompts: list[list[int]], tokens: int, seeds: list[int],
+                    logprobs: int = -1) -> list[Request]:
     reqs = []
     for p, s in zip(prompts, seeds):
         sink = _Done()
-        req = Request(p, _params(s, tokens), sink)
+        req = Request(p, _params(s, tokens, logprobs), sink)
         engine.submit(req)
         reqs.append((req, sink))
     for req, sink in reqs:
         await asyncio.wait_for(sink.event.wait(), 600)
         if req.error is not None:
             raise req.error
+    for req, sink in reqs:
+        req.first_logprobs = sink.first
     return [r for r, _ in reqs]
+
+
+def _top(req: Request) -> list[list]:
+    """The request's first token's most likely tokens and their log-probabilities."""
+    return [list(req.first_logprobs.top_ids), list(req.first_logprobs.top_logprobs)]
 
 
 def _executor(kind: str, core: str, m):
@@ -154,7 +169,7 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
     await engine.start()
     prompts = json.load(open(prompts_path))
     sched = engine.scheduler
-    phase1 = await _generate(engine, prompts, TOKENS, list(range(len(prompts))))
+    phase1 = await _generate(engine, prompts, TOKENS, list(range(len(prompts))), logprobs=FIRST_LOGPROBS)
     follow, rng = [], np.random.default_rng(3)
     # The most recent conversations, newest first: checkpoints are evicted least recently
     # used under page and snapshot pressure, and phase 1 left more than the pool holds.
@@ -163,10 +178,10 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
     turns += [(prompts[i] + phase1[i].output + rng.integers(100, 1000, TAIL).tolist(), i) for i in sources]
     for prompt, i in turns:
         before = sched.prefill_tokens_total
-        (r,) = await _generate(engine, [prompt], TOKENS, [i])
+        (r,) = await _generate(engine, [prompt], TOKENS, [i], logprobs=FIRST_LOGPROBS)
         follow.append({"source": i, "prompt_tokens": len(prompt), "previous_prompt_tokens": len(prompts[i]),
                        "cached_tokens": r.cached_tokens, "prefill_tokens": sched.prefill_tokens_total - before,
-                       "output": r.output})
+                       "output": r.output, "first_top": _top(r)})
     conversation, prompt = [], prompts[0]
     for turn in range(TURNS):
         before = sched.prefill_tokens_total
@@ -174,7 +189,8 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
         conversation.append({"prompt_tokens": len(prompt), "cached_tokens": r.cached_tokens,
                              "prefill_tokens": sched.prefill_tokens_total - before, "output": r.output})
         prompt = prompt + rng.integers(100, 1000, 20 + TAIL).tolist()
-    result = {"executor": kind, "cache": cache, "phase1": [r.output for r in phase1], "follow_ups": follow,
+    result = {"executor": kind, "cache": cache, "phase1": [r.output for r in phase1],
+              "phase1_first_top": [_top(r) for r in phase1], "follow_ups": follow,
               "conversation": conversation, "stats": ex.stats()}
     while sched.has_work():  # terminal captures still running: the engine owns the executor
         await asyncio.sleep(0.01)
