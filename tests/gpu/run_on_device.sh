@@ -74,13 +74,16 @@ case "$1" in
       # flash-linear-attention's float32 kernels (autotuned): it runs from the start, beside.
       RIG=$G/test_numerics.py::test_hybrid_triton_path_matches_the_reference_path_on_the_gpu
       parallel kernels "$G/test_load_errors.py $G/test_paged_attention_cuda.py tests/test_paged_attention_triton.py::test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled tests/test_moe_kernels.py tests/test_gemm_rows.py tests/test_rownorm.py" \
-        hybrid-rig "$RIG $G/test_gdn_grid_gpu.py"; rc=$?
+        hybrid-rig "$RIG $G/test_gdn_grid_gpu.py" > $R/kernels-phase.txt &
+      kernels=$!  # beside the preparations and then the numerics, which need only the cores
+      rc=0
       for p in "${preps[@]}"; do wait $p || rc=1; done
       echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback $R/prepare-*.log
       # Numerics: one process per shape, side by side (they share the GPU's memory).
       args=()
       for m in $SHAPE_LIST; do GPU_SHAPES[numerics-$m]=$m; args+=(numerics-$m "$G/test_numerics.py --deselect $RIG"); done
       parallel "${args[@]}"; rc=$((rc | $?))
+      wait $kernels; rc=$((rc | $?)); cat $R/kernels-phase.txt
     else  # alone [test files]: all three by default; a call's time limit may want them split
       shift 2
       parallel alone "${*:-$G/test_replay.py $G/test_serve.py $G/test_generation.py}"; rc=$?
