@@ -71,6 +71,13 @@ def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: st
     return r
 
 
+def copy_rig(src: Rig, dst: Rig) -> None:
+    """Make ``dst`` (a rig of the same core) hold what ``src`` holds: its whole arena (state,
+    KV pages, buffers) and its free pages, as if it had run the same programs."""
+    dst.arena.copy_(src.arena)
+    dst.free_pages = list(src.free_pages)
+
+
 def write_rows(r: Rig, slot: int, rows: dict) -> None:
     for name, value in rows.items():
         r.v[name][slot] = torch.as_tensor(value)

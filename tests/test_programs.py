@@ -48,7 +48,7 @@ from flare.core.manifest import HIST_PROMPT_BIT
 from flare.prepare.recipes import by_name
 from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec
-from tests.rig import STEP_STATE, Rig, admit, decode, decode_alike, greedy_continuation, load_rig, prefill
+from tests.rig import STEP_STATE, Rig, admit, copy_rig, decode, decode_alike, greedy_continuation, load_rig, prefill
 
 DECODE_STEPS = 10
 BASE_LENGTHS = (15, 16, 17, 31, 32, 33, 127, 128, 129, 257, 290)  # page size 16, prefill chunk 128
@@ -442,7 +442,7 @@ def test_pack_program_equals_separate_prefills(attention):
     reads the prefills'."""
     from flare.core.manifest import ProgramKind
     from tests.conftest import TINY_OPTS, prepare_core
-    from tests.rig import admit, completion, decode, load_rig, prefill
+    from tests.rig import admit, completion, copy_rig, decode, load_rig, prefill
 
     core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack")
     # triton: the CUDA path's kernels (Triton's CPU interpreter here), rows of several slots.
@@ -460,8 +460,7 @@ def test_pack_program_equals_separate_prefills(attention):
     # free pages copied, not the history prefilled again (a padded prefill.128 of ~4 s under
     # Triton's interpreter; the prefill of the history is not what is compared).
     separate = load_rig(core, attention=attention)
-    separate.arena.copy_(packed.arena)
-    separate.free_pages = list(packed.free_pages)
+    copy_rig(packed, separate)
     rows, records = [], []
     for slot, toks in chunks.items():
         rows.append(prefill(separate, slot, toks, sample=samples[slot])[0])
@@ -564,8 +563,7 @@ def test_verify_program_emits_what_decode_steps_emit(attention):
         several seconds: copying instead of prefilling the same prompts again keeps ~2/3 of
         the variant's time off CI with the same starting state."""
         r = load_rig(core, attention=attention)
-        r.arena.copy_(spec.arena)
-        r.free_pages = list(spec.free_pages)
+        copy_rig(spec, r)
         return r
 
     plain = copy_of_spec()
