@@ -21,7 +21,8 @@ longest ``n`` from ``max_ngram`` down to ``min_ngram`` (prompt lookup decoding, 
 n-gram proposer).
 
 An index from each n-gram to the end of its latest earlier occurrence makes each new token
-O(max_ngram) and a proposal O(k): no scan of the history.
+O(max_ngram) and a proposal O(k): no scan of the history. A new token's suffix n-grams are
+built once: looked up now, indexed when the next token makes them earlier occurrences.
 
 Torch-free and host-side: the verification programs (captured, ``flare-prepare
 --draft-tokens``) are what decide, exactly (``prepare/sampling.verify_chain``); a proposal
@@ -45,18 +46,22 @@ class CopyProposer:
         self.run = 0  # tokens the source predicted in a row (since it was found or passed a miss)
         self.substitutions: dict[int, int] = {}  # source token -> the token the copy writes for it
         self._seen: dict[int, int] = {}  # substitutions seen once (a second sighting confirms one)
+        self._suffix: list[tuple[int, ...]] = []  # the history's last max..min_ngram tokens, longest first
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append accepted tokens (never drafts: the history is what the model committed)."""
         subs = self.substitutions
+        index, history = self._index, self.tokens
         for t in tokens:
             t = int(t)
-            end, source = len(self.tokens), self.source
+            end, source = len(history), self.source
             # The n-grams ending at the current end become earlier occurrences.
-            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self._index[tuple(self.tokens[end - n : end])] = end
-            self.tokens.append(t)
+            for gram in self._suffix:
+                index[gram] = end
+            history.append(t)
+            self._suffix = [tuple(history[end + 1 - n :]) for n in range(self.max_ngram, self.min_ngram - 1, -1)
+                            if n <= end + 1]
             if source is None:
                 self.source, self.run = self._lookup()[0], 0
                 continue
@@ -79,11 +84,10 @@ class CopyProposer:
     def _lookup(self) -> tuple[int | None, int]:
         """The end of the latest earlier occurrence of the longest suffix n-gram, and n
         (None, 0: none)."""
-        end = len(self.tokens)
-        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
-            at = self._index.get(tuple(self.tokens[end - n : end]))
+        for gram in self._suffix:  # longest first
+            at = self._index.get(gram)
             if at is not None:
-                return at, n
+                return at, len(gram)
         return None, 0
 
     def propose(self, k: int) -> list[int]:
