@@ -10,7 +10,8 @@ full-depth 8B core per width would not fit the GPU machine's disk and time. So f
 L of ``--depths`` and each D of ``--drafts`` this writes CONFIG (a name from ``configs/``)
 with ``num_hidden_layers = L`` into a scratch configs directory (``FLARE_CONFIGS``), prepares
 it on the GPU with decode.1, one 128-row prefill program and verify.1 only (``--jobs``
-preparations at a time), and times decode.1 and verify.1 with ``bench.floor``. A program's
+preparations at a time: their kernel choices are timed on a shared GPU, as in the GPU
+suite's parallel preparations), and times decode.1 and verify.1 with ``bench.floor``. A program's
 time is a + b L (the layers, then the embedding, head and sampler), so two depths give a and
 b exactly; the full-depth time is a + b N at the config's own N layers. The JSON holds every
 core's times, the fits and, per width, the full-depth verify.1 against decode.1.
@@ -45,10 +46,10 @@ def with_depth(text: str, layers: int) -> str:
 def fit(times: dict[int, float], full: int) -> dict:
     """a + b L through the (depth, ms) points (least squares: exact for two), at ``full``."""
     xs, ys = list(times), list(times.values())
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    if n < 2 or var == 0:
+    if len(set(xs)) < 2:
         raise ValueError("a fit needs two depths")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
     a = my - b * mx
     return {"ms_fixed": a, "ms_per_layer": b, "ms_full_depth": a + b * full}
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def prepare(key) -> None:
         name, out = cores[key]
-        log = out.with_suffix(".prepare.txt")
+        log = out.parent / f"{out.name}.prepare.txt"  # (with_suffix would cut at "3.1" of a name)
         cmd = [sys.executable, "-m", "flare.prepare.cli", name, "--out", str(out), "--device", "cuda",
                "--draft-tokens", str(key[1]), "--decode-capacities", "1", "--prefill-chunk-size", "128",
                "--context-limit", "2048", "--kv-memory", "1"]
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         list(pool.map(prepare, cores))
     runs = {}
     for (layers, d), (name, out) in cores.items():
-        floor = out.with_suffix(".floor.json")
+        floor = out.parent / f"{out.name}.floor.json"
         subprocess.run([sys.executable, "-m", "bench.floor", str(out), str(floor), str(a.steps), "--decode-only"],
                        check=True, env=env, stdout=subprocess.DEVNULL)
         r = json.loads(floor.read_text())

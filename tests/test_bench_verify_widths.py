@@ -23,5 +23,6 @@ def test_the_fit_separates_the_layers_from_the_rest():
     got = fit({4: 0.5 + 4 * 0.25, 8: 0.5 + 8 * 0.25}, 32)
     assert got["ms_fixed"] == pytest.approx(0.5) and got["ms_per_layer"] == pytest.approx(0.25)
     assert got["ms_full_depth"] == pytest.approx(0.5 + 32 * 0.25)
-    with pytest.raises(ValueError):
-        fit({4: 1.0}, 32)
+    for one_depth in ({4: 1.0}, {}):
+        with pytest.raises(ValueError):
+            fit(one_depth, 32)

@@ -34,6 +34,7 @@ def brute_force(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> li
             source, run = source + 1, run + 1
         elif source is not None and tokens[source] == t:
             del subs[t]
+            seen.pop(t, None)
             source, run = source + 1, run + 1
         else:
             found, n = latest_earlier(tokens[:end], max_ngram, min_ngram)
@@ -48,8 +49,7 @@ def brute_force(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> li
         return []
     history = list(tokens)  # a source near the end copies on through the drafts
     for i in range(k):
-        history.append(subs.get(history[source + i], history[source + i]) if source + i < len(tokens)
-                       else history[source + i])
+        history.append(subs.get(history[source + i], history[source + i]))
     return history[len(tokens) :]
 
 
@@ -66,6 +66,22 @@ def test_proposals_equal_a_brute_force_search(tokens, k, min_ngram, extra, split
     parts.extend(tokens[split:])
     want = brute_force(tokens, k, max_ngram, min_ngram)
     assert whole.propose(k) == want and parts.propose(k) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=50), st.integers(1, 6))
+# Learned substitutions 0 -> 1 and 1 -> 2 (a chain) with a repetition continued through its drafts.
+@example([1, 0, 1, 3, 2, 0, 1, 3, 2, 1, 0, 1, 2, 1, 0, 2, 2, 1, 1, 2, 2, 2, 0, 3, 0, 3], 4)
+def test_a_proposal_is_what_single_steps_would_propose_as_its_drafts_are_accepted(tokens, k):
+    """propose(k) equals k rounds of propose(1), each draft then accepted (extend): the
+    proposer's own state machine, not a restatement of it, decides every draft."""
+    whole, steps = CopyProposer(tokens, max_ngram=3), CopyProposer(tokens, max_ngram=3)
+    drafts = whole.propose(k)
+    for _ in range(len(drafts)):
+        (d,) = steps.propose(1)
+        steps.extend([d])
+    assert drafts == steps.tokens[len(tokens) :]
+    assert len(drafts) in (0, k)
 
 
 def test_a_rewritten_text_is_proposed_from_its_first_copy():

@@ -89,15 +89,22 @@ def _flips(ours: list[list[int]], theirs: list[list[int]], their_tops: list[list
     them where ours is not among them)."""
     out = []
     for i, (a, b, (ids, lps)) in enumerate(zip(ours, theirs, their_tops)):
-        if a[0] != b[0]:
-            out.append({"index": i, "margin": lps[0] - (lps[ids.index(a[0])] if a[0] in ids else lps[-1])})
+        if a[0] != b[0]:  # outside the recorded tokens the margin is at least the last one's
+            out.append({"index": i, "margin": lps[0] - (lps[ids.index(a[0])] if a[0] in ids else lps[-1]),
+                        "outside_top": a[0] not in ids})
     return out
+
+
+def _near_ties(model: str, flips: list[dict], runs: int) -> bool:
+    """Every first-token difference a near-tie, and at most ``FLIP_SHARE`` of the runs."""
+    return len(flips) <= FLIP_SHARE * runs and all(f["margin"] <= NEAR_TIE * LOGIT_ERROR[model] for f in flips)
 
 
 def test_graph_runtime_generations_against_the_reference_path(runs, results_dir):
     """The first token is decided by one forward pass of the prompt: where the graph runtime
     and the reference path (different kernels, reduction orders) pick different ones, it is
-    a near-tie, within twice the shape's measured logit error; later tokens are reported."""
+    a near-tie, within four times the shape's measured logit error (``NEAR_TIE``); later
+    tokens are reported."""
     MODEL, prompts, r = runs
     gpu, ref = r["cuda-on"]["phase1"], r["reference-on"]["phase1"]
     assert all(len(x) == 64 for x in gpu + ref)
@@ -111,7 +118,7 @@ def test_graph_runtime_generations_against_the_reference_path(runs, results_dir)
     record(results_dir, "qualification", {f"{MODEL}-generation-vs-reference": summary})
     for k in ("cuda-on", "cuda-off", "reference-on"):
         assert not r[k]["torch_imported"], k
-    assert all(f["margin"] <= 2 * LOGIT_ERROR[MODEL] for f in summary["first_token_flips"]), summary
+    assert _near_ties(MODEL, summary["first_token_flips"], len(prompts)), summary
 
 
 def test_prefix_cache_on_the_gpu(runs, results_dir):
@@ -139,17 +146,23 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
     # Cache on vs off: the generated tokens' rows of a restored terminal checkpoint came from
     # decode steps, not a prefill's (docs/prefix-cache.md), so they agree up to the roundings
     # that differ: a first token may differ at a near-tie only, where cache-off's top log-
-    # probability exceeds that of cache-on's token by at most twice the shape's measured
-    # teacher-forced logit error (the numerics test's bound; a hard flip fails).
+    # probability exceeds that of cache-on's token by at most NEAR_TIE times the shape's
+    # measured teacher-forced logit error (a hard flip fails).
     summary["first_token_flips"] = _flips([f["output"] for f in follow_on], [f["output"] for f in follow_off],
                                           [f["first_top"] for f in follow_off])
     record(results_dir, "qualification", {f"{MODEL}-prefix-cache": summary})
-    assert all(f["margin"] <= 2 * LOGIT_ERROR[MODEL] for f in summary["first_token_flips"]), summary
+    assert _near_ties(MODEL, summary["first_token_flips"], len(follow_on)), summary
 
 
 # The largest teacher-forced logit error against Transformers FP32 measured on the H200 for
 # each shape (test_numerics.py, bench/results/qualification-2026-12-02-run7.json: err_flare).
+# Two runs each within it of FP32 (the reference path runs the same bfloat16 programs eagerly;
+# its error is taken to be the GPU's) move a difference of two logits by up to 4x it: a
+# first token may differ where the margin is within that (NEAR_TIE), in at most FLIP_SHARE
+# of the prompts (0.04-0.12 of them differed in runs 7-9).
 LOGIT_ERROR = {"smollm2-135m-shape": 0.029, "qwen3_5-small-shape": 1.22, "qwen3-moe-small-shape": 4.05}
+NEAR_TIE = 4
+FLIP_SHARE = 0.2
 
 
 def test_conversation_cache_on_and_off(runs, results_dir):

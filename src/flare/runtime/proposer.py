@@ -70,6 +70,7 @@ class CopyProposer:
                 self.source, self.run = source + 1, self.run + 1
             elif original == t:  # the copy keeps this token after all
                 del subs[original]
+                self._seen.pop(original, None)
                 self.source, self.run = source + 1, self.run + 1
             else:
                 found, n = self._lookup()
@@ -98,5 +99,5 @@ class CopyProposer:
         subs, end = self.substitutions, len(self.tokens)
         drafts = [subs.get(t, t) for t in self.tokens[self.source : self.source + k]]
         for j in range(self.source + len(drafts), self.source + k):
-            drafts.append(drafts[j - end])
+            drafts.append(subs.get(drafts[j - end], drafts[j - end]))
         return drafts

@@ -127,15 +127,21 @@ class Speculation:
         s = self._state(req)
         self._sync(req, s)
         guess = s.proposer.propose(1)
+        hit = bool(guess) and guess[0] == token
         if not guess:
+            self._end_streak(s)
             return
-        hit = guess[0] == token
         s.rate = _running(s.rate, float(hit), RATE_WEIGHT)
         if hit:  # a draft would have been accepted: one more next time, as after a verify step
             s.drafts = min(self.max_drafts, s.drafts + 1)
             s.streak += 1
-        # A streak of predicted tokens is the run a verify step would have accepted.
-        if s.streak and (not hit or s.streak == self.max_drafts):
+        if not hit or s.streak == self.max_drafts:
+            self._end_streak(s)
+
+    @staticmethod
+    def _end_streak(s: _State) -> None:
+        """A streak of predicted decode tokens is the run a verify step would have accepted."""
+        if s.streak:
             s.run = _running(s.run, s.streak, RATE_WEIGHT)
             s.streak = 0
 
@@ -154,9 +160,10 @@ class Speculation:
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify step's outcome for the request (called once its tokens are in its output):
         ``accepted`` of its ``drafted`` drafts."""
+        s = self._state(req)
+        s.streak = 0  # the step's tokens did not pass through shadow: a streak ends unrecorded
         if drafted <= 0:
             return
-        s = self._state(req)
         s.rate = _running(s.rate, float(accepted > 0), RATE_WEIGHT)
         if accepted:
             s.run = _running(s.run, accepted, RATE_WEIGHT)
