@@ -109,6 +109,17 @@ def _rule_step(s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, at,
 
 
 @triton.jit
+def _head_tile(GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A rule program's place (grid: rows, value heads, value blocks): its row, value head and
+    key head, and its key and value indices with their bounds."""
+    row = tl.program_id(0)
+    hv = tl.program_id(1)
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    return row, hv, hv // GROUP, kk, vv, kk < DK, vv < DV
+
+
+@triton.jit
 def _decode_step_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, live_ptr, out_ptr,
     scale,
@@ -118,16 +129,9 @@ def _decode_step_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    hv = tl.program_id(1)
-    vb = tl.program_id(2)
-    hk = hv // GROUP
+    row, hv, hk, kk, vv, k_in, v_in = _head_tile(GROUP, DK, DV, BK, BV)
     live = tl.load(live_ptr + row * stride_live) != 0
     slot = tl.where(live, tl.load(slots_ptr + row * stride_slot), 0).to(tl.int64)
-    kk = tl.arange(0, BK)
-    vv = vb * BV + tl.arange(0, BV)
-    k_in = kk < DK
-    v_in = vv < DV
     # `live` folded into a bound: Triton's interpreter mis-types scalar & tensor masks.
     s_mask = (kk[:, None] < tl.where(live, DK, 0)) & v_in[None, :]
 
@@ -532,15 +536,8 @@ def _verify_rule_kernel(
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    hv = tl.program_id(1)
-    vb = tl.program_id(2)
-    hk = hv // GROUP
+    row, hv, hk, kk, vv, k_in, v_in = _head_tile(GROUP, DK, DV, BK, BV)
     slot = tl.load(slots_ptr + row * stride_slot).to(tl.int64)
-    kk = tl.arange(0, BK)
-    vv = vb * BV + tl.arange(0, BV)
-    k_in = kk < DK
-    v_in = vv < DV
     s_mask = k_in[:, None] & v_in[None, :]
     s = tl.load(state_ptr + slot * stride_ss + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :] * stride_sv,
                 mask=s_mask, other=0.0)
