@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         runs[f"L{layers}-D{d}"] = {"layers": layers, "drafts": d, "width": d + 1,
                                    "decode_1_ms": r["decode"]["1"]["gpu_ms_per_step"],
                                    "verify_1_ms": r["verify"]["1"]["gpu_ms_per_step"]}
-    decode = fit({L: sum(r["decode_1_ms"] for r in runs.values() if r["layers"] == L)
-                  / sum(r["layers"] == L for r in runs.values()) for L in depths}, full)
+    decode = fit({L: statistics.mean(r["decode_1_ms"] for r in runs.values() if r["layers"] == L)
+                  for L in depths}, full)
     widths = {}
     for d in drafts:
         v = fit({r["layers"]: r["verify_1_ms"] for r in runs.values() if r["drafts"] == d}, full)

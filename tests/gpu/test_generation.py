@@ -138,6 +138,8 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
     agree = [_common_prefix(a["output"], b["output"]) for a, b in zip(follow_on, follow_off)]
     summary = {"follow_ups": [{k: v for k, v in f.items() if k != "output"} for f in follow_on],
                "cache_on_vs_off_common_prefix": agree, "identical": sum(a == 64 for a in agree),
+               "first_token_flips": _flips([f["output"] for f in follow_on], [f["output"] for f in follow_off],
+                                           [f["first_top"] for f in follow_off]),
                "stats": on["stats"]}
     record(results_dir, "qualification", {f"{MODEL}-prefix-cache": summary})
     for key in ("allocations_after_ready", "module_loads_after_ready", "instantiations_after_ready"):
@@ -148,9 +150,6 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
     # that differ: a first token may differ at a near-tie only, where cache-off's top log-
     # probability exceeds that of cache-on's token by at most NEAR_TIE times the shape's
     # measured teacher-forced logit error (a hard flip fails).
-    summary["first_token_flips"] = _flips([f["output"] for f in follow_on], [f["output"] for f in follow_off],
-                                          [f["first_top"] for f in follow_off])
-    record(results_dir, "qualification", {f"{MODEL}-prefix-cache": summary})
     assert _near_ties(MODEL, summary["first_token_flips"], len(follow_on)), summary
 
 

@@ -14,11 +14,10 @@ predicted at least as many tokens in a row as the longest earlier match of the h
 new suffix: the copy goes on after the replaced token. A pair seen twice is remembered, so a
 consistent rewrite (a document re-indented, a name renamed) is predicted from then on
 (records whose values differ make pairs seen once); a pair is forgotten when the copy shows
-the original token again. Otherwise (a short run:
-a source found by a short n-gram may be the wrong one of several records) it re-anchors:
-after the most recent *earlier* occurrence of the history's last ``n`` tokens, for the
-longest ``n`` from ``max_ngram`` down to ``min_ngram`` (prompt lookup decoding, as vLLM's
-n-gram proposer).
+the original token again. Otherwise (a short run: a source found by a short n-gram may be
+the wrong one of several records) it re-anchors: after the most recent *earlier*
+occurrence of the history's last ``n`` tokens, for the longest ``n`` from ``max_ngram``
+down to ``min_ngram`` (prompt lookup decoding, as vLLM's n-gram proposer).
 
 An index from each n-gram to the end of its latest earlier occurrence makes each new token
 O(max_ngram) and a proposal O(k): no scan of the history. A new token's suffix n-grams are
@@ -65,7 +64,7 @@ class CopyProposer:
             if source is None:
                 self.source, self.run = self._lookup()[0], 0
                 continue
-            original = self.tokens[source]
+            original = history[source]
             if subs.get(original, original) == t:
                 self.source, self.run = source + 1, self.run + 1
             elif original == t:  # the copy keeps this token after all
@@ -96,8 +95,9 @@ class CopyProposer:
         repetition: its period is the distance) goes on through the drafts themselves."""
         if self.source is None:
             return []
-        subs, end = self.substitutions, len(self.tokens)
-        drafts = [subs.get(t, t) for t in self.tokens[self.source : self.source + k]]
-        for j in range(self.source + len(drafts), self.source + k):
-            drafts.append(subs.get(drafts[j - end], drafts[j - end]))
+        subs, history, end = self.substitutions, self.tokens, len(self.tokens)
+        drafts = []
+        for at in range(self.source, self.source + k):
+            t = history[at] if at < end else drafts[at - end]
+            drafts.append(subs.get(t, t))
         return drafts

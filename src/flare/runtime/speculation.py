@@ -127,10 +127,10 @@ class Speculation:
         s = self._state(req)
         self._sync(req, s)
         guess = s.proposer.propose(1)
-        hit = bool(guess) and guess[0] == token
         if not guess:
             self._end_streak(s)
             return
+        hit = guess[0] == token
         s.rate = _running(s.rate, float(hit), RATE_WEIGHT)
         if hit:  # a draft would have been accepted: one more next time, as after a verify step
             s.drafts = min(self.max_drafts, s.drafts + 1)
