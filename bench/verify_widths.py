@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = work / "configs"
     configs.mkdir()
     (configs / "tokenizers").symlink_to(ROOT / "configs" / "tokenizers")
-    env = {**os.environ, "FLARE_CONFIGS": str(configs), "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    env = {**os.environ, "FLARE_CONFIGS": str(configs), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "src"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cores = {}
     for layers in depths:
         name = f"{a.config}-{layers}l"
@@ -91,17 +93,23 @@ def main(argv: list[str] | None = None) -> int:
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode:
                 raise SystemExit(f"flare-prepare {name} --draft-tokens {key[1]} failed: {log.read_text()[-3000:]}")
 
-    with ThreadPoolExecutor(a.jobs) as pool:
-        list(pool.map(prepare, cores))
+    # One depth at a time: its cores are prepared side by side, timed one after the other,
+    # then deleted (ten full-vocabulary cores at once would not fit the GPU machine's disk).
     runs = {}
-    for (layers, d), (name, out) in cores.items():
-        floor = out.parent / f"{out.name}.floor.json"
-        subprocess.run([sys.executable, "-m", "bench.floor", str(out), str(floor), str(a.steps), "--decode-only"],
-                       check=True, env=env, stdout=subprocess.DEVNULL)
-        r = json.loads(floor.read_text())
-        runs[f"L{layers}-D{d}"] = {"layers": layers, "drafts": d, "width": d + 1,
-                                   "decode_1_ms": r["decode"]["1"]["gpu_ms_per_step"],
-                                   "verify_1_ms": r["verify"]["1"]["gpu_ms_per_step"]}
+    for depth in depths:
+        keys = [key for key in cores if key[0] == depth]
+        with ThreadPoolExecutor(a.jobs) as pool:
+            list(pool.map(prepare, keys))
+        for layers, d in keys:
+            name, out = cores[(layers, d)]
+            floor = out.parent / f"{out.name}.floor.json"
+            subprocess.run([sys.executable, "-m", "bench.floor", str(out), str(floor), str(a.steps), "--decode-only"],
+                           check=True, env=env, stdout=subprocess.DEVNULL)
+            shutil.rmtree(out)
+            r = json.loads(floor.read_text())
+            runs[f"L{layers}-D{d}"] = {"layers": layers, "drafts": d, "width": d + 1,
+                                       "decode_1_ms": r["decode"]["1"]["gpu_ms_per_step"],
+                                       "verify_1_ms": r["verify"]["1"]["gpu_ms_per_step"]}
     decode = fit({L: statistics.mean(r["decode_1_ms"] for r in runs.values() if r["layers"] == L)
                   for L in depths}, full)
     widths = {}

@@ -50,17 +50,17 @@ def test_a_switched_norm_computes_transformers_formula(cls, monkeypatch):
     float32 rounding of the mean."""
     torch.manual_seed(0)
     n, gated = 64, "Gated" in cls.__name__
-    norm = cls(n, eps=1e-6)
+    norm = cls(n, eps=1e-6).to(DEVICE)
     with torch.no_grad():
         norm.weight.normal_()
-    original = cls(n, eps=1e-6)
+    original = cls(n, eps=1e-6).to(DEVICE)
     original.load_state_dict(norm.state_dict())
     holder = nn.ModuleList([norm])
     switched, left = R.make_norms_row_invariant(holder)
     assert switched == {cls.__name__: 1} and left == [] and type(norm) is not cls and isinstance(norm, cls)
     # Rows of mean square near eps (where eps matters) and near one, in bfloat16.
-    x = (torch.randn(8, n) * torch.tensor([3e-3, 1.0]).repeat(4)[:, None]).to(torch.bfloat16)
-    args = (x, torch.randn(8, n).to(torch.bfloat16)) if gated else (x,)
+    x = (torch.randn(8, n) * torch.tensor([3e-3, 1.0]).repeat(4)[:, None]).to(DEVICE, torch.bfloat16)
+    args = (x, torch.randn(8, n).to(DEVICE, torch.bfloat16)) if gated else (x,)
     want = original(*args)
     torch.testing.assert_close(norm(*args), want, rtol=0, atol=0)  # outside prompt programs
     with prompt_rows.marked(True):
@@ -117,7 +117,8 @@ def test_compiled_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu():
     switched.load_state_dict(plain.state_dict())
     assert R.make_norms_row_invariant(switched)[0] == {"LlamaRMSNorm": 1, "Qwen3_5RMSNorm": 1}
     outs = {}
-    with torch.inference_mode(), prompt_rows.marked(True):
+    # One compiled graph per capacity and block, of one code object (as prepare allows them).
+    with torch.inference_mode(), prompt_rows.marked(True), torch._dynamo.config.patch(cache_size_limit=64):
         for name, block in (("plain", plain), ("switched", switched)):
             compiled = torch.compile(block, dynamic=False, fullgraph=True)
             outs[name] = {c: compiled(x[:c], residual[:c]) for c in capacities}
