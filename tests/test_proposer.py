@@ -220,6 +220,31 @@ def test_speculation_verifies_only_where_it_pays():
     assert not spec.wants(req)
 
 
+def test_the_decode_step_after_a_verify_step_charges_its_wait_to_the_verify_program():
+    """A decode step right after a verify step starts on an idle device (it could not be
+    submitted ahead): its excess over the steady decode time is the verify step's cost, in
+    the verify program's mean with the weight the verify sample had, and out of decode's."""
+    from flare.runtime.speculation import TIME_WEIGHT, Speculation
+
+    spec = Speculation(4)
+    spec.timed("decode.4", 10.0)
+    spec.timed("decode.4", 10.0)
+    spec.timed("verify.4", 15.0)
+    spec.timed("decode.4", 13.0)  # 3 ms waiting for the verify step's outcome
+    assert spec.step_ms == {"decode.4": 10.0, "verify.4": 18.0}
+    spec.timed("decode.4", 13.0)  # a steady step again: decode's own
+    assert spec.step_ms["decode.4"] == 10.0 + TIME_WEIGHT * 3.0
+    spec.timed("verify.4", 18.0)
+    spec.timed("decode.4", 8.0)  # faster than steady: charges nothing
+    assert spec.step_ms["verify.4"] == 18.0 and spec.step_ms["decode.4"] == 10.6
+    spec.timed("verify.4", 16.0)
+    spec.timed("verify.4", 17.0)  # a verify step after a verify step: its own interval only
+    spec.timed("decode.4", 12.6)
+    want = 18.0 + TIME_WEIGHT * (16.0 - 18.0)
+    want += TIME_WEIGHT * (17.0 - want) + TIME_WEIGHT * 2.0
+    assert abs(spec.step_ms["verify.4"] - want) < 1e-9 and spec.step_ms["decode.4"] == 10.6
+
+
 def test_decode_tokens_the_proposal_predicted_grow_the_drafts():
     """A request cut to one draft (its verify steps rejected them) cannot pay for a verify
     step that costs 2.5 decode steps, whatever its rate: the decode tokens its proposal
