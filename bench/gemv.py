@@ -1,0 +1,116 @@
+"""Decode-step GEMMs inside CUDA graphs: cuBLAS (``F.linear``) against the few-row GEMM of
+``kernels/gemv.py`` at a sweep of tilings (CUDA only).
+
+For each weight shape of the 8B dense and 9B hybrid layers and each row count, one CUDA
+graph holds ``CALLS`` products over rotating weight copies (at least 256 MiB together, past
+the L2 cache, as a decode step streams its weights); the graph's replay time over CALLS is
+the time per product, launches included as a program's graph pays them. cuBLAS's split-K
+reduce kernels are inside its time. Each tiling's output is checked against cuBLAS's
+(bfloat16 rounding) before it is timed. The JSON is rewritten after every shape, so a run
+cut short keeps what it measured.
+
+    python -m bench.gemv OUT.json [--rows 1,4] [--shapes 8b-o,8b-down,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+import triton
+from torch.nn import functional as F
+
+from flare.prepare.kernels import gemv as G
+
+SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
+          "9b-gdn-in": (12352, 4096), "9b-attn-qkv": (10240, 4096), "9b-gate_up": (24576, 4096),
+          "9b-down": (4096, 12288)}
+# (BN, BK, SPLIT, warps, stages)
+TILINGS = [(8, 512, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 256, 1, 8, 3),
+           (16, 256, 2, 4, 3), (32, 256, 2, 8, 3), (32, 256, 4, 8, 3), (64, 256, 4, 8, 3),
+           (64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (64, 256, 8, 8, 4), (128, 256, 16, 8, 3)]
+CALLS = 20
+ROTATE_BYTES = 256 << 20
+
+
+def graph_ms(calls) -> float:
+    """Median over 10 replays of a CUDA graph of ``calls`` (after a warm-up outside it), per call."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--rows", default="1,4")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    a = p.parse_args(argv)
+    dev = torch.device("cuda")
+    rows_list = [int(r) for r in a.rows.split(",")]
+    meta = {"machine": platform.node(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "python": sys.version.split()[0], "dtype": "bfloat16",
+            "calls_per_graph": CALLS, "rotation_bytes": ROTATE_BYTES, "tilings": "(BN, BK, SPLIT, warps, stages)",
+            "timing": "CUDA graph of CALLS products over rotating weight copies, median of 10 replays, per product",
+            "command": "python -m bench.gemv " + " ".join(sys.argv[1:] if argv is None else argv)}
+    results: dict = {}
+    t0 = time.monotonic()
+    for name in a.shapes.split(","):
+        n, k = SHAPES[name]
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn((n, k), generator=g, device=dev, dtype=torch.bfloat16) * k ** -0.5
+        ws = [w] + [w.clone() for _ in range(-(-ROTATE_BYTES // (w.numel() * 2)) - 1)]
+        mb = w.numel() * 2 / 1e6
+        for rows in rows_list:
+            x = torch.randn((rows, k), generator=g, device=dev, dtype=torch.bfloat16)
+            out = torch.empty((rows, n), device=dev, dtype=torch.bfloat16)
+            ref = F.linear(x, w)
+            entry = {"weight_mb": mb, "ms": {}, "errors": {}}
+            entry["ms"]["cublas"] = graph_ms([lambda i=i: F.linear(x, ws[i % len(ws)]) for i in range(CALLS)])
+            for t in TILINGS:
+                key = "x".join(map(str, t))
+                bn, bk, split = t[:3]
+                if split > 1 and (split - 1) * (triton.cdiv(triton.cdiv(k, split), bk) * bk) >= k:
+                    continue
+                try:
+                    space = G.workspace(rows, n, split, bn, dev)
+                    got = G.gemv(x, w, out, t, space).clone()
+                    if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
+                        entry["errors"][key] = f"max diff {(got.float() - ref.float()).abs().max().item():.3g}"
+                        continue
+                    entry["ms"][key] = graph_ms([lambda i=i, t=t, space=space: G.gemv(x, ws[i % len(ws)], out, t, space)
+                                                 for i in range(CALLS)])
+                except Exception as e:  # a tiling that does not compile or launch here
+                    entry["errors"][key] = f"{type(e).__name__}: {str(e)[:200]}"
+            entry["tb_per_s"] = {t: mb / 1e6 / (v / 1e3) for t, v in entry["ms"].items()}
+            best = min((t for t in entry["ms"] if t != "cublas"), key=entry["ms"].get, default=None)
+            entry["best"] = best
+            entry["best_over_cublas"] = entry["ms"][best] / entry["ms"]["cublas"] if best else None
+            results[f"{name}@{rows}"] = entry
+            print(f"{name}@{rows}: cublas {entry['tb_per_s']['cublas']:.2f} TB/s, best {best} "
+                  f"{entry['tb_per_s'].get(best, 0):.2f} TB/s ({time.monotonic() - t0:.0f} s)", flush=True)
+            json.dump({"meta": meta, "results": results}, open(a.out, "w"), indent=1)
+        ws.clear()  # free the copies before the next shape
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

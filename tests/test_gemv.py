@@ -1,0 +1,61 @@
+"""The few-row decode GEMM (``kernels/gemv.py``): against float64 within float32 rounding,
+deterministic, row-invariant, split-K reduced in a fixed order, counters left at zero.
+Without CUDA it runs in Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
+
+from flare.prepare.kernels import gemv as G  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("split", [1, 3, 4])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_a_few_rows_times_a_weight(rows, split):
+    """N not a multiple of the tile, K not a multiple of the slices: masked edges; every row
+    within float32 rounding of float64; the same bits on a second call (the counters were
+    reset) and for the row alone (row-invariant); the counters end at zero."""
+    g = torch.Generator().manual_seed(rows * 10 + split)
+    n, k = 100, 300
+    w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
+    tiling = (16, 32, split, 4, 2)
+    space = G.workspace(rows, n, split, 16, DEVICE)
+    out = G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling, space)
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+    again = G.gemv(x, w, torch.empty_like(out), tiling, space)
+    assert torch.equal(again, out)
+    assert not space[1].any()
+    for r in range(rows):
+        alone = G.gemv(x[r : r + 1], w, torch.empty(1, n, device=DEVICE, dtype=torch.float32), tiling)
+        assert torch.equal(alone[0], out[r])
+
+
+def test_the_slices_are_summed_in_order():
+    """With SPLIT slices the result is slice 0 + slice 1 + ... in float32, in that order:
+    the unsplit kernel over each slice of K, summed the same way, gives the same bits."""
+    g = torch.Generator().manual_seed(7)
+    n, k, split, bk = 48, 256, 4, 32
+    w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
+    x = torch.randn(2, k, generator=g).to(DEVICE, torch.bfloat16)
+    out = G.gemv(x, w, torch.empty(2, n, device=DEVICE, dtype=torch.float32), (16, bk, split, 4, 2))
+    ks = k // split
+    total = torch.zeros(2, n, device=DEVICE, dtype=torch.float32)
+    for s in range(split):
+        part = G.gemv(x[:, s * ks : (s + 1) * ks].contiguous(), w[:, s * ks : (s + 1) * ks].contiguous(),
+                      torch.empty(2, n, device=DEVICE, dtype=torch.float32), (16, bk, 1, 4, 2))
+        total += part
+    assert torch.equal(out, total)
+
+
+def test_a_split_that_leaves_a_slice_empty_is_refused():
+    w = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(1, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="slices"):
+        G.gemv(x, w, torch.empty(1, 16, device=DEVICE), (16, 32, 4, 4, 2))
