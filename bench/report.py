@@ -475,6 +475,34 @@ copies `copy` lost 6.8 % at one stream and 9 % at four here, against -4.6 % and 
 the first run: one 128-token stream per configuration (0.15-0.2 s) is within its own
 spread; the next run takes more repeats.
 
+
+### On the H200, the copy source (`speculative-copy-smollm2-h200-2026-12-02-run3.json`)
+
+The same A/B at b50b3a9, with the copy source proposer (follow the passage being copied,
+learned substitutions, repetitions continued through the drafts). Decode tokens/s: the
+rewrites the median of five runs each, the decode rows one 512-token stream per stream:
+
+| `--speculative` (in the same run as `off`) | rewrite, sampled | rewrite, greedy | decode x1 | decode x4 |
+|---|---|---|---|---|
+| `off` | 859 | 858 | 857 | 2,913 |
+| `copy` (measured cost) | 866 | **1,810 (2.11x)** | 850 (-0.8 %) | 2,283 (-22 %) |
+| `off` (third pair) | 859 | 858 | 857 | 2,929 |
+| `copy-always` | 994 | **1,808 (2.11x)** | 833 (-2.8 %) | 2,126 (-27 %) |
+
+The greedy rewrite now runs at 2.11x (five runs 1,669-1,846 tok/s, against 857-859 for
+`off`): the bar of the issue on a copy-heavy workload. One stream with nothing meant to
+be copied stays within 1 % of `off`. Four streams lost 22 %, and the cause is in the
+streams' own gaps: one of the four sampled stories fell into a loop (512 tokens in 134
+steps, 3.8 tokens a step), and its verify steps carried the other three, which had
+nothing to copy: their gaps between tokens went from 1.2-1.3 ms to 2.3-2.7 ms at each
+verify step (150 of them), and the batch finished when they did (0.90 s against 0.70 s).
+The cost model had measured a verify step of four rows at the program's own time, about
+1.5x a decode step, but the decode step after a verify step cannot be submitted ahead
+(what to decode is known only when the verify step completes), so each verify step also
+left the device idle for the host's turn-around; since f9cf6d0 that wait is charged to
+the verify program (`runtime/speculation.py`), which puts this step at about twice a
+decode step and the copier's expected 2.8 accepted drafts below the 4-row bar.
+
 ## Method
 
 What a preparation option costs a decode step: `python -m bench.ab_decode CORE_A
