@@ -245,6 +245,48 @@ def test_the_decode_step_after_a_verify_step_charges_its_wait_to_the_verify_prog
     assert abs(spec.step_ms["verify.4"] - want) < 1e-9 and spec.step_ms["decode.4"] == 10.6
 
 
+def test_a_batch_that_cannot_pay_for_a_verify_step_may_run_ahead():
+    """may_verify (whether the scheduler must wait to decide the next step instead of
+    submitting a decode step ahead): not while no request wants drafts; yes while the
+    batch's programs are unmeasured; then only where the wanting requests' expected gain
+    pays for the batch's verify step: one copier among four streams does not, four do."""
+    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.speculation import REFRESH, Speculation
+
+    spec = Speculation(4)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
+    copier = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
+    copier.output = [3]
+    others = [Request([10 + i, 20 + i, 30 + i], params) for i in range(3)]
+    for r in others:
+        r.output = [40]
+        for _ in range(3):
+            spec.miss(r)  # nothing to copy: backing off
+    batch = [copier, *others]
+    assert spec.may_verify(batch, "decode.4", "verify.4")  # nothing measured yet
+    assert not spec.may_verify(others, "decode.4", "verify.4")  # nobody wants drafts
+    spec.timed("decode.4", 10.0)
+    spec.timed("verify.4", 20.0)
+    spec.timed("decode.1", 10.0)
+    spec.timed("verify.1", 12.0)
+    spec.observe(copier, 4, 4)  # a run of four accepted: its gain is over 2.5 drafts a step
+    spec.observe(copier, 4, 4)
+    assert spec.wants(copier) and spec.may_verify([copier], "decode.1", "verify.1")
+    assert not spec.may_verify(batch, "decode.4", "verify.4")  # 4 rows x (2 - 1) > its gain
+    for r in others:  # all four copy: their gains together pay
+        r.output = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+        spec.observe(r, 4, 4)
+        spec.observe(r, 4, 4)
+        spec._states[r.id].resume_at = 0
+    assert spec.may_verify(batch, "decode.4", "verify.4")
+    for r in others:
+        spec._states[r.id].resume_at = 100  # back to backing off
+    assert not spec.may_verify(batch, "decode.4", "verify.4")
+    spec._declines["verify.4"] = REFRESH - 1  # due for a re-measurement
+    assert spec.may_verify(batch, "decode.4", "verify.4")
+
+
 def test_decode_tokens_the_proposal_predicted_grow_the_drafts():
     """A request cut to one draft (its verify steps rejected them) cannot pay for a verify
     step that costs 2.5 decode steps, whatever its rate: the decode tokens its proposal

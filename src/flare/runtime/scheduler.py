@@ -336,10 +336,7 @@ class Scheduler:
         batch = self._decoders(writes)
         if not batch:
             return None
-        # A verify record has no log-probability block: a batch with a request that asks for
-        # them decodes plainly (as one larger than the verify programs).
-        if (self.spec is not None and len(batch) <= self.encode.verify_caps[-1]
-                and all(r.params.logprobs < 0 for r in batch)):
+        if self._verify_program(batch) is not None:
             drafts = [self._drafts(r, writes) for r in batch]
             if any(drafts):
                 step = self.encode.verify(batch, drafts, writes)
@@ -351,6 +348,21 @@ class Scheduler:
                         self.spec.miss(req)  # not worth a verify step
                 return plain
         return self.encode.decode(batch, writes)
+
+    def _verify_program(self, batch: list[Request]) -> str | None:
+        """The verify program a decode batch could run instead; None without speculation, for
+        a batch larger than the verify programs, or with a request that asks for
+        log-probabilities (a verify record has no log-probability block)."""
+        if self.spec is None or len(batch) > self.encode.verify_caps[-1] or any(r.params.logprobs >= 0
+                                                                                for r in batch):
+            return None
+        return f"verify.{next(c for c in self.encode.verify_caps if c >= len(batch))}"
+
+    def _may_verify(self, batch: list[Request], decode: str) -> bool:
+        """Whether the step after a decode step of ``batch`` may verify drafts (then it is
+        decided once that step completes, not submitted ahead)."""
+        verify = self._verify_program(batch)
+        return verify is not None and self.spec.may_verify(batch, decode, verify)
 
     def _drafts(self, req: Request, writes: list[Write]) -> list[int]:
         """The request's drafts for a verify step, within its token limit and within pages
@@ -391,7 +403,7 @@ class Scheduler:
                 or (self.waiting and self.slots.free)
                 or any(r.status != Status.DECODING for r in self.running)
                 or len(step.requests) != len(self.running)
-                or (self.spec is not None and any(self.spec.wants(r) for r in step.requests))):
+                or self._may_verify(step.requests, step.program)):
             return None
         batch = step.requests
         for r in batch:

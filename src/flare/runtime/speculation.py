@@ -137,6 +137,23 @@ class Speculation:
             return False
         return self.always or self._ratio is None or _gain(s, self.max_drafts) > self._ratio - 1
 
+    def may_verify(self, batch: list[Request], decode: str, verify: str) -> bool:
+        """Whether the batch's next step could be a verify step (``verify``, against its
+        ``decode``): some request wants drafts and, once both programs are measured, the
+        expected gain of those that want them (each at ``max_drafts``) could pay for the
+        batch's verify step. When it could not, the scheduler submits the next decode step
+        ahead instead of waiting to decide: one request that could pay for a verify row of
+        its own must not cost a whole batch its step ahead at every token (measured on the
+        H200: four streams, one wanting drafts, 6.5 % slower with no verify step paying)."""
+        wanting = [r for r in batch if self.wants(r)]
+        if not wanting:
+            return False
+        t_decode, t_verify = self.step_ms.get(decode), self.step_ms.get(verify)
+        if self.always or t_decode is None or t_verify is None or self._declines.get(verify, 0) + 1 >= REFRESH:
+            return True
+        gain = sum(_gain(self._state(r), self.max_drafts) for r in wanting)
+        return gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1)
+
     def shadow(self, req: Request, token: int) -> None:
         """A decode step emitted ``token`` for the request (not yet in its output): the rate
         learns whether the history's proposal before it was that token."""
