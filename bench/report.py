@@ -499,9 +499,27 @@ verify step (150 of them), and the batch finished when they did (0.90 s against 
 The cost model had measured a verify step of four rows at the program's own time, about
 1.5x a decode step, but the decode step after a verify step cannot be submitted ahead
 (what to decode is known only when the verify step completes), so each verify step also
-left the device idle for the host's turn-around; since f9cf6d0 that wait is charged to
-the verify program (`runtime/speculation.py`), which puts this step at about twice a
-decode step and the copier's expected 2.8 accepted drafts below the 4-row bar.
+left the device idle for the host's turn-around. Since f9cf6d0 that wait is charged to
+the verify program (`runtime/speculation.py`). The same A/B at 5e0c99b, with that charge
+(`speculative-copy-smollm2-h200-2026-12-02-run4.json`, one `off`/`copy` pair, the same
+scenarios):
+
+| `--speculative` (in the same run as `off`) | rewrite, sampled | rewrite, greedy | decode x1 | decode x4 |
+|---|---|---|---|---|
+| `off` | 865 | 866 | 865 | 2,921 |
+| `copy` (measured cost, wait charged) | 1,484 (1.71x) | **1,907 (2.20x)** | 855 (-1.2 %) | 2,731 (-6.5 %) |
+
+The greedy rewrite holds above 2x (five runs 1,327-2,356 tok/s); the sampled one varies
+with what the model happens to copy (840-2,121). With four streams the loss fell from 22 %
+to 6.5 %, with almost no accepted draft: the four streams' 512 tokens arrived in 496-507
+deliveries each (a verify step that accepts drafts delivers several tokens at once). What
+remains is most likely the step ahead (not measured): `schedule_ahead` did not submit a decode step
+ahead while any request of the batch wanted drafts, and a request wants them when its
+own expected gain would pay for a verify row at the cheapest batch size, so one stream
+that copies now and then held the whole batch to one step in flight. Since 9bc13dc a batch
+waits to decide only when the requests that want drafts could pay for the batch's own
+verify step together (`Speculation.may_verify`); this A/B has not run on the H200 since,
+and `bench.ab_serve` now records `flare_engine_steps_ahead_total` to show it.
 
 ## Method
 
