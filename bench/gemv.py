@@ -29,10 +29,12 @@ from flare.prepare.kernels import gemv as G
 SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
           "9b-gdn-in": (12352, 4096), "9b-attn-qkv": (10240, 4096), "9b-gate_up": (24576, 4096),
           "9b-down": (4096, 12288)}
-# (BN, BK, SPLIT, warps, stages)
-TILINGS = [(8, 512, 1, 4, 3), (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 256, 1, 8, 3),
-           (16, 256, 2, 4, 3), (32, 256, 2, 8, 3), (32, 256, 4, 8, 3), (64, 256, 4, 8, 3),
-           (64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (64, 256, 8, 8, 4), (128, 256, 16, 8, 3)]
+# (BN, BK, SPLIT, warps, stages[, defer]): the first version's best (reduced at every step),
+# then lanes kept through the loop (defer), narrow and long
+TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
+           (8, 512, 1, 4, 3, 1), (8, 512, 1, 8, 3, 1), (4, 1024, 1, 4, 3, 1), (4, 1024, 1, 8, 4, 1),
+           (8, 1024, 1, 8, 3, 1), (2, 2048, 1, 4, 3, 1), (16, 256, 1, 8, 3, 1), (8, 256, 1, 4, 4, 1),
+           (8, 512, 2, 4, 3, 1), (16, 512, 4, 8, 3, 1)]
 CALLS = 20
 ROTATE_BYTES = 256 << 20
 
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     rows_list = [int(r) for r in a.rows.split(",")]
     meta = {"machine": platform.node(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": sys.version.split()[0], "dtype": "bfloat16",
-            "calls_per_graph": CALLS, "rotation_bytes": ROTATE_BYTES, "tilings": "(BN, BK, SPLIT, warps, stages)",
+            "calls_per_graph": CALLS, "rotation_bytes": ROTATE_BYTES, "tilings": "(BN, BK, SPLIT, warps, stages[, defer])",
             "timing": "CUDA graph of CALLS products over rotating weight copies, median of 10 replays, per product",
             "command": "python -m bench.gemv " + " ".join(sys.argv[1:] if argv is None else argv)}
     results: dict = {}

@@ -14,9 +14,10 @@ from flare.prepare.kernels import gemv as G  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("defer", [0, 1])
 @pytest.mark.parametrize("split", [1, 3, 4])
 @pytest.mark.parametrize("rows", [1, 3, 4])
-def test_a_few_rows_times_a_weight(rows, split):
+def test_a_few_rows_times_a_weight(rows, split, defer):
     """N not a multiple of the tile, K not a multiple of the slices: masked edges; every row
     within float32 rounding of float64; the same bits on a second call (the counters were
     reset) and for the row alone (row-invariant); the counters end at zero."""
@@ -24,7 +25,7 @@ def test_a_few_rows_times_a_weight(rows, split):
     n, k = 100, 300
     w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
     x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
-    tiling = (16, 32, split, 4, 2)
+    tiling = (16, 32, split, 4, 2, defer)
     space = G.workspace(rows, n, split, 16, DEVICE)
     out = G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling, space)
     want = x.double() @ w.double().T
@@ -37,19 +38,20 @@ def test_a_few_rows_times_a_weight(rows, split):
         assert torch.equal(alone[0], out[r])
 
 
-def test_the_slices_are_summed_in_order():
+@pytest.mark.parametrize("defer", [0, 1])
+def test_the_slices_are_summed_in_order(defer):
     """With SPLIT slices the result is slice 0 + slice 1 + ... in float32, in that order:
     the unsplit kernel over each slice of K, summed the same way, gives the same bits."""
     g = torch.Generator().manual_seed(7)
     n, k, split, bk = 48, 256, 4, 32
     w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
     x = torch.randn(2, k, generator=g).to(DEVICE, torch.bfloat16)
-    out = G.gemv(x, w, torch.empty(2, n, device=DEVICE, dtype=torch.float32), (16, bk, split, 4, 2))
+    out = G.gemv(x, w, torch.empty(2, n, device=DEVICE, dtype=torch.float32), (16, bk, split, 4, 2, defer))
     ks = k // split
     total = torch.zeros(2, n, device=DEVICE, dtype=torch.float32)
     for s in range(split):
         part = G.gemv(x[:, s * ks : (s + 1) * ks].contiguous(), w[:, s * ks : (s + 1) * ks].contiguous(),
-                      torch.empty(2, n, device=DEVICE, dtype=torch.float32), (16, bk, 1, 4, 2))
+                      torch.empty(2, n, device=DEVICE, dtype=torch.float32), (16, bk, 1, 4, 2, defer))
         total += part
     assert torch.equal(out, total)
 

@@ -1,15 +1,17 @@
 """A decode-step GEMM for a few rows (M <= 8): ``out = x @ w.T``, streaming the weight once.
 
 A decode step's linear layers multiply 1-4 rows by weights of tens to hundreds of MB, so
-their time is the weight's bytes over the memory bandwidth. cuBLAS reaches 2.4-3.8 TB/s
-there on the H200 and splits K into partial sums that a second kernel reduces (64 reduce
-kernels a step at the 8B and 9B shapes, 0.3 ms serialized; docs/performance.md). This
-kernel is the candidate that would do both in one launch (measured by ``bench/gemv.py``
-before any program uses it):
+their time is the weight's bytes over the memory bandwidth. cuBLAS reaches 2.6-4.2 TB/s
+there on the H200 inside CUDA graphs and splits K into partial sums that a second kernel
+reduces (64 reduce kernels a step at the 8B and 9B shapes, 0.3 ms serialized;
+docs/performance.md). This kernel is the candidate that would do both in one launch
+(measured by ``bench/gemv.py`` before any program uses it; the first version, reducing
+across K at every step, was 1.18-1.49x slower than cuBLAS at one row, docs/gpu.md):
 
 * program (i, s) of a (cdiv(N, BN), SPLIT) grid sums K columns [s * KS, (s + 1) * KS) of
   BN outputs in float32, the rows broadcast against the weight tile (no tensor-core tile,
-  so no row padding to 16);
+  so no row padding to 16), either reduced across the BK lanes at every step or (DEFER)
+  kept per lane through the loop and reduced once after it;
 * with SPLIT > 1 each program stores its partial sums in a float32 workspace and takes a
   ticket from its column tile's counter; the program that takes the last ticket sums the
   SPLIT partials in order 0, 1, ... (the same order whoever arrives last: the result is
@@ -30,20 +32,28 @@ import triton.language as tl
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
+                DEFER: tl.constexpr):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     n_in, m_in = n < N, m < M
     acc = tl.zeros([BM, BN], tl.float32)
+    lanes = tl.zeros([BM, BN, BK], tl.float32)  # DEFER: a sum per K lane, reduced after the loop
     for k0 in range(s * KS, s * KS + KS, BK):
         kk = k0 + tl.arange(0, BK)
         k_in = kk < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_in[:, None] & k_in[None, :],
                     other=0.0)
         x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if DEFER:
+            lanes += products
+        else:
+            acc += tl.sum(products, axis=2)
+    if DEFER:
+        acc = tl.sum(lanes, axis=2)
     out_at = out_ptr + m[:, None] * stride_om + n[None, :]
     keep = m_in[:, None] & n_in[None, :]
     if SPLIT == 1:
@@ -68,21 +78,25 @@ def workspace(rows: int, n: int, split: int, bn: int, device) -> tuple[torch.Ten
             torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device))
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, int, int, int, int],
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
          space: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K).
-    ``tiling``: (BN, BK, SPLIT, warps, stages); K is cut into SPLIT slices of whole BK steps.
+    ``tiling``: (BN, BK, SPLIT, warps, stages[, defer]); K is cut into SPLIT slices of whole
+    BK steps; ``defer`` 1 keeps a float32 product per K lane through the loop and reduces the
+    lanes once at the end (0, the default: reduced at every step). The two sum in other orders.
     ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None)."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("gemv needs rows and weight with unit stride along K")
     M, K = x.shape
     N = w.shape[0]
-    bn, bk, split, warps, stages = tiling
+    bn, bk, split, warps, stages = tiling[:5]
+    defer = bool(tiling[5]) if len(tiling) > 5 else False
     ks = triton.cdiv(triton.cdiv(K, split), bk) * bk
     if split > 1 and (split - 1) * ks >= K:
         raise ValueError(f"K = {K} does not fill {split} slices of {ks} columns")
     part, count = space if space is not None else workspace(M, N, split, bn, x.device)
     gemv_kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BM=triton.next_power_of_2(M), BN=bn, BK=bk, KS=ks, SPLIT=split, num_warps=warps, num_stages=stages)
+        BM=triton.next_power_of_2(M), BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, num_warps=warps,
+        num_stages=stages)
     return out
