@@ -199,6 +199,11 @@ def _scan_pointers(buf: bytes, arena: tuple[int, int], where: str) -> None:
         v = struct.unpack_from("<Q", buf, off)[0]
         if v == 0 or base <= v < base + size or v < 0x10000 or v >= 1 << 57:
             continue
-        if d.cuPointerGetAttribute(attr, d.CUdeviceptr(v))[0] == SUCCESS:
-            raise ExportError(f"{where}: parameter word at offset {off} points at {v:#x}, "
-                              f"device memory outside the arena")
+        err, start = d.cuPointerGetAttribute(attr, d.CUdeviceptr(v))
+        if err == SUCCESS:
+            # The allocation it falls in, for the diagnosis: a word the kernel never reads as a
+            # pointer (padding, an unused slot) can hold a stale address too.
+            span = d.cuPointerGetAttribute(d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE, d.CUdeviceptr(v))[1]
+            raise ExportError(f"{where}: parameter word at offset {off} of {len(buf)} points at {v:#x}, device "
+                              f"memory outside the arena [{base:#x}, {base + size:#x}) (in an allocation of "
+                              f"{int(span)} bytes at {int(start):#x})")

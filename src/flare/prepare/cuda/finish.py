@@ -80,6 +80,14 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
         progress(f"recorded golden replays: {opts.qualify} input sets x {len(golden)} programs")
 
     session.check_no_escapes()
+    # The export scans every kernel parameter word for device addresses outside the arena.
+    # ATen fills only the dimensions a tensor has of its kernels' offset calculators (the rest
+    # of the 25 is whatever the host stack held, often a recent device pointer), so cached but
+    # unused memory of torch's default allocator could make such a word look like a pointer
+    # (an 8B-geometry preparation failed so once, intermittently). Releasing it first leaves
+    # only live allocations for the scan to find.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     used = align(session.allocator.used, 2 << 20)
     if tp.active:
         used = max(int(u) for u in tp.gather_strings(str(used)))
