@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 
 PORT = 8391
-COUNTERS = ("flare_engine_steps_total", "flare_engine_steps_ahead_total", "flare_generation_tokens_total", "flare_spec_")
+COUNTERS = ("flare_engine_steps_total", "flare_engine_steps_ahead_total", "flare_generation_tokens_total",
+            "flare_spec_")
 
 
 def _serve(core: str, options: str, bench_args: list[str], log: Path, out: Path) -> dict:

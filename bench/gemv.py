@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     rows_list = [int(r) for r in a.rows.split(",")]
     meta = {"machine": platform.node(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": sys.version.split()[0], "dtype": "bfloat16",
-            "calls_per_graph": CALLS, "rotation_bytes": ROTATE_BYTES, "tilings": "(BN, BK, SPLIT, warps, stages[, defer])",
+            "calls_per_graph": CALLS, "rotation_bytes": ROTATE_BYTES,
+            "tilings": "(BN, BK, SPLIT, warps, stages[, defer])",
             "timing": "CUDA graph of CALLS products over rotating weight copies, median of 10 replays, per product",
             "command": "python -m bench.gemv " + " ".join(sys.argv[1:] if argv is None else argv)}
     results: dict = {}

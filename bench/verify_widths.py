@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=5)
     p.add_argument("--steps", type=int, default=100)
     a = p.parse_args(argv)
-    depths = [int(x) for x in a.depths.split(",")]
+    depths = list(dict.fromkeys(int(x) for x in a.depths.split(",")))
     drafts = [int(x) for x in a.drafts.split(",")]
     src = ROOT / "configs" / f"{a.config}.toml"
     full = int(tomllib.loads(src.read_text())["model"]["num_hidden_layers"])
@@ -96,20 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     # One depth at a time: its cores are prepared side by side, timed one after the other,
     # then deleted (ten full-vocabulary cores at once would not fit the GPU machine's disk).
     runs = {}
-    for depth in depths:
-        keys = [key for key in cores if key[0] == depth]
-        with ThreadPoolExecutor(a.jobs) as pool:
-            list(pool.map(prepare, keys))
-        for layers, d in keys:
-            name, out = cores[(layers, d)]
-            floor = out.parent / f"{out.name}.floor.json"
-            subprocess.run([sys.executable, "-m", "bench.floor", str(out), str(floor), str(a.steps), "--decode-only"],
-                           check=True, env=env, stdout=subprocess.DEVNULL)
-            shutil.rmtree(out)
-            r = json.loads(floor.read_text())
-            runs[f"L{layers}-D{d}"] = {"layers": layers, "drafts": d, "width": d + 1,
-                                       "decode_1_ms": r["decode"]["1"]["gpu_ms_per_step"],
-                                       "verify_1_ms": r["verify"]["1"]["gpu_ms_per_step"]}
+    try:
+        for depth in depths:
+            keys = [key for key in cores if key[0] == depth]
+            with ThreadPoolExecutor(a.jobs) as pool:
+                list(pool.map(prepare, keys))
+            for layers, d in keys:
+                name, out = cores[(layers, d)]
+                floor = work / f"{out.name}.floor.json"
+                subprocess.run([sys.executable, "-m", "bench.floor", str(out), str(floor), str(a.steps),
+                                "--decode-only"], check=True, env=env, stdout=subprocess.DEVNULL)
+                shutil.rmtree(out)
+                r = json.loads(floor.read_text())
+                runs[f"L{layers}-D{d}"] = {"layers": layers, "drafts": d, "width": d + 1,
+                                           "decode_1_ms": r["decode"]["1"]["gpu_ms_per_step"],
+                                           "verify_1_ms": r["verify"]["1"]["gpu_ms_per_step"]}
+    finally:  # a failed preparation or timing leaves nothing on the disk
+        shutil.rmtree(work, ignore_errors=True)
     decode = fit({L: statistics.mean(r["decode_1_ms"] for r in runs.values() if r["layers"] == L)
                   for L in depths}, full)
     widths = {}

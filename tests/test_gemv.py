@@ -34,7 +34,7 @@ def test_a_few_rows_times_a_weight(rows, split, defer):
     assert torch.equal(again, out)
     assert not space[1].any()
     for r in range(rows):
-        alone = G.gemv(x[r : r + 1], w, torch.empty(1, n, device=DEVICE, dtype=torch.float32), tiling)
+        alone = G.gemv(x[r : r + 1].clone(), w, torch.empty(1, n, device=DEVICE, dtype=torch.float32), tiling)
         assert torch.equal(alone[0], out[r])
 
 
@@ -56,8 +56,12 @@ def test_the_slices_are_summed_in_order(defer):
     assert torch.equal(out, total)
 
 
-def test_a_split_that_leaves_a_slice_empty_is_refused():
+def test_a_split_that_leaves_a_slice_empty_or_a_workspace_of_other_sizes_is_refused():
     w = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
     x = torch.zeros(1, 64, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="slices"):
         G.gemv(x, w, torch.empty(1, 16, device=DEVICE), (16, 32, 4, 4, 2))
+    with pytest.raises(ValueError, match="workspace"):
+        G.gemv(x, w, torch.empty(1, 16, device=DEVICE), (16, 32, 2, 4, 2), G.workspace(1, 8, 2, 16, DEVICE))
+    with pytest.raises(ValueError, match="outputs"):
+        G.gemv(x, w, torch.empty(1, 32, device=DEVICE)[:, ::2], (16, 32, 1, 4, 2))

@@ -243,6 +243,10 @@ def test_the_decode_step_after_a_verify_step_charges_its_wait_to_the_verify_prog
     want = 18.0 + TIME_WEIGHT * (16.0 - 18.0)
     want += TIME_WEIGHT * (17.0 - want) + TIME_WEIGHT * 2.0
     assert abs(spec.step_ms["verify.4"] - want) < 1e-9 and spec.step_ms["decode.4"] == 10.6
+    spec.timed("verify.4", want)
+    spec.other_step()  # a prefill chunk ran between: the decode step after it waited for that
+    spec.timed("decode.4", 13.0)  # its own sample, nothing charged
+    assert abs(spec.step_ms["verify.4"] - want) < 1e-9 and abs(spec.step_ms["decode.4"] - 11.08) < 1e-9
 
 
 def test_a_batch_that_cannot_pay_for_a_verify_step_may_run_ahead():
@@ -282,9 +286,11 @@ def test_a_batch_that_cannot_pay_for_a_verify_step_may_run_ahead():
     assert spec.may_verify(batch, "decode.4", "verify.4")
     for r in others:
         spec._states[r.id].resume_at = 100  # back to backing off
-    assert not spec.may_verify(batch, "decode.4", "verify.4")
-    spec._declines["verify.4"] = REFRESH - 1  # due for a re-measurement
-    assert spec.may_verify(batch, "decode.4", "verify.4")
+    spec.timed("verify.4", 20.0)  # a verify step ran: the count of decisions against it restarts
+    for _ in range(REFRESH - 1):  # each "no" is a decision against the verify program ...
+        assert not spec.may_verify(batch, "decode.4", "verify.4")
+    assert spec.may_verify(batch, "decode.4", "verify.4")  # ... and after REFRESH of them it re-measures
+    assert spec.pays("decode.4", "verify.4", batch, [[1], [], [], []])
 
 
 def test_decode_tokens_the_proposal_predicted_grow_the_drafts():

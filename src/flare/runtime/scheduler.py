@@ -106,6 +106,7 @@ class Scheduler:
         self._turn_rows = 0  # prefill program rows run since the last decode step
         self._ahead: Step | None = None  # a decode step submitted before its predecessor completed
         self._completed_at = 0.0  # when the last step completed (monotonic)
+        self._idle_at = 0.0  # when schedule() last found nothing to run
         self._device_past: Request | None = None  # a verify row's request whose slot is past its current token
         self.steps_ahead_total = 0
         self.prefill_tokens_total = 0
@@ -205,6 +206,7 @@ class Scheduler:
                 return self.schedule()
             self._turn_rows = 0
         else:
+            self._idle_at = time.monotonic()  # nothing to run: the next step starts a new chain
             return None
         self._last_kind = step.kind
         return step
@@ -481,10 +483,16 @@ class Scheduler:
     def complete(self, step: Step, records: np.ndarray | None) -> None:
         """Apply a finished step. Records are validated before any state changes."""
         now = time.monotonic()
-        if self.spec is not None and step.kind in (ProgramKind.decode, ProgramKind.verify):
-            # From when the device could start it: its decision, or its predecessor's completion
-            # when it was submitted ahead.
-            self.spec.timed(step.program, (now - max(step.scheduled_at, self._completed_at)) * 1e3)
+        if self.spec is not None:
+            if step.kind in (ProgramKind.decode, ProgramKind.verify):
+                # From its predecessor's completion while steps followed one another (a step
+                # decided after it pays the host's turn-around in between; one submitted ahead
+                # does not), from its decision when the engine was idle before it.
+                chained = self._idle_at < self._completed_at
+                start = self._completed_at if chained else max(step.scheduled_at, self._completed_at)
+                self.spec.timed(step.program, (now - start) * 1e3)
+            else:
+                self.spec.other_step()
         self._completed_at = now
         if step.kind == ProgramKind.admit:
             return

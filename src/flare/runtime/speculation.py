@@ -107,6 +107,11 @@ class Speculation:
         ratios = [self.step_ms[v] / max(self.step_ms[d], 1e-6) for d, v in self._pairs() if d in self.step_ms]
         self._ratio = min(ratios) if ratios else None
 
+    def other_step(self) -> None:
+        """A step of another kind completed (prefill, pack, admit, state copies): a decode
+        step after it waited for that step, not for a verify step before it."""
+        self._last_verify = None
+
     def pays(self, decode: str, verify: str, batch: list[Request], drafts: list[list[int]]) -> bool:
         """Whether verifying ``drafts`` for ``batch`` (program ``verify``) is expected to emit
         tokens faster than the ``decode`` program would; a first verify step measures."""
@@ -144,7 +149,9 @@ class Speculation:
         batch's verify step. When it could not, the scheduler submits the next decode step
         ahead instead of waiting to decide: one request that could pay for a verify row of
         its own must not cost a whole batch its step ahead at every token (measured on the
-        H200: four streams, one wanting drafts, 6.5 % slower with no verify step paying)."""
+        H200: four streams, one wanting drafts, 6.5 % slower with no verify step paying).
+        A "no" counts as a decision against the verify program, so that after REFRESH of
+        them the batch decides once more and a verify step re-measures the cost."""
         wanting = [r for r in batch if self.wants(r)]
         if not wanting:
             return False
@@ -152,7 +159,10 @@ class Speculation:
         if self.always or t_decode is None or t_verify is None or self._declines.get(verify, 0) + 1 >= REFRESH:
             return True
         gain = sum(_gain(self._state(r), self.max_drafts) for r in wanting)
-        return gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1)
+        if gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1):
+            return True
+        self._declines[verify] = self._declines.get(verify, 0) + 1  # a decision against it, as in pays
+        return False
 
     def shadow(self, req: Request, token: int) -> None:
         """A decode step emitted ``token`` for the request (not yet in its output): the rate

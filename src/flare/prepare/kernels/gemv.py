@@ -95,8 +95,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if split > 1 and (split - 1) * ks >= K:
         raise ValueError(f"K = {K} does not fill {split} slices of {ks} columns")
     part, count = space if space is not None else workspace(M, N, split, bn, x.device)
+    bm = triton.next_power_of_2(M)
+    if out.stride(-1) != 1 or out.shape[0] < M or out.shape[1] != N:
+        raise ValueError(f"gemv writes {M} x {N} outputs with unit stride, got {tuple(out.shape)}")
+    if split > 1 and (tuple(part.shape) != (split, bm, N) or count.numel() < triton.cdiv(N, bn)):
+        raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
     gemv_kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BM=triton.next_power_of_2(M), BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, num_warps=warps,
+        BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, num_warps=warps,
         num_stages=stages)
     return out
