@@ -83,8 +83,8 @@ class Speculation:
         self._verify_weight: dict[str, float] = {}  # the weight its latest sample had in its mean
 
     def timed(self, program: str, ms: float) -> None:
-        """A step's measured duration (the scheduler's: scheduled to completed, or between two
-        completions of a steady decode batch).
+        """A step's measured duration (the scheduler's: from its predecessor's completion while
+        steps follow one another, from its decision after the engine was idle).
 
         A verify step also costs the decode step after it: that one could not be submitted
         ahead (what to decode was known only when the verify step completed), so it starts
