@@ -78,6 +78,24 @@ def copy_rig(src: Rig, dst: Rig) -> None:
     dst.free_pages = list(src.free_pages)
 
 
+def prefilled_rigs(core: Path, prompts: dict[int, list[int]], n: int, *, attention: str = "reference",
+                   pages: int = 4) -> list[Rig]:
+    """``n`` rigs of ``core`` on the ``attention`` path, each in the state that admitting and
+    prefilling ``prompts`` ({slot: tokens}, seed = slot, ``pages`` pages each) leaves: the
+    prefills run once, in a reference rig whose arena (weights, KV pages, every state row) and
+    free pages each rig copies. For tests whose subject comes after the prefills (verify steps
+    against decode steps, all from this one state): under Triton's interpreter each prefill is
+    a padded prefill program of several seconds, and what it leaves is not what they check."""
+    base = load_rig(core)
+    for slot, prompt in prompts.items():
+        admit(base, slot, prompt, base.pages(pages), seed=slot)
+        prefill(base, slot, prompt)
+    rigs = [load_rig(core, attention=attention) for _ in range(n)]
+    for r in rigs:
+        copy_rig(base, r)
+    return rigs
+
+
 def write_rows(r: Rig, slot: int, rows: dict) -> None:
     for name, value in rows.items():
         r.v[name][slot] = torch.as_tensor(value)

@@ -15,8 +15,8 @@ import torch
 from flare.core import interface as io
 from flare.core.manifest import verify_buffer
 from tests.conftest import HYBRID_OPTS, prepare_core
-from tests.rig import STEP_STATE, admit, copy_rig, decode, decode_alike, greedy_continuation, load_rig, prefill
-from tests.test_programs import _verify
+from tests.rig import STEP_STATE, admit, decode, decode_alike, greedy_continuation, load_rig, prefill, prefilled_rigs
+from tests.test_programs import VERIFY_PROMPTS, _verify
 
 STATE = ("state.gdn.conv", "state.gdn.recurrent")
 
@@ -34,17 +34,13 @@ def test_rejections_at_every_position_leave_the_state_of_the_accepted_tokens(hyb
     matrices, hidden vector) as plain decode steps of the emitted tokens do; the next steps
     of both rigs agree. On the reference path and the CUDA path's kernels (Triton's CPU
     interpreter for the convolution and delta-rule steps)."""
-    core = hybrid_verify_core
-    spec, plain, shadow = (load_rig(core, attention=attention) for _ in range(3))
+    prompts = VERIFY_PROMPTS
+    # Three rigs in one state, the prompts prefilled (once, on the reference path: the
+    # prefills are not what this test checks, and under Triton's interpreter each takes seconds).
+    spec, plain, shadow = prefilled_rigs(hybrid_verify_core, prompts, 3, attention=attention)
     c = spec.m.capacities
     assert c.draft_tokens == 3
     assert spec.v[verify_buffer("state.gdn.recurrent")].shape[:2] == (max(c.decode_capacities), 4)
-    prompts = {1: list(range(40, 60)), 2: list(range(70, 83)), 3: list(range(90, 95)), 4: list(range(5, 37))}
-    for slot, prompt in prompts.items():
-        admit(spec, slot, prompt, spec.pages(4), seed=slot)
-        prefill(spec, slot, prompt)
-    for r in (plain, shadow):  # the same prompts prefilled (once: the interpreter is slow)
-        copy_rig(spec, r)
     truth = greedy_continuation(shadow, list(prompts), 4)
     wrong = lambda t: (t + 1) % c.sampling_vocab  # noqa: E731
     t = {s: truth[s][1:4] for s in prompts}

@@ -48,7 +48,8 @@ from flare.core.manifest import HIST_PROMPT_BIT
 from flare.prepare.recipes import by_name
 from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec
-from tests.rig import STEP_STATE, Rig, admit, copy_rig, decode, decode_alike, greedy_continuation, load_rig, prefill
+from tests.rig import (STEP_STATE, Rig, admit, decode, decode_alike, greedy_continuation, load_rig, prefill,
+                       prefilled_rigs)
 
 DECODE_STEPS = 10
 BASE_LENGTHS = (15, 16, 17, 31, 32, 33, 127, 128, 129, 257, 290)  # page size 16, prefill chunk 128
@@ -516,6 +517,10 @@ def test_pack_program_equals_separate_prefills(attention):
     assert all(torch.equal(v[name][2], old) for name, old in before.items())
 
 
+# Four greedy slots' prompts for the verify tests (here and test_hybrid_verify.py).
+VERIFY_PROMPTS = {1: list(range(40, 60)), 2: list(range(70, 83)), 3: list(range(90, 95)), 4: list(range(5, 37))}
+
+
 def _verify(r, rows: list[tuple[int, list[int]]], count_override: dict | None = None):
     """One verify step: (slot, drafts) per row; returns each row's (record, emitted tokens)."""
     c = r.m.capacities
@@ -546,30 +551,18 @@ def test_verify_program_emits_what_decode_steps_emit(attention):
     from tests.conftest import TINY_OPTS, prepare_core
 
     core = prepare_core("llama-tiny", [*TINY_OPTS, "--draft-tokens", "3"], name="llama-tiny-verify")
-    # triton: the CUDA path's kernels (Triton's CPU interpreter), several rows of one slot.
-    spec = load_rig(core, attention=attention)
+    prompts = VERIFY_PROMPTS
+    # Three rigs in one state, the prompts prefilled (once, on the reference path: the prefills
+    # are not what this test checks, and under Triton's interpreter each is a padded prefill.128
+    # of ~9 s); triton: every program below runs the CUDA path's kernels (Triton's CPU
+    # interpreter), several rows of one slot.
+    spec, plain, shadow = prefilled_rigs(core, prompts, 3, attention=attention)
     c = spec.m.capacities
     assert c.draft_tokens == 3 and [p.name for p in spec.m.programs if p.kind.value == "verify"] == [
         f"verify.{b}" for b in c.decode_capacities]
-    prompts = {1: list(range(40, 60)), 2: list(range(70, 83)), 3: list(range(90, 95)), 4: list(range(5, 37))}
-    for slot, prompt in prompts.items():
-        admit(spec, slot, prompt, spec.pages(4), seed=slot)
-        prefill(spec, slot, prompt)
-
-    def copy_of_spec():
-        """A second rig of the core in exactly spec's state after the prefills: its arena
-        (weights, KV pages, every state row) copied, its free pages alike. The prefills are not
-        what this test checks, and under Triton's interpreter each is a padded prefill.128 of
-        several seconds: copying instead of prefilling the same prompts again keeps ~2/3 of
-        the variant's time off CI with the same starting state."""
-        r = load_rig(core, attention=attention)
-        copy_rig(spec, r)
-        return r
-
-    plain = copy_of_spec()
-    # The true greedy continuation of each slot (the pending token, then 4 more), from a third
+    # The true greedy continuation of each slot (the pending token, then 4 more), from the third
     # rig decoding the four slots together (a row does not depend on its batch).
-    truth = greedy_continuation(copy_of_spec(), list(prompts), 4)
+    truth = greedy_continuation(shadow, list(prompts), 4)
     # Drafts continue the pending token: the true next tokens are truth[s][1:].
     wrong = lambda t: (t + 1) % c.sampling_vocab  # noqa: E731
     rows = [(1, truth[1][1:4]), (2, [truth[2][1], wrong(truth[2][2]), truth[2][3]]), (3, [wrong(truth[3][1]), 0, 0]),
