@@ -24,6 +24,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("FLARE_TEST_CACHE", ROOT / ".cache" / "test-cores"))
+# Under pytest-xdist (make test: -n 2 on the 2-core CI machine) each worker's torch would start
+# one thread per core: the workers' OpenMP teams then share the cores and every barrier waits
+# for a descheduled thread (test_programs' smol acceptance fixture: 20 s with one thread per
+# worker, 238 s with two beside another busy process). The cores are shared out instead, as
+# FLARE_TEST_TORCH_THREADS sets them (below): in-process programs, preparation subprocesses
+# and the workers the tests start take cores // workers threads each (one on CI).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "FLARE_TEST_TORCH_THREADS" not in os.environ:
+    os.environ["FLARE_TEST_TORCH_THREADS"] = str(
+        max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 # Torch threads of the reference workers the tests start. One: two spin against the
 # event loop and the client on a 2-core machine (each OpenMP barrier waits for a
 # descheduled thread; the sampler's elementwise ops take ~10 ms instead of ~0.1 ms).
