@@ -79,17 +79,20 @@ def copy_rig(src: Rig, dst: Rig) -> None:
 
 
 def prefilled_rigs(core: Path, prompts: dict[int, list[int]], n: int, *, attention: str = "reference",
-                   pages: int = 4) -> list[Rig]:
-    """``n`` rigs of ``core`` on the ``attention`` path, each in the state that admitting and
-    prefilling ``prompts`` ({slot: tokens}, seed = slot, ``pages`` pages each) leaves: the
-    prefills run once, in a reference rig whose arena (weights, KV pages, every state row) and
-    free pages each rig copies. For tests whose subject comes after the prefills (verify steps
-    against decode steps, all from this one state): under Triton's interpreter each prefill is
-    a padded prefill program of several seconds, and what it leaves is not what they check."""
+                   pages: int = 4, prefilled: dict[int, int] | None = None, sample: bool = True) -> list[Rig]:
+    """``n`` rigs of ``core`` on the ``attention`` path, each in the state that admitting
+    ``prompts`` ({slot: tokens}, seed = slot, ``pages`` pages each) and prefilling them (only the
+    first ``prefilled[slot]`` tokens of the slots named there, when given; sampling if
+    ``sample``) leaves: the prefills run once, in a reference rig whose arena (weights, KV
+    pages, every state row) and free pages each rig copies. For tests whose subject comes after
+    those prefills, from this one state: under Triton's interpreter each prefill is a padded
+    prefill program of several seconds, and what it leaves is not what they check."""
     base = load_rig(core)
     for slot, prompt in prompts.items():
         admit(base, slot, prompt, base.pages(pages), seed=slot)
-        prefill(base, slot, prompt)
+    for slot, prompt in prompts.items():
+        if prefilled is None or slot in prefilled:
+            prefill(base, slot, prompt[: len(prompt) if prefilled is None else prefilled[slot]], sample=sample)
     rigs = [load_rig(core, attention=attention) for _ in range(n)]
     for r in rigs:
         copy_rig(base, r)

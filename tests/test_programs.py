@@ -443,25 +443,24 @@ def test_pack_program_equals_separate_prefills(attention):
     reads the prefills'."""
     from flare.core.manifest import ProgramKind
     from tests.conftest import TINY_OPTS, prepare_core
-    from tests.rig import admit, completion, copy_rig, decode, load_rig, prefill
+    from tests.rig import completion, decode, prefill
 
-    core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack")
-    # triton: the CUDA path's kernels (Triton's CPU interpreter here), rows of several slots.
-    packed = load_rig(core, attention=attention)
-    m = packed.m
-    assert m.capacities.pack_capacities == (64,) and m.program("pack.64").kind == ProgramKind.pack
-    S = max(m.capacities.decode_capacities)
+    # Prefill programs from 16 rows up: the separate prefills below (5 to 12 tokens) run
+    # prefill.16, not a prefill.128 of ~9 s under Triton's interpreter (mostly padded rows).
+    core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--min-prefill-capacity", "16"],
+                        name="llama-tiny-pack-small-prefill")
     history = list(range(300, 320))
     chunks = {1: list(range(100, 107)), 2: list(range(200, 212)), 3: list(range(400, 409))}
     samples = {1: True, 2: False, 3: True}
-    for slot in chunks:
-        admit(packed, slot, (history if slot == 1 else []) + chunks[slot], packed.pages(8), seed=slot)
-    prefill(packed, 1, history, sample=False)
-    # The separate rig starts in exactly that state: the arena (weights, KV, state rows) and
-    # free pages copied, not the history prefilled again (a padded prefill.128 of ~4 s under
-    # Triton's interpreter; the prefill of the history is not what is compared).
-    separate = load_rig(core, attention=attention)
-    copy_rig(packed, separate)
+    # Both rigs start in one state: the three slots admitted and slot 1's history prefilled
+    # (once, on the reference path: the history's prefill is not what is compared). triton:
+    # every program below runs the CUDA path's kernels (Triton's CPU interpreter here).
+    packed, separate = prefilled_rigs(core, {s: (history if s == 1 else []) + chunks[s] for s in chunks}, 2,
+                                      attention=attention, pages=8, prefilled={1: len(history)}, sample=False)
+    m = packed.m
+    assert m.capacities.pack_capacities == (64,) and m.program("pack.64").kind == ProgramKind.pack
+    assert m.capacities.prefill_capacities == (16, 32, 64, 128)
+    S = max(m.capacities.decode_capacities)
     rows, records = [], []
     for slot, toks in chunks.items():
         rows.append(prefill(separate, slot, toks, sample=samples[slot])[0])
