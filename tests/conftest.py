@@ -70,6 +70,14 @@ TINY_OPTS = ["--device", "cpu", "--context-limit", "1024", "--prefill-chunk-size
 # ten-turn agent conversation, snapshot rows for eight captures per slot.
 HYBRID_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-size", "128", "--kv-pages", "600",
                "--page-size", "16", "--decode-capacities", "1,2,4", "--snapshot-rows", "64"]
+# Added to a core's options for the tests that run the CUDA path's programs against the
+# reference path under Triton's CPU interpreter: prefill programs of 64 rows instead of 128.
+# The interpreter runs every row of a program, padded or not (the paged attention's combine
+# runs one program per row and head), so a short chunk in prefill.64 costs about half what it
+# does in prefill.128; 64 rows are still two attention tiles of 32 tokens (the second empty
+# for chunks up to 32) and one delta-rule block, and the chunks those tests prefill (up to 49
+# tokens) fit either program.
+INTERPRETER_CHUNK = ["--prefill-chunk-size", "64"]
 
 
 # Under pytest-xdist (make test: -n 2) the tests of these modules run on one worker. Each

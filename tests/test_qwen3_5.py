@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import HYBRID_OPTS, INTERPRETER_CHUNK, prepare_core
 from tests.rig import admit, decode, load_rig, prefill
 
 LENGTHS = (15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 290)  # pages of 16, delta-rule chunks of 64, prefill 128
@@ -191,14 +192,17 @@ def test_recurrent_state_shapes_the_logits(rig, stream):
     assert float((a - b).abs().max()) > 1e-2
 
 
-def test_triton_path_matches_the_reference_path(hybrid_core, stream):
+def test_triton_path_matches_the_reference_path(stream):
     """The CUDA path of the hybrid (kernels/gdn.py's convolution, gate and in-place
     delta-rule kernels, the Triton paged attention) under Triton's CPU interpreter
-    against the reference path, program by program on one core: prefill chunks cut
-    inside delta-rule chunks, then decode steps of a batch with a padded row. Logits
-    and every slot's state rows agree to float32 rounding; the null slot and slots
-    outside the batch are left bitwise as they were."""
-    rigs = {impl: load_rig(hybrid_core, seed=3, attention=impl) for impl in ("reference", "triton")}
+    against the reference path, program by program on one core (prefill programs of 64
+    rows, conftest.INTERPRETER_CHUNK): prefill chunks cut inside delta-rule chunks (one
+    crossing a block's end), then decode steps of a batch with a padded row. Logits and
+    every slot's state rows agree to float32 rounding; the null slot and slots outside
+    the batch are left bitwise as they were."""
+    core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
+    rigs = {impl: load_rig(core, seed=3, attention=impl) for impl in ("reference", "triton")}
+    assert rigs["triton"].m.capacities.prefill_capacities == (64,)
     prompts = {1: stream[:37], 2: stream[50:120], 4: stream[130:139]}
     out = {}
     for impl, r in rigs.items():

@@ -10,7 +10,8 @@ route differently in the two evaluations, and the bound would fail loudly at tha
 ``routing_agreement`` counts such near-ties and requires Flare's router to pick
 Transformers' float64 experts for every other token.
 The CUDA path's grouped expert kernels (``paged.impl == "triton"``, here under Triton's
-CPU interpreter) are compared with the reference path on the same core."""
+CPU interpreter) are compared with the reference path on one core (the same, with prefill
+programs of 64 rows: conftest.INTERPRETER_CHUNK)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import TINY_OPTS, prepare_core
+from tests.conftest import INTERPRETER_CHUNK, TINY_OPTS, prepare_core
 from tests.rig import admit, decode, load_rig, prefill, transformers_model
 
 LENGTHS = (5, 16, 17, 40, 129)
@@ -132,10 +133,14 @@ def test_logits_match_transformers_and_routing_gaps_exceed_rounding(rig, hf_mode
     assert worst["prefill"] <= bound and worst["decode"] <= bound, (worst, bound)
 
 
-def triton_matches_reference(core, stream) -> None:
+def triton_matches_reference(model: str, opts: list[str], stream) -> None:
     """The CUDA path (Triton kernels, under the CPU interpreter here) against the reference
-    path on one core: two prefills cut inside a chunk, then two decode steps of a batch."""
+    path on one core of ``model`` (``opts`` with prefill programs of 64 rows,
+    conftest.INTERPRETER_CHUNK): two prefills cut inside a chunk, then two decode steps of a
+    batch."""
+    core = prepare_core(model, [*opts, *INTERPRETER_CHUNK], name=f"{model}-prefill64")
     rigs = {impl: load_rig(core, seed=3, attention=impl) for impl in ("reference", "triton")}
+    assert rigs["triton"].m.capacities.prefill_capacities == (64,)
     out = {}
     for impl, r in rigs.items():
         logits = []
@@ -148,7 +153,7 @@ def triton_matches_reference(core, stream) -> None:
     torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4)
 
 
-def test_triton_experts_match_the_reference_path(moe_core, stream, monkeypatch):
+def test_triton_experts_match_the_reference_path(stream, monkeypatch):
     """... and the CUDA path routes every program a token at a time (``route_rows``): decode
     steps and prefill chunks alike, so a token's weights do not depend on the capacity."""
     from flare.prepare.kernels import moe as K
@@ -157,9 +162,9 @@ def test_triton_experts_match_the_reference_path(moe_core, stream, monkeypatch):
     rows = K.route_rows
     monkeypatch.setattr(K, "route_rows",
                         lambda logits, *a, **kw: calls.append(logits.shape[0]) or rows(logits, *a, **kw))
-    triton_matches_reference(moe_core, stream)
-    decodes = set(calls) - {128}  # prefill.128, and the decode capacities the stream ran
-    assert 128 in calls and decodes and decodes <= {1, 2, 4, 8}, calls
+    triton_matches_reference("qwen3-moe-tiny", TINY_OPTS, stream)
+    decodes = set(calls) - {64}  # prefill.64, and the decode capacities the stream ran
+    assert 64 in calls and decodes and decodes <= {1, 2, 4, 8}, calls
 
 
 def test_tp2_splits_the_experts_and_matches_tp1(moe_core, hf_models):
