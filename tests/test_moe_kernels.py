@@ -202,27 +202,41 @@ def test_fused_route_plan_equals_route_then_plan(T, E, k, bm, renorm):
     torch.testing.assert_close(w2, w, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_routed_rows_do_not_depend_on_the_batch(dtype):
-    """What a token gets from the routed layer is bitwise the same whatever it is batched
-    with: routing (128 experts, top 8) at decode batches 1 to 4 and at prefill chunks of
-    16 to 260 rows (any capacity: a cache-on turn prefills its suffix in a smaller program
-    than the cache-off turn's prompt), the GEMVs at batches 1 to 4, the tiled experts at a
-    prefill chunk of 16 rows and of 130. The GPU generation tests (cache on against off, a
-    repeated prompt) need this; the H200 showed both failing when routing reduced over a
-    batch-wide layout, and torch's routing ops over [T, E] round by T."""
-    E, H, I, k = 128, 64, 32, 8
-    gate_up, down = _weights(E, H, I, 5, dtype)
+@pytest.fixture(scope="module")
+def routed_260():
+    """260 tokens' rows (float64, cast per test) and router logits (128 experts), and
+    ``route_rows``' top 8 of all 260 at once."""
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(260, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
-    logits = torch.randn(260, E, generator=g).to(DEVICE)
-    w_all, ids_all = route_rows(logits, k, True)
-    w_ref, ids_ref = route_logits(logits, k, True)
+    x64 = torch.randn(260, 64, generator=g, dtype=F64)
+    logits = torch.randn(260, 128, generator=g).to(DEVICE)
+    return x64, logits, *route_rows(logits, 8, True)
+
+
+def test_routing_rows_do_not_depend_on_the_batch(routed_260):
+    """What a token gets from the routed layer is bitwise the same whatever it is batched
+    with (see the next test): routing (128 experts, top 8) at decode batches 1 to 4 and at
+    prefill chunks of 16 to 260 rows (any capacity: a cache-on turn prefills its suffix in a
+    smaller program than the cache-off turn's prompt). The router logits are float32 for
+    every expert dtype, so this runs once."""
+    _, logits, w_all, ids_all = routed_260
+    w_ref, ids_ref = route_logits(logits, 8, True)
     assert torch.equal(ids_all, ids_ref)  # the reference path's choices, its weights to float32 rounding
     torch.testing.assert_close(w_all, w_ref, atol=1e-6, rtol=1e-6)
     for start, T in ((0, 1), (1, 2), (1, 3), (0, 4), (50, 16), (3, 128), (0, 130), (4, 256)):
-        w, ids = route_rows(logits[start:start + T], k, True)
+        w, ids = route_rows(logits[start:start + T], 8, True)
         assert torch.equal(ids, ids_all[start:start + T]) and torch.equal(w, w_all[start:start + T]), T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_routed_rows_do_not_depend_on_the_batch(dtype, routed_260):
+    """... and the GEMVs at batches 1 to 4, the tiled experts at a prefill chunk of 16 rows
+    and of 130, on those tokens and their routing. The GPU generation tests (cache on
+    against off, a repeated prompt) need this; the H200 showed both failing when routing
+    reduced over a batch-wide layout, and torch's routing ops over [T, E] round by T."""
+    E, H, I = 128, 64, 32
+    gate_up, down = _weights(E, H, I, 5, dtype)
+    x64, _, w_all, ids_all = routed_260
+    x = x64.to(dtype).to(DEVICE)
     out4 = experts_decode(x[:4], w_all[:4], ids_all[:4], gate_up, down)
     for T in (1, 2, 3):
         assert torch.equal(experts_decode(x[4 - T:4], w_all[4 - T:4], ids_all[4 - T:4], gate_up, down),
