@@ -10,7 +10,10 @@ derives, per concurrency c:
   roofline_fraction     = replay floor tokens/s / roofline tokens/s
   step_bytes            = the bytes a decode step of c rows must move (``step_bytes``):
                           every weight but an untied input embedding, of which c rows
-                          are read, plus each row's recurrent state read and written
+                          are read, and but the routed experts, of which the ones the
+                          step's rows route to are read (mixture-of-experts: the
+                          *active-bytes* roofline), plus each row's recurrent state read
+                          and written
   step_roofline_tokens_per_s, step_roofline_fraction: the same over step_bytes
   runtime_over_floor    = server ITL p50 / floor GPU time per step - 1
   baseline_ratio        = server tokens/s / Transformers tokens/s
@@ -50,23 +53,43 @@ def gpu_machine() -> dict:
     return out
 
 
+def routed_share(m: Manifest, c: int) -> tuple[int, int, float]:
+    """(experts per layer E, experts per token k, expected experts read per layer) for a
+    decode step of ``c`` rows. One row reads exactly its k experts; c rows read the union
+    of theirs, counted as expected under uniform routing, E (1 - (1 - k/E)^c) (random-weight
+    routers route near uniformly; a trained router's union is smaller, so its roofline higher).
+    (0, 0, 0.0) for a core without routed experts."""
+    experts = [b for b in m.buffers if b.role == BufferRole.weight and ".mlp.experts." in b.name]
+    if not experts:
+        return 0, 0, 0.0
+    cfg = json.loads(m.reference.config)
+    cfg = cfg.get("text_config", cfg)
+    E, k = experts[0].shape[0], int(cfg["num_experts_per_tok"])
+    return E, k, E * (1 - (1 - k / E) ** c)
+
+
 def step_bytes(m: Manifest, c: int) -> dict[str, int]:
     """What a decode step of ``c`` live rows must move through device memory, by part.
     An input embedding with its own buffer (not tied to the head) is read one row per
-    token; the head and every other weight are read whole. Continuation state other than
-    the hidden vector (recurrent matrices, convolution histories) is read and written
-    once per row. KV reads are left out: the decode scenario's histories are short."""
+    token; routed experts (``mlp.experts.*``, dim 0 the expert) only for the experts the
+    rows route to (``routed_share``); the head and every other weight are read whole.
+    Continuation state other than the hidden vector (recurrent matrices, convolution
+    histories) is read and written once per row. KV reads are left out: the decode
+    scenario's histories are short."""
     weights = [b for b in m.buffers if b.role == BufferRole.weight]
     embed = next((b for b in weights if b.name.endswith("embed_tokens.weight")), None)
     names = {b.name for b in weights}
     untied = embed is not None and any(n.endswith("lm_head.weight") for n in names)
-    total = sum(b.nbytes for b in weights)
+    E, _, hit = routed_share(m, c)
+    expert_bytes = sum(b.nbytes for b in weights if ".mlp.experts." in b.name)
+    routed = round(expert_bytes * hit / E) if E else 0
+    dense = sum(b.nbytes for b in weights) - expert_bytes - (embed.nbytes if untied else 0)
     embed_rows = c * embed.nbytes // embed.shape[0] if untied else 0
     state = sum(b.nbytes // b.shape[0] for b in m.buffers
                 if b.name in m.continuation.state and b.name != "state.hidden")
-    return {"weights": total - (embed.nbytes if untied else 0), "embedding_rows": embed_rows,
-            "state_read_write": 2 * c * state,
-            "total": total - (embed.nbytes if untied else 0) + embed_rows + 2 * c * state}
+    return {"weights": dense + routed, "routed_experts": routed, "routed_experts_all": expert_bytes,
+            "embedding_rows": embed_rows, "state_read_write": 2 * c * state,
+            "total": dense + routed + embed_rows + 2 * c * state}
 
 
 def _load(path: Path) -> dict | None:

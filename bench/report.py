@@ -189,10 +189,13 @@ def main() -> None:
         one = next((r for r in recs if r["concurrency"] == 1 and r.get("step_bytes")), None)
         if one:
             sb = one["step_bytes"]
+            routed = (f", of which {sb['routed_experts'] / 1e9:.2f} GB routed experts (the ones a row routes to, "
+                      f"of {sb['routed_experts_all'] / 1e9:.2f} GB; more rows read the expected union under uniform "
+                      f"routing: the active-bytes roofline)" if sb.get("routed_experts") else "")
             lines += ["", (f"Bytes moved by a decode step of one row: {sb['weights'] / 1e9:.2f} GB of weights read "
-                           f"(an untied input embedding counts only its rows), {sb['embedding_rows'] / 1e3:.0f} KB of "
-                           f"embedding rows, {sb['state_read_write'] / 1e6:.1f} MB of recurrent state read and "
-                           f"written; KV reads left out.")]
+                           f"(an untied input embedding counts only its rows){routed}, "
+                           f"{sb['embedding_rows'] / 1e3:.0f} KB of embedding rows, {sb['state_read_write'] / 1e6:.1f} "
+                           f"MB of recurrent state read and written; KV reads left out.")]
         cold = res.get("cold_ttft", {})
         if cold:
             lines += ["", "Cold TTFT: " + ", ".join(f"{n}-token prompt {v['ttft_s'] * 1e3:.1f} ms "

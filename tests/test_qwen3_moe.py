@@ -20,6 +20,7 @@ import json
 import pytest
 import torch
 
+from flare.core.manifest import BufferRole, load_manifest
 from tests.conftest import INTERPRETER_CHUNK, TINY_OPTS, prepare_core
 from tests.rig import admit, decode, load_rig, prefill, transformers_model
 
@@ -199,3 +200,23 @@ def test_tp2_splits_the_experts_and_matches_tp1(moe_core, hf_models):
     print(f"\nqwen3_moe TP=2 vs TP=1: err32 {err32:.3g}, bound {bound:.3g}, max {worst:.3g}")
     assert worst <= bound
     assert r1["greedy"] == r2["greedy"]
+
+
+def test_active_bytes_roofline_reads_only_the_routed_experts(moe_core):
+    """bench.collect's bytes of a decode step: one row reads its k of E experts per layer,
+    more rows the expected union of theirs, never more than every expert; the rest of the
+    weights as the dense cores count them."""
+    from bench.collect import step_bytes
+
+    m = load_manifest(moe_core)
+    weights = [b for b in m.buffers if b.role == BufferRole.weight]
+    experts = sum(b.nbytes for b in weights if ".mlp.experts." in b.name)
+    embed = next(b for b in weights if b.name.endswith("embed_tokens.weight"))
+    dense = sum(b.nbytes for b in weights) - experts - embed.nbytes  # untied: embedding by rows
+    one, four, many = (step_bytes(m, c) for c in (1, 4, 4096))
+    assert one["routed_experts_all"] == experts > 0
+    assert one["routed_experts"] == round(experts * 2 / 8)  # top-2 of 8 in every sparse layer
+    assert one["weights"] == dense + one["routed_experts"]
+    assert one["routed_experts"] < four["routed_experts"] < many["routed_experts"] <= experts
+    assert many["routed_experts"] == pytest.approx(experts, rel=1e-6)
+    assert four["total"] == four["weights"] + four["embedding_rows"] + four["state_read_write"]
