@@ -7,6 +7,15 @@ buffer that holds a valid device pointer must lie inside the arena; anything
 else (a pointer into memory the runtime will not have) fails the export with
 the kernel and offset named. Host nodes, event nodes, allocation nodes and
 child graphs are rejected.
+
+One exception: ATen's TensorIterator kernels (``at::native`` elementwise and
+reduction kernels) take an ``OffsetCalculator`` by value whose constructor fills
+only the operands' own dimensions of its fixed-size arrays; the rest is whatever
+the host stack held, now and then an address of a live allocation of the
+preparing process. Such a word is never read by the kernel, so it is zeroed in
+the export (and reported) instead of failing it. Were it read after all, the
+kernel would fault on a null address in every replay, which replay
+qualification (``--qualify``) reports; the runtime never reads foreign memory.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ _KERNEL_ATTRS = [a for a in d.CUkernelNodeAttrID if a.name != "CU_LAUNCH_ATTRIBU
 _FUNC_ATTRS = [a for a in d.CUfunction_attribute if a.name != "CU_FUNC_ATTRIBUTE_MAX"]
 _CU_LAUNCH_PARAM_BUFFER_POINTER = 1
 _CU_LAUNCH_PARAM_BUFFER_SIZE = 2
+_ATEN_NATIVE = "_ZN2at6native"  # TensorIterator kernels (module docstring)
 
 
 class ExportError(RuntimeError):
@@ -130,7 +140,8 @@ def _kernel_node(nd, kernels: KernelTableBuilder, arena, where: str) -> G.Kernel
         raise ExportError(f"{where}: kernel node has parameters but neither kernelParams nor extra")
     fidx = kernels.index_of(func)
     name = kernels.functions[fidx].name
-    _scan_pointers(bytes(buf), arena, f"{where} ({name[:80]})")
+    for off in _scan_pointers(bytes(buf), arena, f"{where} ({name[:80]})", stale_ok=name.startswith(_ATEN_NATIVE)):
+        buf[off : off + 8] = bytes(8)
     attrs = []
     for a in _KERNEL_ATTRS:
         r = d.cuGraphKernelNodeGetAttribute(nd, a)
@@ -192,9 +203,13 @@ def _check_span(ptr: int, nbytes: int, arena: tuple[int, int], where: str) -> No
         raise ExportError(f"{where}: touches {ptr:#x}+{nbytes}, outside the arena [{base:#x}, {base + size:#x})")
 
 
-def _scan_pointers(buf: bytes, arena: tuple[int, int], where: str) -> None:
+def _scan_pointers(buf: bytes, arena: tuple[int, int], where: str, stale_ok: bool = False) -> list[int]:
+    """Offsets of 8-byte words of ``buf`` that point at device memory outside the arena. With
+    ``stale_ok`` (a TensorIterator kernel, module docstring) they are returned, to be zeroed,
+    and printed; otherwise the first one fails the export."""
     base, size = arena
     attr = d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR
+    stale = []
     for off in range(0, len(buf) - 7, 8):
         v = struct.unpack_from("<Q", buf, off)[0]
         if v == 0 or base <= v < base + size or v < 0x10000 or v >= 1 << 57:
@@ -204,6 +219,10 @@ def _scan_pointers(buf: bytes, arena: tuple[int, int], where: str) -> None:
             # The allocation it falls in, for the diagnosis: a word the kernel never reads as a
             # pointer (padding, an unused slot) can hold a stale address too.
             span = d.cuPointerGetAttribute(d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_RANGE_SIZE, d.CUdeviceptr(v))[1]
-            raise ExportError(f"{where}: parameter word at offset {off} of {len(buf)} points at {v:#x}, device "
-                              f"memory outside the arena [{base:#x}, {base + size:#x}) (in an allocation of "
-                              f"{int(span)} bytes at {int(start):#x})")
+            what = (f"{where}: parameter word at offset {off} of {len(buf)} points at {v:#x}, device memory outside "
+                    f"the arena [{base:#x}, {base + size:#x}) (in an allocation of {int(span)} bytes at {int(start):#x})")
+            if not stale_ok:
+                raise ExportError(what)
+            print(f"[flare-prepare] zeroed a stale host-stack word of a TensorIterator kernel: {what}", flush=True)
+            stale.append(off)
+    return stale
