@@ -32,7 +32,7 @@ from flare.prepare.layout import align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
 from flare.prepare.plan import (GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
                                 buffer_requests, continuation_rows, partial_manifest, plan_capacities,
-                                prefill_only_state, program_table, sampling_defaults)
+                                prefill_only_state, program_table, sampling_defaults, scratch_gib)
 from flare.prepare.programs import PROMPT_PROGRAMS, TORCH_DTYPES, ProgramSet, arena_views
 from flare.prepare.sources import ModelSource
 
@@ -186,7 +186,8 @@ class _CudaArena:
 
     def allocate(self, buffers, planned: int) -> dict[str, torch.Tensor]:
         self.pool_offset = align(planned, 2 << 20)
-        self.session.map(self.pool_offset + int(self.opts.scratch_memory_gib * GiB))
+        weights = sum(b.nbytes for b in buffers if b.role == BufferRole.weight)
+        self.session.map(self.pool_offset + int(scratch_gib(self.opts, weights) * GiB))
         with torch.cuda.device(0):
             self.arena = self.session.start_torch(self.pool_offset)
         views = self.session.buffer_tensors(buffers)

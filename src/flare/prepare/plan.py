@@ -55,7 +55,7 @@ class Options:
     # CUDA: decode and verify steps' linear layers: "cublas", or "measure" (the unsplit Triton
     # GEMM at the row counts and layers where it times faster than cuBLAS: kernels/gemm.py)
     step_gemms: str = "cublas"
-    scratch_memory_gib: float = 4.0  # CUDA: arena tail for torch's pool (graph intermediates, workspaces)
+    scratch_memory_gib: float | None = None  # CUDA: arena tail for torch's pool (default: scratch_gib)
     reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
     qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce
     tp_size: int = 1  # tensor-parallel ranks; this process prepares rank tp_rank
@@ -67,6 +67,17 @@ class Options:
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device == "cuda" else "float32")
+
+
+def scratch_gib(opts: Options, weights_bytes: int) -> float:
+    """The arena tail torch's pool may use while programs are warmed up and captured (graph
+    intermediates, workspaces; only the used part stays in the core): ``--scratch-memory``, or
+    by default 4 GiB or a fifth of the weights, whichever is larger. What the programs use grows
+    with the model (on the H200: 3.1 GiB for the Qwen3-30B-A3B shape at 24 layers, 31 GB of
+    weights; 4.7 GiB for the Qwen3.5-35B-A3B shape at 20 layers, 36 GB, where 4 GiB ran out)."""
+    if opts.scratch_memory_gib is not None:
+        return opts.scratch_memory_gib
+    return max(4.0, 0.2 * weights_bytes / GiB)
 
 
 def _dtype_enum(t: torch.dtype) -> DType:
@@ -151,7 +162,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         rows = sum(math.prod(shape) * dt.itemsize for _, dt, shape in
                    continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype())))
         snapshots = (caps.snapshot_rows + 1) * (bytes_per_page + rows)
-        budget = free_bytes - weights - snapshots - (opts.scratch_memory_gib + opts.reserve_gib) * GiB
+        budget = free_bytes - weights - snapshots - (scratch_gib(opts, weights) + opts.reserve_gib) * GiB
         pages = int(budget // bytes_per_page)
     # One request at full context must fit, plus the null page.
     if pages < caps.max_pages_per_slot + 1:

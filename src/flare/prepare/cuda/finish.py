@@ -47,6 +47,7 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
             # A TP rank falling back alone would run other collectives than its peers.
             if eager or tp.active:
                 raise
+            session.check_no_escapes()  # out of scratch: eager would run out too
             progress(f"{p.name}: compiled forward failed ({type(e).__name__}: {str(e)[:300]}); capturing eager")
             traceback.print_exc()
             eager = True

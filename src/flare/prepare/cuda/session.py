@@ -135,5 +135,8 @@ class CudaSession:
 
     def check_no_escapes(self) -> None:
         if self.allocator is not None and self.allocator.stats()["failed"]:
-            raise MemoryError("the arena's scratch region ran out during preparation; raise --scratch-memory")
+            st = self.allocator.stats()
+            raise MemoryError(f"the arena's scratch region ran out during preparation ({st['used'] / 2**30:.2f} of "
+                              f"{st['reserved'] / 2**30:.2f} GiB used, {st['failed']} requests refused); raise "
+                              f"--scratch-memory")
 
