@@ -320,3 +320,55 @@ def test_decode_tokens_the_proposal_predicted_grow_the_drafts():
     assert state.drafts == 4 and drafts == [7, 7, 7, 7]
     assert state.run > PRIOR_RUN  # two streaks of 4 predicted tokens: the run a verify step would accept
     assert spec.pays("decode.1", "verify.1", [req], [drafts])
+
+
+def test_requests_without_drafts_lose_at_most_their_fair_share_to_verify_steps():
+    """A verify step that carries requests without drafts (bystanders) makes them wait its
+    excess over a decode step: such steps run only on a budget of FAIR_SHARE of decode time,
+    so bystanders lose about that share at most however much the copier gains; a batch whose
+    every request drafts needs no budget."""
+    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.speculation import FAIR_SHARE, SHARE_WINDOW, Speculation
+
+    spec = Speculation(4)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=10_000)
+    copier = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
+    copier.output = [3]
+    others = [Request([10 + i, 20 + i, 30 + i], params) for i in range(3)]
+    batch = [copier, *others]
+    spec.timed("decode.4", 10.0)
+    spec.timed("verify.4", 12.0)  # 2 ms more than a decode step, for every row
+    for _ in range(3):
+        spec.observe(copier, 4, 4)  # the copier's expected gain pays for the batch's verify step
+    drafts = [[4, 5, 6, 1], [], [], []]
+    # The budget starts from the decode steps seen so far: 0.3 ms, not the 2 ms a step costs.
+    assert not spec.pays("decode.4", "verify.4", batch, drafts)
+    for r in others:
+        r.output = [40]
+        spec.miss(r)
+    assert not spec.may_verify(batch, "decode.4", "verify.4")  # so the batch runs ahead meanwhile
+    for _ in range(6):
+        spec.timed("decode.4", 10.0)
+    assert spec.may_verify(batch, "decode.4", "verify.4")  # 2.1 ms saved up
+    assert spec.pays("decode.4", "verify.4", batch, drafts)
+    assert not spec.pays("decode.4", "verify.4", batch, drafts)  # spent
+    assert spec.pays("decode.4", "verify.4", batch, [[4]] * 4)  # nobody stands by: the gain decides
+    # Over a long run the bystanders' time goes to verify steps at FAIR_SHARE at most.
+    plain = verified = 0
+    for _ in range(5000):
+        if spec.pays("decode.4", "verify.4", batch, drafts):
+            spec.timed("verify.4", 12.0)
+            verified += 1
+        else:
+            plain += 1
+        spec.timed("decode.4", 10.0)  # the step after (or instead)
+    lost = verified * 2.0 / ((plain + verified) * 10.0 + verified * 2.0)
+    assert verified > 0 and FAIR_SHARE * 0.8 < lost <= FAIR_SHARE * 1.01
+    # Saving up is bounded: a long spell without verify steps does not buy a burst of them.
+    for _ in range(10 * SHARE_WINDOW):
+        spec.timed("decode.4", 10.0)
+    burst = 0
+    while spec.pays("decode.4", "verify.4", batch, drafts):
+        burst += 1
+    assert abs(burst - FAIR_SHARE * SHARE_WINDOW * 10.0 / 2.0) <= 1  # 15 steps of 2 ms, to rounding

@@ -23,7 +23,13 @@ drafting pays:
   decode step, where the programs alone cost 2.2 and 1.5 ms). Otherwise the batch decodes plainly and its drafting
   requests back off. A request whose own expected gain (at max_drafts) cannot pay for its
   row at the cheapest measured batch size does not ask for drafts at all (its batch keeps
-  running ahead).
+  running ahead);
+* a verify step that also carries requests without drafts of their own (bystanders) makes
+  them wait its excess over a decode step for one token: the batch may pay on the whole
+  while they lose (on the H200, four SmolLM2 streams of which one copied: the other three
+  came out 7 % slower). Such a step runs only while a budget allows, one that grows by
+  FAIR_SHARE of every decode step's time (at most SHARE_WINDOW steps' worth) and that each
+  such step spends by its excess: bystanders lose at most about FAIR_SHARE of their time;
   r learns from verify steps and, between them, from every token a decode step emits:
   whether the first draft the history proposed before it is that token (for a sampled
   request that happens with probability p(draft), the acceptance probability itself); such
@@ -53,6 +59,8 @@ PRIOR_RUN = 2.0  # its mean accepted run (given the first draft accepted) before
 RATE_WEIGHT = 0.3  # weight of a step's outcome in a request's running acceptance rate
 TIME_WEIGHT = 0.2  # weight of a step's duration in a program's running step time
 REFRESH = 64  # decisions against a verify program after which one runs anyway (re-measures it)
+FAIR_SHARE = 0.03  # of decode time, what verify steps may cost requests without drafts that share them
+SHARE_WINDOW = 100  # decode steps of that share that can be saved up, at most
 
 
 @dataclass
@@ -81,6 +89,7 @@ class Speculation:
         self._declines: dict[str, int] = {}  # verify program -> decisions against it since it last ran
         self._last_verify: str | None = None  # the previous step timed, when it was a verify step
         self._verify_weight: dict[str, float] = {}  # the weight its latest sample had in its mean
+        self._share_ms = 0.0  # what verify steps may still cost bystanders (FAIR_SHARE)
 
     def timed(self, program: str, ms: float) -> None:
         """A step's measured duration (the scheduler's: from its predecessor's completion while
@@ -98,6 +107,8 @@ class Speculation:
             self.step_ms[after_verify] += weight * excess  # as if its own sample had been that much longer
         else:
             self.step_ms[program] = ms if old is None else _running(old, ms, TIME_WEIGHT)
+        if program.startswith("decode."):
+            self._share_ms = min(self._share_ms + FAIR_SHARE * ms, FAIR_SHARE * SHARE_WINDOW * ms)
         if program.startswith("verify."):
             self._declines[program] = 0
             self._last_verify = program
@@ -122,10 +133,16 @@ class Speculation:
         # every REFRESH decisions against a verify program, one runs anyway.
         n = self._declines.get(verify, 0) + 1
         self._declines[verify] = n
-        if n >= REFRESH:
-            return True
-        gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
-        return gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1)
+        bystanders = not all(drafts)
+        if n < REFRESH:
+            gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
+            if gain <= len(batch) * (t_verify / max(t_decode, 1e-6) - 1):
+                return False
+            if bystanders and self._share_ms < t_verify - t_decode:
+                return False
+        if bystanders:
+            self._share_ms -= max(0.0, t_verify - t_decode)
+        return True
 
     def eligible(self, req: Request) -> bool:
         return req.grammar is None and req.params.logprobs < 0
@@ -150,6 +167,8 @@ class Speculation:
         ahead instead of waiting to decide: one request that could pay for a verify row of
         its own must not cost a whole batch its step ahead at every token (measured on the
         H200: four streams, one wanting drafts, 6.5 % slower with no verify step paying).
+        Nor while requests that do not want drafts would share a verify step the fair-share
+        budget cannot pay for (module docstring).
         A "no" counts as a decision against the verify program, so that after REFRESH of
         them the batch decides once more and a verify step re-measures the cost."""
         wanting = [r for r in batch if self.wants(r)]
@@ -159,7 +178,8 @@ class Speculation:
         if self.always or t_decode is None or t_verify is None or self._declines.get(verify, 0) + 1 >= REFRESH:
             return True
         gain = sum(_gain(self._state(r), self.max_drafts) for r in wanting)
-        if gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1):
+        if gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1) and (
+                len(wanting) == len(batch) or self._share_ms >= t_verify - t_decode):
             return True
         self._declines[verify] = self._declines.get(verify, 0) + 1  # a decision against it, as in pays
         return False
