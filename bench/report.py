@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _svg(records: list[dict]) -> str:
     series = [("flare-serve", "decode_tokens_per_s", "#d9480f"), ("replay floor", "floor_decode_tokens_per_s", "#868e96"),
               ("Transformers", "baseline_decode_tokens_per_s", "#1971c2"), ("roofline", "roofline_tokens_per_s", "#dee2e6")]
+    if any((r.get("step_bytes") or {}).get("routed_experts") for r in records):  # MoE: the active-bytes roofline
+        series[-1] = ("active-bytes roofline", "step_roofline_tokens_per_s", "#dee2e6")
     top = max(r[k] or 0 for r in records for _, k, _ in series)
     w, h, pad, bar = 640, 300, 50, 22
     group = len(series) * bar + 30
@@ -122,6 +124,11 @@ def timeline_section(t: dict, name: str) -> list[str]:
                 "| operator | nodes | serialized ms | share |", "|---|---|---|---|"]
         for op, o in r["ops"].items():
             out.append(f"| {op} | {o['count']} | {o['ms']:.3f} | {o['fraction_of_sum'] * 100:.1f} % |")
+        parts = r.get("parts") or {}
+        if len(parts) > 1:  # by the weights a kernel reads (bench/kernels.py part_of)
+            out += ["", "| part | nodes | serialized ms | share |", "|---|---|---|---|"]
+            out += [f"| {k} | {v['count']} | {v['ms']:.3f} | {v['ms'] / r['timed_sum_ms'] * 100:.1f} % |"
+                    for k, v in parts.items()]
         lay = r["layers"]
         body = r.get("layer_body")
         if body:
@@ -182,6 +189,8 @@ def main() -> None:
         for r in recs:
             moved = r.get("step_roofline_fraction")  # older runs did not record it
             frac = f"{r['roofline_fraction'] * 100:.0f} %" + (f" / {moved * 100:.0f} %" if moved else "")
+            if (r.get("step_bytes") or {}).get("routed_experts"):  # all weights: every expert, never read at once
+                frac = f"- / {moved * 100:.0f} % (active bytes)"
             lines.append(f"| {r['concurrency']} | {r['decode_tokens_per_s']:.0f} | {r['itl_ms_p50']:.2f} / "
                          f"{r['itl_ms_p99']:.2f} | {r['ttft_ms_median']:.1f} | {r['floor_decode_tokens_per_s']:.0f} | "
                          f"{r['runtime_over_floor'] * 100:+.1f} % | {frac} | "
@@ -523,6 +532,104 @@ that copies now and then held the whole batch to one step in flight. Since 9bc13
 waits to decide only when the requests that want drafts could pay for the batch's own
 verify step together (`Speculation.may_verify`); this A/B has not run on the H200 since,
 and `bench.ab_serve` now records `flare_engine_steps_ahead_total` to show it.
+
+The same A/B at 4fb0e7a, with the step-ahead rule
+(`speculative-copy-smollm2-h200-2026-12-02-run5.json`, one `off`/`copy` pair):
+
+| `--speculative` (in the same run as `off`) | rewrite, sampled | rewrite, greedy | decode x1 | decode x4 |
+|---|---|---|---|---|
+| `off` | 859 | 860 | 859 | 2,935 |
+| `copy` (step-ahead rule) | 1,402 (1.63x) | **1,937 (2.25x)** | 1,245 (+45 %) | 2,734 (-6.8 %) |
+
+The rule works where it should: `copy`'s server ran 977 of its 1,850 steps ahead (`off`:
+3,566 of 3,674), and the single stream's sampled story happened to loop, so its copies
+paid (+45 %: "decode" is a no-copy workload only as long as the model does not repeat
+itself). The four streams still lost 6.8 %, for another reason than in run 4: one of
+them copied (finished in 0.54 s, 1.04 ms between tokens) and its verify steps paid for
+the batch on the whole, but the other three, which had nothing to copy, waited for them:
+1.43-1.44 ms between tokens against 1.34 ms with `off`, and the batch's throughput is
+theirs. Since 73b3107 a verify step that carries requests without drafts runs only on a
+budget of 3 % of decode time (`runtime/speculation.py`, `FAIR_SHARE`), so such requests
+lose about 3 % at most; not yet measured on the H200.
+
+### What a verify step costs on the 8B shape (`verify-widths-llama-3.1-8b-shape-2026-12-02.json`)
+
+`python -m bench.verify_widths llama-3.1-8b-shape OUT.json --depths 4,8` prepares the 8B
+shape at 4 and 8 layers for each draft count D = 1..5 (verify width W = D + 1), times
+decode.1 and verify.1 with the replay floor, and fits a + b L per program (full depth
+a + 32 b). On the H200:
+
+| W | verify.1 ms, 32 layers | over decode.1 (5.158 ms) | per layer ms | fixed ms (embedding, head, sampler, acceptance) |
+|---|---|---|---|---|
+| 2 | 5.774 | 1.12x | 0.143 | 1.20 |
+| 3 | 5.742 | 1.11x | 0.142 | 1.21 |
+| 4 | 5.691 | 1.10x | 0.139 | 1.23 |
+| 5 | 5.734 | 1.11x | 0.140 | 1.25 |
+| 6 | 5.874 | 1.14x | 0.145 | 1.23 |
+
+decode.1: 0.144 ms per layer, 0.54 ms fixed. A layer costs the same for 2 to 6 positions
+(the weights are read once either way); the whole difference is the fixed part, 0.66-0.71
+ms more: the head's logits and the sampler over W rows of a 128,256-token vocabulary,
+and the acceptance chain. So on the 8B shape a verify step of six positions costs 1.14
+decode steps: it pays from 0.14 accepted drafts per step, and at two accepted drafts a
+step it emits 3 tokens for 1.14 steps' time (2.6x). (An earlier attempt failed in
+preparation on a stale host-stack word of an ATen kernel that happened to point at a live
+allocation; ed5fc7f zeroes such words in TensorIterator kernels, `prepare/cuda/export.py`.)
+
+## Mixture of experts on the H200
+
+`bench/run_gpu.sh qwen3-30b-a3b-shape` (24 of Qwen3-30B-A3B's 48 layers, random weights)
+ran every step at ed5fc7f (serving table above); `qwen3_5-35b-a3b-shape` (20 of
+Qwen3.5-35B-A3B's 40 layers) ran prepare, floor and timeline (`--kv-memory 16
+--scratch-memory 16`: the default 4 GiB of preparation scratch ran out, 4.71 GiB were
+used; since 371c03f the default is a fifth of the weights) before the machine was lost,
+so it has no served figures (`floor-qwen3_5-35b-a3b-shape-2026-12-02.json`).
+
+The roofline of a mixture of experts is the **active bytes** of a step (`bench/collect.py`
+`step_bytes`): every non-expert weight but the untied embedding, the routed experts a row
+routes to (the expected union for several rows, E (1 - (1 - k/E)^c), random-weight
+routers routing near uniformly), the embedding rows, recurrent state read and written.
+Against it, the replay floor (GPU time per decode step):
+
+| shape (depth) | c | floor ms per step | active GB | active-bytes roofline ms | fraction | full depth (derived) |
+|---|---|---|---|---|---|---|
+| Qwen3-30B-A3B (24 of 48) | 1 | 2.415 | 3.35 | 0.78 | **0.33** | 4.34 ms, 231 tok/s, 0.33 |
+| | 2 | 2.995 | 5.05 | 1.18 | 0.39 | |
+| | 4 | 3.940 | 8.14 | 1.90 | 0.48 | 7.20 ms |
+| Qwen3.5-35B-A3B (20 of 40) | 1 | 2.720 | 3.52 | 0.82 | **0.30** | 4.89 ms, 204 tok/s, 0.29 |
+| | 2 | 3.179 | 4.56 | 1.06 | 0.33 | |
+| | 4 | 3.729 | 6.55 | 1.52 | 0.41 | 6.72 ms |
+
+Full depth: the graph's time spent in layers (the timeline's share of the serialized sum,
+0.80 at c = 1) divided by the layers is the time of a layer (30B: 0.080 ms; 35B: 0.109
+ms), times the missing layers, plus the step measured; the active bytes double but for
+the head (0.62 and 1.02 GB), which gives the same fractions. The issue's target is 0.60 at
+c = 1 for both: **missed by about half**. Served, the 30B shape decodes at 438 / 719 /
+1,125 tok/s at concurrency 1 / 2 / 4 (the server runs a little ahead of the floor with two
+steps in flight), 2.15-2.79x Transformers 5.17 (204 / 289 / 403 tok/s with its static
+cache and torch.compile: its grouped-GEMM experts make it only a few times slower, not many);
+a 4,096-token prompt prefills at 52.5k tok/s, a prefix hit costs 1.16x a cold short
+prompt, and every agent turn found the previous prompt cached.
+
+Where a step's time goes (`timeline-qwen3-30b-a3b-shape-2026-12-02.json`,
+`timeline-qwen3_5-35b-a3b-shape-2026-12-02.json`; serialized times, every node paying
+about 2.5 µs of event cost): the 30B shape's decode.1 is 467 kernels, 15 a layer, for 2.41
+ms. By part: attention 1.27 ms (q/k/v GEMM 11 µs for 21 MB, 1.9 TB/s; q and k norms, KV
+write, attention and its split-K combine, o_proj 10 µs plus a 4.5 µs split-K reduce), routed
+experts 1.00 ms (gate/up 18 µs for 50 MB, 2.7 TB/s; **down 19 µs for 25 MB, 1.3 TB/s**),
+the router 0.40 ms (its row-invariant GEMV 10 µs for 0.5 MB and the routing plan 6 µs: 16
+µs a layer for almost no bytes), norms 0.22 ms, and the tail 0.70 ms, of which lm_head is
+0.15 ms and the sampler most of the rest (two softmaxes, four radix-sort passes over the
+151,936-token vocabulary). At c = 4 the experts dominate (2.33 ms: gate/up 51 µs, down
+40 µs a layer, 3.9 and 2.5 TB/s over the union). The 35B shape adds the **shared expert,
+1.12 ms at c = 1 in 9 kernels a layer**: it runs outside the compiled layer, so its gate/up
+GEMM (4.2 MB) takes 14 µs at 0.3 TB/s in a transposed cuBLAS layout and its activation,
+gate and sums are five separate ATen kernels; the Gated DeltaNet layers take 0.74 ms.
+What would close the gap, in order of size: the sampler without a full-vocabulary sort
+(about 0.4 ms a step on every model), the shared expert compiled with its layer or run as
+one more pair of the routed kernels (about 0.7 ms at 35B), a down-projection kernel that
+splits its 768-wide reduction over more CTAs (about 0.3 ms), router and plan in one kernel
+(about 0.2 ms), then fewer kernels a layer.
 
 ## Method
 
