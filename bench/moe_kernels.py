@@ -17,7 +17,8 @@ the routed experts' weighted sum for the chunk:
   ``route_rows``, a gate/up GEMV program per pair and feature block, and the down GEMVs
   summed over each token's pairs in place (two expert launches, no tiles);
   ``decode_gate_up[...]`` / ``decode_down[...]`` sweep one kernel's blocks (the whole
-  expert computation is timed, the other kernel at its default blocks).
+  expert computation is timed, the other kernel at its default blocks);
+  ``decode_down_wide[...]`` the down kernel that loads a token's pairs together.
 * ``ours.route_plan`` / ``ours.route+plan``  the fixed cost before any expert GEMM: the
   fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces.
 * ``router.invariant_linear`` / ``router.cublas``  the router GEMM alone, as the recipe runs
@@ -64,6 +65,8 @@ GEOMETRIES = {  # name: (E, k, H, I)
 # Decode GEMV blocks (rows, K columns, warps) swept per kernel, the other at its default.
 DECODE_GATE_UP = [(8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 8), (16, 1024, 8), (4, 1024, 4)]
 DECODE_DOWN = [(8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4)]
+# The down kernel that loads a token's pairs together (``wide_down``): rows, K columns, warps.
+DECODE_DOWN_WIDE = [(4, 128, 4), (4, 256, 4), (8, 128, 4), (8, 128, 8), (2, 256, 4), (16, 64, 8), (4, 64, 4)]
 
 
 def loop64(x, w, ids, gate_up, down):
@@ -105,7 +108,8 @@ def grouped_mm_candidate(x, w, ids, gate_up, down):
     return K.combine_triton(out, w, ids, E)
 
 
-def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GATE_UP, DECODE_DOWN), decode=True):
+def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GATE_UP, DECODE_DOWN, DECODE_DOWN_WIDE),
+              decode=True):
     E, k, H, I = geo
     g = torch.Generator(device="cpu").manual_seed(T)
     gate_up = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(dtype).to(device)
@@ -149,6 +153,12 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
                             [(lambda s=s, dn=dn: (K.experts_decode(*s, gate_up, down, down_blocks=dn),))
                              for s in sets], [], None, "both decode kernels; down blocks swept",
                             bytes_per_call=3 * expert_bytes))
+        for dn in sweeps[2]:
+            out.append(Case(f"{tag}.decode_down_wide[bn{dn[0]},bk{dn[1]},w{dn[2]}]",
+                            [(lambda s=s, dn=dn: (K.experts_decode(*s, gate_up, down, down_blocks=dn, wide_down=True),))
+                             for s in sets], [], check if dn == sweeps[2][0] else None,
+                            "both decode kernels, the down kernel loading a token's pairs together; its blocks swept",
+                            bytes_per_call=3 * expert_bytes))
     for bm, bn, bk, warps in configs:
         if (T <= 4) != (bm == 16):
             continue
@@ -188,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=100)
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--tokens", default=None, help="token counts, comma separated (default 1,4,128,2048)")
+    p.add_argument("--geometries", default=None, help=f"comma separated, of {', '.join(GEOMETRIES)} (default: all)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -196,6 +207,8 @@ def main(argv=None) -> int:
         return 2
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     geos = GEOMETRIES if cuda else {"tiny": (8, 2, 32, 48)}
+    if args.geometries and cuda:
+        geos = {g: GEOMETRIES[g] for g in args.geometries.split(",")}
     # Smoke: 12 tokens covers what a larger chunk would under the interpreter (a non-power-of-two
     # T for the fused route_plan's masks, the prefill tiles at BLOCK_M 64). The decode candidates
     # run at 1 and 4 tokens only, as on the GPU (at 128 and 2,048 the pairs exceed DECODE_PAIRS):
@@ -210,7 +223,8 @@ def main(argv=None) -> int:
     for name, geo in geos.items():
         for T in tokens:
             rot = max(1, min(16, (3 * 50 << 20) // (T * geo[1] * 3 * geo[2] * geo[3] * 2 + 1))) if cuda else 2
-            sweeps = (DECODE_GATE_UP, DECODE_DOWN) if cuda else ([(8, 16, 4)], [(16, 16, 4)])
+            sweeps = (DECODE_GATE_UP, DECODE_DOWN, DECODE_DOWN_WIDE) if cuda else ([(8, 16, 4)], [(16, 16, 4)],
+                                                                                    [(16, 16, 4)])
             cases += cases_for(name, geo, T, device, dtype, rot, configs, sweeps, decode=cuda or T <= 4)
     results = run(cases, args, cuda, started, lambda line: print(line, flush=True))
     report = dict(

@@ -141,6 +141,12 @@ def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
     torch.testing.assert_close(got, experts_torch(x, w, ids, gate_up, down), **tol)
     if dtype == torch.float32 or DEVICE == "cuda":
         torch.testing.assert_close(got, experts_triton(x, w, ids, gate_up, down), **tol)
+    # The down kernel that loads a token's pairs together: the same sums, slot order kept.
+    wide = experts_decode(x, w, ids, gate_up, down, gate_up_blocks=(8, 16, 4), down_blocks=(16, 16, 4),
+                          wide_down=True)
+    torch.testing.assert_close(wide.cpu().to(F64), ref, **tol)
+    torch.testing.assert_close(wide, got, **tol)
+    assert torch.equal(wide[~valid].cpu(), torch.zeros_like(wide[~valid].cpu()))
 
 
 @pytest.mark.parametrize("N", [1, 24, 128])

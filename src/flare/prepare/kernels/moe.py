@@ -434,13 +434,47 @@ def _decode_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, st
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, total.to(dtype), mask=n_in)
 
 
+@triton.jit
+def _decode_down_wide_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, stride_hp, stride_we, stride_wn,
+                             stride_ot, TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``_decode_down_kernel`` with the token's k pairs loaded together: one [k, BN, BK] tile of
+    their experts' rows per step of the reduction instead of k tiles one after another (a
+    reduction only I wide leaves a program few loads in flight otherwise). Each pair's GEMV
+    is reduced as there; the pairs are then summed in slot order (a masked sum picks row j
+    exactly: it adds zeros)."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_in = n < N
+    j = tl.arange(0, KP)
+    e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=E)
+    live = e < E  # sentinel pairs (id E) and the padding to KP read nothing
+    h_rows = h_ptr + (t * TOPK + j).to(tl.int64) * stride_hp
+    w_rows = w_ptr + tl.where(live, e, 0).to(tl.int64) * stride_we
+    acc = tl.zeros([KP, BN, BK], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < K
+        hv = tl.load(h_rows[:, None] + kk[None, :], mask=live[:, None] & k_in[None, :], other=0.0)
+        w = tl.load(w_rows[:, None, None] + n[None, :, None].to(tl.int64) * stride_wn + kk[None, None, :],
+                    mask=live[:, None, None] & n_in[None, :, None] & k_in[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * hv.to(tl.float32)[:, None, :]
+    dtype = out_ptr.dtype.element_ty
+    y = tl.sum(acc, 2).to(dtype).to(tl.float32) * tl.load(weights_ptr + t * TOPK + j, mask=live, other=0.0)[:, None]
+    total = tl.zeros([BN], tl.float32)
+    for s in tl.static_range(TOPK):  # slot order, as ``combine``
+        total += tl.sum(tl.where(j[:, None] == s, y, 0.0), 0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, total.to(dtype), mask=n_in)
+
+
 def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, *, gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
-                   down_blocks: tuple[int, int, int] = (4, 512, 4)) -> torch.Tensor:
+                   down_blocks: tuple[int, int, int] = (4, 512, 4), wide_down: bool = False) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
     slot order. The same roundings as ``experts_triton`` and ``experts_torch``; sentinel
-    pairs (id ``E``) read nothing. Blocks are (rows, K columns, warps) per program."""
+    pairs (id ``E``) read nothing. Blocks are (rows, K columns, warps) per program.
+    ``wide_down``: the down kernel that loads a token's pairs together
+    (``_decode_down_wide_kernel``; its rows are a program's rows of every pair)."""
     T, k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -455,9 +489,14 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
         BN=bn, BK=min(bk, triton.next_power_of_2(H)), num_warps=warps)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_blocks
-    _decode_down_kernel[(T, triton.cdiv(H, bn))](
-        h, down, ids, weights.contiguous(), out, E, H, I, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOPK=k, BN=bn, BK=min(bk, triton.next_power_of_2(I)), num_warps=warps)
+    args = (h, down, ids, weights.contiguous(), out, E, H, I, h.stride(0), down.stride(0), down.stride(1),
+            out.stride(0))
+    bk = min(bk, triton.next_power_of_2(I))
+    if wide_down:
+        _decode_down_wide_kernel[(T, triton.cdiv(H, bn))](*args, TOPK=k, KP=triton.next_power_of_2(k), BN=bn,
+                                                          BK=bk, num_warps=warps)
+    else:
+        _decode_down_kernel[(T, triton.cdiv(H, bn))](*args, TOPK=k, BN=bn, BK=bk, num_warps=warps)
     return out
 
 
