@@ -135,7 +135,7 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
     tag = f"{name}[T{T}]"
     out = []
     if decode and T * k <= K.DECODE_PAIRS:
-        def decode(x, w, ids, gu=(16, 512, 4), dn=(4, 512, 4)):
+        def decode(x, w, ids, gu=(16, 512, 4), dn=(8, 128, 8)):
             logits = K.invariant_linear(x, router)
             w, ids = K.route_rows(logits, k, True)
             return (K.experts_decode(x, w, ids, gate_up, down, gate_up_blocks=gu, down_blocks=dn),)
@@ -150,8 +150,10 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
                             bytes_per_call=3 * expert_bytes))
         for dn in sweeps[1]:
             out.append(Case(f"{tag}.decode_down[bn{dn[0]},bk{dn[1]},w{dn[2]}]",
-                            [(lambda s=s, dn=dn: (K.experts_decode(*s, gate_up, down, down_blocks=dn),))
-                             for s in sets], [], None, "both decode kernels; down blocks swept",
+                            [(lambda s=s, dn=dn: (K.experts_decode(*s, gate_up, down, down_blocks=dn,
+                                                                  wide_down=False),))
+                             for s in sets], [], None, "both decode kernels, the down kernel pair after pair; "
+                                                       "its blocks swept",
                             bytes_per_call=3 * expert_bytes))
         for dn in sweeps[2]:
             out.append(Case(f"{tag}.decode_down_wide[bn{dn[0]},bk{dn[1]},w{dn[2]}]",

@@ -131,7 +131,8 @@ def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
     valid = torch.ones(T, dtype=torch.bool, device=DEVICE)
     valid[T // 2] = T == 1
     w, ids = route(x, router, k, True, valid)
-    got = experts_decode(x, w, ids, gate_up, down, gate_up_blocks=(8, 16, 4), down_blocks=(16, 16, 4))
+    got = experts_decode(x, w, ids, gate_up, down, gate_up_blocks=(8, 16, 4), down_blocks=(16, 16, 4),
+                         wide_down=False)
     ref = _loop64(x.cpu(), w.cpu(), ids.cpu(), gate_up.cpu(), down.cpu())
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(got.cpu().to(F64), ref, **tol)

@@ -40,7 +40,8 @@ the device, so the whole layer is captured once and replayed:
   the result does not depend on scheduling).
 * ``experts_decode``: decode-sized batches (at most ``DECODE_PAIRS`` pairs) skip the plan
   and the tiles: a GEMV program per (pair, block of features) for gate/up, and down GEMVs
-  that sum each token's pairs in slot order in place of ``combine``. On the H200
+  that sum each token's pairs in slot order in place of ``combine`` (all k pairs' rows
+  loaded together, ``_decode_down_wide_kernel``). On the H200
   (bench/moe_kernels.py, docs/gpu.md) at one token its experts took 34 µs at the
   30B-A3B layer with the default blocks, against 38 for the tiled path's experts, whose
   16-row tiles hold one row each.
@@ -468,13 +469,17 @@ def _decode_down_wide_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, E, N, 
 
 def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, *, gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
-                   down_blocks: tuple[int, int, int] = (4, 512, 4), wide_down: bool = False) -> torch.Tensor:
+                   down_blocks: tuple[int, int, int] = (8, 128, 8), wide_down: bool = True) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
     slot order. The same roundings as ``experts_triton`` and ``experts_torch``; sentinel
     pairs (id ``E``) read nothing. Blocks are (rows, K columns, warps) per program.
-    ``wide_down``: the down kernel that loads a token's pairs together
-    (``_decode_down_wide_kernel``; its rows are a program's rows of every pair)."""
+    ``wide_down`` (default): the down kernel that loads a token's pairs together
+    (``_decode_down_wide_kernel``; its rows are a program's rows of every pair); off, the
+    one that reads them pair after pair (``_decode_down_kernel``, blocks (4, 512, 4) then).
+    On the H200 (``bench/results/moe-kernels-decode-wide-2026-12-02.json``, both expert
+    launches): 28.0 against 34.5 µs at one token of the Qwen3-30B-A3B layer, 80.9 against
+    89.4 at four; 22.2 against 25.2 and 62.7 against 65.2 for Qwen3.5-35B-A3B."""
     T, k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2
