@@ -8,19 +8,24 @@ else (a pointer into memory the runtime will not have) fails the export with
 the kernel and offset named. Host nodes, event nodes, allocation nodes and
 child graphs are rejected.
 
-One exception: ATen's TensorIterator kernels (``at::native`` elementwise and
-reduction kernels) take an ``OffsetCalculator`` by value whose constructor fills
-only the operands' own dimensions of its fixed-size arrays; the rest is whatever
-the host stack held, now and then an address of a live allocation of the
-preparing process. Such a word is never read by the kernel, so it is zeroed in
-the export (and reported) instead of failing it. Were it read after all, the
-kernel would fault on a null address in every replay, which replay
-qualification (``--qualify``) reports; the runtime never reads foreign memory.
+One exception: ATen's TensorIterator elementwise and reduction kernels
+(``at::native::elementwise_kernel``, ``vectorized_`` / ``unrolled_elementwise_kernel``,
+``reduce_kernel``; ``tensor_iterator_stale_ok``) take an ``OffsetCalculator`` by value
+whose constructor fills only the operands' own dimensions of its fixed-size arrays;
+the rest is whatever the host stack held, now and then an address of a live
+allocation of the preparing process (seen twice on the 8B shape). Such a word is
+never read by the kernel, so it is zeroed in the export (and printed) instead of
+failing it. The operands' own pointers sit in the same parameter, so a genuine
+operand outside the arena in one of these kernels would be zeroed too; it would
+then fault on a null address at its first replay (the GPU suite's replay tests,
+``--qualify``), never read another process's memory. Every other kernel, ATen's
+indexing, copy-by-index, sort, softmax and cat kernels among them, fails the export.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 
 from cuda.bindings import driver as d
@@ -34,7 +39,14 @@ _KERNEL_ATTRS = [a for a in d.CUkernelNodeAttrID if a.name != "CU_LAUNCH_ATTRIBU
 _FUNC_ATTRS = [a for a in d.CUfunction_attribute if a.name != "CU_FUNC_ATTRIBUTE_MAX"]
 _CU_LAUNCH_PARAM_BUFFER_POINTER = 1
 _CU_LAUNCH_PARAM_BUFFER_SIZE = 2
-_ATEN_NATIVE = "_ZN2at6native"  # TensorIterator kernels (module docstring)
+_TENSOR_ITERATOR = re.compile(r"^_ZN2at6native\d+(elementwise_kernel|vectorized_elementwise_kernel|"
+                              r"unrolled_elementwise_kernel|reduce_kernel)I")
+
+
+def tensor_iterator_stale_ok(name: str) -> bool:
+    """Whether a kernel (mangled name) is one of ATen's TensorIterator elementwise or reduction
+    kernels, whose stale ``OffsetCalculator`` words are zeroed (module docstring)."""
+    return _TENSOR_ITERATOR.match(name) is not None
 
 
 class ExportError(RuntimeError):
@@ -140,7 +152,7 @@ def _kernel_node(nd, kernels: KernelTableBuilder, arena, where: str) -> G.Kernel
         raise ExportError(f"{where}: kernel node has parameters but neither kernelParams nor extra")
     fidx = kernels.index_of(func)
     name = kernels.functions[fidx].name
-    for off in _scan_pointers(bytes(buf), arena, f"{where} ({name[:80]})", stale_ok=name.startswith(_ATEN_NATIVE)):
+    for off in _scan_pointers(bytes(buf), arena, f"{where} ({name[:80]})", stale_ok=tensor_iterator_stale_ok(name)):
         buf[off : off + 8] = bytes(8)
     attrs = []
     for a in _KERNEL_ATTRS:
