@@ -53,19 +53,22 @@ def gpu_machine() -> dict:
     return out
 
 
-def routed_share(m: Manifest, c: int) -> tuple[int, int, float]:
-    """(experts per layer E, experts per token k, expected experts read per layer) for a
-    decode step of ``c`` rows. One row reads exactly its k experts; c rows read the union
-    of theirs, counted as expected under uniform routing, E (1 - (1 - k/E)^c) (random-weight
-    routers route near uniformly; a trained router's union is smaller, so its roofline higher).
-    (0, 0, 0.0) for a core without routed experts."""
-    experts = [b for b in m.buffers if b.role == BufferRole.weight and ".mlp.experts." in b.name]
-    if not experts:
-        return 0, 0, 0.0
+def routed_share(m: Manifest, c: int) -> float:
+    """The expected fraction of the routed experts' bytes a decode step of ``c`` rows reads:
+    one row reads exactly its k of E experts a layer, c rows the union of theirs, counted as
+    expected under uniform routing, 1 - (1 - k/E)^c (random-weight routers route near
+    uniformly; a trained router's union is smaller, so its roofline higher). E and k are the
+    model's (a tensor-parallel rank holds E / tp experts and reads the same fraction of
+    them). 0 for a core without routed experts."""
+    experts = next((b for b in m.buffers if b.role == BufferRole.weight and ".mlp.experts." in b.name), None)
+    if experts is None:
+        return 0.0
     cfg = json.loads(m.reference.config)
     cfg = cfg.get("text_config", cfg)
-    E, k = experts[0].shape[0], int(cfg["num_experts_per_tok"])
-    return E, k, E * (1 - (1 - k / E) ** c)
+    # Transformers writes the count as num_experts or num_local_experts, by version and model.
+    E = int(cfg.get("num_experts") or cfg.get("num_local_experts") or experts.shape[0] * m.parallel.tp_size)
+    k = int(cfg["num_experts_per_tok"])
+    return 1 - (1 - k / E) ** c
 
 
 def step_bytes(m: Manifest, c: int) -> dict[str, int]:
@@ -80,9 +83,8 @@ def step_bytes(m: Manifest, c: int) -> dict[str, int]:
     embed = next((b for b in weights if b.name.endswith("embed_tokens.weight")), None)
     names = {b.name for b in weights}
     untied = embed is not None and any(n.endswith("lm_head.weight") for n in names)
-    E, _, hit = routed_share(m, c)
     expert_bytes = sum(b.nbytes for b in weights if ".mlp.experts." in b.name)
-    routed = round(expert_bytes * hit / E) if E else 0
+    routed = round(expert_bytes * routed_share(m, c))
     dense = sum(b.nbytes for b in weights) - expert_bytes - (embed.nbytes if untied else 0)
     embed_rows = c * embed.nbytes // embed.shape[0] if untied else 0
     state = sum(b.nbytes // b.shape[0] for b in m.buffers

@@ -372,3 +372,42 @@ def test_requests_without_drafts_lose_at_most_their_fair_share_to_verify_steps()
     while spec.pays("decode.4", "verify.4", batch, drafts):
         burst += 1
     assert abs(burst - FAIR_SHARE * SHARE_WINDOW * 10.0 / 2.0) <= 1  # 15 steps of 2 ms, to rounding
+
+
+def test_the_fair_share_budget_keeps_no_debt_and_its_cap_follows_the_running_decode_time():
+    """The budget never goes into debt (a verify step it cannot pay for does not run; the
+    re-measuring ones every REFRESH decisions are not charged); bystanders lose about
+    FAIR_SHARE; a refusal for the budget alone is flagged (the scheduler then does not back
+    the drafts off), one for the cost is not; the saved budget is capped by the running
+    decode time, so one fast step of another batch size does not wipe it out."""
+    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.speculation import FAIR_SHARE, SHARE_WINDOW, Speculation
+
+    spec = Speculation(4)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=10_000)
+    copier = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
+    copier.output = [3]
+    batch = [copier, Request([10, 20], params)]
+    drafts = [[4, 5, 6, 1], []]
+    spec.timed("decode.2", 10.0)
+    spec.timed("verify.2", 25.0)  # 15 ms more than a decode step: the copier's gain pays for it
+    for _ in range(20):
+        spec.observe(copier, 4, 4)
+    verified = 0
+    for _ in range(3000):
+        if spec.pays("decode.2", "verify.2", batch, drafts):
+            verified += 1
+            spec.timed("verify.2", 25.0)
+            assert not spec.pays("decode.2", "verify.2", batch, drafts) and spec.refused_for_share
+        spec.timed("decode.2", 10.0)
+        assert spec._share_ms >= 0.0
+    lost = verified * 15.0 / (3000 * 10.0 + verified * 15.0)
+    assert verified > 0 and lost <= FAIR_SHARE
+    assert not spec.pays("decode.2", "verify.2", batch, [[4], [4]]) and not spec.refused_for_share  # cost
+    for _ in range(2 * SHARE_WINDOW):
+        spec.timed("decode.2", 10.0)
+    full = spec._share_ms
+    assert abs(full - FAIR_SHARE * SHARE_WINDOW * 10.0) < 1e-6
+    spec.timed("decode.1", 1.0)  # a fast step of another batch size: the cap is the running maximum
+    assert spec._share_ms == full

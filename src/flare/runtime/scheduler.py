@@ -345,9 +345,10 @@ class Scheduler:
                 plain = self.encode.decode(batch, writes)
                 if self.spec.pays(plain.program, step.program, batch, drafts):
                     return step
-                for req, d in zip(batch, drafts):
-                    if d:
-                        self.spec.miss(req)  # not worth a verify step
+                if not self.spec.refused_for_share:  # the drafts were fine, the bystanders' budget not
+                    for req, d in zip(batch, drafts):
+                        if d:
+                            self.spec.miss(req)  # not worth a verify step
                 return plain
         return self.encode.decode(batch, writes)
 

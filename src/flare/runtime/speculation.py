@@ -24,12 +24,6 @@ drafting pays:
   requests back off. A request whose own expected gain (at max_drafts) cannot pay for its
   row at the cheapest measured batch size does not ask for drafts at all (its batch keeps
   running ahead);
-* a verify step that also carries requests without drafts of their own (bystanders) makes
-  them wait its excess over a decode step for one token: the batch may pay on the whole
-  while they lose (on the H200, four SmolLM2 streams of which one copied: the other three
-  came out 7 % slower). Such a step runs only while a budget allows, one that grows by
-  FAIR_SHARE of every decode step's time (at most SHARE_WINDOW steps' worth) and that each
-  such step spends by its excess: bystanders lose at most about FAIR_SHARE of their time;
   r learns from verify steps and, between them, from every token a decode step emits:
   whether the first draft the history proposed before it is that token (for a sampled
   request that happens with probability p(draft), the acceptance probability itself); such
@@ -37,6 +31,14 @@ drafting pays:
   otherwise never pay for a verify step again where one costs over twice a decode step),
   and L learns from the hits' streaks (up to ``max_drafts``: the run a verify step would
   have accepted);
+* a verify step that also carries requests without drafts of their own (bystanders) makes
+  them wait its excess over a decode step for one token: the batch may pay on the whole
+  while they lose (on the H200, four SmolLM2 streams of which one copied: the other three
+  came out 7 % slower). Such a step runs only while a budget allows, one that grows by
+  FAIR_SHARE of every decode step's time (at most SHARE_WINDOW steps of the running decode
+  time) and that each such step spends by its excess: bystanders lose at most about
+  FAIR_SHARE of their time, plus the re-measuring verify steps (one per REFRESH decisions,
+  not charged). A step refused for the budget alone is no miss: its drafts do not back off;
 * a request whose history offers no proposal, or whose drafts were all rejected, backs off:
   it is not considered again for ``backoff`` more tokens, a backoff that doubles on each
   consecutive miss (up to ``MAX_BACKOFF``) and resets on an accepted draft. While every
@@ -90,6 +92,7 @@ class Speculation:
         self._last_verify: str | None = None  # the previous step timed, when it was a verify step
         self._verify_weight: dict[str, float] = {}  # the weight its latest sample had in its mean
         self._share_ms = 0.0  # what verify steps may still cost bystanders (FAIR_SHARE)
+        self.refused_for_share = False  # the last ``pays`` said no for the fair share alone
 
     def timed(self, program: str, ms: float) -> None:
         """A step's measured duration (the scheduler's: from its predecessor's completion while
@@ -108,7 +111,8 @@ class Speculation:
         else:
             self.step_ms[program] = ms if old is None else _running(old, ms, TIME_WEIGHT)
         if program.startswith("decode."):
-            self._share_ms = min(self._share_ms + FAIR_SHARE * ms, FAIR_SHARE * SHARE_WINDOW * ms)
+            cap = FAIR_SHARE * SHARE_WINDOW * max(self.step_ms[d] for d in self.step_ms if d.startswith("decode."))
+            self._share_ms = min(self._share_ms + FAIR_SHARE * ms, cap)
         if program.startswith("verify."):
             self._declines[program] = 0
             self._last_verify = program
@@ -133,15 +137,18 @@ class Speculation:
         # every REFRESH decisions against a verify program, one runs anyway.
         n = self._declines.get(verify, 0) + 1
         self._declines[verify] = n
-        bystanders = not all(drafts)
-        if n < REFRESH:
-            gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
-            if gain <= len(batch) * (t_verify / max(t_decode, 1e-6) - 1):
+        self.refused_for_share = False
+        if n >= REFRESH:  # re-measures: outside the fair share, charged nothing
+            return True
+        gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
+        if gain <= len(batch) * (t_verify / max(t_decode, 1e-6) - 1):
+            return False
+        if not all(drafts):  # bystanders wait for it: within the fair share only
+            excess = max(0.0, t_verify - t_decode)
+            if self._share_ms < excess:
+                self.refused_for_share = True
                 return False
-            if bystanders and self._share_ms < t_verify - t_decode:
-                return False
-        if bystanders:
-            self._share_ms -= max(0.0, t_verify - t_decode)
+            self._share_ms -= excess
         return True
 
     def eligible(self, req: Request) -> bool:
@@ -179,7 +186,7 @@ class Speculation:
             return True
         gain = sum(_gain(self._state(r), self.max_drafts) for r in wanting)
         if gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1) and (
-                len(wanting) == len(batch) or self._share_ms >= t_verify - t_decode):
+                len(wanting) == len(batch) or self._share_ms >= max(0.0, t_verify - t_decode)):
             return True
         self._declines[verify] = self._declines.get(verify, 0) + 1  # a decision against it, as in pays
         return False

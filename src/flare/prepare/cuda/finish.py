@@ -38,6 +38,7 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
         t0 = time.perf_counter()
         eager = not opts.compile
         fn = programs.callable(p.kind, p.capacity, eager=eager)
+        refused = session.allocator.stats()["failed"] if session.allocator is not None else 0
         try:
             with torch.cuda.use_mem_pool(session.pool), torch.cuda.stream(stream):
                 fn()
@@ -47,7 +48,7 @@ def capture_and_export(session, programs, manifest: Manifest, views, pool_offset
             # A TP rank falling back alone would run other collectives than its peers.
             if eager or tp.active:
                 raise
-            session.check_no_escapes()  # out of scratch: eager would run out too
+            session.check_no_escapes(refused)  # this program ran out of scratch: eager would too
             progress(f"{p.name}: compiled forward failed ({type(e).__name__}: {str(e)[:300]}); capturing eager")
             traceback.print_exc()
             eager = True

@@ -133,8 +133,10 @@ class CudaSession:
         self.pool = torch.cuda.MemPool(plug.allocator())
         return torch.as_tensor(_CudaArray(self.base, self.mapped), device="cuda")
 
-    def check_no_escapes(self) -> None:
-        if self.allocator is not None and self.allocator.stats()["failed"]:
+    def check_no_escapes(self, since: int = 0) -> None:
+        """Raises if the scratch region refused more requests than ``since`` (a count from
+        ``allocator.stats()`` taken earlier) over the whole preparation."""
+        if self.allocator is not None and self.allocator.stats()["failed"] > since:
             st = self.allocator.stats()
             raise MemoryError(f"the arena's scratch region ran out during preparation ({st['used'] / 2**30:.2f} of "
                               f"{st['reserved'] / 2**30:.2f} GiB used, {st['failed']} requests refused); raise "
