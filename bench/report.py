@@ -118,8 +118,10 @@ def timeline_section(t: dict, name: str) -> list[str]:
     for b, r in t["batches"].items():
         nodes = len(r["nodes"])
         per = (r["timed_sum_ms"] - r["graph_ms"]) / nodes
+        moved = (f", {r['step_roofline_ms'] / r['graph_ms']:.2f} of the bytes-moved roofline "
+                 f"({r['step_bytes']['total'] / 1e9:.2f} GB, {r['step_roofline_ms']:.3f} ms)" if "step_bytes" in r else "")
         out += ["", (f"**decode.{b}**: graph {r['graph_ms']:.3f} ms per step ({r['graph_ms'] / t['roofline_ms']:.2f} × "
-                     f"the roofline), serialized sum {r['timed_sum_ms']:.3f} ms over {nodes} nodes "
+                     f"the roofline{moved}), serialized sum {r['timed_sum_ms']:.3f} ms over {nodes} nodes "
                      f"({r['kernel_count']} kernels): overhead per node {per * 1e3:.1f} µs."), "",
                 "| operator | nodes | serialized ms | share |", "|---|---|---|---|"]
         for op, o in r["ops"].items():

@@ -30,6 +30,7 @@ import sys
 import numpy as np
 from cuda.bindings import driver as d
 
+from bench.collect import step_bytes
 from bench.floor import _setup_slots, copy_bandwidth, gpu_ms_per_step
 from bench.kernels import op_of, part_of
 from flare.core import graph as G
@@ -210,7 +211,8 @@ def profile(ex: CudaExecutor, m, batch: int, launches: int, spans: list) -> dict
 
 def _print(r: dict, roofline_ms: float) -> None:
     print(f"\n{r['program']}: graph {r['graph_ms']:.3f} ms/step, serialized sum {r['timed_sum_ms']:.3f} ms "
-          f"({r['kernel_count']} kernels), weight roofline {roofline_ms:.3f} ms")
+          f"({r['kernel_count']} kernels), weight roofline {roofline_ms:.3f} ms, bytes-moved roofline "
+          f"{r.get('step_roofline_ms', float('nan')):.3f} ms")
     for n in sorted(r["nodes"], key=lambda n: -n["ms"])[:15]:
         gb = f"{n['GBps']:.0f} GB/s" if n["GBps"] else ""
         print(f"  {n['ms'] * 1e3:8.1f} us  {n['op']:<10} {n['layer']!s:>5} {gb:>10}  {n['name'][:70]}")
@@ -237,6 +239,10 @@ async def main(core: str, batches: list[int], launches: int) -> dict:
             print(f"batch {b}: no decode.{b} in this core (capacities {m.capacities.decode_capacities}), skipped")
             continue
         results["batches"][str(b)] = r = profile(ex, m, b, launches, spans)
+        # What the step must move (bench.collect: routed experts as the batch reads them, the
+        # embedding by rows, recurrent state): the roofline a mixture of experts is held to.
+        r["step_bytes"] = step_bytes(m, b)
+        r["step_roofline_ms"] = r["step_bytes"]["total"] / bw * 1e3
         _print(r, roofline_ms)
     results["executor_stats"] = ex.stats()
     await ex.close()
