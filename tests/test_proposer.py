@@ -137,6 +137,23 @@ def test_bad_ngram_lengths_are_refused():
         CopyProposer(max_ngram=2, min_ngram=3)
 
 
+def _params(max_tokens: int):
+    """Unfiltered sampling at temperature 1 (the speculation tests' requests)."""
+    from flare.runtime.request import SamplingParams
+
+    return SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                          presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=max_tokens)
+
+
+def _copier(params):
+    """A request whose pending token 3 ends ... 1 2 3, seen before followed by 4 5 6: it copies."""
+    from flare.runtime.request import Request
+
+    req = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
+    req.output = [3]
+    return req
+
+
 def test_speculation_adapts_drafts_and_backs_off():
     """runtime/speculation.py: drafts follow the request's history after its pending token;
     their number grows after full acceptance and falls to accepted + 1; a miss (nothing to
@@ -145,14 +162,12 @@ def test_speculation_adapts_drafts_and_backs_off():
     a grammar: none."""
     import msgspec
 
-    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.request import Request
     from flare.runtime.speculation import MAX_BACKOFF, Speculation
 
     spec = Speculation(4)
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
-    req = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
-    req.output = [3]  # pending: the history ends ... 1 2 3, seen before followed by 4 5 6
+    params = _params(100)
+    req = _copier(params)  # pending: the history ends ... 1 2 3, seen before followed by 4 5 6
 
     def step(*tokens):  # a step completed: its tokens join the output
         req.output += list(tokens)
@@ -196,14 +211,11 @@ def test_speculation_verifies_only_where_it_pays():
     decode.1 a request needs more than one expected accepted draft per row (first-draft
     rate x mean accepted run), and one that cannot pay does not ask for drafts; the rate
     also learns from decode tokens (shadow: did the proposal before a token predict it)."""
-    from flare.runtime.request import Request, SamplingParams
     from flare.runtime.speculation import Speculation
 
     spec = Speculation(4)
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
-    req = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
-    req.output = [3]
+    params = _params(100)
+    req = _copier(params)
     drafts = spec.propose(req, 10)
     assert spec.pays("decode.1", "verify.1", [req], [drafts])  # nothing measured yet
     for _ in range(3):
@@ -254,14 +266,12 @@ def test_a_batch_that_cannot_pay_for_a_verify_step_may_run_ahead():
     submitting a decode step ahead): not while no request wants drafts; yes while the
     batch's programs are unmeasured; then only where the wanting requests' expected gain
     pays for the batch's verify step: one copier among four streams does not, four do."""
-    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.request import Request
     from flare.runtime.speculation import REFRESH, Speculation
 
     spec = Speculation(4)
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
-    copier = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
-    copier.output = [3]
+    params = _params(100)
+    copier = _copier(params)
     others = [Request([10 + i, 20 + i, 30 + i], params) for i in range(3)]
     for r in others:
         r.output = [40]
@@ -298,12 +308,11 @@ def test_decode_tokens_the_proposal_predicted_grow_the_drafts():
     step that costs 2.5 decode steps, whatever its rate: the decode tokens its proposal
     predicts grow its drafts again (shadow), up to the ceiling, their streaks its expected
     accepted run, and then it pays."""
-    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.request import Request
     from flare.runtime.speculation import PRIOR_RUN, Speculation
 
     spec = Speculation(4)
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=100)
+    params = _params(100)
     req = Request([5, 7, 7], params)
     req.output = [7]
     spec.timed("decode.1", 10.0)
@@ -327,14 +336,12 @@ def test_requests_without_drafts_lose_at_most_their_fair_share_to_verify_steps()
     excess over a decode step: such steps run only on a budget of FAIR_SHARE of decode time,
     so bystanders lose about that share at most however much the copier gains; a batch whose
     every request drafts needs no budget."""
-    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.request import Request
     from flare.runtime.speculation import FAIR_SHARE, SHARE_WINDOW, Speculation
 
     spec = Speculation(4)
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=10_000)
-    copier = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
-    copier.output = [3]
+    params = _params(10_000)
+    copier = _copier(params)
     others = [Request([10 + i, 20 + i, 30 + i], params) for i in range(3)]
     batch = [copier, *others]
     spec.timed("decode.4", 10.0)
@@ -380,14 +387,12 @@ def test_the_fair_share_budget_keeps_no_debt_and_its_cap_follows_the_running_dec
     FAIR_SHARE; a refusal for the budget alone is flagged (the scheduler then does not back
     the drafts off), one for the cost is not; the saved budget is capped by the running
     decode time, so one fast step of another batch size does not wipe it out."""
-    from flare.runtime.request import Request, SamplingParams
+    from flare.runtime.request import Request
     from flare.runtime.speculation import FAIR_SHARE, SHARE_WINDOW, Speculation
 
     spec = Speculation(4)
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, max_tokens=10_000)
-    copier = Request([1, 2, 3, 4, 5, 6, 1, 2], params)
-    copier.output = [3]
+    params = _params(10_000)
+    copier = _copier(params)
     batch = [copier, Request([10, 20], params)]
     drafts = [[4, 5, 6, 1], []]
     spec.timed("decode.2", 10.0)

@@ -141,14 +141,13 @@ class Speculation:
         if n >= REFRESH:  # re-measures: outside the fair share, charged nothing
             return True
         gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
-        if gain <= len(batch) * (t_verify / max(t_decode, 1e-6) - 1):
+        if not _pays(gain, len(batch), t_decode, t_verify):
             return False
         if not all(drafts):  # bystanders wait for it: within the fair share only
-            excess = max(0.0, t_verify - t_decode)
-            if self._share_ms < excess:
+            if self._share_ms < _excess(t_decode, t_verify):
                 self.refused_for_share = True
                 return False
-            self._share_ms -= excess
+            self._share_ms -= _excess(t_decode, t_verify)
         return True
 
     def eligible(self, req: Request) -> bool:
@@ -185,8 +184,8 @@ class Speculation:
         if self.always or t_decode is None or t_verify is None or self._declines.get(verify, 0) + 1 >= REFRESH:
             return True
         gain = sum(_gain(self._state(r), self.max_drafts) for r in wanting)
-        if gain > len(batch) * (t_verify / max(t_decode, 1e-6) - 1) and (
-                len(wanting) == len(batch) or self._share_ms >= max(0.0, t_verify - t_decode)):
+        if _pays(gain, len(batch), t_decode, t_verify) and (
+                len(wanting) == len(batch) or self._share_ms >= _excess(t_decode, t_verify)):
             return True
         self._declines[verify] = self._declines.get(verify, 0) + 1  # a decision against it, as in pays
         return False
@@ -281,6 +280,17 @@ class Speculation:
         """Skip the next ``backoff`` tokens' steps counted from an output length of ``base``."""
         s.backoff = min(MAX_BACKOFF, max(1, 2 * s.backoff))
         s.resume_at = base + s.backoff
+
+
+def _pays(gain: float, rows: int, t_decode: float, t_verify: float) -> bool:
+    """Whether ``gain`` expected accepted drafts pay for a verify step of ``rows`` rows: each
+    row costs t_verify / t_decode - 1 decode steps more."""
+    return gain > rows * (t_verify / max(t_decode, 1e-6) - 1)
+
+
+def _excess(t_decode: float, t_verify: float) -> float:
+    """What a verify step makes a request without drafts wait beyond a decode step, ms."""
+    return max(0.0, t_verify - t_decode)
 
 
 def _gain(s: _State, drafts: int) -> float:

@@ -136,8 +136,8 @@ class CudaSession:
     def check_no_escapes(self, since: int = 0) -> None:
         """Raises if the scratch region refused more requests than ``since`` (a count from
         ``allocator.stats()`` taken earlier) over the whole preparation."""
-        if self.allocator is not None and self.allocator.stats()["failed"] > since:
-            st = self.allocator.stats()
+        st = self.allocator.stats() if self.allocator is not None else None
+        if st is not None and st["failed"] > since:
             raise MemoryError(f"the arena's scratch region ran out during preparation ({st['used'] / 2**30:.2f} of "
                               f"{st['reserved'] / 2**30:.2f} GiB used, {st['failed']} requests refused); raise "
                               f"--scratch-memory")

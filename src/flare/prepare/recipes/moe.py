@@ -84,8 +84,8 @@ def prepared_moe(base: type) -> type:
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             shared = getattr(self, "shared_expert", None)
             if shared is None:
-                return self._routed(x).reshape(hidden_states.shape)
-            out, gate = self._routed_and_gate(x)
+                return self._experts(x).reshape(hidden_states.shape)
+            out, gate = self._experts_and_gate(x)
             # The shared expert inside the compiled layer, as a dense model's MLP runs (one gate/up
             # GEMM, the activation fused, the down GEMM, then the gated sum fused): run eagerly
             # beside the routed experts it took 9 kernels a layer on the H200, its gate/up GEMM at
@@ -95,11 +95,11 @@ def prepared_moe(base: type) -> type:
         # Outside the compiled layer: the batch is a plain attribute (a compiled forward
         # would guard on it per program), and the plan and kernels run as written.
         @torch.compiler.disable
-        def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        def _experts(self, x: torch.Tensor) -> torch.Tensor:
             return _routed(self, x, self.flare_paged)
 
         @torch.compiler.disable
-        def _routed_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def _experts_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return _routed(self, x, self.flare_paged), self._shared_gate(x)
 
         def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
