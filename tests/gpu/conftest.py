@@ -50,6 +50,10 @@ SHAPES = {
                             "--draft-tokens", "3"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    # Hybrid and routed experts with a gated shared expert: Qwen3.5-35B-A3B's and
+    # Qwen3-Next-80B-A3B's per-layer geometry at 2 layers (Gated DeltaNet, attention).
+    "qwen3_5-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    "qwen3-next-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Sliding-window attention: Mistral-7B-v0.1's per-layer geometry (window 4,096) at 4 layers.
     "mistral-small-shape": ["--context-limit", "9216", "--prefill-chunk-size", "2048", "--kv-pages", "1200"],
 }
@@ -74,6 +78,15 @@ def results_dir() -> Path:
     d = Path(os.environ.get("FLARE_RESULTS_DIR", Path(__file__).resolve().parents[2] / ".cache" / "gpu-results"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def measured_logit_error_path(model: str) -> Path:
+    """Where test_numerics leaves a shape's largest teacher-forced logit error against
+    Transformers FP32 (beside the device's cores), for the generation tests of a shape that
+    has no recorded figure yet."""
+    from tests.conftest import CACHE
+
+    return CACHE / f"logit-error-{model}.json"
 
 
 def record(results_dir: Path, name: str, payload: dict) -> None:

@@ -12,7 +12,8 @@ import pytest
 from tests.conftest import running_server, scrape_metrics
 from tests.gpu.conftest import SHAPES, gpu_core, record
 
-MODELS = [m for m in ["llama-3.2-1b-shape", "qwen3_5-small-shape", "qwen3-moe-small-shape"] if m in SHAPES]
+MODELS = [m for m in ["llama-3.2-1b-shape", "qwen3_5-small-shape", "qwen3-moe-small-shape",
+                      "qwen3_5-moe-small-shape", "qwen3-next-small-shape"] if m in SHAPES]
 
 
 def _stream(url: str, i: int, n: int, model: str) -> dict:
