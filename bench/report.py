@@ -372,10 +372,13 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
   chunk for the prompt, each also carrying the decoders, so the prompt's TTFT grows 58 %
   and the median step is 11 ms. Neither meets the targets at 4K: a step carrying the
   decoders and a 256-token chunk already takes 2.2x a decode step, and 16 such steps
-  cost more than two 2,048-token chunks. Where the arrivals' 2.1-2.5x goes (one pack
-  program, or admissions staggered while the four HTTP requests are parsed one after
-  another) is not yet broken down; the server's per-request timeline is the next
-  measurement.
+  cost more than two 2,048-token chunks. Where the arrivals' 2.1-2.5x goes: each
+  request's template and tokenizer run in a thread, so the four reach the scheduler one
+  by one and the idle engine started the first alone, the others in a second program
+  after it. Since then an idle engine waits for requests still on their way, up to
+  `--admission-window-ms` (5 by default; a lone request never waits), and starts them
+  together (docs/operations.md; on the CPU, four prompts 0.2 s apart then run in one pack
+  program instead of two or more); its H200 figure is still to be measured.
 * A cold 16-token prompt runs `prefill.128` (6.37 ms on the 8B shape against
   4.92 ms for a decode step): the smallest prefill capacity pads it to 128 rows.
   A smaller prefill capacity would take about 1.5 ms off every short-prompt

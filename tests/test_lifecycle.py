@@ -77,6 +77,10 @@ def test_metrics_exposition(tiny_core):
     # Two decode steps in flight by default: some of the 15 decode steps ran ahead.
     assert values["flare_engine_steps_in_flight_max"] == 2 and values["flare_engine_steps_ahead_total"] > 0
     assert values["flare_engine_host_gaps_total"] >= 0 and values["flare_engine_host_gap_seconds_total"] >= 0
+    # One request at a time (the refused one included): each left Engine.arriving when it was
+    # submitted, so the idle engine never held a step for another on its way.
+    assert values["flare_engine_admission_waits_total"] == 0
+    assert values["flare_engine_admission_wait_seconds_total"] == 0
     total = values["flare_kv_pages_total"]
     assert values["flare_kv_pages_free"] + values["flare_kv_pages_used"] + values["flare_kv_pages_cached"] == total
 

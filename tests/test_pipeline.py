@@ -164,6 +164,71 @@ def test_packed_prefill_gives_the_same_requests(tiny_core):
     assert mixed[1][0].cached_tokens >= 300
 
 
+def _prompt_programs(ran: list[str]) -> list[str]:
+    return [name for name in ran if name.split(".")[0] in ("prefill", "pack")]
+
+
+# Longer than the reference executor's admit and pack programs on the tiny core, so that
+# without a window the first prompt has started before the next one arrives.
+STAGGER_S = 0.2
+
+
+async def _arriving_together(core, window_s: float, prompts: list[list[int]]):
+    """Requests whose submits come ``STAGGER_S`` apart, each bracketed by ``Engine.arriving`` as the
+    server brackets its requests from body to submit (their chat templates and tokenizers
+    run in threads, so prompts sent together reach the scheduler one by one); then one
+    request alone. Returns (the burst's requests, the programs that ran for the burst, gauges)."""
+    executor = _Recording(core, load_manifest(core))
+    engine = Engine(executor, admission_window_s=window_s)
+    await engine.start()
+    reqs = [Request(list(p), _params(400 + i, 6), Sink(), request_id=f"a{i}") for i, p in enumerate(prompts)]
+
+    async def arrive(i: int, req: Request) -> None:
+        with engine.arriving():
+            await asyncio.sleep(STAGGER_S * i)
+            engine.submit(req)
+
+    try:
+        await asyncio.gather(*(arrive(i, r) for i, r in enumerate(reqs)))
+        for r in reqs:
+            await asyncio.wait_for(r.sink.done.wait(), 300)
+            assert r.error is None, r.error
+        await _idle(engine)
+        burst = list(executor.ran)
+        lone = Request(list(prompts[0]), _params(7, 3), Sink(), request_id="lone")
+        await arrive(0, lone)
+        await asyncio.wait_for(lone.sink.done.wait(), 300)
+        await _idle(engine)
+        gauges = engine.gauges()
+    finally:
+        await engine.shutdown(1.0)
+    assert engine.failure is None
+    return reqs, burst, gauges
+
+
+def test_prompts_sent_together_start_in_one_program(tiny_core):
+    """Four short prompts arriving ``STAGGER_S`` apart on an idle engine, on a core with pack
+    programs: with an admission window the engine waits for the ones still on their way and
+    prefills all four in one pack program; without one, the first starts alone and the
+    others follow in another prompt program. The tokens are the same either way, and a
+    request that arrives alone never waits."""
+    from tests.conftest import TINY_OPTS, prepare_core
+
+    packed_core = prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack")
+    vocab = load_manifest(tiny_core).capacities.vocab_size
+    prompts = [p[:12] for p in _prompts(vocab, 4)]
+    waited, ran_waited, g_waited = asyncio.run(_arriving_together(packed_core, 10.0, prompts))
+    alone, ran_alone, g_alone = asyncio.run(_arriving_together(packed_core, 0.0, prompts))
+    assert _prompt_programs(ran_waited) == ["pack.64"], ran_waited
+    assert len(_prompt_programs(ran_alone)) >= 2, ran_alone
+    # One wait, for the burst; far less than the window (it ended when the last one arrived).
+    assert g_waited["flare_engine_admission_waits_total"] == 1, g_waited
+    assert 2 * STAGGER_S < g_waited["flare_engine_admission_wait_seconds_total"] < 10.0, g_waited
+    assert g_alone["flare_engine_admission_waits_total"] == 0
+    for a, b in zip(waited, alone):
+        assert a.output == b.output and len(a.output) == a.params.max_tokens, (a, b)
+
+
 def _stop_runs(core, base: int, seed: int, *, on_device: bool):
     """A free run picks the stop token (the first new token from index 10 on). Then, with
     one and with two steps in flight: the request stopped there, by a stop id on the

@@ -10,6 +10,7 @@ synchronous and never touch the executor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -36,7 +37,8 @@ class EngineState(str, enum.Enum):
 class Engine:
     def __init__(self, executor: Executor, *, max_waiting: int = 256, prefix_cache: bool = True,
                  steps_in_flight: int = MAX_IN_FLIGHT, prefill_while_decoding: int = 0,
-                 decode_with_prefill: bool = False, draft_tokens: int = 0, speculate_always: bool = False):
+                 decode_with_prefill: bool = False, draft_tokens: int = 0, speculate_always: bool = False,
+                 admission_window_s: float = 0.0):
         if not 1 <= steps_in_flight <= MAX_IN_FLIGHT:
             raise ValueError(f"steps_in_flight must be 1 or {MAX_IN_FLIGHT}, not {steps_in_flight}")
         self.executor = executor
@@ -55,6 +57,14 @@ class Engine:
         self.host_gap_s_total = 0.0
         self.host_gaps = 0
         self.started_wall = time.time()
+        # Requests between their HTTP body and their submit (rendering and tokenizing run in
+        # threads, so prompts sent together reach the scheduler one by one): an idle engine
+        # holds its first step up to admission_window_s while any is on its way (``arriving``).
+        self.admission_window_s = admission_window_s
+        self.arrivals = 0
+        self.admission_waits = 0
+        self.admission_wait_s_total = 0.0
+        self._arrived = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -76,6 +86,35 @@ class Engine:
         self.scheduler.add(req)
         self._wake.set()
 
+    @contextlib.contextmanager
+    def arriving(self):
+        """Brackets one HTTP request from its body to its submit (or its refusal). Prompts
+        sent together are rendered in threads and submitted one by one, a few milliseconds
+        apart; an idle engine would start the first alone and the others only after it (a
+        program each, or one pack program). So when nothing is running, prompts wait and
+        others are on their way, the engine waits for them up to ``admission_window_s``
+        and starts them together. A lone request never waits: nothing else is arriving."""
+        self.arrivals += 1
+        try:
+            yield
+        finally:
+            self.arrivals -= 1
+            if not self.arrivals:
+                self._arrived.set()
+
+    async def _await_arrivals(self) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + self.admission_window_s
+        while self.arrivals and loop.time() < deadline:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+        self.admission_waits += 1
+        self.admission_wait_s_total += loop.time() - start
+
     def cancel(self, req: Request) -> None:
         if not req.finished:
             self.scheduler.cancel(req)
@@ -86,6 +125,9 @@ class Engine:
         idle_since: float | None = None  # the device ran out of work at this time
         try:
             while True:
+                if (self.arrivals and self.admission_window_s > 0 and sched.waiting and not sched.running
+                        and self.state == EngineState.ready):
+                    await self._await_arrivals()
                 step = sched.schedule()
                 if step is None:
                     idle_since = None
@@ -192,6 +234,8 @@ class Engine:
             "flare_engine_steps_in_flight_max": self.steps_in_flight,
             "flare_engine_host_gap_seconds_total": round(self.host_gap_s_total, 6),
             "flare_engine_host_gaps_total": self.host_gaps,
+            "flare_engine_admission_waits_total": self.admission_waits,
+            "flare_engine_admission_wait_seconds_total": round(self.admission_wait_s_total, 6),
             "flare_prefill_tokens_total": sched.prefill_tokens_total,
             "flare_preemptions_total": sched.preemptions_total,
             "flare_engine_ready": int(self.ready),

@@ -44,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
                         "core prepared with --pack-capacities): running requests get a token every step; the "
                         "prompt advances by up to the largest pack capacity less the decoders per step (whole "
                         "attention tiles once it continues a history; at most --prefill-while-decoding when set)")
+    p.add_argument("--admission-window-ms", type=float, default=5.0, metavar="MS",
+                   help="when the engine is idle and prompts are waiting while others are still being rendered "
+                        "and tokenized (requests sent together), wait up to MS for them so that they start in "
+                        "one program; a lone request never waits (0 disables)")
     p.add_argument("--speculative", choices=("off", "copy", "copy-always"), default=None,
                    help="speculative decoding: copy drafts each request's next tokens from its own history "
                         "(prompt, earlier turns, tool results, output) and the core's verify programs check "
@@ -111,7 +115,8 @@ async def serve(a: argparse.Namespace) -> int:
                         prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight,
                         prefill_while_decoding=a.prefill_while_decoding,
                         decode_with_prefill=a.decode_with_prefill, draft_tokens=draft_tokens,
-                        speculate_always=speculative == "copy-always")
+                        speculate_always=speculative == "copy-always",
+                        admission_window_s=a.admission_window_ms / 1000)
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)
         return 3
@@ -199,6 +204,8 @@ def _report_modules() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
+    if a.admission_window_ms < 0:
+        p.error(f"--admission-window-ms must not be negative, got {a.admission_window_ms}")
     if a.prefill_while_decoding < 0:
         p.error(f"--prefill-while-decoding must not be negative, got {a.prefill_while_decoding}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",

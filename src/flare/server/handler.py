@@ -156,9 +156,10 @@ class Endpoint:
         ctx = self.ctx
         rid = new_request_id(self.id_prefix)
         try:
-            body = decode_body(await ctx.read_body(http), self.body_type)
-            ctx.check_model(body.model)
-            gen = await self.start(body, rid)
+            with ctx.engine.arriving():
+                body = decode_body(await ctx.read_body(http), self.body_type)
+                ctx.check_model(body.model)
+                gen = await self.start(body, rid)
         except FlareError as e:
             e.param = self.request_fields.get(e.param, e.param)
             return fail(ctx, rid, stage_of(e), e, envelope=self.envelope)
