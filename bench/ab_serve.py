@@ -27,7 +27,7 @@ import httpx
 
 PORT = 8391
 COUNTERS = ("flare_engine_steps_total", "flare_engine_steps_ahead_total", "flare_generation_tokens_total",
-            "flare_spec_")
+            "flare_spec_", "flare_engine_admission_")
 
 
 def _serve(core: str, options: str, bench_args: list[str], log: Path, out: Path) -> dict:

@@ -251,23 +251,33 @@ async def interference(env: Env) -> dict:
 
 async def arrivals(env: Env) -> dict:
     """TTFT of short cold prompts sent together (one output token each) against one sent
-    alone, ``repeats`` times: what packing and small prefill programs are for."""
+    alone, ``repeats`` times: what packing and small prefill programs are for. Token-id
+    prompts to /v1/completions (nothing to render), then the same as chat messages to
+    /v1/chat/completions (``chat``: each request's template and tokenizer run first)."""
     o = env.opts
-    lone, together, cached = [], [], []
-    for k in range(o.repeats):
-        s = await complete(env.client, env.target, token_prompt(f"{o.salt}:lone:{k}", o.arrival_tokens), 1, 99)
-        lone.append(s.ttft_s)
-        runs = await asyncio.gather(*(complete(env.client, env.target,
-                                               token_prompt(f"{o.salt}:arrive:{k}:{i}", o.arrival_tokens), 1, 100 + i)
-                                      for i in range(o.arrival_prompts)))
-        together.append(sorted(r.ttft_s for r in runs))
-        cached += [s.cached_tokens, *(r.cached_tokens for r in runs)]
-    lone_s = statistics.median(lone)
-    last_s = statistics.median(t[-1] for t in together)
-    out = {"prompts": o.arrival_prompts, "prompt_tokens": o.arrival_tokens, "lone_ttft_s": lone_s,
-           "last_ttft_s": last_s, "last_over_lone": last_s / lone_s, "raw_lone_ttft_s": lone,
-           "raw_together_ttft_s": together, "cached_tokens": cached}
-    print("arrivals", {k: v for k, v in out.items() if not k.startswith("raw")}, flush=True)
+
+    async def lone_and_together(send) -> dict:
+        lone, together, cached = [], [], []
+        for k in range(o.repeats):
+            s = await send(f"{o.salt}:lone:{k}", 99)
+            lone.append(s.ttft_s)
+            runs = await asyncio.gather(*(send(f"{o.salt}:arrive:{k}:{i}", 100 + i) for i in range(o.arrival_prompts)))
+            together.append(sorted(r.ttft_s for r in runs))
+            cached += [s.cached_tokens, *(r.cached_tokens for r in runs)]
+        lone_s = statistics.median(lone)
+        last_s = statistics.median(t[-1] for t in together)
+        return {"lone_ttft_s": lone_s, "last_ttft_s": last_s, "last_over_lone": last_s / lone_s,
+                "raw_lone_ttft_s": lone, "raw_together_ttft_s": together, "cached_tokens": cached}
+
+    out = {"prompts": o.arrival_prompts, "prompt_tokens": o.arrival_tokens,
+           **await lone_and_together(lambda salt, seed: complete(
+               env.client, env.target, token_prompt(salt, o.arrival_tokens), 1, seed))}
+    # A user message of arrival_tokens words, distinct per salt (cold); the template adds its own.
+    out["chat"] = await lone_and_together(lambda salt, seed: chat(
+        env.client, env.target, [{"role": "user", "content": " ".join(
+            f"w{t}" for t in token_prompt(salt, o.arrival_tokens))}], 1, seed))
+    print("arrivals", {k: v for k, v in out.items() if not k.startswith("raw") and k != "chat"},
+          {k: v for k, v in out["chat"].items() if not k.startswith("raw")}, flush=True)
     return out
 
 
