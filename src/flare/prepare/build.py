@@ -251,7 +251,8 @@ class _CudaArena:
     def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
         if opts.compile:
             _compile_layers(recipe, model.module)
-        programs = ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "triton", continuation)
+        programs = ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "triton", continuation,
+                              sampler_kernel=opts.sampler == "kernel")
         if opts.compile:
             programs.compile_glue()
         return programs

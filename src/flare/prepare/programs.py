@@ -77,6 +77,7 @@ class ProgramSet:
         page_size: int,
         attention: str,
         continuation: Continuation,
+        sampler_kernel: bool | None = None,
     ):
         self.recipe = recipe
         self.model = model
@@ -85,6 +86,7 @@ class ProgramSet:
         self.page_size = page_size
         self.attention = attention
         self.continuation = continuation
+        self.sampler_kernel = sampler_kernel
         # Tensor parallelism: rank zero's sample decides every rank's state update.
         self.tp = model.tp
         # Recipe state other than the hidden vector, handed to the model through the batch.
@@ -117,7 +119,8 @@ class ProgramSet:
         programs: the decode step's inputs, mask + penalties + temperature + the uniform
         draw, and the committed rows. Eager they are some 200 kernels of a few
         microseconds each per step (bench/timeline.py: the integer hash alone is ~100);
-        compiled, a handful. Reductions (softmax, sort, scans: ``choose``) stay eager,
+        compiled, a handful. Reductions (softmax, sort, scans: ``choose``, the scans and the
+        draw in one Triton program a row on the CUDA path: ``kernels/sampler.py``) stay eager,
         whose per-row results do not depend on the batch size, so batch composition still
         never changes a request's tokens. Only pure functions are compiled, so no buffer
         mutation goes through functionalization (which could copy a whole state buffer);
@@ -380,7 +383,8 @@ class ProgramSet:
             {"temperature": params["temperature"], "top_k": v[INTEGER_STATE["top_k"]].index_select(0, slots),
              "top_p": params["top_p"], "min_p": params["min_p"], "repetition": params["repetition_penalty"],
              "presence": params["presence_penalty"], "frequency": params["frequency_penalty"]},
-            v["state.seed"].index_select(0, slots), counter, stop_ids, generated, max_new, caps.sampling_vocab)
+            v["state.seed"].index_select(0, slots), counter, stop_ids, generated, max_new, caps.sampling_vocab,
+            kernel=self._sampler_kernel(logits))
         # Every rank verified the same gathered logits from replicated state; rank 0's verdict
         # decides everywhere (no-op at TP=1).
         out = self.tp.from_rank_zero(out.contiguous())
@@ -416,6 +420,14 @@ class ProgramSet:
         v[io.VERIFY_COMPLETION][:B].copy_(record.int())
 
     # -- shared pieces -----------------------------------------------------
+
+    def _sampler_kernel(self, x: torch.Tensor) -> bool:
+        """The sampler's filters and draw in one Triton program a row (kernels/sampler.py): as
+        prepared (``--sampler``), else on the CUDA path, as its other kernels (under Triton's
+        interpreter on the CPU)."""
+        if self.sampler_kernel is not None:
+            return self.sampler_kernel
+        return x.is_cuda or self.attention == "triton"
 
     def _slot_mapping(self, page_rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         ps = self.page_size
@@ -481,7 +493,7 @@ class ProgramSet:
         x, u = self._select(slots, logits)
         samp = v["state.sampling"].index_select(0, slots)
         tok = choose(x, v[INTEGER_STATE["top_k"]].index_select(0, slots), samp[:, column("top_p")],
-                     samp[:, column("min_p")], u)
+                     samp[:, column("min_p")], u, kernel=self._sampler_kernel(x))
         # Every rank sampled the same gathered logits from replicated state; committing
         # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
         tok = self.tp.from_rank_zero(tok)

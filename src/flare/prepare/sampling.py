@@ -105,6 +105,7 @@ def choose(
     top_p: torch.Tensor,  # [B]
     min_p: torch.Tensor,  # [B]
     u: torch.Tensor,  # [B] uniform draws in [0, 1)
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Filters and the inverse-CDF draw: the sampled token ids, int64 ``[B]``.
 
@@ -112,8 +113,19 @@ def choose(
     then widened to every token tied with its last member, so a threshold tie is
     never cut at an arbitrary candidate count. Its reductions (softmax, sort, scans)
     stay eager ATen kernels, whose per-row results do not depend on the batch size.
+    ``kernel``: everything after the sort in one Triton program a row
+    (``kernels/sampler.py``: the same definitions, summed in blocks), as the CUDA path runs it.
     """
+    if kernel:
+        from flare.prepare.kernels.sampler import draw_sorted
+
+        return draw_sorted(*_sorted(x), top_k, top_p, min_p, u)
     return _draw(*filtered(x, top_k, top_p, min_p), u)
+
+
+def _sorted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities sorted descending (ties in token order) and their token ids."""
+    return torch.sort(torch.softmax(x, dim=-1), dim=-1, descending=True, stable=True)
 
 
 def _draw(kept: torch.Tensor, si: torch.Tensor, n_keep: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -128,8 +140,7 @@ def filtered(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
              min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The filters of :func:`choose`: (probabilities sorted descending with the filtered-out
     ones zeroed, unnormalised ``[B, V]``; their token ids ``[B, V]``; kept count ``[B]``)."""
-    probs = torch.softmax(x, dim=-1)
-    sp, si = torch.sort(probs, dim=-1, descending=True, stable=True)
+    sp, si = _sorted(x)
     v = sp.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).long()
     kth = sp.gather(1, (k - 1)[:, None])
@@ -197,6 +208,7 @@ def verify_chain(
     generated: torch.Tensor,  # [B] int: tokens generated before this step
     max_new: torch.Tensor,  # [B] int
     sampling_vocab: int,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A speculative step's tokens: position j verifies draft j (:func:`verify_draft`, draws
     ``uniform(seed, counter + j)`` and the same counter on ``seed ^ REJECT_STREAM``) while
@@ -217,10 +229,12 @@ def verify_chain(
     elementwise, or row-wise reductions (softmax, sort, scans, sums). On the CPU a row's
     bits do not depend on how many rows run together; on CUDA, ATen may split a long row's
     sum or scan over a number of blocks that depends on the row count, so a probability
-    can round differently than in a pass of B rows (as between decode capacities).
+    can round differently than in a pass of B rows (as between decode capacities). With
+    ``kernel`` (as the CUDA path runs it) the filters and draws after the sort are one
+    Triton program a row (``kernels/sampler.py``), whose sums do not depend on the row count.
     Preconditions, as the verify program guarantees: drafts are token ids below
-    ``sampling_vocab`` (those past ``count`` too) and ``count <= W - 1``. Plain tensor ops:
-    capturable, and no row reads another."""
+    ``sampling_vocab`` (those past ``count`` too) and ``count <= W - 1``. Plain tensor ops
+    (and the kernel): capturable, and no row reads another."""
     B, W, _ = logits.shape
     dev = logits.device
     j = torch.arange(W, device=dev)
@@ -232,13 +246,21 @@ def verify_chain(
     per = lambda t: t.repeat_interleave(W)  # noqa: E731  [B] -> [B * W], a row's positions together
     x = scores(logits.reshape(B * W, -1), at.reshape(B * W, -1), per(samp["temperature"]), per(samp["repetition"]),
                per(samp["presence"]), per(samp["frequency"]), sampling_vocab)
-    kept, si, n_keep = filtered(x, per(samp["top_k"]), per(samp["top_p"]), per(samp["min_p"]))
+    filters = per(samp["top_k"]), per(samp["top_p"]), per(samp["min_p"])
     steps = (counter[:, None] + j[None, :]).reshape(-1)
     u = uniform(per(seed), steps)
-    plain = _draw(kept, si, n_keep, u).reshape(B, W)
+    u_rej = uniform(per(seed ^ REJECT_STREAM), steps)
     # The last position has no draft: its verdict is computed against a stand-in and unused.
     proposal = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1)
-    tok_v, acc = _verify(kept, si, proposal, u, uniform(per(seed ^ REJECT_STREAM), steps))
+    if kernel:
+        from flare.prepare.kernels.sampler import draw_sorted
+
+        plain, tok_v, acc = draw_sorted(*_sorted(x), *filters, u, proposal, u_rej)
+    else:
+        kept, si, n_keep = filtered(x, *filters)
+        plain = _draw(kept, si, n_keep, u)
+        tok_v, acc = _verify(kept, si, proposal, u, u_rej)
+    plain = plain.reshape(B, W)
     checked = (count[:, None] > j[None, :]) & (j[None, :] < W - 1)  # the last position has no draft
     tok = torch.where(checked, tok_v.reshape(B, W), plain)
     accepted = checked & acc.reshape(B, W)

@@ -1,0 +1,158 @@
+"""The sampler's filters and draw over the sorted probabilities, in one kernel a row.
+
+``sampling.choose`` and ``sampling.verify_chain`` sort each row's probabilities and then
+apply top-k, top-p and min-p, widen the kept prefix to the ties of its last member and draw
+by inverse CDF (``sampling.filtered``, ``_draw``, ``_verify``). In plain tensor operations
+that is about 35 kernels after the sort (scans, sums, gathers, comparisons): on the H200
+about 0.1 ms of a decode step, launched one by one in the captured graph, for work that is
+a few microseconds when the kept prefix is short (bench/timeline.py, the step's tail).
+
+``draw_sorted`` does the same in one Triton program a row. It walks the row's sorted
+probabilities block by block and stops where the kept prefix ends:
+
+1. the prefix where every filter holds (``p >= p_k``, the mass strictly before a token
+   ``< top_p``, ``p >= min_p * p_max``), at least one token; its last value is the threshold;
+2. the tokens ``>= threshold`` (ties widened), their mass and count; for a verification,
+   also the proposal's mass and the mass without it;
+3. the inverse-CDF draw over that mass (and, verifying, over the mass without the
+   proposal), stopping at the block where the target is passed.
+
+The definitions are ``sampling.filtered``'s; only the order in which floats are summed
+differs (block scans with a carried total instead of ATen's scan), so a token can differ
+from the torch path's only where a target falls within rounding of a boundary. A row
+reads nothing of another row and its blocks are walked in one order, so a row's result
+does not depend on the batch (ATen's scans of long rows may split by the row count).
+The work follows the kept prefix: one block for top-k 20, the whole vocabulary only
+when nothing filters (top_p 1, no top-k, no min-p).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048
+
+
+@triton.jit
+def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, prop_ptr, u_rej_ptr,
+                        tok_ptr, vtok_ptr, acc_ptr, VERIFY: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * stride
+    offs = tl.arange(0, BLOCK)
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    k = tl.where((top_k > 0) & (top_k < V), top_k, V)
+    kth = tl.load(sp_ptr + base + k - 1)
+    top_p = tl.load(top_p_ptr + row)
+    floor = tl.load(min_p_ptr + row) * tl.load(sp_ptr + base)
+
+    # 1. The kept prefix: every filter holds (each is a prefix of the sorted row).
+    n_keep = tl.zeros([], tl.int32)
+    carry = tl.zeros([], tl.float32)
+    start = tl.zeros([], tl.int32)
+    go = start < V
+    while go:
+        idx = start + offs
+        inb = idx < V
+        s = tl.load(sp_ptr + base + idx, mask=inb, other=0.0)
+        incl = carry + tl.cumsum(s, 0)
+        keep = inb & (s >= kth) & (incl - s < top_p) & (s >= floor)
+        c = tl.sum(keep.to(tl.int32), 0)
+        n_keep += c
+        carry = tl.max(incl, 0)  # non-negative terms: the scan never decreases
+        start += BLOCK
+        go = (c == BLOCK) & (start < V)
+    n_keep = tl.maximum(n_keep, 1)
+    thr = tl.load(sp_ptr + base + n_keep - 1)
+
+    # 2. Widened to the ties of the threshold: mass and count (and the proposal's part).
+    prop = tl.zeros([], tl.int64)
+    if VERIFY:
+        prop = tl.load(prop_ptr + row).to(tl.int64)
+    total = tl.zeros([], tl.float32)
+    rest_total = tl.zeros([], tl.float32)
+    mass_x = tl.zeros([], tl.float32)
+    last_rest = tl.zeros([], tl.int32)
+    n_kept = tl.zeros([], tl.int32)
+    start = tl.zeros([], tl.int32)
+    go = start < V
+    while go:
+        idx = start + offs
+        inb = idx < V
+        s = tl.load(sp_ptr + base + idx, mask=inb, other=0.0)
+        kept = inb & (s >= thr)
+        ks = tl.where(kept, s, 0.0)
+        total = tl.max(total + tl.cumsum(ks, 0), 0)
+        c = tl.sum(kept.to(tl.int32), 0)
+        n_kept += c
+        if VERIFY:
+            ids = tl.load(si_ptr + base + idx, mask=inb, other=-1)
+            at = kept & (ids == prop)
+            mass_x += tl.sum(tl.where(at, s, 0.0), 0)
+            rs = tl.where(at, 0.0, ks)
+            rest_total = tl.max(rest_total + tl.cumsum(rs, 0), 0)
+            last_rest = tl.maximum(last_rest, tl.max(tl.where(rs > 0, idx, 0), 0))
+        start += BLOCK
+        go = (c == BLOCK) & (start < V)
+
+    # 3. Inverse CDF: the first kept position whose running mass passes the target.
+    target = tl.load(u_ptr + row) * total
+    target_r = tl.zeros([], tl.float32)
+    if VERIFY:
+        target_r = tl.load(u_rej_ptr + row) * rest_total
+    below = tl.zeros([], tl.int32)
+    below_r = tl.zeros([], tl.int32)
+    run = tl.zeros([], tl.float32)
+    run_r = tl.zeros([], tl.float32)
+    start = tl.zeros([], tl.int32)
+    go = start < V
+    while go:
+        idx = start + offs
+        inb = idx < V
+        s = tl.load(sp_ptr + base + idx, mask=inb, other=0.0)
+        kept = inb & (s >= thr)
+        ks = tl.where(kept, s, 0.0)
+        incl = run + tl.cumsum(ks, 0)
+        run = tl.max(incl, 0)
+        c = tl.sum(kept.to(tl.int32), 0)
+        b = tl.sum((kept & (incl <= target)).to(tl.int32), 0)
+        below += b
+        more = b == c
+        if VERIFY:
+            ids = tl.load(si_ptr + base + idx, mask=inb, other=-1)
+            rs = tl.where(ids == prop, 0.0, ks)
+            incl_r = run_r + tl.cumsum(rs, 0)
+            run_r = tl.max(incl_r, 0)
+            b_r = tl.sum((kept & (incl_r <= target_r)).to(tl.int32), 0)
+            below_r += b_r
+            more = more | (b_r == c)
+        start += BLOCK
+        go = more & (c == BLOCK) & (start < V)
+    tl.store(tok_ptr + row, tl.load(si_ptr + base + tl.minimum(below, n_kept - 1)))
+    if VERIFY:
+        accepted = tl.load(u_ptr + row) < mass_x / total
+        drawn = tl.load(si_ptr + base + tl.minimum(below_r, last_rest))
+        tl.store(vtok_ptr + row, tl.where(accepted, prop, drawn))
+        tl.store(acc_ptr + row, accepted.to(tl.int8))
+
+
+def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, u: torch.Tensor, proposal: torch.Tensor | None = None,
+                u_rej: torch.Tensor | None = None):
+    """Over probabilities sorted descending ``sp [N, V]`` (float32) and their token ids
+    ``si``: the filters of ``sampling.filtered`` and the draw of ``sampling._draw`` with
+    ``u`` (token ids int64 ``[N]``). With a ``proposal`` (int64 ``[N]``) and ``u_rej``,
+    also ``sampling._verify``'s verdict: returns (tokens, verified tokens, accepted bool)."""
+    N, V = sp.shape
+    if sp.stride(-1) != 1 or si.stride(-1) != 1 or si.stride(0) != sp.stride(0):
+        raise ValueError("draw_sorted needs rows with unit stride and one row stride")
+    tok = torch.empty(N, dtype=torch.int64, device=sp.device)
+    verify = proposal is not None
+    vtok = torch.empty(N, dtype=torch.int64, device=sp.device) if verify else tok
+    acc = torch.empty(N, dtype=torch.int8, device=sp.device) if verify else tok
+    _draw_sorted_kernel[(N,)](
+        sp, si, sp.stride(0), V, top_k.contiguous(), top_p.float().contiguous(), min_p.float().contiguous(),
+        u.float().contiguous(), proposal.contiguous() if verify else tok, u_rej.float().contiguous() if verify else u,
+        tok, vtok, acc, VERIFY=verify, BLOCK=BLOCK, num_warps=8)
+    return (tok, vtok, acc.bool()) if verify else tok
