@@ -557,6 +557,26 @@ theirs. Since 73b3107 a verify step that carries requests without drafts runs on
 budget of 3 % of decode time (`runtime/speculation.py`, `FAIR_SHARE`), so such requests
 lose about 3 % at most; not yet measured on the H200.
 
+The same A/B at 73a1444, with that budget
+(`speculative-copy-smollm2-h200-2026-12-03-run6.json`, one `off`/`copy` pair):
+
+| `--speculative` (in the same run as `off`) | rewrite, sampled | rewrite, greedy | decode x1 | decode x4 |
+|---|---|---|---|---|
+| `off` | 859 | 859 | 858 | 2,939 |
+| `copy` (fair-share budget) | 938 (1.09x) | **1,734 (2.02x)** | 851 (-0.8 %) | 2,816 (-4.2 %) |
+
+Greedy rewrites keep the 2x (1,683-1,836 tok/s over the five repeats against 1,893-1,971
+in run 5: 1,431 drafts accepted of 2,136 against 2,013 of 2,766). Sampled rewrites vary
+with what each sample copies (five repeats: 861-1,533 tok/s, run 5: 956-2,000; a sample's
+tokens depend on the drafts it was offered, so the two runs did not write the same text).
+The single story did not loop this time and lost 0.8 %. The four streams lost 4.2 %
+(-6.8 % before): 1.32-1.42 ms between tokens against 1.36 with `off`; the stream that
+copied was the fastest, the three others 0.6-4.4 % slower, so the budget bounds the loss
+but not yet to 3 %. Most likely what the budget does not charge: a verify step is never
+queued ahead, so the host's completion work around it is not overlapped with the device
+(steps run ahead over the whole run: 1,537 of 2,307 against 3,566 of 3,674 with `off`),
+and the budget counts device step times only. Not yet broken down.
+
 ### What a verify step costs on the 8B shape (`verify-widths-llama-3.1-8b-shape-2026-12-02.json`)
 
 `python -m bench.verify_widths llama-3.1-8b-shape OUT.json --depths 4,8` prepares the 8B

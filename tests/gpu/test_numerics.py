@@ -195,9 +195,11 @@ def test_routed_experts_match_transformers(gpu_shape_core, results_dir):
     here on those rows. A row's BF16 error is err = max |p_bf16 - p_fp32| over its experts
     (softmax probabilities), so swapping an expert in its top k for one outside needs
     FP32's margin between the k-th and (k+1)-th <= 2 * err: wherever the margin exceeds
-    that, the routed set must be FP32's. On random weights many rows are near ties; with
-    this shape's geometry 447 of 1,220 rows (37 %) were eligible in a CPU run of the same
-    check, so the check must bite on at least a quarter."""
+    that, the routed set must be FP32's. On random weights many rows are near ties, the more
+    so the more experts: on the H200, 484 of 1,220 rows were eligible with 128 experts (the
+    Qwen3-30B-A3B geometry), 93 of 610 with 256 (Qwen3.5-35B-A3B) and 34 of 610 with 512
+    (Qwen3-Next; bench/results/qualification-2026-12-03-moe-shapes.json). So the rows include
+    a 1,000-token prompt, and the check must bite on at least 100 rows."""
     import pytest
     import torch
 
@@ -216,7 +218,7 @@ def test_routed_experts_match_transformers(gpu_shape_core, results_dir):
     checked = eligible = mismatched = 0
     per_layer = []
     try:
-        for n in (1, 4, 300):
+        for n in (1, 4, 300, 1000):
             x = torch.tensor([rng.integers(0, 30000, n).tolist()], device="cuda")
             seen.clear()
             with torch.no_grad():
@@ -243,5 +245,5 @@ def test_routed_experts_match_transformers(gpu_shape_core, results_dir):
     summary = {"rows": checked, "eligible_rows": eligible, "mismatched_eligible_rows": mismatched,
                "per_layer": per_layer}
     record(results_dir, "qualification", {f"{model_name}-routed-experts": summary})
-    assert eligible >= checked // 4, summary  # the check bites on a good part of the rows
+    assert eligible >= 100, summary  # the check bites on enough rows
     assert mismatched == 0, summary

@@ -1,0 +1,38 @@
+#!/bin/bash
+# Two A/Bs on one GPU device call, for a model shape (default llama-3.2-1b-shape):
+#   1. the sampler after the sort as one Triton program a row (--sampler kernel, the default)
+#      against the tensor ops (--sampler ops): two cores prepared side by side, the kernel
+#      core's programs replayed bitwise by the torch-free runtime (replay_check), then
+#      bench.ab_decode (decode GPU ms per step, alternating rounds);
+#   2. flare-serve --admission-window-ms 0 against the default on the kernel core:
+#      bench.ab_serve's arrivals scenario (token-id and chat prompts sent together).
+# The cores have pack programs and 16/32/64-token prefill programs (the arrivals' subject)
+# and verify programs (the sampler kernel's verification path).
+#   usage: bash bench/sampler_arrivals_gpu.sh [MODEL]       results in $OUT
+set -o pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+MODEL=${1:-llama-3.2-1b-shape}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD FLARE_CACHE_DIR=$PWD/.cache/flare
+OUT=${OUT:-/tmp/flare-bench}; mkdir -p "$OUT" .cache
+S=$SECONDS
+python3 -m pytest -q -p no:cacheprovider tests/test_sampler_kernel.py 2>&1 | tail -2
+OPTS=(--device cuda --context-limit 8192 --kv-memory 8 --scratch-memory 6 --pack-capacities 64,256
+      --min-prefill-capacity 16 --draft-tokens 5 --qualify 1)
+for s in ops kernel; do
+  [ -f .cache/ab-$s/manifest.json ] || python3 -m flare.prepare.cli $MODEL --out .cache/ab-$s --sampler $s "${OPTS[@]}" \
+    > $OUT/prepare-$s.log 2>&1 &
+done
+wait
+tail -2 $OUT/prepare-ops.log $OUT/prepare-kernel.log
+echo "prepared at $((SECONDS - S)) s"
+python3 -m flare.runtime.replay_check .cache/ab-kernel > $OUT/replay-kernel.json 2> $OUT/replay-kernel.err
+python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); \
+print('replay', r['all_bitwise_equal'], len(r['programs']), 'programs', r['mismatches'][:3], r['torch_imported'])" \
+  $OUT/replay-kernel.json
+echo "replayed at $((SECONDS - S)) s"
+python3 -m bench.ab_decode .cache/ab-ops .cache/ab-kernel $OUT/ab-decode-sampler.json --rounds 3 --steps 200 2>&1 | tail -6
+echo "decode A/B at $((SECONDS - S)) s"
+timeout -k 5 ${SERVE_LIMIT:-200} python3 -m bench.ab_serve .cache/ab-kernel $OUT/ab-arrivals.json \
+  --a='--admission-window-ms 0' --b='' -- --scenarios arrivals --repeats 7 2>&1 | tail -6
+echo "done at $((SECONDS - S)) s"
