@@ -9,6 +9,9 @@
 # The cores have pack programs and 16/32/64-token prefill programs (the arrivals' subject)
 # and verify programs (the sampler kernel's verification path).
 #   usage: bash bench/sampler_arrivals_gpu.sh [MODEL]       results in $OUT
+#   env:   PREPARE_ONLY=1  stop after preparing (the cores stay in .cache/ of a warm device);
+#                          a first call on 2026-12-03 (1B shape) had not finished preparing the
+#                          two cores side by side after 400 s (both logs end after the captures)
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 MODEL=${1:-llama-3.2-1b-shape}
@@ -26,6 +29,7 @@ done
 wait
 tail -2 $OUT/prepare-ops.log $OUT/prepare-kernel.log
 echo "prepared at $((SECONDS - S)) s"
+[ "${PREPARE_ONLY:-0}" = 1 ] && exit 0
 python3 -m flare.runtime.replay_check .cache/ab-kernel > $OUT/replay-kernel.json 2> $OUT/replay-kernel.err
 python3 -c "import json,sys; r=json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); \
 print('replay', r['all_bitwise_equal'], len(r['programs']), 'programs', r['mismatches'][:3], r['torch_imported'])" \

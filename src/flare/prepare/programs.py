@@ -119,8 +119,8 @@ class ProgramSet:
         programs: the decode step's inputs, mask + penalties + temperature + the uniform
         draw, and the committed rows. Eager they are some 200 kernels of a few
         microseconds each per step (bench/timeline.py: the integer hash alone is ~100);
-        compiled, a handful. Reductions (softmax, sort, scans: ``choose``, the scans and the
-        draw in one Triton program a row on the CUDA path: ``kernels/sampler.py``) stay eager,
+        compiled, a handful. Reductions (softmax, sort, scans: ``choose``; with ``--sampler
+        kernel`` the scans and the draw in one Triton program a row, ``kernels/sampler.py``) stay eager,
         whose per-row results do not depend on the batch size, so batch composition still
         never changes a request's tokens. Only pure functions are compiled, so no buffer
         mutation goes through functionalization (which could copy a whole state buffer);
@@ -423,8 +423,8 @@ class ProgramSet:
 
     def _sampler_kernel(self, x: torch.Tensor) -> bool:
         """The sampler's filters and draw in one Triton program a row (kernels/sampler.py): as
-        prepared (``--sampler``), else on the CUDA path, as its other kernels (under Triton's
-        interpreter on the CPU)."""
+        prepared (``flare-prepare --sampler``), else where the other Triton kernels run (the
+        CUDA path's tests under Triton's interpreter on the CPU)."""
         if self.sampler_kernel is not None:
             return self.sampler_kernel
         return x.is_cuda or self.attention == "triton"

@@ -24,6 +24,10 @@ reads nothing of another row and its blocks are walked in one order, so a row's 
 does not depend on the batch (ATen's scans of long rows may split by the row count).
 The work follows the kept prefix: one block for top-k 20, the whole vocabulary only
 when nothing filters (top_p 1, no top-k, no min-p).
+
+Opt-in (``flare-prepare --sampler kernel``) until measured: on the H200 its tests pass
+against the tensor-op definitions, but its capture, replay and step time are not measured
+yet (``bench/sampler_arrivals_gpu.sh``).
 """
 
 from __future__ import annotations
