@@ -13,6 +13,7 @@ row ahead is dead; the terminal capture is kept and a follow-up hits it).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -227,6 +228,37 @@ def test_prompts_sent_together_start_in_one_program(tiny_core):
     assert g_alone["flare_engine_admission_waits_total"] == 0
     for a, b in zip(waited, alone):
         assert a.output == b.output and len(a.output) == a.params.max_tokens, (a, b)
+
+
+def test_a_request_waits_for_arrivals_one_window_at_most(tiny_core):
+    """While another request stays between body and submit (a bracket held open), an idle
+    engine holds a waiting prompt for one admission window in all, and a new idle period
+    (here with the finished request's terminal snapshot still to run) starts a new window."""
+    window = 0.3
+
+    async def run():
+        engine = Engine(ReferenceExecutor(tiny_core, load_manifest(tiny_core)), admission_window_s=window)
+        await engine.start()
+        try:
+            with engine.arriving():  # someone else is still being rendered, all along
+                times = []
+                for i, prompt in enumerate(([5, 6, 7, 8], [5, 6, 7, 8, 9, 10])):  # the second hits the first
+                    req = Request(prompt, _params(i, 3), Sink(), request_id=f"w{i}")
+                    t0 = time.perf_counter()
+                    engine.submit(req)
+                    await asyncio.wait_for(req.sink.done.wait(), 60)
+                    times.append(time.perf_counter() - t0)
+                    # No wait for the engine to go idle: the next prompt arrives while the
+                    # finished one's terminal snapshot is queued.
+                await _idle(engine)
+            return times, engine.gauges()
+        finally:
+            await engine.shutdown(1.0)
+
+    times, gauges = asyncio.run(run())
+    assert all(window <= t < 1.8 * window for t in times), times  # one window, and a few programs
+    assert gauges["flare_engine_admission_waits_total"] == 2, gauges
+    assert 2 * window <= gauges["flare_engine_admission_wait_seconds_total"] < 2 * window + 0.1, gauges
 
 
 def _stop_runs(core, base: int, seed: int, *, on_device: bool):

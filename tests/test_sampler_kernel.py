@@ -51,8 +51,13 @@ def _near_boundary(kept: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return ((cdf - target[:, None]).abs() <= 2 * n * 2.0**-24 * cdf[:, -1:]).any(dim=-1)
 
 
+def _on(*ts):
+    return [t.to(DEVICE) for t in ts]
+
+
 @pytest.mark.parametrize("V", [100, 2048, 5000])
 def test_draw_matches_the_tensor_definitions(V):
+    """Both sides get the same sorted probabilities (sorted once, on the CPU)."""
     gen = torch.Generator().manual_seed(V)
     x = _rows(V, gen)
     rows, draws, near = 0, 0, 0
@@ -62,9 +67,10 @@ def test_draw_matches_the_tensor_definitions(V):
         tk = torch.full((n,), top_k, dtype=torch.int32)
         tp, mp = torch.full((n,), top_p), torch.full((n,), min_p)
         u = torch.rand(n, generator=gen)
-        kept, si, n_keep = S.filtered(xs, tk.long(), tp, mp)
+        sp, si = S._sorted(xs)
+        kept, _, n_keep = S.filter_sorted(sp, si, tk.long(), tp, mp)
         want = S._draw(kept, si, n_keep, u)
-        got = S.choose(xs.to(DEVICE), tk.to(DEVICE), tp.to(DEVICE), mp.to(DEVICE), u.to(DEVICE), kernel=True).cpu()
+        got = K.draw_sorted(*_on(sp, si, tk, tp, mp, u)).cpu()
         skip = _near_boundary(kept, u)
         assert torch.equal(got[~skip], want[~skip]), (top_k, top_p, min_p, got, want)
         # Whatever the rounding, the token is one the filters keep.
@@ -76,6 +82,67 @@ def test_draw_matches_the_tensor_definitions(V):
     # filter) may have every target within that bound; a short kept prefix almost never does.
     assert near <= rows // 50, (near, rows)
     assert draws >= len(FILTERS) * 40 // 2, draws
+
+
+def _dyadic_rows(n: int, V: int, gen: torch.Generator) -> torch.Tensor:
+    """Probability rows sorted descending whose values are multiples of 2^-12 summing to 1:
+    every partial sum is exact in float32, so no summation order can change a draw."""
+    rows = []
+    for _ in range(n):
+        cuts = torch.sort(torch.randint(0, 4097, (V - 1,), generator=gen)).values
+        counts = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([4096])]))
+        if torch.rand(1, generator=gen).item() < 0.3:  # ties: pairs of equal counts
+            counts = torch.cat([counts[: V // 2], counts[: V - V // 2]])
+            counts[-1] += 4096 - counts.sum()
+            counts = counts.clamp(min=0)
+            counts[0] += 4096 - counts.sum()
+        rows.append(torch.sort(counts.double() / 4096, descending=True).values.float())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("V", [1, 16, 17, 130])
+def test_exact_rows_draw_and_verify_as_the_definitions_across_many_blocks(V):
+    """On exactly summable rows (``_dyadic_rows``) with 16-token blocks, so that kept
+    prefixes cross several blocks and end on or inside them, the kernel's plain draw,
+    verdict and redraw equal the definitions' for every filter, including the disabled and
+    degenerate ones (top_k <= 0 or >= V, top_p 0 or >= 1, min_p 0 or 1) and draws at 0 and
+    just below 1: no case is skipped. One launch: each row carries its own filters."""
+    gen = torch.Generator().manual_seed(100 + V)
+    combos = [(k, p, m) for k in (-1, 0, 3, 16, V, V + 3) for p in (0.0, 0.5, 0.8125, 1.0, 1.5)
+              for m in (0.0, 0.25, 1.0)]
+    per = 6  # rows a combination
+    n = len(combos) * per
+    sp = _dyadic_rows(n, V, gen)
+    si = torch.stack([torch.randperm(V, generator=gen) for _ in range(n)])
+    tk = torch.tensor([c[0] for c in combos for _ in range(per)], dtype=torch.int32)
+    tp = torch.tensor([c[1] for c in combos for _ in range(per)])
+    mp = torch.tensor([c[2] for c in combos for _ in range(per)])
+    u = torch.randint(0, 4096, (n,), generator=gen).float() / 4096
+    u[::per] = 0.0
+    u[1::per] = 1.0 - 2.0**-24
+    u_rej = torch.randint(0, 4096, (n,), generator=gen).float() / 4096
+    pick = si[torch.arange(n), torch.randint(0, V, (n,), generator=gen)]
+    pick[2::per] = si[2::per, 0]  # the most likely token (often the only kept one)
+    kept, _, n_keep = S.filter_sorted(sp, si, tk.long(), tp, mp)
+    want_plain = S._draw(kept, si, n_keep, u)
+    want_tok, want_acc = S._verify(kept, si, pick, u, u_rej)
+    plain, tok, acc = K.draw_sorted(*_on(sp, si, tk, tp, mp, u, pick, u_rej), block=16)
+    for got, want in ((plain, want_plain), (acc, want_acc), (tok, want_tok)):
+        bad = (got.cpu() != want).nonzero().flatten().tolist()
+        assert not bad, [combos[i // per] for i in bad[:5]]
+
+
+def test_a_row_of_nans_draws_its_first_id():
+    """A row whose scores are all -inf (a mask that allows nothing) has NaN probabilities:
+    nothing is kept, and both paths return the row's first id, never another row's."""
+    x = torch.randn(3, 40)
+    x[1] = float("-inf")
+    tk, tp, mp = torch.zeros(3, dtype=torch.int32), torch.ones(3), torch.zeros(3)
+    u = torch.full((3,), 0.5)
+    sp, si = S._sorted(x)
+    want = S._draw(*S.filter_sorted(sp, si, tk.long(), tp, mp), u)
+    got = K.draw_sorted(*_on(sp, si, tk, tp, mp, u), block=16).cpu()
+    assert int(got[1]) == int(si[1, 0]) == int(want[1])
 
 
 @pytest.mark.parametrize("V", [100, 5000])
@@ -125,3 +192,29 @@ def test_a_rows_draw_does_not_depend_on_the_batch():
     together = S.choose(*args, kernel=True).cpu()
     alone = torch.cat([S.choose(*(a[i:i + 1] for a in args), kernel=True).cpu() for i in range(n)])
     assert torch.equal(together, alone)
+
+
+def test_verify_chain_with_the_kernel_emits_what_the_tensor_ops_emit():
+    """``verify_chain`` as verify programs call it, with and without the kernel: peaked
+    logits (no target near a boundary), drafts that are partly accepted, penalties and
+    every filter; the same tokens, counts and histograms."""
+    gen = torch.Generator().manual_seed(5)
+    B, W, V = 6, 4, 300
+    logits = torch.randn(B, W, V, generator=gen) * 6
+    drafts = logits[:, :-1].argmax(-1)  # the most likely tokens: often accepted
+    drafts[::2, 1] = (drafts[::2, 1] + 7) % V  # some rejected mid-chain
+    count = torch.tensor([3, 2, 3, 0, 1, 3])
+    samp = {"temperature": torch.full((B,), 0.8), "top_k": torch.tensor([0, 20, 5, 0, 50, 1], dtype=torch.int32),
+            "top_p": torch.tensor([1.0, 0.9, 0.95, 0.5, 1.0, 1.0]), "min_p": torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0]),
+            "repetition": torch.full((B,), 1.1), "presence": torch.full((B,), 0.2), "frequency": torch.zeros(B)}
+    hist = torch.zeros(B, V, dtype=torch.int32)
+    hist[:, :10] = 1
+    args = (logits, drafts, count, torch.ones(B, dtype=torch.bool), hist, samp, torch.arange(B) * 977 + 3,
+            torch.full((B,), 11), torch.full((B, 2), -1), torch.zeros(B, dtype=torch.int64), torch.full((B,), 100), V)
+    want = S.verify_chain(*args)
+    got = S.verify_chain(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args[:5]),
+                         {k: v.to(DEVICE) for k, v in samp.items()},
+                         *(a.to(DEVICE) for a in args[6:11]), V, kernel=True)
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w), (g, w)
+    assert int(want[1].sum()) > B  # some drafts were accepted

@@ -77,7 +77,7 @@ class ProgramSet:
         page_size: int,
         attention: str,
         continuation: Continuation,
-        sampler_kernel: bool | None = None,
+        sampler_kernel: bool = False,
     ):
         self.recipe = recipe
         self.model = model
@@ -422,12 +422,9 @@ class ProgramSet:
     # -- shared pieces -----------------------------------------------------
 
     def _sampler_kernel(self, x: torch.Tensor) -> bool:
-        """The sampler's filters and draw in one Triton program a row (kernels/sampler.py): as
-        prepared (``flare-prepare --sampler``), else where the other Triton kernels run (the
-        CUDA path's tests under Triton's interpreter on the CPU)."""
-        if self.sampler_kernel is not None:
-            return self.sampler_kernel
-        return x.is_cuda or self.attention == "triton"
+        """The sampler's filters and draw in one Triton program a row (kernels/sampler.py), as
+        prepared (``flare-prepare --sampler kernel``); the tensor operations otherwise."""
+        return bool(self.sampler_kernel)
 
     def _slot_mapping(self, page_rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         ps = self.page_size

@@ -140,7 +140,12 @@ def filtered(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
              min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The filters of :func:`choose`: (probabilities sorted descending with the filtered-out
     ones zeroed, unnormalised ``[B, V]``; their token ids ``[B, V]``; kept count ``[B]``)."""
-    sp, si = _sorted(x)
+    return filter_sorted(*_sorted(x), top_k, top_p, min_p)
+
+
+def filter_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`filtered` over probabilities already sorted descending and their ids."""
     v = sp.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).long()
     kth = sp.gather(1, (k - 1)[:, None])

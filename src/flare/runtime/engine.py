@@ -64,6 +64,7 @@ class Engine:
         self.arrivals = 0
         self.admission_waits = 0
         self.admission_wait_s_total = 0.0
+        self._hold_until: float | None = None  # the current idle period's deadline for arrivals
         self._arrived = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -88,12 +89,13 @@ class Engine:
 
     @contextlib.contextmanager
     def arriving(self):
-        """Brackets one HTTP request from its body to its submit (or its refusal). Prompts
-        sent together are rendered in threads and submitted one by one, a few milliseconds
-        apart; an idle engine would start the first alone and the others only after it (a
-        program each, or one pack program). So when nothing is running, prompts wait and
-        others are on their way, the engine waits for them up to ``admission_window_s``
-        and starts them together. A lone request never waits: nothing else is arriving."""
+        """Brackets one HTTP request from its parsed body to its submit (or its refusal).
+        Prompts sent together are rendered in threads and submitted one by one, a few
+        milliseconds apart; an idle engine would start the first alone and the others only
+        after it (a program each, or one pack program). So when nothing is running or
+        queued to run, prompts wait and others are on their way, the engine waits for them,
+        up to ``admission_window_s`` in all until it admits, and starts them together. A
+        lone request never waits: nothing else is arriving."""
         self.arrivals += 1
         try:
             yield
@@ -102,17 +104,29 @@ class Engine:
             if not self.arrivals:
                 self._arrived.set()
 
+    def _holds(self, sched: Scheduler) -> bool:
+        """Whether to wait for arrivals before the next step (``arriving``): prompts wait,
+        nothing is running or queued to run (state copies go first), others are on their
+        way, and this idle period's window is not spent."""
+        if not (sched.waiting and not sched.running and not sched.maintenance_queued
+                and self.state == EngineState.ready and self.admission_window_s > 0):
+            self._hold_until = None  # the next wait starts a new window
+            return False
+        return bool(self.arrivals) and (self._hold_until is None
+                                        or asyncio.get_running_loop().time() < self._hold_until)
+
     async def _await_arrivals(self) -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        deadline = start + self.admission_window_s
-        while self.arrivals and loop.time() < deadline:
+        if self._hold_until is None:
+            self._hold_until = start + self.admission_window_s
+            self.admission_waits += 1
+        while self.arrivals and loop.time() < self._hold_until:
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+                await asyncio.wait_for(self._arrived.wait(), self._hold_until - loop.time())
             except asyncio.TimeoutError:
                 break
-        self.admission_waits += 1
         self.admission_wait_s_total += loop.time() - start
 
     def cancel(self, req: Request) -> None:
@@ -125,9 +139,10 @@ class Engine:
         idle_since: float | None = None  # the device ran out of work at this time
         try:
             while True:
-                if (self.arrivals and self.admission_window_s > 0 and sched.waiting and not sched.running
-                        and self.state == EngineState.ready):
+                if self._holds(sched):
                     await self._await_arrivals()
+                    if idle_since is not None:  # the device waited by choice, not on the host
+                        idle_since = time.perf_counter()
                 step = sched.schedule()
                 if step is None:
                     idle_since = None

@@ -168,6 +168,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._maintenance)
 
+    @property
+    def maintenance_queued(self) -> bool:
+        """State copies (snapshots of finished requests, restores) wait to run before admission."""
+        return bool(self._maintenance)
+
     # -- scheduling --------------------------------------------------------
 
     def schedule(self) -> Step | None:

@@ -204,8 +204,8 @@ def _report_modules() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
-    if a.admission_window_ms < 0:
-        p.error(f"--admission-window-ms must not be negative, got {a.admission_window_ms}")
+    if not 0 <= a.admission_window_ms <= 1000:
+        p.error(f"--admission-window-ms must lie in [0, 1000], got {a.admission_window_ms}")
     if a.prefill_while_decoding < 0:
         p.error(f"--prefill-while-decoding must not be negative, got {a.prefill_while_decoding}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -156,9 +156,9 @@ class Endpoint:
         ctx = self.ctx
         rid = new_request_id(self.id_prefix)
         try:
-            with ctx.engine.arriving():
-                body = decode_body(await ctx.read_body(http), self.body_type)
-                ctx.check_model(body.model)
+            body = decode_body(await ctx.read_body(http), self.body_type)
+            ctx.check_model(body.model)
+            with ctx.engine.arriving():  # rendering and tokenizing, in threads, until the submit
                 gen = await self.start(body, rid)
         except FlareError as e:
             e.param = self.request_fields.get(e.param, e.param)

@@ -17,9 +17,10 @@ probabilities block by block and stops where the kept prefix ends:
 3. the inverse-CDF draw over that mass (and, verifying, over the mass without the
    proposal), stopping at the block where the target is passed.
 
-The definitions are ``sampling.filtered``'s; only the order in which floats are summed
-differs (block scans with a carried total instead of ATen's scan), so a token can differ
-from the torch path's only where a target falls within rounding of a boundary. A row
+The definitions are ``sampling.filtered``'s; only the arithmetic of the sums differs
+(float32 block scans with a carried total, where ATen scans the row, on the CPU in double,
+and divides by a separate sum), so a token can differ from the torch path's only where a
+target falls within rounding of a boundary. A row
 reads nothing of another row and its blocks are walked in one order, so a row's result
 does not depend on the batch (ATen's scans of long rows may split by the row count).
 The work follows the kept prefix: one block for top-k 20, the whole vocabulary only
@@ -64,7 +65,7 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
         keep = inb & (s >= kth) & (incl - s < top_p) & (s >= floor)
         c = tl.sum(keep.to(tl.int32), 0)
         n_keep += c
-        carry = tl.max(incl, 0)  # non-negative terms: the scan never decreases
+        carry = tl.max(incl, 0)  # the running total (non-negative terms)
         start += BLOCK
         go = (c == BLOCK) & (start < V)
     n_keep = tl.maximum(n_keep, 1)
@@ -99,6 +100,7 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
             last_rest = tl.maximum(last_rest, tl.max(tl.where(rs > 0, idx, 0), 0))
         start += BLOCK
         go = (c == BLOCK) & (start < V)
+    n_kept = tl.maximum(n_kept, 1)  # (a NaN row keeps nothing: its draw reads the row's first id)
 
     # 3. Inverse CDF: the first kept position whose running mass passes the target.
     target = tl.load(u_ptr + row) * total
@@ -143,11 +145,12 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
 
 def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, u: torch.Tensor, proposal: torch.Tensor | None = None,
-                u_rej: torch.Tensor | None = None):
+                u_rej: torch.Tensor | None = None, block: int = BLOCK):
     """Over probabilities sorted descending ``sp [N, V]`` (float32) and their token ids
     ``si``: the filters of ``sampling.filtered`` and the draw of ``sampling._draw`` with
     ``u`` (token ids int64 ``[N]``). With a ``proposal`` (int64 ``[N]``) and ``u_rej``,
-    also ``sampling._verify``'s verdict: returns (tokens, verified tokens, accepted bool)."""
+    also ``sampling._verify``'s verdict: returns (tokens, verified tokens, accepted bool).
+    ``block``: tokens a step of the walk (tests use small ones to cross many blocks)."""
     N, V = sp.shape
     if sp.stride(-1) != 1 or si.stride(-1) != 1 or si.stride(0) != sp.stride(0):
         raise ValueError("draw_sorted needs rows with unit stride and one row stride")
@@ -158,5 +161,5 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
     _draw_sorted_kernel[(N,)](
         sp, si, sp.stride(0), V, top_k.contiguous(), top_p.float().contiguous(), min_p.float().contiguous(),
         u.float().contiguous(), proposal.contiguous() if verify else tok, u_rej.float().contiguous() if verify else u,
-        tok, vtok, acc, VERIFY=verify, BLOCK=BLOCK, num_warps=8)
+        tok, vtok, acc, VERIFY=verify, BLOCK=block, num_warps=8 if block >= 1024 else 4)
     return (tok, vtok, acc.bool()) if verify else tok
