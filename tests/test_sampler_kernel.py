@@ -205,7 +205,8 @@ def test_verify_chain_with_the_kernel_emits_what_the_tensor_ops_emit():
     drafts[::2, 1] = (drafts[::2, 1] + 7) % V  # some rejected mid-chain
     count = torch.tensor([3, 2, 3, 0, 1, 3])
     samp = {"temperature": torch.full((B,), 0.8), "top_k": torch.tensor([0, 20, 5, 0, 50, 1], dtype=torch.int32),
-            "top_p": torch.tensor([1.0, 0.9, 0.95, 0.5, 1.0, 1.0]), "min_p": torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0]),
+            "top_p": torch.tensor([1.0, 0.9, 0.95, 0.5, 1.0, 1.0]),
+            "min_p": torch.tensor([0.0, 0.0, 0.05, 0.0, 0.1, 0.0]),
             "repetition": torch.full((B,), 1.1), "presence": torch.full((B,), 0.2), "frequency": torch.zeros(B)}
     hist = torch.zeros(B, V, dtype=torch.int32)
     hist[:, :10] = 1
