@@ -86,6 +86,8 @@ class ProgramSet:
         self.page_size = page_size
         self.attention = attention
         self.continuation = continuation
+        # The sampler's filters and draw in one Triton program a row (kernels/sampler.py), as
+        # prepared (flare-prepare --sampler kernel); the tensor operations otherwise.
         self.sampler_kernel = sampler_kernel
         # Tensor parallelism: rank zero's sample decides every rank's state update.
         self.tp = model.tp
@@ -384,7 +386,7 @@ class ProgramSet:
              "top_p": params["top_p"], "min_p": params["min_p"], "repetition": params["repetition_penalty"],
              "presence": params["presence_penalty"], "frequency": params["frequency_penalty"]},
             v["state.seed"].index_select(0, slots), counter, stop_ids, generated, max_new, caps.sampling_vocab,
-            kernel=self._sampler_kernel(logits))
+            kernel=self.sampler_kernel)
         # Every rank verified the same gathered logits from replicated state; rank 0's verdict
         # decides everywhere (no-op at TP=1).
         out = self.tp.from_rank_zero(out.contiguous())
@@ -420,11 +422,6 @@ class ProgramSet:
         v[io.VERIFY_COMPLETION][:B].copy_(record.int())
 
     # -- shared pieces -----------------------------------------------------
-
-    def _sampler_kernel(self, x: torch.Tensor) -> bool:
-        """The sampler's filters and draw in one Triton program a row (kernels/sampler.py), as
-        prepared (``flare-prepare --sampler kernel``); the tensor operations otherwise."""
-        return bool(self.sampler_kernel)
 
     def _slot_mapping(self, page_rows: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         ps = self.page_size
@@ -490,7 +487,7 @@ class ProgramSet:
         x, u = self._select(slots, logits)
         samp = v["state.sampling"].index_select(0, slots)
         tok = choose(x, v[INTEGER_STATE["top_k"]].index_select(0, slots), samp[:, column("top_p")],
-                     samp[:, column("min_p")], u, kernel=self._sampler_kernel(x))
+                     samp[:, column("min_p")], u, kernel=self.sampler_kernel)
         # Every rank sampled the same gathered logits from replicated state; committing
         # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
         tok = self.tp.from_rank_zero(tok)

@@ -41,6 +41,17 @@ BLOCK = 2048
 
 
 @triton.jit
+def _kept_block(sp_ptr, base, start, offs, V, thr):
+    """A block of the sorted row from ``start``: positions, in range, values, kept (``>= thr``)
+    and the kept values (zero elsewhere)."""
+    idx = start + offs
+    inb = idx < V
+    s = tl.load(sp_ptr + base + idx, mask=inb, other=0.0)
+    kept = inb & (s >= thr)
+    return idx, inb, s, kept, tl.where(kept, s, 0.0)
+
+
+@triton.jit
 def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, prop_ptr, u_rej_ptr,
                         tok_ptr, vtok_ptr, acc_ptr, VERIFY: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -83,11 +94,7 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     start = tl.zeros([], tl.int32)
     go = start < V
     while go:
-        idx = start + offs
-        inb = idx < V
-        s = tl.load(sp_ptr + base + idx, mask=inb, other=0.0)
-        kept = inb & (s >= thr)
-        ks = tl.where(kept, s, 0.0)
+        idx, inb, s, kept, ks = _kept_block(sp_ptr, base, start, offs, V, thr)
         total = tl.max(total + tl.cumsum(ks, 0), 0)
         c = tl.sum(kept.to(tl.int32), 0)
         n_kept += c
@@ -114,11 +121,7 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     start = tl.zeros([], tl.int32)
     go = start < V
     while go:
-        idx = start + offs
-        inb = idx < V
-        s = tl.load(sp_ptr + base + idx, mask=inb, other=0.0)
-        kept = inb & (s >= thr)
-        ks = tl.where(kept, s, 0.0)
+        idx, inb, s, kept, ks = _kept_block(sp_ptr, base, start, offs, V, thr)
         incl = run + tl.cumsum(ks, 0)
         run = tl.max(incl, 0)
         c = tl.sum(kept.to(tl.int32), 0)
