@@ -162,7 +162,7 @@ def verify_times(ex: CudaExecutor, m, steps: int, decode: dict) -> dict:
         b = p.capacity
         _setup_slots(ex, m, b)
         rows = np.zeros((max(c.decode_capacities), len(io.VerifyInput._fields)), np.int32)
-        rows[:b] = [io.pack(io.VerifyInput(s, c.draft_tokens)) for s in range(1, b + 1)]
+        rows[:b] = [io.pack(io.VerifyInput(s, c.draft_tokens, c.context_limit)) for s in range(1, b + 1)]
         ex.write(io.VERIFY_INPUT, rows)
         ex.write(io.DRAFTS, rng.integers(1000, min(30000, c.sampling_vocab),
                                          (max(c.decode_capacities), c.draft_tokens)).astype(np.int32))

@@ -529,7 +529,7 @@ def _verify(r, rows: list[tuple[int, list[int]]], count_override: dict | None = 
     drafts = torch.zeros((max(c.decode_capacities), D), dtype=torch.int32)
     for i, (slot, d) in enumerate(rows):
         n = (count_override or {}).get(slot, len(d))
-        inputs[i] = torch.from_numpy(io.pack(io.VerifyInput(slot, n)))
+        inputs[i] = torch.from_numpy(io.pack(io.VerifyInput(slot, n, c.context_limit)))
         drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int32)
     r.v[io.VERIFY_INPUT][:] = inputs
     r.v[io.DRAFTS][:] = drafts

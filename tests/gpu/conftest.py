@@ -45,9 +45,11 @@ SHAPES = {
     "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024",
                            "--pack-capacities", "64,256", "--draft-tokens", "5"],
     # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md), and
-    # verify programs with per-position state (speculative decoding's rollback).
+    # verify programs with per-position state (speculative decoding's rollback), with the MTP
+    # head (its KV rows in every program, its drafts chained in verify programs; the serve
+    # test then speculates with them, the default on such a core).
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
-                            "--draft-tokens", "3"],
+                            "--draft-tokens", "3", "--mtp"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Hybrid and routed experts with a gated shared expert: Qwen3.5-35B-A3B's and

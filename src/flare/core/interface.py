@@ -33,6 +33,9 @@ and emits the accepted ones plus one more token (``prepare/sampling.verify_chain
 record is the ``VerifyCompletion`` fields, then W token columns (-1 past the emitted ones);
 it carries no log-probabilities (requests that ask for them decode without drafts), and a
 slot with a grammar mask verifies no drafts (the mask is known for the first position only).
+A core with an MTP head (``capacities.mtp_drafts`` M > 0) appends M more columns: the head's
+greedy drafts for the row's next step, continuing after its last emitted token (-1 from the
+first one whose position the slot's pages, ``room``, do not hold).
 
 The per-slot request state written at admission (``slot_state``) and the
 sampling columns (``flare.core.sampling_params``) complete the interface.
@@ -48,6 +51,7 @@ values are ``log_softmax`` of the model's raw logits over the sampling vocabular
 from __future__ import annotations
 
 import enum
+import itertools
 from typing import NamedTuple, Sequence, TypeVar
 
 import numpy as np
@@ -104,10 +108,12 @@ class PackSegment(NamedTuple):
 
 class VerifyInput(NamedTuple):
     """``in.verify`` row: verify the first ``count`` drafts of ``slot`` (its row of
-    ``in.drafts``); slot 0 is padding."""
+    ``in.drafts``); slot 0 is padding. ``room``: the positions the slot's pages hold (a core
+    with an MTP head writes its draft chain's rows only below it)."""
 
     slot: int
     count: int
+    room: int
     buffer = "in.verify"
 
 
@@ -223,14 +229,25 @@ def completion(record) -> Completion:
     return unpack(Completion, record, extra=extra)
 
 
-def verify_record(record, draft_tokens: int) -> tuple[VerifyCompletion, list[int]]:
+def verify_record(record, draft_tokens: int, mtp_drafts: int = 0) -> tuple[VerifyCompletion, list[int]]:
     """A verify record row: its fields and its emitted tokens."""
-    head = unpack(VerifyCompletion, record, extra=draft_tokens + 1)
+    head = unpack(VerifyCompletion, record, extra=draft_tokens + 1 + mtp_drafts)
     if not 0 <= head.emitted <= draft_tokens + 1:
         raise ExecutionError(f"a verify record emitted {head.emitted} of at most {draft_tokens + 1} tokens",
                              code="bad_completion")
     start = len(VerifyCompletion._fields)
     return head, [int(t) for t in list(record)[start : start + head.emitted]]
+
+
+def mtp_drafts(record, draft_tokens: int, mtp_drafts: int) -> list[int]:
+    """A verify record row's learned drafts for the row's next step (its last ``mtp_drafts``
+    columns: the MTP head's greedy chain after the last emitted token; -1 where the chain
+    had no room)."""
+    tail = [int(t) for t in list(record)[len(VerifyCompletion._fields) + draft_tokens + 1:]]
+    if len(tail) != mtp_drafts:
+        raise ExecutionError(f"a verify record carries {len(tail)} learned drafts, expected {mtp_drafts}",
+                             code="bad_completion")
+    return list(itertools.takewhile(lambda t: t >= 0, tail))
 
 
 def columns(cls: type[Row], row):

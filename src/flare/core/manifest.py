@@ -146,6 +146,10 @@ class Capacities(_Frozen):
     pack_align: int = 1
     # Drafts a verify program checks per request (speculative decoding); 0: no verify programs.
     draft_tokens: int = 0
+    # Learned drafts: a core prepared with the model's multi-token-prediction (MTP) head
+    # (flare-prepare --mtp) ends each verify program with a chain of this many greedy drafts
+    # for each row's next step, appended to its record; 0: none (drafts come from the host).
+    mtp_drafts: int = 0
 
 
 class Continuation(_Frozen):
@@ -347,7 +351,8 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         **({io.VERIFY_INPUT: (BufferRole.input, DType.int32, (bmax, len(io.VerifyInput._fields))),
             io.DRAFTS: (BufferRole.input, DType.int32, (bmax, c.draft_tokens)),
             io.VERIFY_COMPLETION: (BufferRole.output, DType.int32,
-                                   (bmax, len(io.VerifyCompletion._fields) + c.draft_tokens + 1))}
+                                   (bmax, len(io.VerifyCompletion._fields) + c.draft_tokens + 1
+                                    + c.mtp_drafts))}
            if c.draft_tokens else {}),
     }
 
@@ -502,6 +507,8 @@ def validate(m: Manifest) -> None:
               "capacities.pack_capacities")
     if not 0 <= c.draft_tokens <= io.MAX_DRAFT_TOKENS:
         _fail(f"capacities.draft_tokens must lie in [0, {io.MAX_DRAFT_TOKENS}]", "capacities.draft_tokens")
+    if c.mtp_drafts not in (0, c.draft_tokens):
+        _fail("capacities.mtp_drafts must be 0 or capacities.draft_tokens", "capacities.mtp_drafts")
     names = {b.name for b in m.buffers}
     for name in sorted(stepped_state(m.continuation)) if c.draft_tokens else ():
         if verify_buffer(name) not in names:

@@ -50,6 +50,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     t0 = started if started is not None else time.time()
     recipe = _recipe_for(src)
     _check_request(opts, session, tp)
+    _mtp_choice(src, recipe, opts)
     target = _CudaArena(session, opts, tp) if opts.device == "cuda" else _CpuArena()
     dtype = DType(opts.resolved_dtype())
 
@@ -103,6 +104,18 @@ def _recipe_for(src: ModelSource) -> recipes.Recipe:
         return recipes.for_model_type(src.config.model_type)
     except recipes.UnsupportedArchitecture as e:
         raise PrepareError(str(e)) from None
+
+
+def _mtp_choice(src: ModelSource, recipe: recipes.Recipe, opts: Options) -> None:
+    """Keep the config's MTP declaration with --mtp (the recipe then builds the head), drop it
+    otherwise (in place: the manifest's config says what the core holds)."""
+    from flare.prepare.recipes import mtp
+
+    if not opts.mtp:
+        mtp.without_mtp(src.config)
+    elif not recipe.mtp_layers(src.config):
+        raise PrepareError(f"--mtp: {src.name} declares no MTP head the {recipe.name} recipe can build "
+                           f"(config keys {', '.join(mtp.MTP_KEYS)})")
 
 
 def _check_request(opts: Options, session, tp: TensorParallel) -> None:

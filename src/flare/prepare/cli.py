@@ -97,6 +97,11 @@ def parser() -> argparse.ArgumentParser:
                         "per request in one step, for speculative decoding (default 0: none; at most "
                         f"{io.MAX_DRAFT_TOKENS}; a model with recurrent state keeps its state after every verified "
                         f"position, D + 1 rows of it per verified request)")
+    p.add_argument("--mtp", action="store_true",
+                   help="keep the checkpoint's multi-token-prediction head (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): "
+                        "its KV is kept by every program and each verify program ends with D learned drafts for "
+                        "the next step (flare-serve --speculative mtp); needs --draft-tokens (default: the head is "
+                        "left out)")
     p.add_argument("--max-logprobs", type=int, default=io.MAX_LOGPROBS,
                    help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "
                         f"OpenAI's limit; 0: requests for log-probabilities are refused)")
@@ -150,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "min_prefill_capacity": a.min_prefill_capacity,
         "pack_capacities": a.pack_capacities,
         "draft_tokens": a.draft_tokens,
+        "mtp": a.mtp,
         "attention": a.attention,
         "sampler": a.sampler,
         "compile": not a.no_compile,

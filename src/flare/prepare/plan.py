@@ -47,6 +47,7 @@ class Options:
     max_logprobs: int = io.MAX_LOGPROBS  # top log-probabilities per sampled token (0: no log-probabilities)
     pack_capacities: tuple[int, ...] = ()  # rows of each pack program (several slots' chunks at once)
     draft_tokens: int = 0  # drafts per verify program row (speculative decoding); 0: no verify programs
+    mtp: bool = False  # keep the checkpoint's MTP head: verify programs end with learned drafts (recipes/mtp.py)
     attention: str | None = None  # reference | triton
     compile: bool = True
     # CUDA: prompt programs keep cuBLAS's split-K GEMMs (faster short prefills; a prompt prefilled in
@@ -131,6 +132,10 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
             raise PrepareError("--pack-capacities needs the reference or the triton attention, not gather")
     if not 0 <= opts.draft_tokens <= io.MAX_DRAFT_TOKENS:
         raise PrepareError(f"--draft-tokens must lie in [0, {io.MAX_DRAFT_TOKENS}], got {opts.draft_tokens}")
+    mtp = recipe.mtp_layers(src.config) > 0
+    if mtp and (not opts.draft_tokens or pack_caps or opts.tp_size > 1):
+        raise PrepareError("--mtp needs --draft-tokens (its drafts are verified by the verify programs), and "
+                           "supports neither --pack-capacities nor --tp yet")
     caps = mf.Capacities(
         context_limit=context,
         prefill_chunk=chunk,
@@ -151,6 +156,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         pack_align=query_tile_tokens(cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                                      or cfg.num_attention_heads) if pack_caps else 1,
         draft_tokens=opts.draft_tokens,
+        mtp_drafts=opts.draft_tokens if mtp else 0,
     )
     geo = recipe.kv_geometry(src.config, opts.tp_size)
     itemsize = TORCH_DTYPES[opts.resolved_dtype()].itemsize

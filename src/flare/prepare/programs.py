@@ -267,6 +267,9 @@ class ProgramSet:
         batch = self._batch(slot.expand(C), pos, slot_mapping, valid, single_slot=True)
         hidden = self._forward(tokens, pos, batch)
         v["out.prefill_hidden"][:C].copy_(hidden)
+        if self.caps.mtp_drafts:  # row r's hidden predecessor: the slot's saved vector, then the chunk's
+            before = torch.cat([v["state.hidden"].index_select(0, slot), hidden[: C - 1]])
+            self._mtp_rows(tokens, before, pos, valid, slot.expand(C), single_slot=True)
         last = hidden.index_select(0, (n - 1).clamp(min=0))
         v["state.hidden"].index_copy_(0, slot, last)
         v["state.len"].index_copy_(0, slot, (start + n).int())
@@ -332,6 +335,8 @@ class ProgramSet:
         batch = self._batch(slots, pos, slot_mapping, live)
         hidden = self._forward(tokens, pos, batch)
         old_hidden = v["state.hidden"].index_select(0, slots)
+        if self.caps.mtp_drafts:
+            self._mtp_rows(tokens, old_hidden, pos, live, slots)
         v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old_hidden))
         v["state.len"].index_copy_(0, slots, (length + live.long()).int())
         logits = self.recipe.lm_head(self.model, hidden).float()
@@ -368,7 +373,12 @@ class ProgramSet:
         pt = v["state.page_table"].index_select(0, row_slot).long()
         batch = self._batch(row_slot, pos, self._slot_mapping(pt, pos, valid), valid, verify_width=W,
                             verify_state={n: v[verify_buffer(n)][:B] for n in stepped_state(self.continuation)})
-        hidden = self._forward(torch.where(valid, tokens.reshape(-1), 0), pos, batch)  # [B * W, H]
+        flat = torch.where(valid, tokens.reshape(-1), 0)
+        hidden = self._forward(flat, pos, batch)  # [B * W, H]
+        if self.caps.mtp_drafts:  # position j's hidden predecessor: the slot's saved vector, then row j - 1's
+            hw = hidden.reshape(B, W, -1)
+            before = torch.cat([v["state.hidden"].index_select(0, slots)[:, None], hw[:, :-1]], 1)
+            self._mtp_rows(flat, before.reshape(B * W, -1), pos, valid, row_slot, verify_width=W)
         logits = self.recipe.lm_head(self.model, hidden).float().reshape(B, W, -1)
         v["out.logits"][:B].copy_(logits[:, 0])  # the first position's, raw (as a decode step's)
         first = apply_token_mask(logits[:, 0], v["in.token_mask"].index_select(0, slots), mask_on)
@@ -417,9 +427,48 @@ class ProgramSet:
         hist = v["state.hist"].index_select(0, slots)
         hist.scatter_add_(1, out.clamp(min=0), (out >= 0).to(hist.dtype))
         v["state.hist"].index_copy_(0, slots, hist)
-        record = torch.cat([torch.stack(VerifyCompletion(slots, emitted, total, torch.where(
-            live, status, int(Status.inactive))), dim=-1), out], dim=-1)
-        v[io.VERIFY_COMPLETION][:B].copy_(record.int())
+        parts = [torch.stack(VerifyCompletion(slots, emitted, total, torch.where(live, status, int(Status.inactive))),
+                             dim=-1), out]
+        if self.caps.mtp_drafts:
+            parts.append(self._mtp_chain(slots, live & (status == int(Status.running)), last,
+                                         torch.where(live[:, None], new_hidden, old_hidden), length + emitted,
+                                         meta[:, 2]))
+        v[io.VERIFY_COMPLETION][:B].copy_(torch.cat(parts, dim=-1).int())
+
+    # -- the MTP head (recipes/mtp.py) ----------------------------------------
+
+    def _mtp_rows(self, tokens, before, pos, valid, row_slot, **layout) -> None:
+        """The MTP head's KV rows that a program's tokens complete: its row p is the head's
+        input (the token at p + 1, the target's hidden vector at p), so program row r (token
+        ``tokens[r]`` at ``pos[r]``) writes row pos[r] - 1 from ``before[r]``, the hidden vector
+        at pos[r] - 1. The rows a verify program writes past its accepted tokens hold rejected
+        drafts; they lie past the slot's new length and are rewritten before anything reads
+        them (the chain rewrites the first, the next program the rest)."""
+        p = pos - 1
+        ok = valid & (p >= 0)
+        p = torch.where(ok, p, 0)
+        pt = self.v["state.page_table"].index_select(0, row_slot).long()
+        batch = self._batch(row_slot, p, self._slot_mapping(pt, p, ok), ok, **layout)
+        self.recipe.mtp_forward(self.model, tokens, before, p, batch)
+
+    def _mtp_chain(self, slots, live, token, hidden, length, room) -> torch.Tensor:
+        """Greedy learned drafts ``[B, D]`` for each row's next step: the head from (the pending
+        token, the hidden vector before it) at position length - 1, then from each draft and the
+        head's own output one position on. A row stops (-1 from there) at the first position its
+        pages do not hold (``room``): the chain writes the head's KV there."""
+        v = self.v
+        pt = v["state.page_table"].index_select(0, slots).long()
+        p, drafts = length - 1, []
+        for _ in range(self.caps.mtp_drafts):
+            ok = live & (p >= 0) & (p < room)
+            p = torch.where(ok, p, 0)
+            batch = self._batch(slots, p, self._slot_mapping(pt, p, ok), ok)
+            hidden = self.recipe.mtp_forward(self.model, torch.where(ok, token, 0), hidden, p, batch)
+            logits = self.recipe.lm_head(self.model, hidden)[:, : self.caps.sampling_vocab]
+            token = logits.float().argmax(dim=-1)
+            drafts.append(torch.where(ok, token, -1))
+            live, p = ok, p + 1
+        return torch.stack(drafts, dim=-1)
 
     # -- shared pieces -----------------------------------------------------
 

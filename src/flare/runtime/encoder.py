@@ -152,7 +152,7 @@ class StepEncoder:
         rows = np.zeros((max(self.decode_caps), len(io.VerifyInput._fields)), np.int32)
         tokens = np.zeros((max(self.decode_caps), self.caps.draft_tokens), np.int32)
         for i, (req, d) in enumerate(zip(batch, drafts)):
-            rows[i] = io.pack(io.VerifyInput(req.slot, len(d)))
+            rows[i] = io.pack(io.VerifyInput(req.slot, len(d), len(req.pages) * self.page_size))
             tokens[i, : len(d)] = d
         return Step(ProgramKind.verify, f"verify.{cap}",
                     [*writes, Write(io.VERIFY_INPUT, rows), Write(io.DRAFTS, tokens)], batch,

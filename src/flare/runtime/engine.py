@@ -38,7 +38,7 @@ class Engine:
     def __init__(self, executor: Executor, *, max_waiting: int = 256, prefix_cache: bool = True,
                  steps_in_flight: int = MAX_IN_FLIGHT, prefill_while_decoding: int = 0,
                  decode_with_prefill: bool = False, draft_tokens: int = 0, speculate_always: bool = False,
-                 admission_window_s: float = 0.0):
+                 learned_drafts: bool = False, admission_window_s: float = 0.0):
         if not 1 <= steps_in_flight <= MAX_IN_FLIGHT:
             raise ValueError(f"steps_in_flight must be 1 or {MAX_IN_FLIGHT}, not {steps_in_flight}")
         self.executor = executor
@@ -47,7 +47,7 @@ class Engine:
         self.scheduler = Scheduler(self.manifest, max_waiting=max_waiting, metrics=self.metrics,
                                    prefix_cache=prefix_cache, prefill_while_decoding=prefill_while_decoding,
                                    decode_with_prefill=decode_with_prefill, draft_tokens=draft_tokens,
-                                   speculate_always=speculate_always)
+                                   speculate_always=speculate_always, learned_drafts=learned_drafts)
         self.state = EngineState.starting
         self.failure: Exception | None = None
         self.steps = 0

@@ -179,7 +179,7 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
         slots = rng.permutation(np.arange(1, c.slots + 1))[:live]
         arr = np.zeros(base[io.VERIFY_INPUT].shape, np.int32)
         for i, slot in enumerate(slots):
-            arr[i] = io.pack(io.VerifyInput(int(slot), int(rng.integers(0, D + 1))))
+            arr[i] = io.pack(io.VerifyInput(int(slot), int(rng.integers(0, D + 1)), per_slot_tokens))
         out[io.VERIFY_INPUT] = arr
         out[io.DRAFTS] = rng.integers(0, c.sampling_vocab, base[io.DRAFTS].shape).astype(np.int32)
         lens = base["state.len"].copy()

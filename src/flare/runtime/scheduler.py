@@ -71,7 +71,7 @@ __all__ = ["Scheduler", "Step", "Write", "derive_seed"]
 class Scheduler:
     def __init__(self, manifest: Manifest, *, max_waiting: int = 256, metrics: ServingMetrics | None = None,
                  prefix_cache: bool = True, prefill_while_decoding: int = 0, decode_with_prefill: bool = False,
-                 draft_tokens: int = 0, speculate_always: bool = False):
+                 draft_tokens: int = 0, speculate_always: bool = False, learned_drafts: bool = False):
         self.m = manifest
         self.metrics = metrics or ServingMetrics()
         self.caps = manifest.capacities
@@ -96,7 +96,11 @@ class Scheduler:
         if not 0 <= draft_tokens <= self.caps.draft_tokens:
             raise ValueError(f"draft_tokens {draft_tokens} must lie in [0, {self.caps.draft_tokens}] (the core's "
                              f"--draft-tokens)")
-        self.spec = Speculation(draft_tokens, always=speculate_always) if draft_tokens else None
+        # Learned drafts (the core's MTP head, --speculative mtp) instead: every verify record
+        # carries the next step's.
+        if learned_drafts and not self.caps.mtp_drafts:
+            raise ValueError("learned drafts need a core prepared with an MTP head (flare-prepare --mtp)")
+        self.spec = Speculation(draft_tokens, always=speculate_always, learned=learned_drafts) if draft_tokens else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, holding resources until their snapshots complete
@@ -345,6 +349,8 @@ class Scheduler:
             return None
         if self._verify_program(batch) is not None:
             drafts = [self._drafts(r, writes) for r in batch]
+            if self.spec.learned:  # every step verifies: its records carry the next step's drafts
+                return self.encode.verify(batch, drafts, writes)
             if any(drafts):
                 step = self.encode.verify(batch, drafts, writes)
                 plain = self.encode.decode(batch, writes)
@@ -378,8 +384,12 @@ class Scheduler:
         drafts = self.spec.propose(req, req.params.max_tokens - len(req.output) - 1)
         # Ids the model never samples (a padded vocabulary's, from the prompt) cannot be accepted.
         drafts = list(itertools.takewhile(lambda t: t < self.caps.sampling_vocab, drafts))
-        # Positions consumed .. consumed + len(drafts) are written.
+        # Positions consumed .. consumed + len(drafts) are written; with learned drafts the MTP
+        # head's chain writes up to mtp_drafts - 1 more (pages for them when free: it stops short).
         need = self.pages_for(req.consumed + 1 + len(drafts)) - len(req.pages)
+        chain = self.pages_for(req.consumed + len(drafts) + self.caps.mtp_drafts) - len(req.pages)
+        if self.spec.learned and chain > 0 and self.pages.can_allocate(chain):
+            need = chain
         if need > 0 and self.pages.can_allocate(need):
             self._add_pages(req, need, writes)
         fit = drafts[: max(0, len(req.pages) * self.page_size - req.consumed - 1)]
@@ -513,10 +523,13 @@ class Scheduler:
                 req.status = Status.DECODING  # a readmission whose whole history was cached
             return
         if step.kind == ProgramKind.verify:
-            verified = [io.verify_record(row, self.caps.draft_tokens) for row in records[: len(step.requests)]]
+            D, M = self.caps.draft_tokens, self.caps.mtp_drafts
+            verified = [io.verify_record(row, D, M) for row in records[: len(step.requests)]]
             self._check_slots(step, [head.slot for head, _ in verified])
-            for req, drafts, (head, tokens) in zip(step.requests, step.drafts, verified):
+            for req, drafts, (head, tokens), row in zip(step.requests, step.drafts, verified, records):
                 self._verified(req, drafts, head, tokens)
+                if M and not req.finished:
+                    self.spec.learned_drafts(req, io.mtp_drafts(row, D, M))
             return
         rows = [io.completion(row) for row in records[: len(step.requests)]]
         if step is self._ahead:

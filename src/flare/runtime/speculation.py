@@ -50,11 +50,19 @@ drafting pays:
 
 Requests that ask for log-probabilities or carry a grammar never draft (a verify record has
 no log-probability block, and a grammar mask is known for the first position only).
+
+**Learned drafts** (``learned``: ``--speculative mtp`` on a core prepared with ``--mtp``): the
+drafts are the model's MTP head's, which each verify program computes at its end for the row's
+next step (``LearnedDrafts``). They exist only after a verify step, so every step of a batch
+that can verify does (as vLLM and SGLang run MTP): no cost model and no backoff; a request's
+draft count still follows its acceptance (all accepted: one more; none: halved; otherwise the
+accepted count plus one). A request's first step after its prompt verifies no drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from flare.runtime.proposer import CopyProposer
 from flare.runtime.request import Request
@@ -69,9 +77,28 @@ FAIR_SHARE = 0.025  # of decode time, what verify steps may cost requests withou
 SHARE_WINDOW = 100  # decode steps of that share that can be saved up, at most
 
 
+class LearnedDrafts:
+    """A request's latest MTP drafts, valid while its history is the one they continue (the
+    proposer interface of ``CopyProposer``: ``extend`` with accepted tokens, ``propose``)."""
+
+    def __init__(self):
+        self.length = 0  # history tokens seen
+        self.drafts: list[int] = []
+        self.at = -1  # the history length they continue
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.length += len(list(tokens))
+
+    def offer(self, drafts: list[int]) -> None:
+        self.drafts, self.at = drafts, self.length
+
+    def propose(self, k: int) -> list[int]:
+        return self.drafts[:k] if self.at == self.length else []
+
+
 @dataclass
 class _State:
-    proposer: CopyProposer
+    proposer: CopyProposer | LearnedDrafts
     drafts: int  # how many to ask for next
     backoff: int = 0  # current backoff length (0: none yet)
     resume_at: int = 0  # output length from which it proposes again
@@ -82,13 +109,15 @@ class _State:
 
 
 class Speculation:
-    def __init__(self, max_drafts: int, *, always: bool = False):
+    def __init__(self, max_drafts: int, *, always: bool = False, learned: bool = False):
         """``always``: verify whenever there are drafts (no cost model; backoff after misses
-        still applies): ``flare-serve --speculative copy-always``, for measurement and tests."""
+        still applies): ``flare-serve --speculative copy-always``, for measurement and tests.
+        ``learned``: the drafts of the core's MTP head (module docstring)."""
         if max_drafts < 1:
             raise ValueError(f"speculation needs at least one draft token, got {max_drafts}")
         self.max_drafts = max_drafts
-        self.always = always
+        self.always = always or learned
+        self.learned = learned
         self._states: dict[str, _State] = {}
         self.step_ms: dict[str, float] = {}  # program name -> running step time
         self._ratio: float | None = None  # the smallest measured t_verify / t_decode (cached)
@@ -162,7 +191,7 @@ class Speculation:
         if not self.eligible(req):
             return False
         s = self._states.get(req.id)
-        if s is None:
+        if s is None or self.learned:
             return True
         if len(req.output) < s.resume_at:
             return False
@@ -227,9 +256,15 @@ class Speculation:
         s = self._state(req)
         self._sync(req, s)
         drafts = s.proposer.propose(min(s.drafts, room))
-        if not drafts:
+        if not drafts and not self.learned:
             self.miss(req)
         return drafts
+
+    def learned_drafts(self, req: Request, drafts: list[int]) -> None:
+        """A verify step's MTP drafts for the request's next step (its tokens are in its output)."""
+        s = self._state(req)
+        self._sync(req, s)
+        s.proposer.offer(drafts)
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify step's outcome for the request (called once its tokens are in its output):
@@ -242,7 +277,8 @@ class Speculation:
         if accepted:
             s.run = _running(s.run, accepted, RATE_WEIGHT)
         if accepted == 0:
-            self._back_off(s, len(req.output))
+            if not self.learned:
+                self._back_off(s, len(req.output))
             s.drafts = max(1, s.drafts // 2)
             return
         s.backoff = 0
@@ -270,7 +306,7 @@ class Speculation:
     def _state(self, req: Request) -> _State:
         s = self._states.get(req.id)
         if s is None:
-            s = self._states[req.id] = _State(CopyProposer(), self.max_drafts)
+            s = self._states[req.id] = _State(LearnedDrafts() if self.learned else CopyProposer(), self.max_drafts)
         return s
 
     def miss(self, req: Request) -> None:

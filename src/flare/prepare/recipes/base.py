@@ -46,6 +46,7 @@ from flare.core.manifest import DType
 from flare.prepare import attention as _attention  # registers flare_paged
 from flare.prepare.attention import PagedBatch
 from flare.prepare.parallel import SINGLE, Shard, ShardingError, TensorParallel
+from flare.prepare.recipes import mtp as _mtp
 from flare.prepare.recipes.fused import fuse_projections, is_fused, parts_of
 
 
@@ -159,6 +160,9 @@ class Recipe:
     # mixers that are neither fused nor replaced).
     eager: frozenset[str] = frozenset()
     replacements: tuple[Replacement, ...] = ()
+    # The family's checkpoints may carry a multi-token-prediction head (recipes/mtp.py) that
+    # this recipe builds when the config declares it (flare-prepare --mtp keeps the declaration).
+    mtp: bool = False
 
     # -- geometry (from the config alone) -----------------------------------------
 
@@ -184,6 +188,10 @@ class Recipe:
     def hidden_size(self, config) -> int:
         return config.get_text_config().hidden_size
 
+    def mtp_layers(self, config) -> int:
+        """MTP layers the recipe builds for this config (each owns one more KV layer)."""
+        return _mtp.declared_layers(config) if self.mtp else 0
+
     def vocab_size(self, config) -> int:
         return config.get_text_config().vocab_size
 
@@ -206,6 +214,14 @@ class Recipe:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.config._attn_implementation = _attention.ATTENTION_NAME
+        if self.mtp_layers(config):
+            if tp.active:
+                raise ShardingError("an MTP head (--mtp) is not supported with tensor parallelism yet")
+            try:
+                with torch.device("meta"):
+                    _mtp.attach(model, config, dtype)
+            except ValueError as e:
+                raise RecipeError(str(e)) from None
         model.eval()
         model.requires_grad_(False)
         self._replace(model)
@@ -236,7 +252,9 @@ class Recipe:
                                     f"shards it evenly over ranks")
 
     def decoder_layers(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.model.layers)
+        """The model's decoder layers, then its MTP head's (they own the last KV layers)."""
+        head = getattr(model, "mtp", None)
+        return list(model.model.layers) + (list(head.layers) if head is not None else [])
 
     def _replace(self, model: nn.Module) -> None:
         counts = {r.original: 0 for r in self.replacements}
@@ -316,15 +334,17 @@ class Recipe:
                 twin = type(owner)(owner.config)
             views[spec.buffer].copy_(getattr(twin, attr))
 
-    def checkpoint_state(self, config_json: str, image: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, config_json: str, image: dict[str, torch.Tensor],
+                         mtp: bool = False) -> dict[str, torch.Tensor]:
         """A core's image tensors (arena buffer name -> tensor) as a Transformers state dict
         of the canonical model: fused buffers split back into their checkpoint tensors,
         tied names sharing one tensor, computed constants left out. For baselines and
-        comparisons that load the core's weights into Transformers' own model."""
+        comparisons that load the core's weights into Transformers' own model (which has no
+        MTP head: its ``mtp.*`` weights only with ``mtp``)."""
         pm = self.build(self.config_from_json(config_json), torch.float32)
         state = {}
         for spec in self.weights(pm):
-            if spec.from_checkpoint:
+            if spec.from_checkpoint and (mtp or not spec.names[0].startswith("mtp.")):
                 state.update(spec.checkpoint_views(image[spec.buffer]))
         return state
 
@@ -364,6 +384,13 @@ class Recipe:
             m.flare_paged = batch
         out = pm.module.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, paged=batch)
         return out.last_hidden_state[0]
+
+    def mtp_forward(self, pm: PreparedModel, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                    batch: PagedBatch) -> torch.Tensor:
+        """The MTP head's final-normed output ``[T, H]`` (``recipes/mtp.py``)."""
+        for m in pm.batch_readers:
+            m.flare_paged = batch
+        return _mtp.forward(pm.module, tokens, hidden, positions, batch)
 
     def lm_head(self, pm: PreparedModel, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (gathered from the vocabulary shards)."""

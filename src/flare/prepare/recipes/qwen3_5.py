@@ -413,11 +413,12 @@ class Qwen35Recipe(Recipe):
     # sharding is declared yet.
     eager = frozenset({"Qwen3_5RMSNorm"})
     replacements = (Replacement("Qwen3_5GatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),)
+    mtp = True  # Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints carry one MTP layer (recipes/mtp.py)
 
     def kv_geometry(self, config, tp_size: int = 1) -> KVGeometry:
         t = config.get_text_config()
         attn = sum(1 for kind in t.layer_types if kind != LINEAR)
-        return KVGeometry(attn, t.num_key_value_heads, t.head_dim)
+        return KVGeometry(attn + self.mtp_layers(config), t.num_key_value_heads, t.head_dim)
 
 
 class Qwen35MoeRecipe(Qwen35Recipe):
