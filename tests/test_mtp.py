@@ -60,10 +60,11 @@ def _capture(module, query, key, value, attention_mask, **kwargs):
 @torch.inference_mode()
 def _reference_drafts(ref, consumed: list[int], pending: int, k: int):
     """The head's greedy chain after ``consumed`` tokens and the pending one, from its
-    definition: input p is (token p + 1, the model's final-normed hidden vector at p) at
-    position p, causal attention over inputs 0..p; each draft and the head's output feed the
-    next position. Returns the drafts, each one's margin over the runner-up logit, and the
-    keys and values of the head's inputs 0..len(consumed) + k - 2 (``[T, KVH, D]`` each)."""
+    definition (``recipes/mtp.py``): the input for token t is (that token, the model's
+    final-normed hidden vector at t - 1; zeros for t = 0) at position t, causal attention over
+    inputs 0..t; each draft and the head's output feed the next position. Returns the drafts,
+    each one's margin over the runner-up logit, and the keys and values of the head's inputs
+    0..len(consumed) + k - 1 (``[T, KVH, D]`` each)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register("flare_test_capture", _capture)
@@ -71,7 +72,7 @@ def _reference_drafts(ref, consumed: list[int], pending: int, k: int):
     head.layers[0].self_attn.config._attn_implementation = "flare_test_capture"
     inner = model.model
     hidden = inner(input_ids=torch.tensor([consumed])).last_hidden_state[0]
-    tokens, rows, drafts, margins = consumed[1:] + [pending], list(hidden), [], []
+    tokens, rows, drafts, margins = consumed + [pending], [torch.zeros_like(hidden[0]), *hidden], [], []
     for _ in range(k):
         T = len(tokens)
         x = torch.cat([head.pre_fc_norm_embedding(inner.embed_tokens(torch.tensor(tokens))),
@@ -182,36 +183,93 @@ def test_the_chain_stops_where_the_slots_pages_end(mtp_core):
     verified positions gets the drafts that fit (-1 after), never a write past its pages."""
     r = load_rig(mtp_core)
     ps = r.m.pages.page_size
-    prompt = list(range(5, 5 + ps * 2 - 2))  # the pending token lands at position 2 ps - 2
+    prompt = list(range(5, 5 + ps * 2 - 3))  # the pending token lands at position 2 ps - 3
     pages = r.pages(2)
     admit(r, 1, prompt, pages, seed=1)
     prefill(r, 1, prompt)
     _, got = _verify(r, 1, [], room=len(pages) * ps)
-    # The pending token is consumed at 2 ps - 2; the chain's rows sit at 2 ps - 2 and 2 ps - 1
-    # (inside the pages), then at 2 ps (outside): two drafts.
+    # The pending token is consumed at 2 ps - 3, the next one lands at 2 ps - 2: the chain's
+    # rows sit at 2 ps - 2 and 2 ps - 1 (inside the pages), then at 2 ps (outside): two drafts.
     assert len(got) == 2, got
+
+
+def _engine_run(core, reqs, **options):
+    """Requests (prompt, params) through an engine on the reference executor; returns them and
+    its metrics."""
+    from flare.runtime.engine import Engine
+    from flare.runtime.reference import ReferenceExecutor
+    from flare.runtime.request import Request
+
+    async def go():
+        engine = Engine(ReferenceExecutor(core, load_manifest(core)), **options)
+        await engine.start()
+        try:
+            out = [Request(list(p), params, Sink()) for p, params in reqs]
+            for r in out:
+                engine.submit(r)
+            for r in out:
+                await asyncio.wait_for(r.sink.done.wait(), 300)
+                assert r.error is None, r.error
+            return out, engine.metrics
+        finally:
+            await engine.shutdown(1.0)
+            assert engine.failure is None
+
+    return asyncio.run(go())
+
+
+def test_learned_drafts_are_counted_and_reach_the_context_limit(mtp_core):
+    """mtp-always: every step carries the head's drafts (counted in the metrics); a request
+    whose prompt and output fill the context exactly finishes with its whole output (the chain's
+    pages stay within the slot's page table: a write past it is refused by the executor)."""
+    m = load_manifest(mtp_core)
+    limit = m.capacities.context_limit
+    prompt = [(7 * k + 3) % 4000 + 5 for k in range(limit - 24)]
+    reqs, metrics = _engine_run(mtp_core, [(prompt, _greedy(1, 24)), (prompt[:50], _greedy(2, 30))],
+                                draft_tokens=D, learned_drafts=True, speculate_always=True)
+    assert [len(r.output) for r in reqs] == [24, 30]
+    assert metrics.spec_draft_tokens >= 30, metrics.spec_draft_tokens
+
+
+def test_copy_drafts_on_a_core_with_the_head(mtp_core, hybrid_core):
+    """--speculative copy on a core prepared with --mtp: copy drafts verified (the records'
+    learned drafts left unread), greedy tokens as without speculation."""
+    phrase = [(13 * k + 5) % 4000 for k in range(12)]
+    reqs = [(phrase * 3, _greedy(1, 40)), ([9] + phrase * 2, _greedy(2, 30))]
+    plain, _ = _engine_run(hybrid_core, reqs)
+    copied, metrics = _engine_run(mtp_core, reqs, draft_tokens=D, speculate_always=True)
+    assert metrics.spec_draft_tokens > 0
+    assert [r.output for r in copied] == [r.output for r in plain]
 
 
 def _greedy(seed: int, max_tokens: int):
     return _params(seed, max_tokens, top_k=1, repetition_penalty=1.0)
 
 
-def test_greedy_requests_are_the_same_with_learned_drafts(mtp_core, hybrid_core):
-    """The engine with --speculative mtp: every decode step verifies the head's drafts; greedy
-    requests (several at once, then a follow-up turn that hits the prefix cache) come out as the
-    same model's without speculation, and the drafts are counted."""
+@pytest.mark.parametrize("always", [True, False], ids=["mtp-always", "mtp"])
+def test_greedy_requests_are_the_same_with_learned_drafts(mtp_core, hybrid_core, always):
+    """The engine with learned drafts: greedy requests (several at once, then a follow-up turn
+    that hits the prefix cache) come out as the same model's without speculation. mtp-always
+    verifies the head's drafts at every step; mtp (the default) under the cost model, which
+    on a random head (its drafts rejected) turns to decode steps once it has measured both,
+    re-measuring now and then."""
     vocab = load_manifest(mtp_core).capacities.sampling_vocab
     prompts = [[(13 * k + 5 + i) % vocab for k in range(30 + 7 * i)] for i in range(3)]
 
     def batches():
         return [[(p, _greedy(10 + i, 24 + 4 * i), Sink()) for i, p in enumerate(prompts)],
-                [(prompts[0] + [3, 4, 5], _greedy(20, 20), Sink())]]
+                [(prompts[0] + [3, 4, 5], _greedy(20, 40), Sink())]]
 
     ran: list[str] = []
     plain, _ = asyncio.run(_run(hybrid_core, 2, batches()))
-    learned, _ = asyncio.run(_run(mtp_core, 2, batches(), ran, draft_tokens=D, learned_drafts=True))
-    assert any(name.startswith("verify.") for name in ran) and not any(n.startswith("decode.") for n in ran), \
-        sorted(set(ran))
+    learned, _ = asyncio.run(_run(mtp_core, 2, batches(), ran, draft_tokens=D, learned_drafts=True,
+                                  speculate_always=always))
+    verify = sum(n.startswith("verify.") for n in ran)
+    decode = sum(n.startswith("decode.") for n in ran)
+    if always:
+        assert verify and not decode, sorted(set(ran))
+    else:
+        assert verify and decode > 2 * verify, (verify, decode)
     for a, b in zip(sum(plain, []), sum(learned, [])):
         assert a.output == b.output and len(b.output) == b.params.max_tokens, (a.output, b.output)
     assert learned[1][0].cached_tokens >= len(prompts[0])

@@ -45,16 +45,17 @@ SHAPES = {
     "llama-3.2-1b-shape": ["--context-limit", "4096", "--prefill-chunk-size", "512", "--kv-pages", "1024",
                            "--pack-capacities", "64,256", "--draft-tokens", "5"],
     # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md), and
-    # verify programs with per-position state (speculative decoding's rollback), with the MTP
-    # head (its KV rows in every program, its drafts chained in verify programs; the serve
-    # test then speculates with them, the default on such a core).
+    # verify programs with per-position state (speculative decoding's rollback).
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
-                            "--draft-tokens", "3", "--mtp"],
+                            "--draft-tokens", "3"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Hybrid and routed experts with a gated shared expert: Qwen3.5-35B-A3B's and
     # Qwen3-Next-80B-A3B's per-layer geometry at 2 layers (Gated DeltaNet, attention).
-    "qwen3_5-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    # The first with the MTP head (an experts layer: its KV rows in every program, its drafts
+    # chained in verify programs; the serve test speculates with them, the default on such a core).
+    "qwen3_5-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
+                                "--draft-tokens", "3", "--mtp"],
     "qwen3-next-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Sliding-window attention: Mistral-7B-v0.1's per-layer geometry (window 4,096) at 4 layers.
     "mistral-small-shape": ["--context-limit", "9216", "--prefill-chunk-size", "2048", "--kv-pages", "1200"],

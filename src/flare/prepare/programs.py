@@ -267,9 +267,9 @@ class ProgramSet:
         batch = self._batch(slot.expand(C), pos, slot_mapping, valid, single_slot=True)
         hidden = self._forward(tokens, pos, batch)
         v["out.prefill_hidden"][:C].copy_(hidden)
-        if self.caps.mtp_drafts:  # row r's hidden predecessor: the slot's saved vector, then the chunk's
+        if self.caps.mtp_drafts:  # token r's hidden predecessor: the slot's saved vector, then the chunk's
             before = torch.cat([v["state.hidden"].index_select(0, slot), hidden[: C - 1]])
-            self._mtp_rows(tokens, before, pos, valid, slot.expand(C), single_slot=True)
+            self._mtp_rows(tokens, before, batch)
         last = hidden.index_select(0, (n - 1).clamp(min=0))
         v["state.hidden"].index_copy_(0, slot, last)
         v["state.len"].index_copy_(0, slot, (start + n).int())
@@ -336,7 +336,7 @@ class ProgramSet:
         hidden = self._forward(tokens, pos, batch)
         old_hidden = v["state.hidden"].index_select(0, slots)
         if self.caps.mtp_drafts:
-            self._mtp_rows(tokens, old_hidden, pos, live, slots)
+            self._mtp_rows(tokens, old_hidden, batch)
         v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old_hidden))
         v["state.len"].index_copy_(0, slots, (length + live.long()).int())
         logits = self.recipe.lm_head(self.model, hidden).float()
@@ -375,10 +375,10 @@ class ProgramSet:
                             verify_state={n: v[verify_buffer(n)][:B] for n in stepped_state(self.continuation)})
         flat = torch.where(valid, tokens.reshape(-1), 0)
         hidden = self._forward(flat, pos, batch)  # [B * W, H]
-        if self.caps.mtp_drafts:  # position j's hidden predecessor: the slot's saved vector, then row j - 1's
+        if self.caps.mtp_drafts:  # position j's hidden predecessor: the slot's saved vector, then position j - 1's
             hw = hidden.reshape(B, W, -1)
             before = torch.cat([v["state.hidden"].index_select(0, slots)[:, None], hw[:, :-1]], 1)
-            self._mtp_rows(flat, before.reshape(B * W, -1), pos, valid, row_slot, verify_width=W)
+            self._mtp_rows(flat, before.reshape(B * W, -1), batch)
         logits = self.recipe.lm_head(self.model, hidden).float().reshape(B, W, -1)
         v["out.logits"][:B].copy_(logits[:, 0])  # the first position's, raw (as a decode step's)
         first = apply_token_mask(logits[:, 0], v["in.token_mask"].index_select(0, slots), mask_on)
@@ -437,30 +437,26 @@ class ProgramSet:
 
     # -- the MTP head (recipes/mtp.py) ----------------------------------------
 
-    def _mtp_rows(self, tokens, before, pos, valid, row_slot, **layout) -> None:
-        """The MTP head's KV rows that a program's tokens complete: its row p is the head's
-        input (the token at p + 1, the target's hidden vector at p), so program row r (token
-        ``tokens[r]`` at ``pos[r]``) writes row pos[r] - 1 from ``before[r]``, the hidden vector
-        at pos[r] - 1. The rows a verify program writes past its accepted tokens hold rejected
-        drafts; they lie past the slot's new length and are rewritten before anything reads
-        them (the chain rewrites the first, the next program the rest)."""
-        p = pos - 1
-        ok = valid & (p >= 0)
-        p = torch.where(ok, p, 0)
-        pt = self.v["state.page_table"].index_select(0, row_slot).long()
-        batch = self._batch(row_slot, p, self._slot_mapping(pt, p, ok), ok, **layout)
-        self.recipe.mtp_forward(self.model, tokens, before, p, batch)
+    def _mtp_rows(self, tokens, before, batch: PagedBatch) -> None:
+        """The MTP head's KV rows for a program's tokens (``recipes/mtp.py``): the row of token
+        ``tokens[r]`` is the head's input (that token, ``before[r]``: the target's hidden vector
+        at the position before it), at the token's own position and KV row, so the program's
+        batch (its positions, slot mapping and valid rows) writes them where it writes the
+        model's. The rows a verify program writes for drafts it rejects lie past the slot's new
+        length, rewritten before anything reads them, as the model's are."""
+        self.recipe.mtp_forward(self.model, tokens, before, batch.positions, batch)
 
     def _mtp_chain(self, slots, live, token, hidden, length, room) -> torch.Tensor:
         """Greedy learned drafts ``[B, D]`` for each row's next step: the head from (the pending
-        token, the hidden vector before it) at position length - 1, then from each draft and the
-        head's own output one position on. A row stops (-1 from there) at the first position its
-        pages do not hold (``room``): the chain writes the head's KV there."""
+        token, the hidden vector before it) at the pending token's position ``length``, then from
+        each draft and the head's own output one position on. A row stops (-1 from there) at the
+        first position its pages do not hold (``room``): the chain writes the head's KV there."""
         v = self.v
         pt = v["state.page_table"].index_select(0, slots).long()
-        p, drafts = length - 1, []
+        room = room.clamp(max=pt.shape[1] * self.page_size)
+        p, drafts = length, []
         for _ in range(self.caps.mtp_drafts):
-            ok = live & (p >= 0) & (p < room)
+            ok = live & (p < room)
             p = torch.where(ok, p, 0)
             batch = self._batch(slots, p, self._slot_mapping(pt, p, ok), ok)
             hidden = self.recipe.mtp_forward(self.model, torch.where(ok, token, 0), hidden, p, batch)

@@ -31,7 +31,7 @@ from flare.core.errors import CoreCompatibilityError, ExecutionError, ManifestEr
 from flare.core.image import iter_image
 from flare.core.manifest import BufferRole, Manifest, check_device
 from flare.runtime.cuda_driver import SUCCESS, DeviceArena, ck, free_memory, open_device
-from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES
+from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES, check_row
 from flare.runtime.graph_rebuild import GraphRebuilder
 from flare.runtime.staging import StagingRing
 
@@ -231,6 +231,7 @@ class CudaExecutor:
         b = self._buffers[buffer]
         if row is None:
             return self.arena.base + b.offset, b.nbytes
+        check_row(buffer, b.shape, row)
         itemsize = b.dtype.itemsize
         strides = [itemsize]
         for dim in reversed(b.shape[1:]):

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from flare.core.errors import ExecutionError
 from flare.core.manifest import DType, Manifest
 
 NUMPY_DTYPES = {
@@ -35,6 +36,18 @@ NUMPY_DTYPES = {
 
 
 MAX_IN_FLIGHT = 2
+
+
+def check_row(buffer: str, shape: tuple[int, ...], row) -> None:
+    """A row write (``row``: a row index, or (row, slice of the last dimension)) inside the
+    buffer's shape: a device write past it would land in the next row or buffer."""
+    r, sl = row if isinstance(row, tuple) else (row, None)
+    if isinstance(r, slice):
+        return
+    inside = 0 <= r < shape[0] and (sl is None or 0 <= sl.start <= sl.stop <= shape[-1])
+    if not inside:
+        where = f"[{r}, {sl.start}:{sl.stop}]" if sl is not None else f"[{r}]"
+        raise ExecutionError(f"a write of {buffer}{where} lies outside its shape {tuple(shape)}", code="bad_write")
 
 
 class Executor(Protocol):

@@ -37,7 +37,7 @@ import numpy as np
 from flare.core.errors import ExecutionError, ManifestError
 from flare.core.image import iter_image
 from flare.core.manifest import Manifest, rank_images
-from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES
+from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES, check_row
 
 READY_TIMEOUT_S = 300.0
 PEER_DEATH_GRACE_S = 1.0  # how long a rank's error waits to be explained by a peer's death
@@ -169,6 +169,8 @@ class ReferenceExecutor:
     # -- executor interface ------------------------------------------------
 
     def write(self, buffer: str, value: np.ndarray, row: int | slice | None = None) -> None:
+        if row is not None:
+            check_row(buffer, self._ranks[0].views[buffer].shape, row)
         if self._sent or self._queue:
             self._queue.append(("write", buffer, np.array(value, copy=True), row))
         else:

@@ -349,9 +349,7 @@ class Scheduler:
             return None
         if self._verify_program(batch) is not None:
             drafts = [self._drafts(r, writes) for r in batch]
-            if self.spec.learned:  # every step verifies: its records carry the next step's drafts
-                return self.encode.verify(batch, drafts, writes)
-            if any(drafts):
+            if self.spec.verifies(batch, drafts):
                 step = self.encode.verify(batch, drafts, writes)
                 plain = self.encode.decode(batch, writes)
                 if self.spec.pays(plain.program, step.program, batch, drafts):
@@ -385,11 +383,14 @@ class Scheduler:
         # Ids the model never samples (a padded vocabulary's, from the prompt) cannot be accepted.
         drafts = list(itertools.takewhile(lambda t: t < self.caps.sampling_vocab, drafts))
         # Positions consumed .. consumed + len(drafts) are written; with learned drafts the MTP
-        # head's chain writes up to mtp_drafts - 1 more (pages for them when free: it stops short).
+        # head's chain writes mtp_drafts more from the next pending token's position (pages for
+        # them when free, within the request's limit: the chain stops short where they end).
         need = self.pages_for(req.consumed + 1 + len(drafts)) - len(req.pages)
-        chain = self.pages_for(req.consumed + len(drafts) + self.caps.mtp_drafts) - len(req.pages)
-        if self.spec.learned and chain > 0 and self.pages.can_allocate(chain):
-            need = chain
+        if self.spec.learned:
+            chain = min(self.pages_for(req.consumed + 1 + len(drafts) + self.caps.mtp_drafts),
+                        self.pages_for(req.max_len), self.caps.max_pages_per_slot) - len(req.pages)
+            if chain > need and self.pages.can_allocate(chain):
+                need = chain
         if need > 0 and self.pages.can_allocate(need):
             self._add_pages(req, need, writes)
         fit = drafts[: max(0, len(req.pages) * self.page_size - req.consumed - 1)]
@@ -528,7 +529,7 @@ class Scheduler:
             self._check_slots(step, [head.slot for head, _ in verified])
             for req, drafts, (head, tokens), row in zip(step.requests, step.drafts, verified, records):
                 self._verified(req, drafts, head, tokens)
-                if M and not req.finished:
+                if M and self.spec.learned and not req.finished:  # (copy drafts leave them unread)
                     self.spec.learned_drafts(req, io.mtp_drafts(row, D, M))
             return
         rows = [io.completion(row) for row in records[: len(step.requests)]]

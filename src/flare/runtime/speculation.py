@@ -53,10 +53,14 @@ no log-probability block, and a grammar mask is known for the first position onl
 
 **Learned drafts** (``learned``: ``--speculative mtp`` on a core prepared with ``--mtp``): the
 drafts are the model's MTP head's, which each verify program computes at its end for the row's
-next step (``LearnedDrafts``). They exist only after a verify step, so every step of a batch
-that can verify does (as vLLM and SGLang run MTP): no cost model and no backoff; a request's
-draft count still follows its acceptance (all accepted: one more; none: halved; otherwise the
-accepted count plus one). A request's first step after its prompt verifies no drafts.
+next step (``LearnedDrafts``), so a request has drafts only right after a verify step. The
+policy above holds with that difference: a request that wants drafts but holds none (its first
+step, or after decode steps) counts as drafting, at its expected gain, in the decision for a
+verify step (its row verifies none this time and brings drafts for the next one), and is no
+bystander. While the head's drafts pay, every step verifies; when they do not (a head whose
+drafts are rejected: random weights), the batch decodes as without speculation, and the
+verify steps that re-measure (one per REFRESH decisions) bring fresh drafts, which the decode
+step after them checks (``shadow``), so a head that starts to pay is noticed.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ class Speculation:
         if max_drafts < 1:
             raise ValueError(f"speculation needs at least one draft token, got {max_drafts}")
         self.max_drafts = max_drafts
-        self.always = always or learned
+        self.always = always
         self.learned = learned
         self._states: dict[str, _State] = {}
         self.step_ms: dict[str, float] = {}  # program name -> running step time
@@ -171,16 +175,27 @@ class Speculation:
         n = self._declines.get(verify, 0) + 1
         self._declines[verify] = n
         self.refused_for_share = False
+        drafting = [bool(d) or self._draws_drafts(req) for req, d in zip(batch, drafts)]
         if n < REFRESH:  # (a step that re-measures runs whatever its expected gain)
-            gain = sum(_gain(self._state(req), len(d)) for req, d in zip(batch, drafts) if d)
+            gain = sum(_gain(self._state(req), len(d) or self._state(req).drafts)
+                       for req, d, ok in zip(batch, drafts, drafting) if ok)
             if not _pays(gain, len(batch), t_decode, t_verify):
                 return False
-        if not all(drafts):  # bystanders wait for it: within the fair share only, re-measuring too
+        if not all(drafting):  # bystanders wait for it: within the fair share only, re-measuring too
             if self._share_ms < _excess(t_decode, t_verify):
                 self.refused_for_share = True
                 return False
             self._share_ms -= _excess(t_decode, t_verify)
         return True
+
+    def verifies(self, batch: list[Request], drafts: list[list[int]]) -> bool:
+        """Whether a verify step is worth considering: some request has drafts, or (learned
+        drafts) wants them and would get them from it."""
+        return any(drafts) or any(self._draws_drafts(r) for r in batch)
+
+    def _draws_drafts(self, req: Request) -> bool:
+        """A request without drafts now that a verify step gives drafts for its next step."""
+        return self.learned and self.wants(req)
 
     def eligible(self, req: Request) -> bool:
         return req.grammar is None and req.params.logprobs < 0
@@ -191,7 +206,7 @@ class Speculation:
         if not self.eligible(req):
             return False
         s = self._states.get(req.id)
-        if s is None or self.learned:
+        if s is None:
             return True
         if len(req.output) < s.resume_at:
             return False
@@ -277,7 +292,7 @@ class Speculation:
         if accepted:
             s.run = _running(s.run, accepted, RATE_WEIGHT)
         if accepted == 0:
-            if not self.learned:
+            if not (self.learned and self.always):  # mtp-always: the next step verifies anyway
                 self._back_off(s, len(req.output))
             s.drafts = max(1, s.drafts // 2)
             return

@@ -48,16 +48,16 @@ def parser() -> argparse.ArgumentParser:
                    help="when the engine is idle and prompts are waiting while others are still being rendered "
                         "and tokenized (requests sent together), wait up to MS for them so that they start in "
                         "one program; a lone request never waits (0 disables)")
-    p.add_argument("--speculative", choices=("off", "copy", "copy-always", "mtp"), default=None,
+    p.add_argument("--speculative", choices=("off", "copy", "copy-always", "mtp", "mtp-always"), default=None,
                    help="speculative decoding: copy drafts each request's next tokens from its own history "
                         "(prompt, earlier turns, tool results, output) and the core's verify programs check "
                         "them exactly, when the measured step costs say it pays; copy-always verifies "
                         "whenever there are drafts; mtp takes the drafts of the model's MTP head (a core "
-                        "prepared with --mtp) and verifies every step; requests with log-probabilities or a "
+                        "prepared with --mtp) instead, mtp-always verifies them every step; requests with log-probabilities or a "
                         "grammar decode without drafts (default: mtp on a core prepared with --mtp, copy on one "
                         "prepared with --draft-tokens, else off)")
     p.add_argument("--draft-tokens", type=int, default=None, metavar="N",
-                   help="drafts per request and step with --speculative copy (default and maximum: the core's "
+                   help="drafts per request and step with --speculative copy or mtp (default and maximum: the core's "
                         "--draft-tokens)")
     p.add_argument("--steps-in-flight", type=int, choices=(1, 2), default=2,
                    help="decode steps kept in flight: 2 queues the next decode before the current one "
@@ -108,7 +108,7 @@ async def serve(a: argparse.Namespace) -> int:
         if speculative == "off" and a.draft_tokens is not None:
             log.error("startup failed: --draft-tokens needs --speculative copy or mtp")
             return 2
-        if speculative == "mtp" and not learned:
+        if speculative.startswith("mtp") and not learned:
             log.error("startup failed: --speculative mtp needs a core prepared with --mtp")
             return 2
         draft_tokens = (prepared if a.draft_tokens is None else a.draft_tokens) if speculative != "off" else 0
@@ -120,7 +120,7 @@ async def serve(a: argparse.Namespace) -> int:
                         prefix_cache=not a.no_prefix_cache, steps_in_flight=a.steps_in_flight,
                         prefill_while_decoding=a.prefill_while_decoding,
                         decode_with_prefill=a.decode_with_prefill, draft_tokens=draft_tokens,
-                        speculate_always=speculative == "copy-always", learned_drafts=speculative == "mtp",
+                        speculate_always=speculative.endswith("-always"), learned_drafts=speculative.startswith("mtp"),
                         admission_window_s=a.admission_window_ms / 1000)
     except FlareError as e:
         log.error("startup failed: %s (%s)", e.message, e.code)

@@ -2,21 +2,25 @@
 model (Qwen3.5 ``mtp_num_hidden_layers``, Qwen3-Next ``num_nextn_predict_layers``; the
 weights under ``mtp.``), for speculative decoding (``flare-prepare --mtp``, issue 20).
 
-The head predicts the token after next. Its input at position p is the token at p + 1 and the
-target model's final-normed hidden vector at p::
+The head predicts the token after next. Its input for the token at position t is that token
+and the target model's final-normed hidden vector at t - 1 (which predicted it)::
 
-    x = fc([pre_fc_norm_embedding(embed(token[p + 1])), pre_fc_norm_hidden(hidden[p])])
-    x = layers[0](x at position p)          # a full-attention decoder layer of the model's kind
-    out = norm(x)                           # lm_head(out): the logits of token p + 2
+    x = fc([pre_fc_norm_embedding(embed(token[t])), pre_fc_norm_hidden(hidden[t - 1])])
+    x = layers[0](x at position t)          # a full-attention decoder layer of the model's kind
+    out = norm(x)                           # lm_head(out): the logits of token t + 1
 
 Its decoder layer attends like every other attention layer: it owns one more KV layer of the
-page pool (after the model's own), whose row p holds that input's keys and values. The
-programs keep those rows as they keep the model's (``programs.ProgramSet._mtp_rows``): every
-program that consumes tokens completes the rows their positions make known (row p needs the
-token at p + 1, so a chunk at positions s..e completes rows s - 1..e - 1, the first from the
-slot's saved hidden vector). A verify program then chains the head from the last emitted
-token: greedy drafts for the request's next step, each fed the head's own output and the
-draft before it (as vLLM and SGLang chain one MTP layer).
+page pool (after the model's own), and the head's row for token t lies in t's own KV row, so
+every program that consumes tokens writes the head's rows with the model's, at the same
+positions and in the same pages (``programs.ProgramSet._mtp_rows``; the hidden vector before a
+program's first token of a slot is the slot's saved one). vLLM places input t at position
+t - 1 instead; a uniform shift leaves rotary attention unchanged, and this way no row of the
+head waits for a later program (which would write into a page a prefix-cache hit shares).
+The first token of a history has no hidden vector before it: its row takes zeros (the slot's
+state after admission) where vLLM has no row at all, one more key the head attends to. A
+verify program then chains the head from the last emitted token: greedy drafts for the
+request's next step, each fed the head's own output and the draft before it (as vLLM and
+SGLang chain one MTP layer).
 
 The embedding and the LM head are the model's own (the checkpoints share them).
 """
@@ -78,8 +82,9 @@ def attach(model: nn.Module, config, dtype: torch.dtype) -> None:
 
 def forward(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
             batch) -> torch.Tensor:
-    """The head's final-normed output ``[T, H]`` for inputs (``tokens[r]``, ``hidden[r]``) at
-    ``positions[r]``; its attention writes and reads the head's KV layer through ``batch``."""
+    """The head's final-normed output ``[T, H]`` for inputs (``tokens[r]``, ``hidden[r]``: the
+    hidden vector before that token) at ``positions[r]``; its attention writes and reads the
+    head's KV layer through ``batch``."""
     head, inner = model.mtp, model.model
     x = torch.cat([head.pre_fc_norm_embedding(inner.embed_tokens(tokens)), head.pre_fc_norm_hidden(hidden)], -1)
     x = head.fc(x)[None]
