@@ -163,6 +163,9 @@ class Recipe:
     # The family's checkpoints may carry a multi-token-prediction head (recipes/mtp.py) that
     # this recipe builds when the config declares it (flare-prepare --mtp keeps the declaration).
     mtp: bool = False
+    # Rows of position ids the model's rotary table takes (multimodal RoPE sections; 0: the
+    # plain [batch, tokens] ids).
+    rotary_sections: int = 0
 
     # -- geometry (from the config alone) -----------------------------------------
 
@@ -390,7 +393,7 @@ class Recipe:
         """The MTP head's final-normed output ``[T, H]`` (``recipes/mtp.py``)."""
         for m in pm.batch_readers:
             m.flare_paged = batch
-        return _mtp.forward(pm.module, tokens, hidden, positions, batch)
+        return _mtp.forward(pm.module, tokens, hidden, positions, batch, self.rotary_sections)
 
     def lm_head(self, pm: PreparedModel, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (gathered from the vocabulary shards)."""

@@ -81,7 +81,7 @@ def attach(model: nn.Module, config, dtype: torch.dtype) -> None:
 
 
 def forward(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-            batch) -> torch.Tensor:
+            batch, rotary_sections: int = 0) -> torch.Tensor:
     """The head's final-normed output ``[T, H]`` for inputs (``tokens[r]``, ``hidden[r]``: the
     hidden vector before that token) at ``positions[r]``; its attention writes and reads the
     head's KV layer through ``batch``."""
@@ -89,6 +89,9 @@ def forward(model: nn.Module, tokens: torch.Tensor, hidden: torch.Tensor, positi
     x = torch.cat([head.pre_fc_norm_embedding(inner.embed_tokens(tokens)), head.pre_fc_norm_hidden(hidden)], -1)
     x = head.fc(x)[None]
     pos = positions[None]
-    x = head.layers[0](x, position_embeddings=inner.rotary_emb(x, pos), attention_mask=None, position_ids=pos,
+    # The rotary table takes position ids as the model's forward hands them: one row per
+    # multimodal section where the model has them (Qwen3.5: three, all equal for text).
+    ids = pos[None].expand(rotary_sections, -1, -1) if rotary_sections else pos
+    x = head.layers[0](x, position_embeddings=inner.rotary_emb(x, ids), attention_mask=None, position_ids=pos,
                        paged=batch)
     return head.norm(x)[0]

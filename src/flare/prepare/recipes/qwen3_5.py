@@ -414,6 +414,7 @@ class Qwen35Recipe(Recipe):
     eager = frozenset({"Qwen3_5RMSNorm"})
     replacements = (Replacement("Qwen3_5GatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),)
     mtp = True  # Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints carry one MTP layer (recipes/mtp.py)
+    rotary_sections = 3  # interleaved multimodal RoPE: temporal, height, width
 
     def kv_geometry(self, config, tp_size: int = 1) -> KVGeometry:
         t = config.get_text_config()
@@ -439,6 +440,7 @@ class Qwen3NextRecipe(Qwen35Recipe):
 
     name = "qwen3_next"
     model_types = ("qwen3_next",)
+    rotary_sections = 0
     eager = frozenset({"Qwen3NextRMSNorm"})
     replacements = (Replacement("Qwen3NextGatedDeltaNet", _prepared_next_gdn, _gdn_state, _fuse_next_gdn_inputs),
                     Replacement("Qwen3NextSparseMoeBlock", prepared_moe, setup=check_moe))
