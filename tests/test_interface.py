@@ -1,4 +1,4 @@
-"""The program interface's layout is the contract of ABI 4: every core on disk was
+"""The program interface's layout is the contract of ABI 5: every core on disk was
 prepared with it. The runtime and the programs use the same typed rows, so no test
 that packs with them could notice a reordering; these literals can."""
 
@@ -13,14 +13,14 @@ from flare.core.errors import ExecutionError
 from flare.core.sampling_params import INTEGER_STATE, SAMPLING_COLUMNS, SAMPLING_NAMES
 
 
-def test_row_layouts_are_abi_4():
+def test_row_layouts_are_abi_5():
     assert io.AdmitInput._fields == ("slot", "count", "clear", "mode")
     assert io.PrefillInput._fields == ("slot", "count", "sample", "reserved")
     assert io.StateInput._fields == ("slot", "row", "page", "count")
     assert io.Completion._fields == ("slot", "token", "generated", "status")
     assert io.StateCompletion._fields == ("slot", "row", "consumed", "reserved")
     # Speculative decoding's rows (cores prepared with --draft-tokens; absent from the others)
-    assert io.VerifyInput._fields == ("slot", "count") and io.VerifyInput.buffer == "in.verify"
+    assert io.VerifyInput._fields == ("slot", "count", "room") and io.VerifyInput.buffer == "in.verify"
     assert io.VerifyCompletion._fields == ("slot", "emitted", "generated", "status")
     assert mf.STATUS_CODES == {"inactive": -1, "running": 0, "stop": 1, "length": 2}
     assert (int(io.AdmitMode.prompt), int(io.AdmitMode.output)) == (0, 1)
@@ -28,7 +28,7 @@ def test_row_layouts_are_abi_4():
                                                                                     "in.state")
 
 
-def test_sampling_state_columns_are_abi_4():
+def test_sampling_state_columns_are_abi_5():
     assert SAMPLING_NAMES == ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                               "frequency_penalty")
     assert SAMPLING_COLUMNS == ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -36,7 +36,7 @@ def test_sampling_state_columns_are_abi_4():
     assert dict(INTEGER_STATE) == {"top_k": "state.top_k"}
 
 
-def test_runtime_buffer_order_is_abi_4():
+def test_runtime_buffer_order_is_abi_5():
     caps = mf.Capacities(context_limit=64, prefill_chunk=64, prefill_capacities=(64,), decode_capacities=(1, 2),
                          slots=2, max_pages_per_slot=4, stop_ids=4, vocab_size=100, sampling_vocab=100,
                          hidden_size=8, snapshot_rows=2)

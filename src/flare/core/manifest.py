@@ -33,7 +33,7 @@ from flare.core import interface as io
 from flare.core.errors import CoreCompatibilityError, ManifestError
 from flare.core.sampling_params import INTEGER_STATE, SAMPLING_COLUMNS, SAMPLING_NAMES, SAMPLING_PARAMS
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 MANIFEST_FILE = "manifest.json"
 
 
