@@ -583,6 +583,23 @@ the policy with a 20 ms excess on 10 ms steps, 4.7 % lost on a 2.5 % budget). Si
 those steps are paid from the budget too, and the budget is 2.5 % (`FAIR_SHARE`): the
 simulation stays at 2.5 % (`tests/test_proposer.py`); the H200 A/B is still to be rerun.
 
+The same A/B at 1e1a035, with re-measuring steps paid from the budget and FAIR_SHARE 2.5 %
+(`speculative-copy-smollm2-h200-2026-12-03-run7.json`, one `off`/`copy` pair):
+
+| `--speculative` (in the same run as `off`) | rewrite, sampled | rewrite, greedy | decode x1 | decode x4 |
+|---|---|---|---|---|
+| `off` | 858 | 853 | 856 | 2,847 |
+| `copy` | 843 (0.98x) | **1,681 (1.97x)** | 821 (-4.1 %) | 2,759 (-3.1 %) |
+
+Greedy rewrites: 1,240, 1,382, 1,681, 1,694 and 1,696 tok/s over the five repeats (1,140
+drafts, 864 accepted, in 272 verify steps over the whole run). The no-copy decode lost 4.1 %
+with one stream and 3.1 % with four, over the 3 % target. With one stream the median gap
+between tokens was the same (1.154 ms against 1.161); the mean was not: 41 gaps over 2 ms
+against 15 (verify steps, 97 ms of the stream's 617 against 40 of 592). That run also shows
+what limits the measurement: each configuration wrote one story per stream, with prompts
+salted differently (`bench.ab_serve` gave each server its own salt) and sampled text that
+depends on the drafts offered, so the two sides did not decode the same text.
+
 ### What a verify step costs on the 8B shape (`verify-widths-llama-3.1-8b-shape-2026-12-02.json`)
 
 `python -m bench.verify_widths llama-3.1-8b-shape OUT.json --depths 4,8` prepares the 8B
@@ -641,6 +658,15 @@ steps in flight), 2.15-2.79x Transformers 5.17 (204 / 289 / 403 tok/s with its s
 cache and torch.compile: its grouped-GEMM experts make it only a few times slower, not many);
 a 4,096-token prompt prefills at 52.5k tok/s, a prefix hit costs 1.16x a cold short
 prompt, and every agent turn found the previous prompt cached.
+
+At 1e1a035, with the shared expert compiled with its layer
+(`floor-qwen3_5-35b-a3b-shape-2026-12-03.json`, `timeline-qwen3_5-35b-a3b-shape-2026-12-03.json`),
+the 35B shape's floor is 2.572 / 3.031 / 3.542 ms per step at c = 1 / 2 / 4 (389 / 660 /
+1,129 tok/s at 20 layers; active-bytes fractions **0.32** / 0.35 / 0.43, from 0.30 / 0.33 /
+0.41): the shared expert takes 0.855 ms a step (1.12 before), the Gated DeltaNet layers
+0.758, the routed experts 0.541, the router 0.342; decode.4 still spends 67 µs in each of two
+ATen cumulative-sum scans in its tail. Serving, the depth check and the baseline did not run
+within that call's device time.
 
 Where a step's time goes (`timeline-qwen3-30b-a3b-shape-2026-12-02.json`,
 `timeline-qwen3_5-35b-a3b-shape-2026-12-02.json`; serialized times, every node paying
