@@ -6,7 +6,8 @@ usage: python -m bench.ab_serve CORE OUT.json --a="OPTIONS" --b="OPTIONS" -- [se
        (e.g. --b=--decode-with-prefill: the = keeps options that start with -- a value)
 
 Each configuration gets a fresh ``flare-serve`` on the core (port 8391), the
-``bench.serve_bench`` options after ``--`` (the same for both), and is stopped before the
+``bench.serve_bench`` options after ``--`` (the same for both, with one prompt salt for both
+unless they name one: the two servers get the same prompts), and is stopped before the
 next starts. The JSON holds both serve_bench outputs under ``a`` and ``b`` with their
 flare-serve options, the server's startup log tail and its step, token and speculation
 counters after the run (``server_counters``).
@@ -15,7 +16,9 @@ counters after the run (``server_counters``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import secrets
 import shlex
 import subprocess
 import sys
@@ -25,9 +28,14 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import server_counters
+
 PORT = 8391
-COUNTERS = ("flare_engine_steps_total", "flare_engine_steps_ahead_total", "flare_generation_tokens_total",
-            "flare_spec_", "flare_engine_admission_")
+
+
+async def _counters(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await server_counters(client, url)
 
 
 def _serve(core: str, options: str, bench_args: list[str], log: Path, out: Path) -> dict:
@@ -52,10 +60,7 @@ def _serve(core: str, options: str, bench_args: list[str], log: Path, out: Path)
         subprocess.run([sys.executable, "-m", "bench.serve_bench", url, "ab", str(out), *bench_args], check=True)
         result = json.loads(out.read_text())
         # The server's own counters after the run (steps, tokens, speculation's drafts).
-        result["server_counters"] = {
-            name: float(value) for name, _, value in (line.rpartition(" ") for line in
-                                                      httpx.get(url + "/metrics", timeout=30).text.splitlines())
-            if name.startswith(COUNTERS)}
+        result["server_counters"] = asyncio.run(_counters(url))
         return result
     finally:
         server.terminate()
@@ -72,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", default="", help="flare-serve options of the second configuration")
     a = p.parse_args(argv[:split])
     bench_args = argv[split + 1 :]
+    if "--salt" not in bench_args and not any(x.startswith("--salt=") for x in bench_args):
+        # One salt for both: each configuration gets a fresh server (nothing is cached across
+        # them) and sends the same prompts.
+        bench_args += ["--salt", secrets.token_hex(4)]
     report = {"core": a.core, "serve_bench": bench_args}
     with tempfile.TemporaryDirectory() as tmp:
         for key, options in (("a", a.a), ("b", a.b)):

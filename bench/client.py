@@ -159,6 +159,30 @@ def spread(xs) -> dict:
             "max_ms": max(xs) * 1e3 if xs else float("nan"), "count": len(xs)}
 
 
+# Flare's counters that say what a run made the server do (bench.ab_serve, bench.serve_bench).
+COUNTERS = ("flare_engine_steps_total", "flare_engine_steps_ahead_total", "flare_generation_tokens_total",
+            "flare_spec_", "flare_engine_admission_")
+
+
+async def server_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The server's COUNTERS from its Prometheus /metrics; {} for a server without them."""
+    try:
+        r = await client.get(url + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    if r.status_code != 200:
+        return {}
+    out = {}
+    for line in r.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(COUNTERS):
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
 def machine() -> dict:
     """Where the client ran and the versions of what it could see. The server's own
     machine is described by the GPU runner (bench/collect.py)."""

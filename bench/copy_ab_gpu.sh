@@ -22,5 +22,5 @@ S=$SECONDS
 echo "prepared at $((SECONDS - S)) s"
 timeout -k 5 ${AB_LIMIT:-240} python3 -m bench.ab_serve $CORE $OUT/ab-copy.json --a='--speculative off' \
   --b="--speculative copy $*" -- --scenarios ${SCENARIOS:-rewrite,decode} --concurrency 1,4 --tokens 512 \
-  --rewrite-tokens 256 --repeats 5 2>&1 | tail -8
+  --rewrite-tokens 256 --repeats 5 --decode-rounds ${DECODE_ROUNDS:-5} 2>&1 | tail -8
 echo "done at $((SECONDS - S)) s"

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import httpx
 
-from bench.client import SAMPLING, Target, complete, context_limit, machine
+from bench.client import SAMPLING, Target, complete, context_limit, machine, server_counters
 from bench.scenarios import SCENARIOS, Env, Options, options_record
 
 
@@ -59,7 +59,7 @@ async def run(a: argparse.Namespace) -> dict:
                    interference_prompt=a.interference_prompt, interference_after=a.interference_after,
                    arrival_prompts=a.arrival_prompts, arrival_tokens=a.arrival_tokens,
                    rewrite_items=a.rewrite_items, rewrite_tokens=a.rewrite_tokens,
-                   repeats=a.repeats, salt=a.salt or secrets.token_hex(4))
+                   repeats=a.repeats, decode_rounds=a.decode_rounds, salt=a.salt or secrets.token_hex(4))
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     async with httpx.AsyncClient(timeout=a.timeout, headers=headers) as client:
         if a.context_limit is not None:
@@ -74,10 +74,15 @@ async def run(a: argparse.Namespace) -> dict:
                    "scenarios": list(a.scenarios)}
         await complete(client, target, "warm up", 8, 0)
         env = Env(client, target, opts)
+        by_scenario = results["server_counters_by_scenario"] = {}
         for name in a.scenarios:
             # The keys of the first two predate the scenario list (bench/report.py reads them).
             key = {"decode": "concurrency", "cold": "cold_ttft"}.get(name, name)
+            before = await server_counters(client, a.url)
             results[key] = await SCENARIOS[name](env)
+            after = await server_counters(client, a.url)
+            if after:  # a Flare server: what each scenario made it do (steps, drafts, ...)
+                by_scenario[name] = {k: v - before.get(k, 0.0) for k, v in after.items() if "_bucket{" not in k}
     return results
 
 
@@ -113,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rewrite-tokens", type=int, default=d.rewrite_tokens)
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="repeats of cold, prefill, prefix and arrivals (median)")
+    p.add_argument("--decode-rounds", type=int, default=d.decode_rounds,
+                   help="rounds of stories at each concurrency (decode: tokens/s is their median)")
     p.add_argument("--context-limit", type=int, default=None, help="override the limit read from /v1/models")
     p.add_argument("--salt", default=None, help="prompt salt (default: random, so every run is cold)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default $OPENAI_API_KEY")

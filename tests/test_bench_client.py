@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
                     "--prefix-tokens", str(PREFIX), "--short-prompt", "16", "--agent-turns", "3",
                     "--agent-tokens", "8", "--agent-result-items", "2", "--interference-decoders", "1",
                     "--interference-tokens", "24", "--interference-after", "4", "--interference-prompt", "96",
-                    "--rewrite-items", "2", "--rewrite-tokens", "6", "--repeats", "1"],
+                    "--rewrite-items", "2", "--rewrite-tokens", "6", "--repeats", "1", "--decode-rounds", "2"],
                    cwd=ROOT, check=True, timeout=240)
     r = json.loads(out.read_text())
 
@@ -42,9 +43,14 @@ def test_all_scenarios_at_tiny_sizes(smol_server, tmp_path):
 
     for c in (1, 2):
         d = r["concurrency"][str(c)]
-        assert [run["tokens"] for run in d["raw"]] == [8] * c
+        assert [run["tokens"] for run in d["raw"]] == [8] * (2 * c)  # two rounds of c stories
         assert all(len(run["gaps_s"]) == 7 and run["ttft_s"] > 0 for run in d["raw"])
-        assert d["decode_tokens_per_s"] > 0 and 0 < d["itl_s_p50"] <= d["itl_s_p99"]
+        assert d["decode_tokens_per_s"] == statistics.median(d["rounds_tokens_per_s"]) > 0
+        assert 0 < d["itl_s_p50"] <= d["itl_s_p99"]
+    # What each scenario made the server do: decode's 2 x (1 + 2) stories of 8 tokens.
+    counted = r["server_counters_by_scenario"]
+    assert counted["decode"]["flare_generation_tokens_total"] == 2 * 3 * 8
+    assert set(counted) == set(r["scenarios"]) and counted["cold"]["flare_generation_tokens_total"] == 1
 
     cold = r["cold_ttft"]["32"]
     assert cold["ttft_s"] > 0 and cold["cached_tokens"] == [0]
@@ -93,6 +99,8 @@ def test_ab_serve_runs_two_configurations_of_one_core(tmp_path):
                     "--repeats", "1"], cwd=ROOT, check=True, timeout=300)
     r = json.loads(out.read_text())
     assert (r["a"]["serve_options"], r["b"]["serve_options"]) == ("", "--decode-with-prefill")
+    # Both servers got the same prompts: one salt, not one per run.
+    assert r["a"]["results"]["options"]["salt"] == r["b"]["results"]["options"]["salt"]
     for key in ("a", "b"):
         res = r[key]["results"]
         assert res["arrivals"]["cached_tokens"] == [0] * 5 and res["arrivals"]["last_ttft_s"] > 0
