@@ -140,7 +140,9 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
         go = more & (c == BLOCK) & (start < V)
     tl.store(tok_ptr + row, tl.load(si_ptr + base + tl.minimum(below, n_kept - 1)))
     if VERIFY:
-        accepted = tl.load(u_ptr + row) < mass_x / total
+        # Correctly rounded, as torch divides: Triton's "/" is an approximate division (within
+        # 2 ulp), which turned p(x) = 1 into 1 - 2^-24 and rejected a draw of u = 1 - 2^-24.
+        accepted = tl.load(u_ptr + row) < tl.div_rn(mass_x, total)
         drawn = tl.load(si_ptr + base + tl.minimum(below_r, last_rest))
         tl.store(vtok_ptr + row, tl.where(accepted, prop, drawn))
         tl.store(acc_ptr + row, accepted.to(tl.int8))
