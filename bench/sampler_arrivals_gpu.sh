@@ -10,8 +10,8 @@
 # and verify programs (the sampler kernel's verification path).
 #   usage: bash bench/sampler_arrivals_gpu.sh [MODEL]       results in $OUT
 #   env:   STEPS="sampler"  the sampler A/B alone, on lean cores (decode 1/2/4, 512-token prefill
-#                           chunks, verify programs; no pack or small prefill programs, no
-#                           qualification replays): what fits a device call with time left
+#                           chunks, verify programs; no pack or small prefill programs, one
+#                           qualification input set): what fits a device call with time left
 #          PREPARE_ONLY=1  stop after preparing (the cores stay in .cache/ of a warm device);
 #                          a first call on 2026-12-03 (1B shape) had not finished preparing the
 #                          two cores side by side after 400 s (both logs end after the captures)
@@ -28,15 +28,16 @@ OPTS=(--device cuda --context-limit 8192 --kv-memory 8 --scratch-memory 6 --pack
       --min-prefill-capacity 16 --draft-tokens 5 --qualify 1)
 C=.cache/ab
 if [[ "$STEPS" != *" arrivals "* ]]; then
-  OPTS=(--device cuda --context-limit 8192 --kv-memory 8 --scratch-memory 6 --prefill-chunk-size 512 --draft-tokens 5)
-  C=.cache/ab-lean
+  OPTS=(--device cuda --context-limit 8192 --kv-memory 8 --scratch-memory 6 --prefill-chunk-size 512 --draft-tokens 5
+        --qualify 1)
+  C=.cache/ab-lean-$MODEL
 fi
 for s in ops kernel; do
   [ -f $C-$s/manifest.json ] || python3 -m flare.prepare.cli $MODEL --out $C-$s --sampler $s "${OPTS[@]}" \
     > $OUT/prepare-$s.log 2>&1 &
 done
 wait
-tail -2 $OUT/prepare-ops.log $OUT/prepare-kernel.log
+tail -n 2 $OUT/prepare-ops.log $OUT/prepare-kernel.log
 echo "prepared at $((SECONDS - S)) s"
 [ "${PREPARE_ONLY:-0}" = 1 ] && exit 0
 python3 -m flare.runtime.replay_check $C-kernel > $OUT/replay-kernel.json 2> $OUT/replay-kernel.err
