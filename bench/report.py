@@ -600,6 +600,73 @@ what limits the measurement: each configuration wrote one story per stream, with
 salted differently (`bench.ab_serve` gave each server its own salt) and sampled text that
 depends on the drafts offered, so the two sides did not decode the same text.
 
+The same A/B at 66140a3, the speculation policy unchanged since run 7 but measured better:
+both servers get the same prompts (one salt), the no-copy decode runs five rounds of
+stories at each concurrency (the median round; 12,800 tokens a side against 2,560), and the
+server's counters are read around each scenario
+(`speculative-copy-smollm2-h200-2026-12-03-run8.json`):
+
+| `--speculative` (in the same run as `off`) | rewrite, sampled | rewrite, greedy | decode x1 | decode x4 |
+|---|---|---|---|---|
+| `off` | 865 | 864 | 864 | 2,915 |
+| `copy` | 918 (1.06x) | **1,986 (2.30x)** | 867 (**+0.3 %**) | 2,849 (**-2.3 %**) |
+
+Greedy rewrites: 1,994, 2,443, 1,986, 1,781 and 1,791 tok/s over the five repeats, 1,174
+of 1,590 drafts accepted in 389 verify steps (3.0 accepted per verify step; the rewrite
+took 1,447 steps for 2,560 tokens against 2,621). The no-copy decode is within the 3 %
+target at both concurrencies: with one stream the five rounds gave 857-892 tok/s against
+863-865, with four 2,821-2,877 against 2,911-2,930, round by round (the same prompts)
+1.4-3.2 % slower. Its counters say why: 163 verify steps over its 12,800 tokens (697 drafts,
+220 accepted: the stories repeat a phrase now and then), and 4,649 of 5,078 steps submitted
+ahead against 5,100 of 5,210 with `off`.
+
+### Learned MTP drafts on the H200 (`qualification-2026-12-03-mtp.json`, `mtp-cost-qwen3_5-small-shape-2026-12-03.json`)
+
+The GPU suite's hybrid-experts shape (`qwen3_5-moe-small-shape`: Gated DeltaNet, gated
+attention, routed and shared experts) prepared with `--draft-tokens 3 --mtp` keeps the
+checkpoint's MTP head (one full-attention layer with its own experts); its verify programs
+end with the head's greedy chain of three drafts for each row's next step. On the H200 at
+09ed011 every program of that core, the verify programs with the chain included, replays
+bitwise on 3 input sets (13 programs), its teacher-forced logits are within 2x Transformers
+BF16's error with 0 hard flips, the torch-free server serves four concurrent streams with
+0 allocations after ready, and no torch in its process.
+
+What the head costs, on `qwen3_5-small-shape` (Qwen3.5-9B's head geometry at hidden 1,024,
+8 layers, SmolLM2's 49,152-token vocabulary, random weights) prepared with and without `--mtp`
+(`bash bench/mtp_gpu.sh`, STEPS=cost). The weights are random, so the head's drafts are never
+accepted: this measures its cost, not its gain.
+
+| GPU ms per step | c = 1 | c = 2 | c = 4 |
+|---|---|---|---|
+| decode, without the head | 0.683 | 0.828 | 0.850 |
+| decode, with the head (its KV rows written every step) | 0.826 (+0.143) | 0.974 (+0.146) | 0.994 (+0.145) |
+| verify (W = 4), without the head | 1.396 | 1.447 | 1.592 |
+| verify (W = 4) with the head's chain of 3 drafts | 2.172 (+0.776) | 2.252 (+0.805) | 2.383 (+0.791) |
+
+Keeping the head current costs every decode step about 0.145 ms (its input projection and
+layer for the step's token): 21 % of this small step, where the head's kernels are as many
+as a layer's and its weights small. The chain costs a verify step about 0.79 ms: three
+single-token passes of the head, each with its vocabulary projection and argmax. Derived
+for the 9B shape (not measured): the head reads its layer (0.42 GB: gated attention and a
+12,288-wide MLP at hidden 4,096) and its 2H -> H projection (67 MB) every decode step, about
+0.12 ms at the copy bandwidth (2.3 % of the 5.2 ms step), and the chain adds three passes of
+that plus the 2.03 GB vocabulary projection, about 1.8 ms (0.34 decode steps) to a verify
+step; with a verify step of four positions at about 1.1 decode steps (the 8B shape's, below),
+learned drafts pay from about half an accepted draft a step.
+Served on the MTP core (`bench.ab_serve`, 256-token stories, three repeats):
+
+| `--speculative` | decode x1 tok/s | decode x4 tok/s | ITL p50 x1 ms |
+|---|---|---|---|
+| `off` | 1,347 | 4,160 | 0.71 |
+| `mtp-always` (every step verifies) | 445 (0.33x) | 1,536 (0.37x) | 2.22 |
+| `off` (second pair) | 1,343 | 4,088 | 0.72 |
+| `mtp` (adaptive) | 1,340 (-0.2 %) | 4,164 (+1.9 %) | 0.72 |
+
+With drafts that are never accepted, verifying every step costs a third of the throughput;
+the adaptive mode turns them off after one verify step (3 drafts in the whole run) and runs
+as `off` does. With a trained head the same programs verify drafts that are accepted; the
+gain depends on the head's acceptance, which random weights cannot show.
+
 ### What a verify step costs on the 8B shape (`verify-widths-llama-3.1-8b-shape-2026-12-02.json`)
 
 `python -m bench.verify_widths llama-3.1-8b-shape OUT.json --depths 4,8` prepares the 8B
@@ -623,6 +690,27 @@ decode steps: it pays from 0.14 accepted drafts per step, and at two accepted dr
 step it emits 3 tokens for 1.14 steps' time (2.6x). (An earlier attempt failed in
 preparation on a stale host-stack word of an ATen kernel that happened to point at a live
 allocation; ed5fc7f zeroes such words in TensorIterator kernels, `prepare/cuda/export.py`.)
+
+## The sampler's filters and draw as one kernel a row (`sampler-kernel-ab-llama-3.2-1b-shape-2026-12-03.json`)
+
+`flare-prepare --sampler kernel` runs everything after the sort (top-k, top-p, min-p, the
+tie widening, the inverse-CDF draw and the verify verdict) as one Triton program a row
+(`prepare/kernels/sampler.py`) instead of about 35 tensor-op kernels. `STEPS=sampler bash
+bench/sampler_arrivals_gpu.sh` prepared the 1B shape (sampling vocabulary 49,152) both
+ways and timed their decode programs with `bench.ab_decode` (three alternating rounds of 200
+steps, GPU ms per step):
+
+| decode | `--sampler ops` | `--sampler kernel` | kernel / ops |
+|---|---|---|---|
+| c = 1 | 1.447 | 1.370 | 0.947 (-0.077 ms) |
+| c = 2 | 1.633 | 1.435 | 0.879 (-0.198 ms) |
+| c = 4 | 1.645 | 1.447 | 0.879 (-0.198 ms) |
+
+Its tests pass on the H200 after 66140a3 (`tests/test_sampler_kernel.py`: the first device
+run found the verdict's division approximate; it is correctly rounded now). The kernel core's
+bitwise replay is not yet checked (the lean cores had no qualification replays; recording them
+took 340 s for one input set of 14 programs and the device time ran out), so `ops` stays the
+default until it is.
 
 ## Mixture of experts on the H200
 
