@@ -127,7 +127,7 @@ def timeline_section(t: dict, name: str) -> list[str]:
         for op, o in r["ops"].items():
             out.append(f"| {op} | {o['count']} | {o['ms']:.3f} | {o['fraction_of_sum'] * 100:.1f} % |")
         parts = r.get("parts") or {}
-        if len(parts) > 1:  # by the weights a kernel reads (bench/kernels.py part_of)
+        if len(parts) > 1:  # by the weights a kernel reads (bench/kernel_parts.py part_of)
             out += ["", "| part | nodes | serialized ms | share |", "|---|---|---|---|"]
             out += [f"| {k} | {v['count']} | {v['ms']:.3f} | {v['ms'] / r['timed_sum_ms'] * 100:.1f} % |"
                     for k, v in parts.items()]

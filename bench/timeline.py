@@ -32,7 +32,7 @@ from cuda.bindings import driver as d
 
 from bench.collect import step_bytes
 from bench.floor import _setup_slots, copy_bandwidth, gpu_ms_per_step
-from bench.kernels import op_of, part_of
+from bench.kernel_parts import op_of, part_of
 from flare.core import graph as G
 from flare.core.manifest import load_manifest
 from flare.runtime.cuda_driver import ck
@@ -147,7 +147,7 @@ def _rows(ex: CudaExecutor, m, spec: G.GraphSpec, order: list[int], ms: np.ndarr
 def fill_layers(rows: list[dict]) -> None:
     """Kernels without a layer weight: head before the first layer, tail after the last,
     otherwise the layer of the previous kernel (a residual add ends its layer's work);
-    likewise their part (``bench.kernels.part_of``): the part before them, else "other"."""
+    likewise their part (``bench.kernel_parts.part_of``): the part before them, else "other"."""
     known = [k for k, r in enumerate(rows) if r["layer"] is not None]
     for k, r in enumerate(rows):
         if r["layer"] is None:

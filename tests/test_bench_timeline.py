@@ -18,7 +18,7 @@ pytest.importorskip("cuda.bindings")
 
 from bench import timeline as T
 from bench.collect import startup
-from bench.kernels import op_of
+from bench.kernel_parts import op_of
 from bench.report import timeline_section
 from flare.core import graph as G
 
@@ -58,7 +58,7 @@ def test_kernels_without_weights_take_the_layer_around_them():
 
 
 def test_parts_of_a_routed_layer_follow_the_weights_read():
-    from bench.kernels import part_of
+    from bench.kernel_parts import part_of
 
     names = [["w.model.layers.0.input_layernorm.weight"], ["w.model.layers.0.self_attn.qkv_proj.weight"], [],
              ["w.model.layers.0.mlp.gate.weight"], [], [], ["w.model.layers.0.mlp.experts.gate_up_proj"],
