@@ -18,7 +18,10 @@ the routed experts' weighted sum for the chunk:
   summed over each token's pairs in place (two expert launches, no tiles);
   ``decode_gate_up[...]`` / ``decode_down[...]`` sweep one kernel's blocks (the whole
   expert computation is timed, the other kernel at its default blocks);
-  ``decode_down_wide[...]`` the down kernel that loads a token's pairs together.
+  ``decode_down_wide[...]`` the down kernel that loads a token's pairs together;
+  ``shared.apart`` / ``shared.folded`` (shapes with a gated shared expert) the decode step's
+  experts with the shared expert run after them as torch ops, or as one more pair of every
+  token inside the two GEMV kernels.
 * ``ours.route_plan`` / ``ours.route+plan``  the fixed cost before any expert GEMM: the
   fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces.
 * ``router.invariant_linear`` / ``router.cublas``  the router GEMM alone, as the recipe runs
@@ -62,6 +65,8 @@ GEOMETRIES = {  # name: (E, k, H, I)
     "qwen3_5-35b-a3b": (256, 8, 2048, 512),
     "qwen3-next-80b-a3b": (512, 10, 2048, 512),
 }
+# The gated shared expert's intermediate size, where the model has one.
+SHARED = {"qwen3_5-35b-a3b": 512, "qwen3-next-80b-a3b": 512, "tiny": 40}  # tiny: the CPU smoke
 # Decode GEMV blocks (rows, K columns, warps) swept per kernel, the other at its default.
 DECODE_GATE_UP = [(8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 8), (16, 1024, 8), (4, 1024, 4)]
 DECODE_DOWN = [(8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4)]
@@ -108,6 +113,41 @@ def grouped_mm_candidate(x, w, ids, gate_up, down):
     return K.combine_triton(out, w, ids, E)
 
 
+def shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype):
+    """A decode step's experts with the gated shared expert: run apart after the routed kernels
+    (its gate GEMV, gate/up GEMM, SiLU * up, down GEMM, the gated sum: torch ops, which the
+    compiled layer fuses in part), against one more pair of every token in the routed
+    kernels (``experts_decode(shared=...)``, as the recipe runs decode steps since the fold)."""
+    E, k, H, I = geo
+    I_s = SHARED[name]
+    g = torch.Generator(device="cpu").manual_seed(100 + T)
+    s_gate_up = (torch.randn(2 * I_s, H, generator=g) * H ** -0.5).to(dtype).to(device)
+    s_down = (torch.randn(H, I_s, generator=g) * I_s ** -0.5).to(dtype).to(device)
+    s_gate = torch.randn(1, H, generator=g).to(dtype).to(device)
+
+    def routed(x):
+        w, ids = K.route_rows(K.invariant_linear(x, router), k, True)
+        return w, ids, K.invariant_linear(x, s_gate)
+
+    def apart(x):
+        w, ids, gl = routed(x)
+        gu, up = F.linear(x, s_gate_up).chunk(2, dim=-1)
+        return (K.experts_decode(x, w, ids, gate_up, down) + torch.sigmoid(gl) * F.linear(F.silu(gu) * up, s_down),)
+
+    def folded(x):
+        w, ids, gl = routed(x)
+        return (K.experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gl)),)
+
+    def check(outs, state):  # folded against apart: the same sums but for rounding
+        ref = apart(sets[0][0])[0].double()
+        return dict(max_abs_err=float((outs[0].double() - ref).abs().max()), out_scale=float(ref.abs().max()))
+
+    return [Case(f"{tag}.shared.apart", [(lambda s=s: apart(s[0])) for s in sets], [], None,
+                 "router, route_rows, shared gate GEMV, the two GEMV kernels, then the shared expert as torch ops"),
+            Case(f"{tag}.shared.folded", [(lambda s=s: folded(s[0])) for s in sets], [], check,
+                 "router, route_rows, shared gate GEMV, the two GEMV kernels with the shared expert as one more pair")]
+
+
 def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GATE_UP, DECODE_DOWN, DECODE_DOWN_WIDE),
               decode=True):
     E, k, H, I = geo
@@ -142,6 +182,8 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
         out.append(Case(f"{tag}.ours.decode", [(lambda s=s: decode(*s)) for s in sets], [], check,
                         "as the recipe runs a decode step: invariant router GEMM, route_rows, the two GEMV kernels",
                         bytes_per_call=active))
+        if name in SHARED:
+            out += shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype)
         expert_bytes = hit * H * I * gate_up.element_size()
         for gu in sweeps[0]:
             out.append(Case(f"{tag}.decode_gate_up[bn{gu[0]},bk{gu[1]},w{gu[2]}]",

@@ -64,5 +64,43 @@ def test_logits_match_transformers(family, stream):
     assert worst["prefill"] <= bound and worst["decode"] <= bound, (worst, bound)
 
 
-def test_triton_path_matches_the_reference_path(family, stream):
+def test_triton_path_matches_the_reference_path(family, stream, monkeypatch):
+    """... with the decode steps running the shared expert inside the routed decode kernels
+    (one more pair of every token) and the prefill chunks running it apart."""
+    from flare.prepare.kernels import moe as K
+
+    calls = []
+    decode = K.experts_decode
+    monkeypatch.setattr(K, "experts_decode",
+                        lambda x, *a, **kw: calls.append((x.shape[0], kw.get("shared") is not None))
+                        or decode(x, *a, **kw))
     triton_matches_reference(family[0], HYBRID_OPTS, stream)
+    assert calls and all(folded for _, folded in calls), calls
+
+
+def test_the_folded_shared_expert_compiles_through_the_graph_break(family):
+    """The block inside a compiled layer: a decode step returns the folded output and no gate
+    from the compiler-disabled experts call, a prompt program the routed output and the gate
+    (the shared expert then runs in the compiled code). torch.compile (aot_eager: the same
+    kernels, traced by Dynamo across the graph break) gives eager's bits either way, and the
+    two paths agree to float32 rounding."""
+    from types import SimpleNamespace
+
+    from flare.prepare import prompt_rows
+
+    rig = load_rig(family[1], attention="triton")
+    block = rig.model.model.layers[0].mlp
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 1, block.gate.weight.shape[1], generator=g) * 0.5
+    block.flare_paged = SimpleNamespace(impl="triton", valid=torch.tensor([True, False, True]))
+    compiled = torch.compile(block, backend="aot_eager", dynamic=False)
+    out = {}
+    with torch.inference_mode():
+        for prompt in (False, True):
+            with prompt_rows.marked(prompt):
+                eager = block(x)
+                assert torch.equal(compiled(x), eager)
+                out[prompt] = eager
+    valid = block.flare_paged.valid
+    torch.testing.assert_close(out[False][valid], out[True][valid], atol=1e-5, rtol=1e-5)
+    assert not out[False][~valid].any()  # a padded decode row reads no expert, the shared one included

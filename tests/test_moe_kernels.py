@@ -150,6 +150,43 @@ def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
     assert torch.equal(wide[~valid].cpu(), torch.zeros_like(wide[~valid].cpu()))
 
 
+@pytest.mark.parametrize("T,k,I_s", [(1, 3, 24), (3, 2, 40), (4, 8, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_gemvs_fold_a_gated_shared_expert(T, k, I_s, dtype):
+    """A gated shared expert as one more pair of every token (``experts_decode(shared=...)``):
+    the routed sum plus sigmoid(gate) * the shared MLP, against float64 and against the
+    routed kernels plus the shared expert run apart, with a shared intermediate size equal
+    to, wider and narrower than the routed one's; a padded token gets nothing."""
+    E, H, I = 8, 40, 24
+    gate_up, down = _weights(E, H, I, 5, dtype)
+    g = torch.Generator().manual_seed(10 + T)
+    s_gate_up = (torch.randn(2 * I_s, H, generator=g, dtype=F64) * H ** -0.5).to(dtype).to(DEVICE)
+    s_down = (torch.randn(H, I_s, generator=g, dtype=F64) * I_s ** -0.5).to(dtype).to(DEVICE)
+    x = torch.randn(T, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    router = torch.randn(E, H, generator=g).to(dtype).to(DEVICE)
+    gate = (torch.randn(T, 1, generator=g, dtype=F64) * 2).to(dtype).to(DEVICE)
+    valid = torch.ones(T, dtype=torch.bool, device=DEVICE)
+    valid[T // 2] = T == 1
+    w, ids = route(x, router, k, True, valid)
+    got = experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gate), gate_up_blocks=(8, 16, 4),
+                         down_blocks=(16, 16, 4))
+    x64 = x.cpu().to(F64)
+    sg, su = (x64 @ s_gate_up.cpu().to(F64).T).chunk(2, dim=-1)
+    shared64 = torch.sigmoid(gate.cpu().to(F64)) * ((F.silu(sg) * su) @ s_down.cpu().to(F64).T)
+    ref = _loop64(x.cpu(), w.cpu(), ids.cpu(), gate_up.cpu(), down.cpu()) + valid.cpu()[:, None] * shared64
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.cpu().to(F64), ref, **tol)
+    assert torch.equal(got[~valid].cpu(), torch.zeros_like(got[~valid].cpu()))
+    # Apart: the routed kernels, then the shared MLP in the model dtype (Transformers' roundings).
+    sg, su = F.linear(x, s_gate_up).chunk(2, dim=-1)
+    apart = experts_decode(x, w, ids, gate_up, down) + torch.sigmoid(gate) * F.linear(F.silu(sg) * su, s_down)
+    torch.testing.assert_close(got[valid], apart[valid], **tol)
+    with pytest.raises(ValueError, match="wide down"):
+        experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gate), wide_down=False)
+    with pytest.raises(ValueError, match="expected"):
+        experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down[:, 1:].contiguous(), gate))
+
+
 @pytest.mark.parametrize("N", [1, 24, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_invariant_linear_rows_do_not_depend_on_the_batch(N, dtype):

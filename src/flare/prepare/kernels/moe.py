@@ -45,6 +45,8 @@ the device, so the whole layer is captured once and replayed:
   (bench/moe_kernels.py, docs/gpu.md) at one token its experts took 34 µs at the
   30B-A3B layer with the default blocks, against 38 for the tiled path's experts, whose
   16-row tiles hold one row each.
+  A gated shared expert (``shared=``) runs in the same two launches as one more pair of
+  every token that is not padding.
 
 Weights stay in Transformers' layout: ``gate_up_proj [E, 2I, H]`` (gate rows, then up
 rows) and ``down_proj [E, H, I]``; each program reads whole contiguous rows.
@@ -401,19 +403,30 @@ def _gemv_rows(x_row_ptr, w_rows_ptr, n, n_in, K, stride_wn, BN: tl.constexpr, B
 
 
 @triton.jit
-def _decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, E, N, K, TOPK, stride_xt, stride_we, stride_wn,
-                           stride_om, BN: tl.constexpr, BK: tl.constexpr):
+def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, E, N, NS, K, TOPK, ROWS, stride_xt, stride_we,
+                           stride_wn, stride_om, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (pair, block of features): pair ``t * ROWS + j`` is token t's slot j; with a
+    shared expert (``ROWS = TOPK + 1``) slot TOPK is the shared expert's pair (weights
+    ``s_ptr``, ``NS`` features), computed for tokens whose first slot is routed (not padding)."""
     pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair)
+    t = pair // ROWS
+    j = pair % ROWS
+    shared = j >= TOPK
+    # The shared pair reads the token's first id: a padded token (sentinel ids) skips it too.
+    e = tl.load(ids_ptr + t * TOPK + tl.where(shared, 0, j))
+    w_rows = w_ptr + e.to(tl.int64) * stride_we
+    n_rows = N
+    if shared:
+        w_rows = s_ptr
+        n_rows = NS
     if e < E:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        n_in = n < N
-        x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_xt
-        w_rows = w_ptr + e.to(tl.int64) * stride_we
+        n_in = n < n_rows
+        x_row = x_ptr + t.to(tl.int64) * stride_xt
         dtype = out_ptr.dtype.element_ty
         # Transformers rounds each projection to the model dtype, then act(gate) * up.
         g = _gemv_rows(x_row, w_rows, n, n_in, K, stride_wn, BN, BK).to(dtype).to(tl.float32)
-        u = _gemv_rows(x_row, w_rows + N * stride_wn, n, n_in, K, stride_wn, BN, BK).to(dtype).to(tl.float32)
+        u = _gemv_rows(x_row, w_rows + n_rows * stride_wn, n, n_in, K, stride_wn, BN, BK).to(dtype).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
         tl.store(out_ptr + pair.to(tl.int64) * stride_om + n, (act * u).to(dtype), mask=n_in)
 
@@ -436,39 +449,57 @@ def _decode_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, st
 
 
 @triton.jit
-def _decode_down_wide_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, stride_hp, stride_we, stride_wn,
-                             stride_ot, TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, KS, KMAX, ROWS,
+                             stride_hp, stride_we, stride_wn, stride_sn, stride_g, stride_ot, TOPK: tl.constexpr,
+                             KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr):
     """``_decode_down_kernel`` with the token's k pairs loaded together: one [k, BN, BK] tile of
     their experts' rows per step of the reduction instead of k tiles one after another (a
     reduction only I wide leaves a program few loads in flight otherwise). Each pair's GEMV
     is reduced as there; the pairs are then summed in slot order (a masked sum picks row j
-    exactly: it adds zeros)."""
+    exactly: it adds zeros). ``SHARED``: the token's shared-expert pair (h row
+    ``t * ROWS + TOPK``, down rows ``s_ptr``, ``KS`` wide) is reduced beside them, rounded to
+    the model dtype as its down projection, and added last, weighted by sigmoid(gate logit)."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_in = n < N
     j = tl.arange(0, KP)
     e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=E)
     live = e < E  # sentinel pairs (id E) and the padding to KP read nothing
-    h_rows = h_ptr + (t * TOPK + j).to(tl.int64) * stride_hp
+    h_rows = h_ptr + (t * ROWS + j).to(tl.int64) * stride_hp
     w_rows = w_ptr + tl.where(live, e, 0).to(tl.int64) * stride_we
+    # The shared pair of a token whose first slot is routed (a padded token has none).
+    s_live = tl.load(ids_ptr + t * TOPK) < E
+    s_width = tl.where(s_live, KS, 0)  # a padded token's shared pair reads nothing
+    h_s = h_ptr + (t * ROWS + TOPK).to(tl.int64) * stride_hp
     acc = tl.zeros([KP, BN, BK], tl.float32)
-    for k0 in range(0, K, BK):
+    acc_s = tl.zeros([BN, BK], tl.float32)
+    for k0 in range(0, KMAX, BK):
         kk = k0 + tl.arange(0, BK)
         k_in = kk < K
         hv = tl.load(h_rows[:, None] + kk[None, :], mask=live[:, None] & k_in[None, :], other=0.0)
         w = tl.load(w_rows[:, None, None] + n[None, :, None].to(tl.int64) * stride_wn + kk[None, None, :],
                     mask=live[:, None, None] & n_in[None, :, None] & k_in[None, None, :], other=0.0)
         acc += w.to(tl.float32) * hv.to(tl.float32)[:, None, :]
+        if SHARED:
+            ks_in = kk < s_width
+            hs = tl.load(h_s + kk, mask=ks_in, other=0.0)
+            ws = tl.load(s_ptr + n[:, None].to(tl.int64) * stride_sn + kk[None, :],
+                         mask=n_in[:, None] & ks_in[None, :], other=0.0)
+            acc_s += ws.to(tl.float32) * hs.to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, 2).to(dtype).to(tl.float32) * tl.load(weights_ptr + t * TOPK + j, mask=live, other=0.0)[:, None]
     total = tl.zeros([BN], tl.float32)
     for s in tl.static_range(TOPK):  # slot order, as ``combine``
         total += tl.sum(tl.where(j[:, None] == s, y, 0.0), 0)
+    if SHARED:
+        gate = tl.load(g_ptr + t.to(tl.int64) * stride_g).to(tl.float32)
+        total += tl.sum(acc_s, 1).to(dtype).to(tl.float32) * tl.where(s_live, tl.sigmoid(gate), 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, total.to(dtype), mask=n_in)
 
 
 def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, *, gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
+                   down: torch.Tensor, *, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
                    down_blocks: tuple[int, int, int] = (8, 128, 8), wide_down: bool = True) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
@@ -479,7 +510,15 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     one that reads them pair after pair (``_decode_down_kernel``, blocks (4, 512, 4) then).
     On the H200 (``bench/results/moe-kernels-decode-wide-2026-12-02.json``, both expert
     launches): 28.0 against 34.5 µs at one token of the Qwen3-30B-A3B layer, 80.9 against
-    89.4 at four; 22.2 against 25.2 and 62.7 against 65.2 for Qwen3.5-35B-A3B."""
+    89.4 at four; 22.2 against 25.2 and 62.7 against 65.2 for Qwen3.5-35B-A3B.
+
+    ``shared`` = (gate_up ``[2 I_s, H]``, down ``[H, I_s]``, gate logits ``[T, 1]``): a gated
+    shared expert runs in the same two launches as one more pair of every token that is not
+    padding, ``sigmoid(gate) * down @ (act(gate_up_g @ x) * (gate_up_u @ x))``, its
+    projections rounded to x's dtype as Transformers' MLP rounds them and added after the
+    routed pairs in float32 (Transformers adds two model-dtype tensors). Run apart, the
+    shared expert's GEMMs and elementwise kernels were some 6 launches a layer on the H200
+    (``docs/gpu.md``); wide down only."""
     T, k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -487,21 +526,37 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
         raise ValueError(f"{T} tokens x top {k}: experts_decode serves at most {DECODE_PAIRS} pairs")
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous() and ids.is_contiguous()):
         raise ValueError("experts_decode needs contiguous x, ids and expert weights")
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    rows, I_s = k, I
+    s_gate_up, s_down, s_gate = gate_up, down, x  # stand-ins when there is no shared expert: never read
+    if shared is not None:
+        s_gate_up, s_down, s_gate = shared
+        I_s = s_gate_up.shape[0] // 2
+        if not wide_down:
+            raise ValueError("a shared expert runs only with the wide down kernel")
+        if s_gate_up.shape != (2 * I_s, H) or s_down.shape != (H, I_s) or s_gate.shape != (T, 1):
+            raise ValueError(f"shared expert gate_up {tuple(s_gate_up.shape)}, down {tuple(s_down.shape)}, gate "
+                             f"{tuple(s_gate.shape)}: expected [2 I_s, {H}], [{H}, I_s] and [{T}, 1]")
+        if not (s_gate_up.is_contiguous() and s_down.is_contiguous()) or s_gate_up.dtype != gate_up.dtype:
+            raise ValueError("the shared expert's weights must be contiguous and of the experts' dtype")
+        rows = k + 1
+    width = max(I, I_s)
+    h = torch.empty((T * rows, width), dtype=x.dtype, device=x.device)
     bn, bk, warps = gate_up_blocks
-    _decode_gate_up_kernel[(T * k, triton.cdiv(I, bn))](
-        x, gate_up, ids, h, E, I, H, k, x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BN=bn, BK=min(bk, triton.next_power_of_2(H)), num_warps=warps)
+    _decode_gate_up_kernel[(T * rows, triton.cdiv(width, bn))](
+        x, gate_up, s_gate_up, ids, h, E, I, I_s, H, k, rows, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        h.stride(0), BN=bn, BK=min(bk, triton.next_power_of_2(H)), num_warps=warps)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_blocks
-    args = (h, down, ids, weights.contiguous(), out, E, H, I, h.stride(0), down.stride(0), down.stride(1),
-            out.stride(0))
-    bk = min(bk, triton.next_power_of_2(I))
     if wide_down:
-        _decode_down_wide_kernel[(T, triton.cdiv(H, bn))](*args, TOPK=k, KP=triton.next_power_of_2(k), BN=bn,
-                                                          BK=bk, num_warps=warps)
+        _decode_down_wide_kernel[(T, triton.cdiv(H, bn))](
+            h, down, s_down, s_gate, ids, weights.contiguous(), out, E, H, I, I_s, width, rows, h.stride(0),
+            down.stride(0), down.stride(1), s_down.stride(0), s_gate.stride(0), out.stride(0), TOPK=k,
+            KP=triton.next_power_of_2(k), BN=bn, BK=min(bk, triton.next_power_of_2(width)), num_warps=warps,
+            SHARED=shared is not None)
     else:
-        _decode_down_kernel[(T, triton.cdiv(H, bn))](*args, TOPK=k, BN=bn, BK=bk, num_warps=warps)
+        _decode_down_kernel[(T, triton.cdiv(H, bn))](
+            h, down, ids, weights.contiguous(), out, E, H, I, h.stride(0), down.stride(0), down.stride(1),
+            out.stride(0), TOPK=k, BN=bn, BK=min(bk, triton.next_power_of_2(I)), num_warps=warps)
     return out
 
 

@@ -9,7 +9,8 @@ captured. ``prepared_moe`` gives such a block a forward over static shapes
 padded rows routed nowhere, the grouped expert GEMMs on the CUDA path (any CUDA tensor,
 or ``paged.impl == "triton"`` under Triton's CPU interpreter) or the same arithmetic in
 torch on the CPU reference path, and the shared expert with its sigmoid gate where the
-block has one. The experts' activation must be SiLU (checked when the block is replaced). Parameter names are Transformers' (``mlp.gate.weight``,
+block has one (in decode steps of a single rank inside the routed decode kernels, as one
+more pair of every token; otherwise inside the compiled layer). The experts' activation must be SiLU (checked when the block is replaced). Parameter names are Transformers' (``mlp.gate.weight``,
 ``mlp.experts.gate_up_proj``, ...), so checkpoints load as they are.
 
 The block's forward is called without the program's batch (Transformers' decoder layer
@@ -28,15 +29,21 @@ from flare.prepare.kernels import moe as K
 from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import Recipe, RecipeError, Replacement
 from flare.prepare.recipes.decoder import DECODER_SHARDING
-from flare.prepare.recipes.fused import fuse_mlp
+from flare.prepare.recipes.fused import FusedLinear, fuse_mlp
+
+_SILU = ("SiLU", "SiLUActivation")  # the activation the grouped kernels compute
 
 
 def _triton(x: torch.Tensor, paged: PagedBatch | None) -> bool:
     return x.is_cuda or (paged is not None and paged.impl == "triton")
 
 
-def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
-    """The routed experts' output for hidden rows ``x [T, H]``. With tensor parallelism
+def _routed(block, x: torch.Tensor, paged: PagedBatch | None,
+            shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    """The routed experts' output for hidden rows ``x [T, H]``, and whether it includes the
+    shared expert: given the shared expert's gate logits (``shared_gate [T, 1]``), a
+    decode-sized step of a single rank runs the shared expert inside the routed decode
+    kernels, as one more pair of every token (``_folds_shared``). With tensor parallelism
     each rank holds a contiguous slice of the experts: the (replicated) router picks among
     all of them, a rank computes the pairs routed to its own, and the partial outputs are
     all-reduced."""
@@ -65,11 +72,24 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None) -> torch.Tensor:
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
     args = (x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    if decode and shared_gate is not None and _folds_shared(block):
+        s = block.shared_expert
+        return K.experts_decode(*args, shared=(s.gate_up_proj.weight, s.down_proj.weight, shared_gate)), True
     if decode:  # GEMVs of the routed experts, no tiles
         out = K.experts_decode(*args)
     else:
         out = K.experts_triton(*args) if triton else K.experts_torch(*args)
-    return block.flare_tp.all_reduce(out) if split else out
+    return block.flare_tp.all_reduce(out) if split else out, False
+
+
+def _folds_shared(block) -> bool:
+    """Whether decode steps run the block's shared expert inside the routed kernels: a single
+    rank (a tensor-parallel rank holds a shard of the shared expert, not all of it), a fused
+    gate/up GEMM of SiLU without biases (what the kernels compute)."""
+    s = block.shared_expert
+    fused = getattr(s, "gate_up_proj", None)
+    return (not block.flare_tp.active and isinstance(fused, FusedLinear) and fused.bias is None
+            and s.down_proj.bias is None and type(s.act_fn).__name__ in _SILU)
 
 
 def prepared_moe(base: type) -> type:
@@ -86,21 +106,27 @@ def prepared_moe(base: type) -> type:
             if shared is None:
                 return self._experts(x).reshape(hidden_states.shape)
             out, gate = self._experts_and_gate(x)
-            # The shared expert inside the compiled layer, as a dense model's MLP runs (one gate/up
-            # GEMM, the activation fused, the down GEMM, then the gated sum fused): run eagerly
-            # beside the routed experts it took 9 kernels a layer on the H200, its gate/up GEMM at
-            # 0.3 TB/s in a transposed cuBLAS layout.
+            if gate is None:  # decode steps: the shared expert ran inside the routed kernels
+                return out.reshape(hidden_states.shape)
+            # Otherwise inside the compiled layer, as a dense model's MLP runs (one gate/up GEMM,
+            # the activation fused, the down GEMM, then the gated sum fused): run eagerly beside
+            # the routed experts it took 9 kernels a layer on the H200, its gate/up GEMM at 0.3
+            # TB/s in a transposed cuBLAS layout.
             return (out + F.sigmoid(gate) * shared(x)).reshape(hidden_states.shape)
 
         # Outside the compiled layer: the batch is a plain attribute (a compiled forward
         # would guard on it per program), and the plan and kernels run as written.
         @torch.compiler.disable
         def _experts(self, x: torch.Tensor) -> torch.Tensor:
-            return _routed(self, x, self.flare_paged)
+            return _routed(self, x, self.flare_paged)[0]
 
         @torch.compiler.disable
-        def _experts_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return _routed(self, x, self.flare_paged), self._shared_gate(x)
+        def _experts_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """The routed output and the shared expert's gate logits, or (routed and shared
+            output, None) where the decode kernels ran the shared expert too."""
+            gate = self._shared_gate(x)
+            out, folded = _routed(self, x, self.flare_paged, gate)
+            return (out, None) if folded else (out, gate)
 
         def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
             gate = self.shared_expert_gate  # Linear(H, 1): one column, the router's case
@@ -116,7 +142,7 @@ def check_moe(block) -> None:
     """Run on every replaced block: the grouped kernels compute act(gate) * up with SiLU;
     a shared expert gets one gate/up GEMM."""
     act = getattr(block.experts, "act_fn", None)
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+    if type(act).__name__ not in _SILU:
         raise RecipeError(f"{type(block).__name__}: experts with activation {type(act).__name__} are not supported "
                           f"(the grouped kernels compute SiLU)")
     shared = getattr(block, "shared_expert", None)
