@@ -13,7 +13,7 @@ the routed experts' weighted sum for the chunk:
   routing per token (``route_rows``) and the plan as torch ops (as the recipe), grouped gate/up,
   grouped down, the weighted sum (``BLOCK_M`` 64, the recipe's, for prefill; 16 at decode sizes,
   against the GEMVs).
-* ``ours.decode``  the decode path (at most ``DECODE_PAIRS`` pairs): router GEMM,
+* ``ours.decode``  the decode path (at most ``DECODE_PAIRS`` pairs): router GEMV,
   ``route_rows``, a gate/up GEMV program per pair and feature block, and the down GEMVs
   summed over each token's pairs in place (two expert launches, no tiles);
   ``decode_gate_up[...]`` / ``decode_down[...]`` sweep one kernel's blocks (the whole
@@ -24,8 +24,9 @@ the routed experts' weighted sum for the chunk:
   token inside the two GEMV kernels.
 * ``ours.route_plan`` / ``ours.route+plan``  the fixed cost before any expert GEMM: the
   fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces.
-* ``router.invariant_linear`` / ``router.cublas``  the router GEMM alone, as the recipe runs
-  it and by cuBLAS (what batch invariance costs).
+* ``router.invariant_linear`` / ``router.gemv[...]`` / ``router.cublas``  the router GEMM alone,
+  as prompt programs run it, as decode steps run it (blocks of experts swept), and by cuBLAS
+  (what batch invariance costs).
 * ``torch_grouped_mm``  torch._grouped_mm over the pairs sorted by expert (offsets on the
   device), where this torch has it for the dtype.
 * ``torch_reference``   (CPU smoke only) the reference path's expert loop on the host.
@@ -114,10 +115,11 @@ def grouped_mm_candidate(x, w, ids, gate_up, down):
 
 
 def shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype):
-    """A decode step's experts with the gated shared expert: run apart after the routed kernels
-    (its gate GEMV, gate/up GEMM, SiLU * up, down GEMM, the gated sum: torch ops, which the
-    compiled layer fuses in part), against one more pair of every token in the routed
-    kernels (``experts_decode(shared=...)``, as the recipe runs decode steps since the fold)."""
+    """A decode step's experts with the gated shared expert: as before the fold (the tiled
+    router and gate, then the shared expert's gate/up GEMM, SiLU * up, down GEMM and gated sum
+    as torch ops, which the compiled layer fused in part) against the recipe's decode step
+    now (router and gate in one ``router_gemv`` launch, the shared expert one more pair of
+    every token in the routed kernels: ``experts_decode(shared=...)``)."""
     E, k, H, I = geo
     I_s = SHARED[name]
     g = torch.Generator(device="cpu").manual_seed(100 + T)
@@ -125,17 +127,15 @@ def shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype):
     s_down = (torch.randn(H, I_s, generator=g) * I_s ** -0.5).to(dtype).to(device)
     s_gate = torch.randn(1, H, generator=g).to(dtype).to(device)
 
-    def routed(x):
+    def apart(x):  # as decode steps ran before the fold: tiled router and gate, the expert apart
         w, ids = K.route_rows(K.invariant_linear(x, router), k, True)
-        return w, ids, K.invariant_linear(x, s_gate)
-
-    def apart(x):
-        w, ids, gl = routed(x)
+        gl = K.invariant_linear(x, s_gate)
         gu, up = F.linear(x, s_gate_up).chunk(2, dim=-1)
         return (K.experts_decode(x, w, ids, gate_up, down) + torch.sigmoid(gl) * F.linear(F.silu(gu) * up, s_down),)
 
-    def folded(x):
-        w, ids, gl = routed(x)
+    def folded(x):  # as the recipe runs decode steps: router and gate in one GEMV launch, the fold
+        logits, gl = K.router_gemv(x, router, s_gate)
+        w, ids = K.route_rows(logits, k, True)
         return (K.experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gl)),)
 
     def check(outs, state):  # folded against apart: the same sums but for rounding
@@ -176,11 +176,11 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
     out = []
     if decode and T * k <= K.DECODE_PAIRS:
         def decode(x, w, ids, gu=(16, 512, 4), dn=(8, 128, 8)):
-            logits = K.invariant_linear(x, router)
+            logits = K.router_gemv(x, router)[0]
             w, ids = K.route_rows(logits, k, True)
             return (K.experts_decode(x, w, ids, gate_up, down, gate_up_blocks=gu, down_blocks=dn),)
         out.append(Case(f"{tag}.ours.decode", [(lambda s=s: decode(*s)) for s in sets], [], check,
-                        "as the recipe runs a decode step: invariant router GEMM, route_rows, the two GEMV kernels",
+                        "as the recipe runs a decode step: router GEMV, route_rows, the two GEMV kernels",
                         bytes_per_call=active))
         if name in SHARED:
             out += shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype)
@@ -218,6 +218,11 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
                         [(lambda s=s, f=ours: f(*s)) for s in sets], [], check, bytes_per_call=active))
     out.append(Case(f"{tag}.router.invariant_linear", [(lambda s=s: (K.invariant_linear(s[0], router),)) for s in sets],
                     [], None, "the router GEMM as the recipe runs it (fixed tiles, batch-invariant rows)"))
+    if T * k <= K.DECODE_PAIRS:
+        for bn in (None, 1, 2, 4, 8, 16):
+            out.append(Case(f"{tag}.router.gemv[bn{bn or 'auto'}]",
+                            [(lambda s=s, bn=bn: (K.router_gemv(s[0], router, block_n=bn)[0],)) for s in sets],
+                            [], None, "the router GEMV of decode steps (a program per token and block of experts)"))
     out.append(Case(f"{tag}.router.cublas", [(lambda s=s: (F.linear(s[0], router),)) for s in sets],
                     [], None, "the router GEMM by cuBLAS (rows depend on the batch size)"))
     out.append(Case(f"{tag}.ours.route+plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))

@@ -29,6 +29,7 @@ from flare.prepare.kernels.moe import (  # noqa: E402
     route_logits,
     route_plan,
     route_rows,
+    router_gemv,
 )
 
 F64 = torch.float64
@@ -148,6 +149,31 @@ def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
     torch.testing.assert_close(wide.cpu().to(F64), ref, **tol)
     torch.testing.assert_close(wide, got, **tol)
     assert torch.equal(wide[~valid].cpu(), torch.zeros_like(wide[~valid].cpu()))
+
+
+@pytest.mark.parametrize("E,H", [(8, 40), (128, 96), (300, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_router_gemv_rows_do_not_depend_on_the_batch(E, H, dtype):
+    """The decode steps' router GEMV and the shared gate in its launch: the logits of x @ W.T
+    (to the model dtype's rounding), a row's bits the same alone and among 5 rows (the block
+    of router rows a program takes follows from E alone: on the GPU another block can lay the
+    sum over K out otherwise)."""
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(5, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    w = (torch.randn(E, H, generator=g, dtype=F64) * H ** -0.5).to(dtype).to(DEVICE)
+    s = (torch.randn(1, H, generator=g, dtype=F64) * H ** -0.5).to(dtype).to(DEVICE)
+    logits, gate = router_gemv(x, w, s)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(logits.cpu().to(F64), x.cpu().to(F64) @ w.cpu().to(F64).T, **tol)
+    torch.testing.assert_close(gate.cpu().to(F64), x.cpu().to(F64) @ s.cpu().to(F64).T, **tol)
+    assert logits.dtype == gate.dtype == dtype and gate.shape == (5, 1)
+    alone, gate1 = router_gemv(x[3:4], w, s)
+    assert torch.equal(alone, logits[3:4]) and torch.equal(gate1, gate[3:4])
+    plain, none = router_gemv(x, w, block_n=2)
+    assert none is None
+    torch.testing.assert_close(plain, logits, **tol)
+    with pytest.raises(ValueError, match="shared gate"):
+        router_gemv(x, w, s[:, 1:].contiguous())
 
 
 @pytest.mark.parametrize("T,k,I_s", [(1, 3, 24), (3, 2, 40), (4, 8, 16)])

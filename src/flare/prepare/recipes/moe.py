@@ -39,29 +39,41 @@ def _triton(x: torch.Tensor, paged: PagedBatch | None) -> bool:
 
 
 def _routed(block, x: torch.Tensor, paged: PagedBatch | None,
-            shared_gate: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-    """The routed experts' output for hidden rows ``x [T, H]``, and whether it includes the
-    shared expert: given the shared expert's gate logits (``shared_gate [T, 1]``), a
-    decode-sized step of a single rank runs the shared expert inside the routed decode
-    kernels, as one more pair of every token (``_folds_shared``). With tensor parallelism
-    each rank holds a contiguous slice of the experts: the (replicated) router picks among
-    all of them, a rank computes the pairs routed to its own, and the partial outputs are
-    all-reduced."""
+            shared: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The routed experts' output for hidden rows ``x [T, H]``, and, for a block with a gated
+    shared expert (``shared``), the shared expert's gate logits ``[T, 1]``: or None where
+    the output already includes the shared expert (a decode-sized step of a single rank runs
+    it inside the routed decode kernels, as one more pair of every token: ``_folds_shared``).
+    With tensor parallelism each rank holds a contiguous slice of the experts: the
+    (replicated) router picks among all of them, a rank computes the pairs routed to its
+    own, and the partial outputs are all-reduced."""
     gate, experts = block.gate, block.experts
     valid = paged.valid if paged is not None else None
     # Qwen3.5-MoE's router always renormalises (it has no norm_topk_prob).
     renorm = getattr(gate, "norm_topk_prob", True)
     # The torch form loops over the hit experts on the host: a CPU reference, never captured.
     triton = _triton(x, paged)
-    # The model dtype, as Transformers computes it; on the Triton path by fixed tiles, so that
-    # a token routes the same whatever it is batched with.
-    logits = K.invariant_linear(x, gate.weight) if triton else F.linear(x, gate.weight)
     local = experts.gate_up_proj.shape[0]
     split = local != gate.weight.shape[0]
     T, k = x.shape[0], gate.top_k
     # The expert GEMVs (no plan) for decode-sized steps; prompt programs always tile, so that a
     # prompt row is computed the same in a 16-row prefill as in a 2,048-row one.
     decode = triton and T * k <= K.DECODE_PAIRS and not prompt_rows.active()
+    # The router's logits in the model dtype, as Transformers computes them; on the Triton path
+    # with the whole of K summed in order for each row, so that a token routes the same
+    # whatever it is batched with: in decode steps a GEMV program per token and block of
+    # experts (the shared expert's gate in the same launch), in prompt programs by fixed tiles.
+    s_gate = block.shared_expert_gate if shared else None  # Linear(H, 1): one column
+    if decode:
+        logits, gate_logits = K.router_gemv(x, gate.weight, s_gate.weight if shared else None)
+    elif triton:
+        logits = K.invariant_linear(x, gate.weight)
+        gate_logits = K.invariant_linear(x, s_gate.weight) if shared else None
+    else:
+        logits = F.linear(x, gate.weight)
+        gate_logits = F.linear(x, s_gate.weight) if shared else None
+    if shared and s_gate.bias is not None:
+        gate_logits = gate_logits + s_gate.bias
     # Every program routes a token by itself (one Triton program per token), so that it gets
     # the same weights in a decode step and in a prefill chunk of any capacity: a cache-on
     # turn prefills its suffix in a smaller program than the cache-off turn's whole prompt.
@@ -72,14 +84,14 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None,
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
     args = (x, weights, ids, experts.gate_up_proj, experts.down_proj)
-    if decode and shared_gate is not None and _folds_shared(block):
+    if decode and shared and _folds_shared(block):
         s = block.shared_expert
-        return K.experts_decode(*args, shared=(s.gate_up_proj.weight, s.down_proj.weight, shared_gate)), True
+        return K.experts_decode(*args, shared=(s.gate_up_proj.weight, s.down_proj.weight, gate_logits)), None
     if decode:  # GEMVs of the routed experts, no tiles
         out = K.experts_decode(*args)
     else:
         out = K.experts_triton(*args) if triton else K.experts_torch(*args)
-    return block.flare_tp.all_reduce(out) if split else out, False
+    return block.flare_tp.all_reduce(out) if split else out, gate_logits
 
 
 def _folds_shared(block) -> bool:
@@ -124,16 +136,7 @@ def prepared_moe(base: type) -> type:
         def _experts_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             """The routed output and the shared expert's gate logits, or (routed and shared
             output, None) where the decode kernels ran the shared expert too."""
-            gate = self._shared_gate(x)
-            out, folded = _routed(self, x, self.flare_paged, gate)
-            return (out, None) if folded else (out, gate)
-
-        def _shared_gate(self, x: torch.Tensor) -> torch.Tensor:
-            gate = self.shared_expert_gate  # Linear(H, 1): one column, the router's case
-            if not _triton(x, self.flare_paged):
-                return gate(x)
-            out = K.invariant_linear(x, gate.weight)
-            return out if gate.bias is None else out + gate.bias
+            return _routed(self, x, self.flare_paged, shared=True)
 
     return PreparedSparseMoe
 
