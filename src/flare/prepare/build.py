@@ -402,5 +402,10 @@ def _compile_layers(recipe, model) -> None:
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if isinstance(rotary, torch.nn.Module):
         rotary.compile(dynamic=False)
+    # The final norm runs once per step after the layers (eager: a cast, pow, mean, add, rsqrt
+    # and three more elementwise kernels, nine launches in the H200 timelines' tails).
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if isinstance(norm, torch.nn.Module):
+        norm.compile(dynamic=False)
 
 
