@@ -468,15 +468,19 @@ def test_sharding_must_divide(tp, dim, n):
         by_name("decoder").build(config, torch.float32, tp=TensorParallel(0, tp))
 
 
-def test_hybrid_recipe_declares_no_sharding():
+def test_hybrid_sharding_must_divide_the_linear_attention_heads():
+    """The hybrid recipes shard each Gated DeltaNet by its heads (test_tensor_parallel_hybrid.py):
+    a TP size that does not divide them is refused by name."""
     import torch
 
     from flare.prepare.parallel import ShardingError, TensorParallel
     from flare.prepare.recipes import by_name
     from flare.prepare.sources import resolve
 
-    with pytest.raises(ShardingError, match="qwen3_5 recipe declares no tensor-parallel sharding"):
-        by_name("qwen3_5").build(resolve("qwen3_5-tiny").config, torch.float32, tp=TensorParallel(1, 2))
+    config = resolve("qwen3_5-tiny").config
+    config.get_text_config().linear_num_key_heads = 3
+    with pytest.raises(ShardingError, match=r"--tp 2 does not divide linear_num_key_heads \(3\)"):
+        by_name("qwen3_5").build(config, torch.float32, tp=TensorParallel(1, 2))
 
 
 # ---------------------------------------------------------------------------

@@ -30,11 +30,14 @@ class ShardingError(ValueError):
 @dataclass(frozen=True)
 class Shard:
     """This rank's slice of a weight: the ``rank``-th of ``size`` equal contiguous
-    slices along ``dim``."""
+    slices along ``dim``; or, where the weight is consecutive ``blocks`` along ``dim``
+    (sizes, e.g. a projection whose rows are q | k | v), the ``rank``-th slice of each
+    block, in order."""
 
     dim: int
     rank: int
     size: int
+    blocks: tuple[int, ...] = ()
 
     def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
         out = list(full)
@@ -47,8 +50,18 @@ class Shard:
         return tuple(out)
 
     def of(self, full: torch.Tensor) -> torch.Tensor:
-        n = full.shape[self.dim] // self.size
-        return full.narrow(self.dim, self.rank * n, n)
+        if not self.blocks:
+            n = full.shape[self.dim] // self.size
+            return full.narrow(self.dim, self.rank * n, n)
+        if sum(self.blocks) != full.shape[self.dim] or any(b % self.size for b in self.blocks):
+            raise ShardingError(f"blocks {self.blocks} do not cut dimension {self.dim} of {tuple(full.shape)} "
+                                f"into parts of {self.size} equal slices")
+        parts, start = [], 0
+        for b in self.blocks:
+            n = b // self.size
+            parts.append(full.narrow(self.dim, start + self.rank * n, n))
+            start += b
+        return torch.cat(parts, dim=self.dim)
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
         weights = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
         # Checkpoint rows: one KV tail page plus one copy of every continuation row each.
         rows = sum(math.prod(shape) * dt.itemsize for _, dt, shape in
-                   continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype())))
+                   continuation_rows(recipe, src.config, caps, DType(opts.resolved_dtype()), opts.tp_size))
         snapshots = (caps.snapshot_rows + 1) * (bytes_per_page + rows)
         budget = free_bytes - weights - snapshots - (scratch_gib(opts, weights) + opts.reserve_gib) * GiB
         pages = int(budget // bytes_per_page)
@@ -187,11 +187,13 @@ def plan_capacities(src: ModelSource, recipe, opts: Options, *, specs, free_byte
 KV_TAIL = "snap.kv_tail"
 
 
-def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType) -> list[tuple[str, DType, tuple[int, ...]]]:
+def continuation_rows(recipe, config, caps: mf.Capacities, dtype: DType,
+                      tp_size: int = 1) -> list[tuple[str, DType, tuple[int, ...]]]:
     """Continuation state, one row per slot: the saved final hidden vector, then whatever
-    the recipe declares (recurrent matrices, convolution histories). (name, dtype, row shape)."""
+    the recipe declares (recurrent matrices, convolution histories: one rank's share of
+    them). (name, dtype, row shape)."""
     return [("state.hidden", dtype, (caps.hidden_size,)),
-            *((b.name, b.dtype, b.row) for b in recipe.state_buffers(config, dtype))]
+            *((b.name, b.dtype, b.row) for b in recipe.state_buffers(config, dtype, tp_size))]
 
 
 def prefill_only_state(recipe, config, dtype: DType) -> tuple[str, ...]:
@@ -208,7 +210,7 @@ def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: O
     for name, (role, dt, shape) in mf.runtime_buffer_shapes(caps).items():
         reqs.append(BufferRequest(name, role, dt, shape))
     prefill_only = prefill_only_state(recipe, src.config, dtype)
-    for name, dt, row in continuation_rows(recipe, src.config, caps, dtype):
+    for name, dt, row in continuation_rows(recipe, src.config, caps, dtype, opts.tp_size):
         reqs.append(BufferRequest(name, BufferRole.state, dt, (caps.slots + 1, *row)))
         reqs.append(BufferRequest(mf.snapshot_buffer(name), BufferRole.snapshot, dt, (caps.snapshot_rows + 1, *row)))
         # A recurrent state's rows after each verified position (none for what only prefill writes).

@@ -75,13 +75,14 @@ class Replacement:
     instance shares one class (torch.compile guards on a module's type). Each
     instance gets ``state_index``: its position among the modules of this kind, the
     index into the kind's state buffers. ``state`` declares those buffers from the
-    config (each row covering every module of the kind). ``setup`` runs on every
+    config and the TP size (each row covering every module of the kind, a rank's share of
+    its heads). ``setup`` runs on every
     instance once its class is replaced (for example to fuse its projections with
     ``fused.fuse_linears``: checkpoint names stay those of the original modules)."""
 
     original: str  # the Transformers class name
     prepared: Callable[[type], type]
-    state: Callable[[Any, DType], Sequence[StateBuffer]] = lambda config, dtype: ()
+    state: Callable[[Any, DType, int], Sequence[StateBuffer]] = lambda config, dtype, tp_size: ()
     setup: Callable[[nn.Module], None] = lambda module: None
 
 
@@ -155,6 +156,10 @@ class Recipe:
     # ``embed_tokens`` / ``lm_head``: vocabulary rows). Unlisted weights are replicated.
     # Empty: the recipe supports no tensor parallelism.
     sharding: Mapping[str, int] = {}
+    # Module path suffix -> the sizes, from the text config, of the consecutive blocks of its
+    # sharded dimension that are each split over the ranks (a projection whose rows are
+    # q | k | v of different head counts); unlisted: the dimension is one block.
+    shard_blocks: Mapping[str, Callable[[Any], tuple[int, ...]]] = {}
     divided_dims: tuple[str, ...] = ()  # config dimensions the TP size must divide
     # Classes of decoder-layer children that run as Transformers wrote them (norms, and
     # mixers that are neither fused nor replaced).
@@ -198,9 +203,10 @@ class Recipe:
     def vocab_size(self, config) -> int:
         return config.get_text_config().vocab_size
 
-    def state_buffers(self, config, dtype: DType) -> list[StateBuffer]:
-        """Per-slot continuation state besides the hidden vector: every replacement's."""
-        return [b for r in self.replacements for b in r.state(config, dtype)]
+    def state_buffers(self, config, dtype: DType, tp_size: int = 1) -> list[StateBuffer]:
+        """Per-slot continuation state besides the hidden vector: every replacement's (one
+        rank's, which holds ``1 / tp_size`` of each module's heads)."""
+        return [b for r in self.replacements for b in r.state(config, dtype, tp_size)]
 
     # -- build -----------------------------------------------------------------------
 
@@ -238,11 +244,16 @@ class Recipe:
         fuse_projections(layers)
         self._check_layers(layers)
         if tp.active:
+            self.shard_modules(model, tp)
             _attach_collectives(model, tp, self.sharding)
         readers = tuple(m for m in model.modules() if getattr(type(m), "reads_batch", False))
         for m in readers:  # prepared modules that run their own collectives read the rank here
             m.flare_tp = tp
         return PreparedModel(model, tp, readers)
+
+    def shard_modules(self, model: nn.Module, tp: TensorParallel) -> None:
+        """With tensor parallelism: give prepared modules that keep head counts of their own
+        (a Gated DeltaNet's) one rank's share of them (the weights are sliced by ``sharding``)."""
 
     def check_divisible(self, config, tp_size: int) -> None:
         if not self.sharding:
@@ -291,6 +302,7 @@ class Recipe:
         """An arena buffer for every parameter (ties share one; fused projections hold
         their checkpoint tensors in rows) and every constant buffer."""
         model, tp = pm.module, pm.tp
+        config = model.config.get_text_config()
         groups: dict[int, list[str]] = {}
         tensors: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -301,11 +313,11 @@ class Recipe:
             full = tuple(tensors[k].shape)
             fused = parts_of(model, names[0])
             if fused:
-                parts = tuple(self._fused_part(name, rows, tp) for name, rows in fused)
+                parts = tuple(self._fused_part(name, rows, tp, config) for name, rows in fused)
                 specs.append(WeightSpec("w." + names[0], tuple(names), (sum(p.rows for p in parts), *full[1:]),
                                         tensors[k].dtype, True, None, parts))
                 continue
-            shard = self._shard_of(names, tp)
+            shard = self._shard_of(names, tp, config)
             specs.append(WeightSpec("w." + names[0], tuple(names), shard.shape(full) if shard else full,
                                     tensors[k].dtype, True, shard))
         for name, b in model.named_buffers():
@@ -351,32 +363,37 @@ class Recipe:
                 state.update(spec.checkpoint_views(image[spec.buffer]))
         return state
 
-    def _fused_part(self, name: str, rows: int, tp: TensorParallel) -> WeightPart:
+    def _fused_part(self, name: str, rows: int, tp: TensorParallel, config) -> WeightPart:
         """A fused buffer concatenates rows, so each part must be sharded by rows (or not at
         all): rank r's buffer is then [part0_r; part1_r; ...]."""
-        shard = self._shard_of((name,), tp)
+        shard = self._shard_of((name,), tp, config)
         if shard is not None and shard.dim != 0:
             raise ShardingError(f"{name} is fused by rows but declared sharded along dim {shard.dim}")
         return WeightPart(name, rows // tp.size if shard else rows, shard)
 
-    def _shard_of(self, names: Sequence[str], tp: TensorParallel) -> Shard | None:
+    def _shard_of(self, names: Sequence[str], tp: TensorParallel, config) -> Shard | None:
         """The declared partition of a parameter (tied parameters share theirs)."""
         if not tp.active:
             return None
-        dims = set()
+        dims, blocks = set(), set()
+
+        def declared(table: Mapping, owner: str):
+            return next((v for suffix, v in table.items() if owner == suffix or owner.endswith("." + suffix)), None)
+
         for name in names:
             owner, _, attr = name.rpartition(".")
-            dim = next((d for suffix, d in self.sharding.items() if owner == suffix or owner.endswith("." + suffix)),
-                       None)
+            dim = declared(self.sharding, owner)
             if dim is not None and attr == "bias":
                 if dim == 1:
                     raise ShardingError(f"{name}: a row-parallel layer with a bias would add it on every rank")
                 dim = 0
             dims.add(dim)
-        if len(dims) != 1:
+            sizes = declared(self.shard_blocks, owner)
+            blocks.add(tuple(sizes(config)) if sizes is not None and dim == 0 else ())
+        if len(dims) != 1 or len(blocks) != 1:
             raise ShardingError(f"tied parameters {list(names)} are declared with different partitions {dims}")
         dim = dims.pop()
-        return None if dim is None else Shard(dim, tp.rank, tp.size)
+        return None if dim is None else Shard(dim, tp.rank, tp.size, blocks.pop())
 
     # -- the forward the programs call ------------------------------------------------------
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
 from flare.prepare.recipes.base import KVGeometry, Recipe, RecipeError, Replacement, StateBuffer
+from flare.prepare.recipes.decoder import DECODER_SHARDING
 from flare.prepare.recipes.fused import fuse_linears
 from flare.prepare.recipes.moe import check_moe, prepared_moe
 
@@ -373,20 +374,59 @@ def _verify_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
                               paged.verify_state[RECURRENT_STATE].select(2, mod.state_index))
 
 
-def _gdn_state(config, dtype: DType) -> list[StateBuffer]:
+def _gdn_state(config, dtype: DType, tp_size: int = 1) -> list[StateBuffer]:
+    """The Gated DeltaNet layers' state rows of one rank (``1 / tp_size`` of the heads)."""
     t = config.get_text_config()
     layers = sum(1 for kind in t.layer_types if kind == LINEAR)
-    conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
-    matrix = (layers, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim)
+    hk, hv = t.linear_num_key_heads // tp_size, t.linear_num_value_heads // tp_size
+    conv_dim = 2 * hk * t.linear_key_head_dim + hv * t.linear_value_head_dim
+    matrix = (layers, hv, t.linear_key_head_dim, t.linear_value_head_dim)
     return [
         StateBuffer(CONV_STATE, dtype, (layers, conv_dim, t.linear_conv_kernel_dim - 1)),
         # The delta rule accumulates in float32 whatever the model dtype (as Transformers does).
         StateBuffer(RECURRENT_STATE, DType.float32, matrix),
         # The slot's block grid (_aligned_prefill): written by prefill chunks only.
         StateBuffer(BLOCK_STATE, DType.float32, matrix, prefill_only=True),
-        StateBuffer(STASH, dtype, (layers, BLOCK, conv_dim + 2 * t.linear_num_value_heads), prefill_only=True),
+        StateBuffer(STASH, dtype, (layers, BLOCK, conv_dim + 2 * hv), prefill_only=True),
         StateBuffer(GRID, DType.int32, (layers, 2), prefill_only=True),
     ]
+
+
+def _qkv_blocks(t) -> tuple[int, int, int]:
+    """The rows of a Gated DeltaNet's q | k | v projection (and its convolution's channels)."""
+    key = t.linear_num_key_heads * t.linear_key_head_dim
+    return key, key, t.linear_num_value_heads * t.linear_value_head_dim
+
+
+# Tensor parallelism of the hybrid: attention heads, MLP intermediates and vocabulary as the
+# decoder's; each Gated DeltaNet keeps 1 / N of its key and value heads: its q | k | v
+# projection and convolution by blocks (a rank takes its slice of q, of k and of v), z, b,
+# a, A_log and dt_bias by value heads (Qwen3-Next's projections are grouped per key head,
+# so contiguous slices are whole groups), its output projection row-parallel (all-reduced).
+# The value heads of a key head stay on its rank (value head h reads key head h // (Hv / Hk)).
+HYBRID_SHARDING = {
+    **DECODER_SHARDING,
+    "linear_attn.in_proj_qkv": 0,
+    "linear_attn.in_proj_z": 0,
+    "linear_attn.in_proj_b": 0,
+    "linear_attn.in_proj_a": 0,
+    "linear_attn.in_proj_qkvz": 0,
+    "linear_attn.in_proj_ba": 0,
+    "linear_attn.conv1d": 0,
+    "linear_attn": 0,  # A_log, dt_bias
+    "linear_attn.out_proj": 1,
+}
+HYBRID_BLOCKS = {"linear_attn.in_proj_qkv": _qkv_blocks, "linear_attn.conv1d": _qkv_blocks}
+# The experts split across ranks as Qwen3-MoE's (the router replicated), the shared expert
+# as a dense MLP (its one-column gate replicated).
+HYBRID_MOE_SHARDING = {
+    **HYBRID_SHARDING,
+    "mlp.experts": 0,
+    "mlp.shared_expert.gate_proj": 0,
+    "mlp.shared_expert.up_proj": 0,
+    "mlp.shared_expert.down_proj": 1,
+}
+GDN_SHARDED = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
 
 
 def _fuse_gdn_inputs(gdn) -> None:
@@ -409,8 +449,11 @@ def _fuse_next_gdn_inputs(gdn) -> None:
 class Qwen35Recipe(Recipe):
     name = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_text")
-    # Gated attention and the MLP are fused (recipes/fused.py); no tensor-parallel
-    # sharding is declared yet.
+    # Gated attention and the MLP are fused (recipes/fused.py).
+    sharding = HYBRID_SHARDING
+    shard_blocks = HYBRID_BLOCKS
+    divided_dims = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "linear_num_key_heads",
+                    "linear_num_value_heads", "vocab_size")
     eager = frozenset({"Qwen3_5RMSNorm"})
     replacements = (Replacement("Qwen3_5GatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),)
     mtp = True  # Qwen3.5, Qwen3.5-MoE and Qwen3-Next checkpoints carry one MTP layer (recipes/mtp.py)
@@ -419,7 +462,15 @@ class Qwen35Recipe(Recipe):
     def kv_geometry(self, config, tp_size: int = 1) -> KVGeometry:
         t = config.get_text_config()
         attn = sum(1 for kind in t.layer_types if kind != LINEAR)
-        return KVGeometry(attn + self.mtp_layers(config), t.num_key_value_heads, t.head_dim)
+        return KVGeometry(attn + self.mtp_layers(config), t.num_key_value_heads // tp_size, t.head_dim)
+
+    def shard_modules(self, model, tp) -> None:
+        """Each Gated DeltaNet computes with its rank's heads: the counts and widths its
+        forward (and Transformers' ``fix_query_key_value_ordering``) splits by."""
+        for module in model.modules():
+            if type(module).__name__ == "PagedGatedDeltaNet":
+                for attr in GDN_SHARDED:
+                    setattr(module, attr, getattr(module, attr) // tp.size)
 
 
 class Qwen35MoeRecipe(Qwen35Recipe):
@@ -428,6 +479,9 @@ class Qwen35MoeRecipe(Qwen35Recipe):
 
     name = "qwen3_5_moe"
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
+    sharding = HYBRID_MOE_SHARDING
+    divided_dims = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+                    "num_experts", "shared_expert_intermediate_size", "vocab_size")
     eager = frozenset({"Qwen3_5MoeRMSNorm"})
     replacements = (Replacement("Qwen3_5MoeGatedDeltaNet", _prepared_gdn, _gdn_state, _fuse_gdn_inputs),
                     Replacement("Qwen3_5MoeSparseMoeBlock", prepared_moe, setup=check_moe))
@@ -440,6 +494,9 @@ class Qwen3NextRecipe(Qwen35Recipe):
 
     name = "qwen3_next"
     model_types = ("qwen3_next",)
+    sharding = HYBRID_MOE_SHARDING
+    divided_dims = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "linear_num_key_heads",
+                    "linear_num_value_heads", "num_experts", "shared_expert_intermediate_size", "vocab_size")
     rotary_sections = 0
     eager = frozenset({"Qwen3NextRMSNorm"})
     replacements = (Replacement("Qwen3NextGatedDeltaNet", _prepared_next_gdn, _gdn_state, _fuse_next_gdn_inputs),
