@@ -198,3 +198,85 @@ def test_a_request_with_logprobs_beside_a_drafting_one(tiny_core):
         assert a.output == b.output
     assert len(spec[0][1].sink.blocks) == 20
     assert any(name.startswith("verify.") for name in ran)  # after the logprobs request finished
+
+
+def test_preempted_drafting_requests_come_out_as_without_speculation(tiny_core):
+    """Speculation under page pressure: three greedy requests that copy (copy-always) on a core
+    whose 23 usable KV pages cannot hold their 27, so the newest decoder is preempted and
+    readmitted with its history (which then holds accepted tokens only), as without
+    speculation on the same core; the same tokens both ways, every page back at the end
+    (``_run``'s integrity check)."""
+    small = prepare_core("llama-tiny", [*TINY_OPTS, "--draft-tokens", "3", "--context-limit", "256",
+                                        "--kv-pages", "24"], name="llama-tiny-verify-small")
+    vocab = load_manifest(small).capacities.vocab_size
+    phrase = [(13 * k + 5) % vocab for k in range(12)]
+    prompts = [phrase * 3, [7] + phrase * 3, phrase[3:] * 3 + [1]]  # 36-37 tokens + 100 generated: 9 pages each
+
+    def batches():
+        return [[(p, _greedy(30 + i, 100), Sink()) for i, p in enumerate(prompts)]]
+
+    plain, plain_gauges = asyncio.run(_run(small, 2, batches()))
+    ran: list[str] = []
+    spec, gauges = asyncio.run(_run(small, 2, batches(), ran, draft_tokens=3, speculate_always=True))
+    assert gauges["flare_preemptions_total"] > 0 and plain_gauges["flare_preemptions_total"] > 0, gauges
+    assert any(name.startswith("verify.") for name in ran), ran
+    for a, b in zip(plain[0], spec[0]):
+        assert a.output == b.output and len(b.output) == 100, (a.output, b.output)
+
+
+class _CancelAt(Sink):
+    """Cancels its request through the engine once ``k`` tokens have arrived."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.engine = k, None
+
+    def on_tokens(self, request, ids):
+        self.visible.extend(ids)
+        if len(self.visible) >= self.k and self.engine is not None:
+            self.engine.cancel(request)
+        return False
+
+
+def test_cancelling_a_drafting_request_leaves_its_neighbour_as_it_was(tiny_core):
+    """Two greedy requests that copy (copy-always, verify steps carrying both); one is cancelled
+    after 10 tokens, in the middle of its verified chains. It ends early with what it had
+    streamed, its slot, pages and drafts are released (every page free at the end), and the
+    other request's tokens are those it gets alone without speculation."""
+    from flare.runtime.engine import Engine
+    from flare.runtime.reference import ReferenceExecutor
+    from flare.runtime.request import Request
+
+    core = _core()
+    vocab = load_manifest(core).capacities.vocab_size
+    phrase = [(13 * k + 5) % vocab for k in range(12)]
+    alone, _ = asyncio.run(_run(tiny_core, 2, [[(phrase * 3, _greedy(5, 60), Sink())]]))
+
+    async def go():
+        engine = Engine(ReferenceExecutor(core, load_manifest(core)), draft_tokens=3, speculate_always=True)
+        await engine.start()
+        try:
+            victim = _CancelAt(10)
+            victim.engine = engine
+            reqs = [Request(phrase * 3, _greedy(5, 60), Sink(), request_id="kept"),
+                    Request([7] + phrase * 3, _greedy(6, 60), victim, request_id="cancelled")]
+            for r in reqs:
+                engine.submit(r)
+            for r in reqs:
+                await asyncio.wait_for(r.sink.done.wait(), 300)
+            for _ in range(200):  # the cancelled slot's in-flight step and terminal work drain
+                if not engine.scheduler.running and not engine.scheduler.retiring:
+                    break
+                await asyncio.sleep(0.05)
+            sched = engine.scheduler
+            sched.check_integrity()
+            free, used, cached = sched.page_usage()
+            return reqs, used, engine.metrics.spec_draft_tokens
+        finally:
+            await engine.shutdown(1.0)
+
+    (kept, cancelled), used, drafted = asyncio.run(go())
+    assert drafted > 0
+    assert kept.output == alone[0][0].output and len(kept.output) == 60
+    assert 10 <= len(cancelled.output) < 60 and cancelled.output == cancelled.sink.visible
+    assert used == 0
