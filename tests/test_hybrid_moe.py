@@ -104,3 +104,25 @@ def test_the_folded_shared_expert_compiles_through_the_graph_break(family):
     valid = block.flare_paged.valid
     torch.testing.assert_close(out[False][valid], out[True][valid], atol=1e-5, rtol=1e-5)
     assert not out[False][~valid].any()  # a padded decode row reads no expert, the shared one included
+
+
+def test_the_shared_expert_folds_only_where_the_kernels_compute_it(family):
+    """``_folds_shared``: a single rank, a fused gate/up of SiLU without biases; a
+    tensor-parallel rank (a shard of the shared expert), a bias or another activation
+    keep it apart."""
+    import copy
+    from types import SimpleNamespace
+
+    from flare.prepare.recipes.moe import _folds_shared
+
+    block = load_rig(family[1]).model.model.layers[0].mlp
+    assert _folds_shared(block)
+    tp = copy.copy(block)
+    tp.flare_tp = SimpleNamespace(active=True)
+    assert not _folds_shared(tp)
+    for attr, value in (("down_proj", SimpleNamespace(bias=torch.zeros(1))), ("act_fn", torch.nn.GELU())):
+        shared = copy.copy(block.shared_expert)
+        object.__setattr__(shared, attr, value)  # shadows the submodule on this copy only
+        other = copy.copy(block)
+        other._modules = {**block._modules, "shared_expert": shared}
+        assert not _folds_shared(other), attr

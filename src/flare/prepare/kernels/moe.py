@@ -474,7 +474,8 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, E, N, NS, K, T
     if shared:
         w_rows = s_ptr
         n_rows = NS
-    if e < E:
+    # A block past this pair's features (the shared expert's intermediate differs) does nothing.
+    if (e < E) & (tl.program_id(1) * BN < n_rows):
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_in = n < n_rows
         x_row = x_ptr + t.to(tl.int64) * stride_xt

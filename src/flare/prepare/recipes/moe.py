@@ -84,7 +84,7 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None,
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
     args = (x, weights, ids, experts.gate_up_proj, experts.down_proj)
-    if decode and shared and _folds_shared(block):
+    if decode and shared and not split and _folds_shared(block):
         s = block.shared_expert
         return K.experts_decode(*args, shared=(s.gate_up_proj.weight, s.down_proj.weight, gate_logits)), None
     if decode:  # GEMVs of the routed experts, no tiles
