@@ -30,7 +30,9 @@ from tests.test_tensor_parallel import FORCED_STEPS, _drive, _prompts
 
 # config -> (Transformers module, its class prefix): for the float64 delta rule and norms.
 FAMILIES = {"qwen3_5-tiny": ("qwen3_5", "Qwen3_5"), "qwen3_5-moe-tiny": ("qwen3_5_moe", "Qwen3_5Moe"),
-            "qwen3-next-tiny": ("qwen3_next", "Qwen3Next")}
+            "qwen3-next-tiny": ("qwen3_next", "Qwen3Next"),
+            # 4 key heads of 16, 8 value heads of 32: two key heads a rank, unequal widths
+            "qwen3_5-tiny-wide": ("qwen3_5", "Qwen3_5")}
 # The TP driver decodes its prompts in fresh slots after the teacher-forced ones: 8 slots.
 OPTS = [*HYBRID_OPTS, "--decode-capacities", "1,2,4,8"]
 
@@ -96,3 +98,36 @@ def test_a_block_shard_takes_each_blocks_slice():
     assert Shard(0, 1, 2).of(full)[:, 0].tolist() == [10, 12, 14, 16, 18]  # one block: contiguous
     with pytest.raises(ShardingError, match="do not cut"):
         Shard(0, 0, 2, (4, 3, 3)).of(full)
+
+
+def test_every_gated_deltanet_weight_is_declared_as_the_forward_reads_it():
+    """The shard of each Gated DeltaNet weight of a TP=2 rank, from the recipe's tables: q|k|v
+    projection and convolution by q, k and v blocks, z / b / a / A_log / dt_bias by value heads
+    (contiguous), the output projection by input columns, the gated norm replicated. (The random
+    source fills A_log and dt_bias with zeros, so the end-to-end test cannot see their slices.)"""
+    from flare.prepare.parallel import Shard, TensorParallel
+    from flare.prepare.recipes import by_name
+    from flare.prepare.sources import resolve
+
+    from flare.prepare.recipes.mtp import without_mtp
+
+    config = resolve("qwen3_5-tiny-wide").config
+    without_mtp(config)  # as preparation without --mtp
+    t = config.get_text_config()
+    recipe = by_name("qwen3_5")
+    pm = recipe.build(config, torch.float32, tp=TensorParallel(1, 2))
+    specs = {s.names[0].removeprefix("model.layers.0.linear_attn."): s for s in recipe.weights(pm)
+             if s.names[0].startswith("model.layers.0.linear_attn.")}
+    key, value = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
+    assert (key, value) == (64, 256)
+    by_value_heads = Shard(0, 1, 2)
+    assert specs["A_log"].shard == specs["dt_bias"].shard == by_value_heads
+    assert specs["conv1d.weight"].shard == Shard(0, 1, 2, (key, key, value))
+    assert specs["out_proj.weight"].shard == Shard(1, 1, 2)
+    assert specs["norm.weight"].shard is None
+    parts = {p.name.rsplit(".", 2)[-2]: p for p in specs["in_proj.weight"].parts}
+    assert parts["in_proj_qkv"].shard == Shard(0, 1, 2, (key, key, value)) and parts["in_proj_qkv"].rows == key + value // 2
+    assert all(parts[n].shard == by_value_heads for n in ("in_proj_z", "in_proj_b", "in_proj_a"))
+    gdn = pm.module.model.layers[0].linear_attn
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.key_dim, gdn.value_dim) == (2, 4, 32, 128)
+    assert gdn.conv_dim == 2 * 32 + 128

@@ -389,9 +389,12 @@ class Recipe:
                 dim = 0
             dims.add(dim)
             sizes = declared(self.shard_blocks, owner)
-            blocks.add(tuple(sizes(config)) if sizes is not None and dim == 0 else ())
+            if sizes is not None and dim != 0:
+                raise ShardingError(f"{name}: blocks are declared for a weight not sharded by rows (dim {dim})")
+            blocks.add(tuple(sizes(config)) if sizes is not None else ())
         if len(dims) != 1 or len(blocks) != 1:
-            raise ShardingError(f"tied parameters {list(names)} are declared with different partitions {dims}")
+            raise ShardingError(f"tied parameters {list(names)} are declared with different partitions "
+                                f"{dims} / blocks {blocks}")
         dim = dims.pop()
         return None if dim is None else Shard(dim, tp.rank, tp.size, blocks.pop())
 
