@@ -50,18 +50,16 @@ class Shard:
         return tuple(out)
 
     def of(self, full: torch.Tensor) -> torch.Tensor:
-        if not self.blocks:
-            n = full.shape[self.dim] // self.size
-            return full.narrow(self.dim, self.rank * n, n)
-        if sum(self.blocks) != full.shape[self.dim] or any(b % self.size for b in self.blocks):
-            raise ShardingError(f"blocks {self.blocks} do not cut dimension {self.dim} of {tuple(full.shape)} "
+        blocks = self.blocks or (full.shape[self.dim],)
+        if sum(blocks) != full.shape[self.dim] or any(b % self.size for b in blocks):
+            raise ShardingError(f"blocks {blocks} do not cut dimension {self.dim} of {tuple(full.shape)} "
                                 f"into parts of {self.size} equal slices")
         parts, start = [], 0
-        for b in self.blocks:
+        for b in blocks:
             n = b // self.size
             parts.append(full.narrow(self.dim, start + self.rank * n, n))
             start += b
-        return torch.cat(parts, dim=self.dim)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 @dataclass(frozen=True)

@@ -378,8 +378,8 @@ def _gdn_state(config, dtype: DType, tp_size: int = 1) -> list[StateBuffer]:
     """The Gated DeltaNet layers' state rows of one rank (``1 / tp_size`` of the heads)."""
     t = config.get_text_config()
     layers = sum(1 for kind in t.layer_types if kind == LINEAR)
-    hk, hv = t.linear_num_key_heads // tp_size, t.linear_num_value_heads // tp_size
-    conv_dim = 2 * hk * t.linear_key_head_dim + hv * t.linear_value_head_dim
+    hv = t.linear_num_value_heads // tp_size
+    conv_dim = sum(_qkv_blocks(t)) // tp_size
     matrix = (layers, hv, t.linear_key_head_dim, t.linear_value_head_dim)
     return [
         StateBuffer(CONV_STATE, dtype, (layers, conv_dim, t.linear_conv_kernel_dim - 1)),
