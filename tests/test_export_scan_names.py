@@ -1,5 +1,5 @@
 """Which kernels' stale parameter words the export zeroes (``flare.prepare.cuda.export``):
-ATen's TensorIterator elementwise and reduction kernels only, by their mangled names; the
+ATen's TensorIterator elementwise, reduction and indexing kernels only, by their mangled names; the
 scan itself runs on the GPU (tests/gpu/test_export_scan.py)."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ NAMES = {  # mangled names of kernels seen in captured programs
     "_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIiEESt5arrayIPcLm1EEEEviT0_T1_": True,
     "_ZN2at6native27unrolled_elementwise_kernelIZZZNS0_23direct_copy_kernel_cudaERNS_18TensorIt": True,
     "_ZN2at6native13reduce_kernelILi512ELi1ENS0_8ReduceOpIfNS0_7MeanOpsIffffEEjfLi4ELi4EEEEEvT1_": True,
-    "_ZN2at6native24index_elementwise_kernelILi128ELi4EZNS0_22index_copy_kernel_implINS0_10Opaq": False,
+    # index_copy (seen with a stale word in the Mistral shape's admit program on the H200)
+    "_ZN2at6native24index_elementwise_kernelILi128ELi4EZNS0_22index_copy_kernel_implINS0_10Opaq": True,
     "_ZN2at6native44_GLOBAL__N__50c743a2_11_Indexing_cu_89862edb21indexSelectSmallIndexIfljLi2E": False,
     "_ZN2at6native40_GLOBAL__N__0f1a8107_8_Shape_cu_49f7391c35CatArrayBatchedCopy_alignedK_cont": False,
     "_ZN2at6native34_scatter_gather_elementwise_kernelILi128ELi8EZNS0_36_cuda_scatter_gather_in": False,
@@ -25,5 +26,5 @@ NAMES = {  # mangled names of kernels seen in captured programs
 }
 
 
-def test_only_tensor_iterator_elementwise_and_reduction_kernels_may_carry_stale_words():
+def test_only_tensor_iterator_elementwise_reduction_and_indexing_kernels_may_carry_stale_words():
     assert {name: E.tensor_iterator_stale_ok(name) for name in NAMES} == NAMES

@@ -10,16 +10,21 @@ child graphs are rejected.
 
 One exception: ATen's TensorIterator elementwise and reduction kernels
 (``at::native::elementwise_kernel``, ``vectorized_`` / ``unrolled_elementwise_kernel``,
-``reduce_kernel``; ``tensor_iterator_stale_ok``) take an ``OffsetCalculator`` by value
-whose constructor fills only the operands' own dimensions of its fixed-size arrays;
-the rest is whatever the host stack held, now and then an address of a live
-allocation of the preparing process (seen twice on the 8B shape). Such a word is
+``reduce_kernel``) and its copy-by-index and indexing kernels
+(``index_elementwise_kernel``: ``index_copy``, ``index_fill``, ``index``, ``index_put``;
+``tensor_iterator_stale_ok``) take an ``OffsetCalculator`` by value whose constructor
+fills only the operands' own dimensions of its fixed-size arrays; the rest is whatever
+the host stack held, now and then an address of a live allocation of the preparing
+process (seen twice in ``elementwise_kernel`` on the 8B shape, and in an ``index_copy``
+of the Mistral shape on 2026-12-04, where it failed that core's export). Such a word is
 never read by the kernel, so it is zeroed in the export (and printed) instead of
-failing it. The operands' own pointers sit in the same parameter, so a genuine
-operand outside the arena in one of these kernels would be zeroed too; it would
-then fault on a null address at its first replay (the GPU suite's replay tests,
-``--qualify``), never read another process's memory. Every other kernel, ATen's
-indexing, copy-by-index, sort, softmax and cat kernels among them, fails the export.
+failing it. (The indexing kernels' other fixed-size arrays, index sizes, strides and
+pointers, are value-initialised: only the offset calculator carries stale words.) The
+operands' own pointers sit in the same parameter, so a genuine operand outside the arena
+in one of these kernels would be zeroed too; it would then fault on a null address at
+its first replay (the GPU suite's replay tests, ``--qualify``), never read another
+process's memory. Every other kernel, ATen's ``index_select``, scatter/gather, sort,
+softmax and cat kernels among them, fails the export.
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ _FUNC_ATTRS = [a for a in d.CUfunction_attribute if a.name != "CU_FUNC_ATTRIBUTE
 _CU_LAUNCH_PARAM_BUFFER_POINTER = 1
 _CU_LAUNCH_PARAM_BUFFER_SIZE = 2
 _TENSOR_ITERATOR = re.compile(r"^_ZN2at6native\d+(elementwise_kernel|vectorized_elementwise_kernel|"
-                              r"unrolled_elementwise_kernel|reduce_kernel)I")
+                              r"unrolled_elementwise_kernel|reduce_kernel|index_elementwise_kernel)I")
 
 
 def tensor_iterator_stale_ok(name: str) -> bool:
-    """Whether a kernel (mangled name) is one of ATen's TensorIterator elementwise or reduction
-    kernels, whose stale ``OffsetCalculator`` words are zeroed (module docstring)."""
+    """Whether a kernel (mangled name) is one of ATen's TensorIterator elementwise, reduction
+    or indexing kernels, whose stale ``OffsetCalculator`` words are zeroed (module docstring)."""
     return _TENSOR_ITERATOR.match(name) is not None
 
 
