@@ -136,24 +136,27 @@ def test_graph_runtime_generations_against_the_reference_path(runs, results_dir)
 def test_prefix_cache_on_the_gpu(runs, results_dir):
     MODEL, prompts, r = runs
     on, off = r["cuda-on"], r["cuda-off"]
-    # Phase 1 has no hits (distinct random prompts): the cache changes nothing.
-    assert on["phase1"] == off["phase1"]
     follow_on, follow_off = on["follow_ups"], off["follow_ups"]
-    for f in follow_on[1:]:  # follow-up turns: the previous prompt at least is cached
-        assert f["cached_tokens"] >= f["previous_prompt_tokens"], f
-        assert f["prefill_tokens"] == f["prompt_tokens"] - f["cached_tokens"], f
-    repeat = follow_on[0]  # the exact repeat: resume, no prefill program ran
-    assert repeat["cached_tokens"] == repeat["prompt_tokens"] and repeat["prefill_tokens"] == 0, repeat
-    assert repeat["output"] == on["phase1"][repeat["source"]]
-    for f in follow_off:
-        assert f["cached_tokens"] == 0 and f["prefill_tokens"] == f["prompt_tokens"], f
     agree = [_common_prefix(a["output"], b["output"]) for a, b in zip(follow_on, follow_off)]
+    repeat = follow_on[0]  # the exact repeat: resume, no prefill program ran
+    # Recorded before any check, so that a failing run's figures come back too.
     summary = {"follow_ups": [{k: v for k, v in f.items() if k != "output"} for f in follow_on],
                "cache_on_vs_off_common_prefix": agree, "identical": sum(a == 64 for a in agree),
                "first_token_flips": _flips([f["output"] for f in follow_on], [f["output"] for f in follow_off],
                                            [f["first_top"] for f in follow_off]),
+               "phase1_common_prefix": [_common_prefix(a, b) for a, b in zip(on["phase1"], off["phase1"])],
+               "repeat_common_prefix": _common_prefix(repeat["output"], on["phase1"][repeat["source"]]),
                "stats": on["stats"]}
     record(results_dir, "qualification", {f"{MODEL}-prefix-cache": summary})
+    # Phase 1 has no hits (distinct random prompts): the cache changes nothing.
+    assert on["phase1"] == off["phase1"], summary["phase1_common_prefix"]
+    for f in follow_on[1:]:  # follow-up turns: the previous prompt at least is cached
+        assert f["cached_tokens"] >= f["previous_prompt_tokens"], f
+        assert f["prefill_tokens"] == f["prompt_tokens"] - f["cached_tokens"], f
+    assert repeat["cached_tokens"] == repeat["prompt_tokens"] and repeat["prefill_tokens"] == 0, repeat
+    assert repeat["output"] == on["phase1"][repeat["source"]], summary["repeat_common_prefix"]
+    for f in follow_off:
+        assert f["cached_tokens"] == 0 and f["prefill_tokens"] == f["prompt_tokens"], f
     for key in ("allocations_after_ready", "module_loads_after_ready", "instantiations_after_ready"):
         assert on["stats"][key] == 0, key
     assert on["stats"]["device_free_now"] == on["stats"]["device_free_at_ready"]
