@@ -1,6 +1,6 @@
 """Greedy generations through the real engine and scheduler on one core.
 
-usage: python -m tests.gpu.drive_generate CORE EXECUTOR CACHE PROMPTS.json OUT.json [--roundtrip]
+usage: python -m tests.gpu.drive_generate CORE EXECUTOR CACHE PROMPTS.json OUT.json [--roundtrip] [--batch]
 
 EXECUTOR is ``cuda`` (the torch-free graph runtime) or ``reference`` (eager
 torch programs on the CPU); CACHE is ``on`` or ``off`` (the prefix cache).
@@ -18,6 +18,10 @@ turn's prompt is the previous prompt, a fixed 20-token assistant reply and an
 11-token tail, so every turn but the first restores the previous prompt's
 checkpoint, and the prompts do not depend on what was generated (cache on and
 off see the same prompts at every turn).
+
+``--batch`` first runs ``BATCH`` other prompts one at a time (every decode step of one
+row) and then together (steps of up to ``BATCH`` rows), recording every token's
+log-probability: whether a decode row depends on what it is batched with.
 
 ``--roundtrip`` then drives the snapshot and restore programs
 directly: random bytes in one slot's continuation rows and KV tail page are
@@ -45,16 +49,20 @@ FOLLOW_UPS = int(__import__("os").environ.get("FLARE_DRIVE_FOLLOW_UPS", "10"))
 TAIL = 11
 FIRST_LOGPROBS = 5  # every request reports its first token's most likely tokens (near-ties: test_generation.py)
 TURNS = 10  # phase 3: one conversation
+BATCH = 4  # --batch: prompts decoded alone, then together
 
 
 class _Done:
     def __init__(self):
         self.event = asyncio.Event()
         self.first = None  # the first token's log-probabilities (requests that ask for them)
+        self.logprobs = []  # every token's
 
     def on_tokens(self, request, ids, logprobs=None):
-        if logprobs and self.first is None:
-            self.first = logprobs[0]
+        if logprobs:
+            if self.first is None:
+                self.first = logprobs[0]
+            self.logprobs += [float(lp.logprob) for lp in logprobs]
         return False
 
     def on_finish(self, request):
@@ -80,8 +88,20 @@ async def _generate(engine: Engine, prompts: list[list[int]], tokens: int, seeds
         if req.error is not None:
             raise req.error
     for req, sink in reqs:
-        req.first_logprobs = sink.first
+        req.first_logprobs, req.token_logprobs = sink.first, sink.logprobs
     return [r for r, _ in reqs]
+
+
+async def _batch_check(engine: Engine, m) -> dict:
+    """``BATCH`` prompts (not those of the other phases) generated one at a time, then
+    together: tokens and every token's log-probability (float32 sums: their bits follow
+    the logits')."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, m.capacities.sampling_vocab, int(n)).tolist() for n in rng.integers(8, 200, BATCH)]
+    alone = [(await _generate(engine, [p], TOKENS, [i], logprobs=0))[0] for i, p in enumerate(prompts)]
+    together = await _generate(engine, prompts, TOKENS, list(range(BATCH)), logprobs=0)
+    return {run: [{"output": r.output, "logprobs": r.token_logprobs} for r in reqs]
+            for run, reqs in (("alone", alone), ("together", together))}
 
 
 def _top(req: Request) -> list[list]:
@@ -162,13 +182,15 @@ async def _roundtrip(ex, m) -> dict:
             "expected_records": [list(io.StateCompletion(s1, row, count)), list(io.StateCompletion(s2, row, count))]}
 
 
-async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, roundtrip: bool) -> None:
+async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, roundtrip: bool,
+               batch: bool = False) -> None:
     m = load_manifest(core)
     ex = _executor(kind, core, m)
     engine = Engine(ex, prefix_cache=cache == "on")
     await engine.start()
     prompts = json.load(open(prompts_path))
     sched = engine.scheduler
+    batched = await _batch_check(engine, m) if batch else None
     phase1 = await _generate(engine, prompts, TOKENS, list(range(len(prompts))), logprobs=FIRST_LOGPROBS)
     follow, rng = [], np.random.default_rng(3)
     # The most recent conversations, newest first: checkpoints are evicted least recently
@@ -192,6 +214,8 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
     result = {"executor": kind, "cache": cache, "phase1": [r.output for r in phase1],
               "phase1_first_top": [_top(r) for r in phase1], "follow_ups": follow,
               "conversation": conversation, "stats": ex.stats()}
+    if batched is not None:
+        result["batch"] = batched
     while sched.has_work():  # terminal captures still running: the engine owns the executor
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)
@@ -204,4 +228,4 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    asyncio.run(main(a[0], a[1], a[2], a[3], a[4], "--roundtrip" in a))
+    asyncio.run(main(a[0], a[1], a[2], a[3], a[4], "--roundtrip" in a, "--batch" in a))

@@ -77,7 +77,7 @@ def runs(request):
         reference = _start(core, "reference", "on", pj, tmp)
         try:
             gpu = {"cuda-on": _drive(core, "cuda", "on", pj, tmp, "--roundtrip"),
-                   "cuda-off": _drive(core, "cuda", "off", pj, tmp)}
+                   "cuda-off": _drive(core, "cuda", "off", pj, tmp, "--batch")}
         except BaseException:
             reference[0].kill()
             raise
@@ -166,6 +166,26 @@ def test_prefix_cache_on_the_gpu(runs, results_dir):
     # probability exceeds that of cache-on's token by at most NEAR_TIE times the shape's
     # measured teacher-forced logit error (a hard flip fails).
     assert _near_ties(MODEL, summary["first_token_flips"], len(follow_on)), summary
+
+
+def test_a_decode_row_does_not_depend_on_its_batch(runs, results_dir):
+    """Four prompts generated one at a time (decode steps of one row) and together (steps of
+    up to four rows), cache off: the same greedy tokens, and every token's log-probability the
+    same bits. Cache on and off agree in phase 1 only if a row's bits do not depend on what
+    the scheduler batched it with (the cache's captures move requests between steps), and an
+    exact repeat resumed alone agrees with its batched first run only then."""
+    MODEL, _, r = runs
+    b = r["cuda-off"]["batch"]
+    rows = []
+    for a, t in zip(b["alone"], b["together"]):
+        n = _common_prefix(a["output"], t["output"])
+        diffs = [abs(x - y) for x, y in zip(a["logprobs"][:n + 1], t["logprobs"][:n + 1])]
+        rows.append({"tokens": len(a["output"]), "common_prefix": n,
+                     "first_logprob_difference": next((i for i, d in enumerate(diffs) if d), None),
+                     "largest_logprob_difference": max(diffs)})
+    record(results_dir, "qualification", {f"{MODEL}-decode-batch-invariance": rows})
+    assert all(len(x["output"]) == len(x["logprobs"]) == 64 for x in b["alone"] + b["together"])
+    assert all(row["common_prefix"] == 64 and row["first_logprob_difference"] is None for row in rows), rows
 
 
 # The largest teacher-forced logit error against Transformers FP32 measured on the H200 for
