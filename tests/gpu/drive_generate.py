@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 
 import numpy as np
@@ -44,8 +45,8 @@ from flare.runtime.engine import Engine
 from flare.runtime.executor import NUMPY_DTYPES
 from flare.runtime.request import Request, SamplingParams
 
-TOKENS = int(__import__("os").environ.get("FLARE_DRIVE_TOKENS", "64"))
-FOLLOW_UPS = int(__import__("os").environ.get("FLARE_DRIVE_FOLLOW_UPS", "10"))
+TOKENS = int(os.environ.get("FLARE_DRIVE_TOKENS", "64"))
+FOLLOW_UPS = int(os.environ.get("FLARE_DRIVE_FOLLOW_UPS", "10"))
 TAIL = 11
 FIRST_LOGPROBS = 5  # every request reports its first token's most likely tokens (near-ties: test_generation.py)
 TURNS = 10  # phase 3: one conversation
@@ -116,7 +117,7 @@ def _executor(kind: str, core: str, m):
         return CudaExecutor(core, m)
     from flare.runtime.reference import ReferenceExecutor
 
-    return ReferenceExecutor(core, m, torch_threads=8)
+    return ReferenceExecutor(core, m, torch_threads=int(os.environ.get("FLARE_DRIVE_THREADS", "8")))
 
 
 async def _roundtrip(ex, m) -> dict:

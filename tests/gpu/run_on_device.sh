@@ -68,12 +68,15 @@ case "$1" in
           > $R/prepare-$m.log 2>&1 &
         preps+=($!)
       done
-      # Load errors first: they reserve the core's address range, which torch's
-      # allocations in the kernel tests could otherwise take.
+      # Load errors in a process of their own: they reserve the core's address range, which
+      # torch's allocations in the kernel tests could otherwise take.
       # The hybrid's eager Triton-vs-reference comparison prepares its own core and compiles
       # flash-linear-attention's float32 kernels (autotuned): it runs from the start, beside.
       RIG=$G/test_numerics.py::test_hybrid_triton_path_matches_the_reference_path_on_the_gpu
-      parallel kernels "$G/test_load_errors.py $G/test_export_scan.py $G/test_paged_attention_cuda.py tests/test_paged_attention_triton.py::test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled tests/test_moe_kernels.py tests/test_gemm_rows.py tests/test_rownorm.py tests/test_gemv.py tests/test_sampler_kernel.py" \
+      # The kernel tests compile a Triton kernel for nearly every case: three xdist workers
+      # (their own processes; the load errors keep one of their own, nothing allocated before).
+      parallel load-errors "$G/test_load_errors.py $G/test_export_scan.py" \
+        kernels "-n 3 $G/test_paged_attention_cuda.py tests/test_paged_attention_triton.py::test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled tests/test_moe_kernels.py tests/test_gemm_rows.py tests/test_rownorm.py tests/test_gemv.py tests/test_sampler_kernel.py" \
         hybrid-rig "$RIG $G/test_gdn_grid_gpu.py" > $R/kernels-phase.txt &
       kernels=$!  # beside the preparations and then the numerics, which need only the cores
       rc=0

@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -30,10 +29,11 @@ MODELS = [m for m in ["smollm2-135m-shape", "qwen3_5-small-shape", "qwen3-moe-sm
 PROMPTS = 50
 
 
-def _start(core, executor: str, cache: str, prompts_path: str, tmp: str, *extra: str):
+def _start(core, executor: str, cache: str, prompts_path: str, tmp: str, *extra: str, threads: int = 8):
     out = f"{tmp}/{executor}-{cache}.json"
     # The reference path never sees the GPU (it runs beside the GPU runs: see ``runs``).
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if executor == "reference" else None
+    env = ({**os.environ, "CUDA_VISIBLE_DEVICES": "", "FLARE_DRIVE_THREADS": str(threads)}
+           if executor == "reference" else None)
     # Output to a file, not a pipe: nobody reads a pipe while the other runs go on.
     with open(out + ".log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.drive_generate", str(core), executor, cache,
@@ -60,28 +60,48 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def runs(request):
-    model = request.param
-    core = gpu_core(model)
+def _prompts(core) -> list[list[int]]:
     from flare.core.manifest import load_manifest
 
     m = load_manifest(core)
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(0, m.capacities.sampling_vocab, int(n)).tolist() for n in rng.integers(8, 400, PROMPTS)]
-    with tempfile.TemporaryDirectory() as tmp:
-        pj = f"{tmp}/prompts.json"
-        json.dump(prompts, open(pj, "w"))
-        # The reference path runs on the CPU beside the two GPU runs (it holds no device
-        # memory, so their device-wide free-memory checks see nothing of it).
-        reference = _start(core, "reference", "on", pj, tmp)
-        try:
-            gpu = {"cuda-on": _drive(core, "cuda", "on", pj, tmp, "--roundtrip"),
-                   "cuda-off": _drive(core, "cuda", "off", pj, tmp, "--batch")}
-        except BaseException:
-            reference[0].kill()
-            raise
-        return model, prompts, {**gpu, "reference-on": _result(reference)}
+    return [rng.integers(0, m.capacities.sampling_vocab, int(n)).tolist() for n in rng.integers(8, 400, PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The reference path of every shape, started at once on the CPU before the first GPU
+    run, each with a share of the cores: a shape's GPU runs take seconds and its reference
+    run minutes, so one after another the reference runs were most of the phase. They hold
+    no device memory (the GPU runs' device-wide free-memory checks see nothing of them)."""
+    threads = max(2, (os.cpu_count() or 16) // len(MODELS))
+    started = {}
+    try:
+        for model in MODELS:
+            core = gpu_core(model)
+            tmp = tmp_path_factory.mktemp(model)
+            pj = tmp / "prompts.json"
+            pj.write_text(json.dumps(_prompts(core)))
+            started[model] = (core, str(pj), str(tmp), _start(core, "reference", "on", str(pj), str(tmp),
+                                                               threads=threads))
+        yield started
+    finally:
+        for *_, (proc, _out) in started.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def runs(request, references):
+    model = request.param
+    core, pj, tmp, reference = references[model]
+    try:
+        gpu = {"cuda-on": _drive(core, "cuda", "on", pj, tmp, "--roundtrip"),
+               "cuda-off": _drive(core, "cuda", "off", pj, tmp, "--batch")}
+    except BaseException:
+        reference[0].kill()
+        raise
+    return model, json.loads(open(pj).read()), {**gpu, "reference-on": _result(reference)}
 
 
 def _flips(ours: list[list[int]], theirs: list[list[int]], their_tops: list[list]) -> list[dict]:
