@@ -19,7 +19,7 @@ turn's prompt is the previous prompt, a fixed 20-token assistant reply and an
 checkpoint, and the prompts do not depend on what was generated (cache on and
 off see the same prompts at every turn).
 
-``--batch`` first runs ``BATCH`` other prompts one at a time (every decode step of one
+``--batch`` then runs ``BATCH`` other prompts one at a time (every decode step of one
 row) and then together (steps of up to ``BATCH`` rows), recording every token's
 log-probability: whether a decode row depends on what it is batched with.
 
@@ -191,7 +191,6 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
     await engine.start()
     prompts = json.load(open(prompts_path))
     sched = engine.scheduler
-    batched = await _batch_check(engine, m) if batch else None
     phase1 = await _generate(engine, prompts, TOKENS, list(range(len(prompts))), logprobs=FIRST_LOGPROBS)
     follow, rng = [], np.random.default_rng(3)
     # The most recent conversations, newest first: checkpoints are evicted least recently
@@ -212,6 +211,8 @@ async def main(core: str, kind: str, cache: str, prompts_path: str, out: str, ro
         conversation.append({"prompt_tokens": len(prompt), "cached_tokens": r.cached_tokens,
                              "prefill_tokens": sched.prefill_tokens_total - before, "output": r.output})
         prompt = prompt + rng.integers(100, 1000, 20 + TAIL).tolist()
+    # Last, so that the phases above run as in a drive without it.
+    batched = await _batch_check(engine, m) if batch else None
     result = {"executor": kind, "cache": cache, "phase1": [r.output for r in phase1],
               "phase1_first_top": [_top(r) for r in phase1], "follow_ups": follow,
               "conversation": conversation, "stats": ex.stats()}
