@@ -31,7 +31,7 @@ PROMPTS = 50
 
 def _start(core, executor: str, cache: str, prompts_path: str, tmp: str, *extra: str, threads: int = 8):
     out = f"{tmp}/{executor}-{cache}.json"
-    # The reference path never sees the GPU (it runs beside the GPU runs: see ``runs``).
+    # The reference path never sees the GPU (it runs beside the GPU runs: see ``references``).
     env = ({**os.environ, "CUDA_VISIBLE_DEVICES": "", "FLARE_DRIVE_THREADS": str(threads)}
            if executor == "reference" else None)
     # Output to a file, not a pipe: nobody reads a pipe while the other runs go on.
@@ -68,38 +68,50 @@ def _prompts(core) -> list[list[int]]:
     return [rng.integers(0, m.capacities.sampling_vocab, int(n)).tolist() for n in rng.integers(8, 400, PROMPTS)]
 
 
+def _kill(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The reference path of every shape, started at once on the CPU before the first GPU
     run, each with a share of the cores: a shape's GPU runs take seconds and its reference
     run minutes, so one after another the reference runs were most of the phase. They hold
-    no device memory (the GPU runs' device-wide free-memory checks see nothing of them)."""
-    threads = max(2, (os.cpu_count() or 16) // len(MODELS))
-    started = {}
+    no device memory (the GPU runs' device-wide free-memory checks see nothing of them).
+    A shape whose core or start fails keeps its error for its own tests only."""
+    threads = max(4, len(os.sched_getaffinity(0)) // len(MODELS))
+    started: dict[str, tuple | BaseException] = {}
     try:
         for model in MODELS:
-            core = gpu_core(model)
-            tmp = tmp_path_factory.mktemp(model)
-            pj = tmp / "prompts.json"
-            pj.write_text(json.dumps(_prompts(core)))
-            started[model] = (core, str(pj), str(tmp), _start(core, "reference", "on", str(pj), str(tmp),
-                                                               threads=threads))
+            try:
+                core = gpu_core(model)
+                tmp = tmp_path_factory.mktemp(model)
+                pj = tmp / "prompts.json"
+                pj.write_text(json.dumps(_prompts(core)))
+                started[model] = (core, str(pj), str(tmp), _start(core, "reference", "on", str(pj), str(tmp),
+                                                                   threads=threads))
+            except Exception as e:  # noqa: BLE001 (raised again by this shape's runs)
+                started[model] = e
         yield started
     finally:
-        for *_, (proc, _out) in started.values():
-            if proc.poll() is None:
-                proc.kill()
+        for entry in started.values():
+            if not isinstance(entry, BaseException):
+                _kill(entry[3][0])
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def runs(request, references):
     model = request.param
+    if isinstance(references[model], BaseException):
+        raise references[model]
     core, pj, tmp, reference = references[model]
     try:
         gpu = {"cuda-on": _drive(core, "cuda", "on", pj, tmp, "--roundtrip"),
                "cuda-off": _drive(core, "cuda", "off", pj, tmp, "--batch")}
     except BaseException:
-        reference[0].kill()
+        _kill(reference[0])
         raise
     return model, json.loads(open(pj).read()), {**gpu, "reference-on": _result(reference)}
 
