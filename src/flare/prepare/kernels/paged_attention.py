@@ -51,7 +51,11 @@ takes segments ``split, split + eff, ...``; partials by the tile's rank among th
 holding tokens) and the combine folds the row's segments the same way. The partials have
 room for ``RTILES`` such tiles (128 MiB); a launch with more does not split (it has tiles
 enough, and the bits do not depend on it). Decode steps keep the even split (their rows
-need not equal a prompt's).
+need not equal a prompt's), whose partition of a row's keys follows ``eff``, hence the
+step's live rows: past about ``eff`` key blocks of context a decode row's bits depend on
+what shares its step. ``segments=True`` gives a decode launch the prompt launches'
+segments (one token a tile), so its rows do not; what that costs is measured by
+``bench/attention_decode.py`` before any program takes it.
 
 Open before this replaces main's kernel (reviewed 2026-12-02; not yet run on a GPU):
 * Speed, to measure on the H200: at the 8B shape with a 131K context a segment is 16 blocks
@@ -353,10 +357,15 @@ class Launch:
 
 def plan_launch(
     T: int, H: int, KVH: int, D: int, max_pages: int, page_size: int, *,
-    tile_tokens: bool, sm_count: int, num_splits: int | None = None,
+    tile_tokens: bool, sm_count: int, num_splits: int | None = None, segments: bool | None = None,
 ) -> Launch:
+    """``segments``: keys in segments at fixed positions (default: in prompt launches, those
+    that tile query tokens); True for a decode launch gives its rows the same bits whatever
+    the step's live rows (module docstring)."""
+    tiled = tile_tokens and T > 1
+    segments = tiled if segments is None else segments
     heads = triton.next_power_of_2(H // KVH)
-    if tile_tokens and T > 1:
+    if tiled:
         # The same tile height in every prompt program, however few its rows: a row's
         # arithmetic (the dot's shape) must not depend on the program.
         block_t = query_tile_tokens(H, KVH)
@@ -367,7 +376,7 @@ def plan_launch(
     key_blocks = -(-(max_pages * page_size) // block_n)
     d_pad = max(16, triton.next_power_of_2(D))
     seg = nseg = rtiles = 0
-    if tile_tokens and T > 1:
+    if segments:
         # Segments of at least _SEG_MIN blocks, at most _SEG_COUNT a row; the partials of
         # every segment of up to ``rtiles`` tiles (ranked among those holding tokens) fit
         # the budget, and a launch with more such tiles does not split (it has tiles enough).
@@ -415,14 +424,15 @@ def _check(batch: PagedBatch, layer: int, q: torch.Tensor) -> None:
 
 def attend_triton(
     batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None,
-    target: int | None = None, window: int = 0,
+    target: int | None = None, window: int = 0, segments: bool | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``;
     ``window`` > 0 limits each token to the keys at positions ``> position - window``.
 
     ``num_splits`` overrides the most key-range splits and ``target`` the programs the
     device aims for (tests); by default both follow from static shapes and the
-    device's multiprocessor count.
+    device's multiprocessor count. ``segments=True`` folds a decode launch's keys in
+    segments at fixed positions, as prompt launches do (``plan_launch``).
     """
     _check(batch, layer, q)
     kv = batch.kv
@@ -435,6 +445,7 @@ def attend_triton(
     lc = plan_launch(
         T, H, KVH, D, max_pages, ps,
         tile_tokens=batch.single_slot or batch.tiles, sm_count=_sm_count(q.device), num_splits=num_splits,
+        segments=segments,
     )
     d_pad = max(16, triton.next_power_of_2(D))
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]  # [P, page_size, KVH, D] views
