@@ -218,23 +218,26 @@ def test_splits_chosen_on_the_device_are_exact(n, target):
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("window", [0, 150])
 @pytest.mark.parametrize("target", [8, 10**6], ids=["fold-in-place-when-together", "split-always"])
-def test_a_decode_row_with_segments_is_the_same_bits_whatever_shares_its_step(target):
+def test_a_decode_row_with_segments_is_the_same_bits_whatever_shares_its_step(target, window):
     """Decode launches with ``segments=True``: each live row's output is the same bits alone
     (one live row: more programs share its keys) and among four (fewer, or one that folds
-    its segments itself), and the reference's within tolerance; padded rows are zeros."""
+    its segments itself), with and without a sliding window, and the reference's within
+    tolerance; padded rows are zeros."""
     step = decode_step(LONG, [384, 300, 17, 384], torch.float32, 41, DEVICE)
-    ref, _ = run_reference(step, scale(LONG))
+    ref, _ = run_reference(step, scale(LONG), window)
     kv = step.kv.clone()
     b = step.batch(kv, "triton")
     write_kv_triton(b, step.layer, step.k, step.v)
-    together = attend_triton(b, step.layer, step.q, scale(LONG), num_splits=6, target=target, segments=True)
+    together = attend_triton(b, step.layer, step.q, scale(LONG), num_splits=6, target=target, segments=True,
+                             window=window)
     torch.testing.assert_close(together, ref, **TOL[torch.float32])
     for r in range(4):
         alone_valid = torch.zeros_like(step.valid)
         alone_valid[r] = True
         alone = attend_triton(dataclasses.replace(b, valid=alone_valid), step.layer, step.q, scale(LONG),
-                              num_splits=6, target=target, segments=True)
+                              num_splits=6, target=target, segments=True, window=window)
         assert torch.equal(alone[r], together[r]), r
         assert torch.equal(alone[~alone_valid], torch.zeros_like(alone[~alone_valid]))
 
