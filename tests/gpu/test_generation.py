@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -41,12 +42,18 @@ def _start(core, executor: str, cache: str, prompts_path: str, tmp: str, *extra:
     return proc, out
 
 
+def _kill(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _result(started) -> dict:
     proc, out = started
     try:
         proc.wait(timeout=900)
     except subprocess.TimeoutExpired:
-        proc.kill()  # a hung drive must not keep device memory for the tests after it
+        _kill(proc)  # a hung drive must not keep device memory for the tests after it
         raise
     assert proc.returncode == 0, open(out + ".log").read()[-4000:]
     return json.load(open(out))
@@ -68,10 +75,12 @@ def _prompts(core) -> list[list[int]]:
     return [rng.integers(0, m.capacities.sampling_vocab, int(n)).tolist() for n in rng.integers(8, 400, PROMPTS)]
 
 
-def _kill(proc) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+class _Reference(NamedTuple):
+    core: object
+    prompts: list[list[int]]
+    prompts_path: str
+    tmp: str
+    started: tuple  # (process, output path): ``_start``'s
 
 
 @pytest.fixture(scope="module")
@@ -82,38 +91,38 @@ def references(tmp_path_factory):
     no device memory (the GPU runs' device-wide free-memory checks see nothing of them).
     A shape whose core or start fails keeps its error for its own tests only."""
     threads = max(4, len(os.sched_getaffinity(0)) // len(MODELS))
-    started: dict[str, tuple | BaseException] = {}
+    started: dict[str, _Reference | BaseException] = {}
     try:
         for model in MODELS:
             try:
                 core = gpu_core(model)
                 tmp = tmp_path_factory.mktemp(model)
-                pj = tmp / "prompts.json"
-                pj.write_text(json.dumps(_prompts(core)))
-                started[model] = (core, str(pj), str(tmp), _start(core, "reference", "on", str(pj), str(tmp),
-                                                                   threads=threads))
+                prompts, pj = _prompts(core), str(tmp / "prompts.json")
+                json.dump(prompts, open(pj, "w"))
+                started[model] = _Reference(core, prompts, pj, str(tmp),
+                                            _start(core, "reference", "on", pj, str(tmp), threads=threads))
             except Exception as e:  # noqa: BLE001 (raised again by this shape's runs)
                 started[model] = e
         yield started
     finally:
-        for entry in started.values():
-            if not isinstance(entry, BaseException):
-                _kill(entry[3][0])
+        for ref in started.values():
+            if isinstance(ref, _Reference):
+                _kill(ref.started[0])
 
 
 @pytest.fixture(scope="module", params=MODELS)
 def runs(request, references):
     model = request.param
-    if isinstance(references[model], BaseException):
-        raise references[model]
-    core, pj, tmp, reference = references[model]
+    ref = references[model]
+    if isinstance(ref, BaseException):
+        raise ref
     try:
-        gpu = {"cuda-on": _drive(core, "cuda", "on", pj, tmp, "--roundtrip"),
-               "cuda-off": _drive(core, "cuda", "off", pj, tmp, "--batch")}
+        gpu = {"cuda-on": _drive(ref.core, "cuda", "on", ref.prompts_path, ref.tmp, "--roundtrip"),
+               "cuda-off": _drive(ref.core, "cuda", "off", ref.prompts_path, ref.tmp, "--batch")}
     except BaseException:
-        _kill(reference[0])
+        _kill(ref.started[0])
         raise
-    return model, json.loads(open(pj).read()), {**gpu, "reference-on": _result(reference)}
+    return model, ref.prompts, {**gpu, "reference-on": _result(ref.started)}
 
 
 def _flips(ours: list[list[int]], theirs: list[list[int]], their_tops: list[list]) -> list[dict]:
