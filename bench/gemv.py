@@ -24,6 +24,7 @@ import torch
 import triton
 from torch.nn import functional as F
 
+from bench import graphs
 from flare.prepare.kernels import gemv as G
 
 SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
@@ -42,23 +43,7 @@ ROTATE_BYTES = 256 << 20
 
 def graph_ms(calls) -> float:
     """Median over 10 replays of a CUDA graph of ``calls`` (after a warm-up outside it), per call."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(calls))
-    return sorted(times)[len(times) // 2]
+    return graphs.graph_ms(lambda: [c() for c in calls], len(calls))
 
 
 def main(argv=None) -> int:

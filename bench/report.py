@@ -707,10 +707,18 @@ steps, GPU ms per step):
 | c = 4 | 1.645 | 1.447 | 0.879 (-0.198 ms) |
 
 Its tests pass on the H200 after 66140a3 (`tests/test_sampler_kernel.py`: the first device
-run found the verdict's division approximate; it is correctly rounded now). The kernel core's
-bitwise replay is not yet checked (the lean cores had no qualification replays; recording them
-took 340 s for one input set of 14 programs and the device time ran out), so `ops` stays the
-default until it is.
+run found the verdict's division approximate; it is correctly rounded now). Since
+2026-12-04 it is the CUDA default, with the log-probability block in two Triton kernels as
+well (about 30 ATen kernels before: log_softmax, gather, a radix top-k): every program of the
+GPU suite's seven shapes replays bitwise with both and the serve tests pass
+(`qualification-2026-12-04-sampler-kernel.json`). The sampling tail alone, scores to
+log-probability block, in CUDA graphs (`bench/sampler_tail.py`,
+`sampler-tail-2026-12-04.json`, top-k 20 and top-p 0.95 as the serving benchmarks sample):
+0.215 -> 0.105 ms at one row of a 49,152-token vocabulary, 0.318 -> 0.139 at 128,256 (the 8B
+shape), 0.304 -> 0.147 at 151,936 (Qwen3-MoE), 0.379 -> 0.180 at 248,320 (Qwen3.5); at four
+rows 0.72 -> 0.20, 0.79 -> 0.22 and 1.14 -> 0.28 ms. Unfiltered rows gain less (0.316 ->
+0.247 at 128,256) and one case loses (one row of 248,320: 0.382 -> 0.392). The decode steps of
+the model shapes have not been re-timed with it yet.
 
 ## Mixture of experts on the H200
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Two A/Bs on one GPU device call, for a model shape (default llama-3.2-1b-shape):
 #   1. the sampler after the sort as one Triton program a row (--sampler kernel) against the
-#      tensor ops (--sampler ops, the default): two cores prepared side by side, the kernel
+#      tensor ops (--sampler ops; kernel is the default since 2026-12-04): two cores prepared side by side, the kernel
 #      core's programs replayed bitwise by the torch-free runtime (replay_check), then
 #      bench.ab_decode (decode GPU ms per step, alternating rounds);
 #   2. flare-serve --admission-window-ms 0 against the default on the kernel core:

@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import moe as M
     from flare.prepare.kernels import paged_attention as A
     from flare.prepare.kernels import rownorm as RN
+    from flare.prepare.kernels import sampler as SK
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4):
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -126,6 +127,17 @@ SCRIPT = textwrap.dedent('''
                                              "part_eff": "*i32", "valid": "*u8", "positions": "*i64"},
                          dict(SPLITS=32, SPLITS_PAD=32, D=128, D_PAD=128, SEG=seg, NSEG=nseg, BLOCK_N=64,
                               BLOCK_T=16, TILES_PAD=16))
+    # The sampler: the draw after the sort, and the log-probability block (float32 logits,
+    # 64-bit candidate keys; 20 values, a 248,320-token vocabulary's 61 blocks).
+    for verify in (False, True):
+        compile_for_sm90(SK._draw_sorted_kernel,
+                         {**f32("sp_ptr", "top_p_ptr", "min_p_ptr", "u_ptr", "u_rej_ptr"), "si_ptr": "*i64",
+                          "top_k_ptr": "*i32", "prop_ptr": "*i64", "tok_ptr": "*i64", "vtok_ptr": "*i64",
+                          "acc_ptr": "*i8"}, dict(VERIFY=verify, BLOCK=2048), num_warps=8)
+    lp = {**f32("x_ptr", "m_ptr", "s_ptr"), "key_ptr": "*u64"}
+    compile_for_sm90(SK._logprob_part_kernel, lp, dict(N=20, NP=32, BLOCK=SK.LP_BLOCK), num_warps=8)
+    compile_for_sm90(SK._logprob_merge_kernel, {**lp, "tok_ptr": "*i64", "out_ptr": "*i32"},
+                     dict(N=20, NP=32, NBP=64))
 ''')
 
 
@@ -133,4 +145,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 32, proc.stdout
+    assert proc.stdout.count("compiled") == 36, proc.stdout

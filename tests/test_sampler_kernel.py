@@ -219,3 +219,42 @@ def test_verify_chain_with_the_kernel_emits_what_the_tensor_ops_emit():
     for g, w in zip(got, want):
         assert torch.equal(g.cpu(), w), (g, w)
     assert int(want[1].sum()) > B  # some drafts were accepted
+
+
+def _logprob_reference(x: torch.Tensor, tok: torch.Tensor, n: int, vocab: int):
+    """``ProgramSet._logprob_block``'s definition with ties ordered by ascending id: (the token's
+    value, the n largest values, their ids)."""
+    lp = torch.log_softmax(x[:, :vocab].double(), dim=-1)
+    order = torch.sort(-lp, dim=-1, stable=True).indices[:, :n]  # descending, equal values by id
+    return lp.gather(1, tok[:, None])[:, 0], lp.gather(1, order), order
+
+
+@pytest.mark.parametrize("V,block", [(100, 4096), (5000, 512), (20000, 4096)])
+def test_logprob_block_matches_log_softmax_and_its_largest_values(V, block):
+    """Rows of several kinds (peaked, flat, thousands of exact ties, seven tied at the top, a
+    block boundary crossed by the largest values), 1, 5 and 20 values: the largest ids in
+    order, values within float32 rounding of log_softmax computed in double."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.cat([_rows(V, gen)[:4], torch.randn(2, V, generator=gen) * 3])
+    x[5, block - 2: block + 2] = 30.0  # the top four straddle a block boundary (or lie in one block)
+    x = torch.cat([x, torch.randn(x.shape[0], 3, generator=gen)], dim=1)  # columns past the vocabulary
+    tok = torch.randint(0, V, (x.shape[0],), generator=gen)
+    tok[0] = V + 2  # out of range: clamped, as the tensor ops do
+    for n in (1, 5, 20):
+        got = K.logprob_block(*_on(x, tok), n, V, block=block).cpu()
+        value, top, ids = _logprob_reference(x, tok.clamp(max=V - 1), n, V)
+        vals = got[:, : 1 + n].view(torch.float32).double()
+        assert torch.equal(got[:, 1 + n:].long(), ids), (n, got[:, 1 + n:], ids)
+        assert (vals[:, 0] - value).abs().max() < 4e-6 * (1 + value.abs().max())
+        assert (vals[:, 1:] - top).abs().max() < 4e-6 * (1 + top.abs().max())
+
+
+def test_logprob_block_rows_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 3000, generator=gen) * 4
+    tok = torch.randint(0, 3000, (6,), generator=gen)
+    args = _on(x, tok)
+    together = K.logprob_block(*args, 8, 3000, block=512).cpu()
+    alone = torch.cat([K.logprob_block(args[0][i:i + 1], args[1][i:i + 1], 8, 3000, block=512).cpu()
+                       for i in range(6)])
+    assert torch.equal(together, alone)

@@ -106,10 +106,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"top log-probabilities the sampling programs return per token (default {io.MAX_LOGPROBS}, "
                         f"OpenAI's limit; 0: requests for log-probabilities are refused)")
     p.add_argument("--attention", choices=("reference", "gather", "triton"), default=None)
-    p.add_argument("--sampler", choices=("ops", "kernel"), default="ops",
-                   help="CUDA: the sampler's filters and draw after the sort as tensor operations (ops, the "
-                        "default: some 35 kernels a step) or in one Triton program a row (kernel: not yet measured "
-                        "on the GPU)")
+    p.add_argument("--sampler", choices=("ops", "kernel"), default="kernel",
+                   help="CUDA: the sampler's filters and draw after the sort, and the log-probability block, in "
+                        "Triton kernels (kernel, the default: one program a row for the draw, two for the block) "
+                        "or as tensor operations (ops: some 65 kernels a step)")
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
     p.add_argument("--split-prompt-gemms", action="store_true",
                    help="CUDA: let prompt programs use cuBLAS's split-K GEMMs where it picks them for few rows, "

@@ -56,10 +56,10 @@ class Options:
     # CUDA: decode and verify steps' linear layers: "cublas", or "measure" (the unsplit Triton
     # GEMM at the row counts and layers where it times faster than cuBLAS: kernels/gemm.py)
     step_gemms: str = "cublas"
-    # CUDA: the sampler's filters and draw after the sort: "ops" (the tensor operations of
-    # sampling.py, some 35 kernels) or "kernel" (one Triton program a row, kernels/sampler.py;
-    # the default once its capture and its A/B have run on the H200)
-    sampler: str = "ops"
+    # CUDA: the sampler's filters and draw after the sort and the log-probability block:
+    # "kernel" (Triton, kernels/sampler.py) or "ops" (the tensor operations of sampling.py and
+    # ProgramSet._logprob_block, some 65 kernels)
+    sampler: str = "kernel"
     scratch_memory_gib: float | None = None  # CUDA: arena tail for torch's pool (default: scratch_gib)
     reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
     qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce

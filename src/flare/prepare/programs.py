@@ -86,8 +86,9 @@ class ProgramSet:
         self.page_size = page_size
         self.attention = attention
         self.continuation = continuation
-        # The sampler's filters and draw in one Triton program a row (kernels/sampler.py), as
-        # prepared (flare-prepare --sampler kernel); the tensor operations otherwise.
+        # The sampler's filters and draw, and the log-probability block, in Triton kernels
+        # (kernels/sampler.py), as prepared (flare-prepare --sampler kernel, the CUDA
+        # default); the tensor operations otherwise (--sampler ops, and the CPU backend).
         self.sampler_kernel = sampler_kernel
         # Tensor parallelism: rank zero's sample decides every rank's state update.
         self.tp = model.tp
@@ -121,8 +122,8 @@ class ProgramSet:
         programs: the decode step's inputs, mask + penalties + temperature + the uniform
         draw, and the committed rows. Eager they are some 200 kernels of a few
         microseconds each per step (bench/timeline.py: the integer hash alone is ~100);
-        compiled, a handful. Reductions (softmax, sort, scans: ``choose``; with ``--sampler
-        kernel`` the scans and the draw in one Triton program a row, ``kernels/sampler.py``) stay eager,
+        compiled, a handful. Reductions (softmax, sort, scans: ``choose``; with the sampler
+        kernel, the CUDA default, the scans and the draw in one Triton program a row, ``kernels/sampler.py``) stay eager,
         whose per-row results do not depend on the batch size, so batch composition still
         never changes a request's tokens. Only pure functions are compiled, so no buffer
         mutation goes through functionalization (which could copy a whole state buffer);
@@ -552,7 +553,12 @@ class ProgramSet:
         ``max_logprobs`` (torch.topk: exact ties in a fixed but unspecified order), float32
         bits then ids as int32.
         Per-row reductions (eager ATen, as ``choose``): a row's values never depend on the
-        batch it shares."""
+        batch it shares. With the sampler kernel (CUDA), two Triton kernels instead
+        (``kernels/sampler.logprob_block``: equal values ordered by ascending id)."""
+        if self.sampler_kernel:
+            from flare.prepare.kernels.sampler import logprob_block
+
+            return logprob_block(logits.float(), tok, self.caps.max_logprobs, self.caps.sampling_vocab)
         lp = torch.log_softmax(logits[:, : self.caps.sampling_vocab].float(), dim=-1)
         chosen = lp.gather(1, tok.clamp(0, self.caps.sampling_vocab - 1)[:, None])
         top, ids = torch.topk(lp, self.caps.max_logprobs, dim=-1, sorted=True)

@@ -114,7 +114,7 @@ def choose(
     never cut at an arbitrary candidate count. Its reductions (softmax, sort, scans)
     stay eager ATen kernels, whose per-row results do not depend on the batch size.
     ``kernel``: everything after the sort in one Triton program a row
-    (``kernels/sampler.py``: the same definitions, summed in blocks; ``flare-prepare --sampler kernel``).
+    (``kernels/sampler.py``: the same definitions, summed in blocks; the CUDA default, ``flare-prepare --sampler``).
     """
     if kernel:
         from flare.prepare.kernels.sampler import draw_sorted
@@ -235,7 +235,7 @@ def verify_chain(
     bits do not depend on how many rows run together; on CUDA, ATen may split a long row's
     sum or scan over a number of blocks that depends on the row count, so a probability
     can round differently than in a pass of B rows (as between decode capacities). With
-    ``kernel`` (``flare-prepare --sampler kernel``) the filters and draws after the sort are
+    ``kernel`` (``flare-prepare --sampler kernel``, the CUDA default) the filters and draws after the sort are
     one Triton program a row (``kernels/sampler.py``), whose sums do not depend on the row count.
     Preconditions, as the verify program guarantees: drafts are token ids below
     ``sampling_vocab`` (those past ``count`` too) and ``count <= W - 1``. Plain tensor ops

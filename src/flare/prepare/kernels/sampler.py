@@ -26,10 +26,11 @@ does not depend on the batch (ATen's scans of long rows may split by the row cou
 The work follows the kept prefix: one block for top-k 20, the whole vocabulary only
 when nothing filters (top_p 1, no top-k, no min-p).
 
-Opt-in (``flare-prepare --sampler kernel``) until its replay is checked: on the H200 its
-tests pass against the tensor-op definitions and it takes 0.08-0.20 ms off a decode step of
-the 1B shape (docs/performance.md), but no kernel core's bitwise replay has been checked yet
-(``bench/sampler_arrivals_gpu.sh``).
+The CUDA default (``flare-prepare --sampler kernel``; ``ops`` keeps the tensor operations):
+on the H200 every program of the GPU suite's seven shapes replays bitwise with it, and the
+sampling tail of a step (scores, filters, draw and the log-probability block below) takes
+0.18 instead of 0.38 ms at one row of a 248,320-token vocabulary with top-k 20 and top-p
+0.95, 0.28 instead of 1.14 ms at four (``bench/sampler_tail.py``, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -169,3 +170,98 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
         u.float().contiguous(), proposal.contiguous() if verify else tok, u_rej.float().contiguous() if verify else u,
         tok, vtok, acc, VERIFY=verify, BLOCK=block, num_warps=8 if block >= 1024 else 4)
     return (tok, vtok, acc.bool()) if verify else tok
+
+
+# -- the log-probability block ------------------------------------------------------------
+#
+# ``ProgramSet._logprob_block``: log_softmax of the raw logits over the sampling vocabulary,
+# the sampled (or scored) token's value and the N largest with their ids. With tensor
+# operations that is a softmax, a gather and ATen's radix top-k: about 30 kernels a step
+# on the H200 (the decode tail of bench/timeline.py). Here it is two: each program of
+# ``_logprob_part_kernel`` takes a block of a row's logits and leaves its maximum, its sum
+# of exponentials relative to that maximum and its N largest candidates; one program a row
+# of ``_logprob_merge_kernel`` joins a row's blocks. Candidates are 64-bit keys: the
+# logit's float32 bits mapped to an order-preserving unsigned integer above the complement
+# of the token id, so the largest key is the largest logit and, among equal logits, the
+# lowest id (torch.topk leaves the order of ties unspecified); N maxima are taken one
+# after the other. A row reads nothing of another row and is summed in one order whatever
+# the batch.
+
+LP_BLOCK = 4096
+
+
+@triton.jit
+def _order_key(x, idx):
+    """64-bit keys ordering (x descending, idx ascending) as unsigned integers."""
+    bits = x.to(tl.uint32, bitcast=True)
+    ordered = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    return (ordered.to(tl.uint64) << 32) | (0xFFFFFFFF - idx.to(tl.uint32)).to(tl.uint64)
+
+
+@triton.jit
+def _logprob_part_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, N: tl.constexpr, NP: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    idx = blk * BLOCK + tl.arange(0, BLOCK)
+    inb = idx < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    s = tl.sum(tl.where(inb, tl.exp(x - m), 0.0), 0)
+    at = row.to(tl.int64) * NB + blk
+    tl.store(m_ptr + at, m)
+    tl.store(s_ptr + at, s)
+    keys = tl.where(inb, _order_key(x, idx), 0)
+    out = key_ptr + at * NP
+    for k in tl.static_range(N):
+        top = tl.max(keys, 0)
+        tl.store(out + k, top)
+        keys = tl.where(keys == top, 0, keys)
+
+
+@triton.jit
+def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, out_ptr, N: tl.constexpr,
+                          NP: tl.constexpr, NBP: tl.constexpr):
+    row = tl.program_id(0)
+    b = tl.arange(0, NBP)
+    at = row.to(tl.int64) * NB
+    m = tl.load(m_ptr + at + b, mask=b < NB, other=float("-inf"))
+    big = tl.max(m, 0)
+    s = tl.sum(tl.where(b < NB, tl.load(s_ptr + at + b, mask=b < NB, other=0.0) * tl.exp(m - big), 0.0), 0)
+    log_s = tl.log(s)
+    base = x_ptr + row.to(tl.int64) * stride
+    out = out_ptr + row.to(tl.int64) * (1 + 2 * N)
+    tok = tl.minimum(tl.maximum(tl.load(tok_ptr + row), 0), V - 1)
+    tl.store(out, ((tl.load(base + tok).to(tl.float32) - big) - log_s).to(tl.int32, bitcast=True))
+    c = tl.arange(0, NBP * NP)
+    keys = tl.load(key_ptr + at * NP + c, mask=(c < NB * NP) & (c % NP < N), other=0)
+    for k in tl.static_range(N):
+        top = tl.max(keys, 0)
+        keys = tl.where(keys == top, 0, keys)
+        i = (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32)
+        tl.store(out + 1 + k, ((tl.load(base + i).to(tl.float32) - big) - log_s).to(tl.int32, bitcast=True))
+        tl.store(out + 1 + N + k, i)
+
+
+def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, block: int = LP_BLOCK) -> torch.Tensor:
+    """``ProgramSet._logprob_block`` in two kernels: for logits ``[R, >= vocab]`` (rows with
+    unit stride) and a token per row, int32 ``[R, 1 + 2 n]``: the token's log_softmax over the
+    first ``vocab`` columns, the ``n`` largest (descending; equal values by ascending id) as
+    float32 bits, then their ids. ``block``: columns a program (tests use small ones)."""
+    if logits.stride(-1) != 1:
+        raise ValueError("logprob_block needs rows with unit stride")
+    if not 0 < n <= vocab:
+        raise ValueError(f"logprob_block keeps 1..{vocab} values, not {n}")
+    R = logits.shape[0]
+    nb = triton.cdiv(vocab, block)
+    np_ = triton.next_power_of_2(n)
+    dev = logits.device
+    m = torch.empty((R, nb), dtype=torch.float32, device=dev)
+    s = torch.empty((R, nb), dtype=torch.float32, device=dev)
+    keys = torch.empty((R, nb, np_), dtype=torch.uint64, device=dev)
+    out = torch.empty((R, 1 + 2 * n), dtype=torch.int32, device=dev)
+    _logprob_part_kernel[(R, nb)](logits, logits.stride(0), vocab, nb, m, s, keys, N=n, NP=np_, BLOCK=block,
+                                  num_warps=8 if block >= 2048 else 4)
+    _logprob_merge_kernel[(R,)](logits, logits.stride(0), vocab, nb, m, s, keys, tok.contiguous(), out, N=n, NP=np_,
+                                NBP=triton.next_power_of_2(nb), num_warps=4)
+    return out
