@@ -764,6 +764,31 @@ the 35B shape's floor is 2.572 / 3.031 / 3.542 ms per step at c = 1 / 2 / 4 (389
 ATen cumulative-sum scans in its tail. Serving, the depth check and the baseline did not run
 within that call's device time.
 
+At b0a18cf (2026-12-04: decode steps fold the shared expert into the routed kernels, the
+router's logits come from `router_gemv`, the final norm is compiled; the sampler still the
+tensor ops) the 20-layer 35B shape ran floor, timeline, serving and baseline in one session
+(`serving-qwen3_5-35b-a3b-shape-2026-12-04.json`, `floor-` and `timeline-...-2026-12-04.json`):
+the floor is **2.013** / 2.529 / 3.132 ms per step at c = 1 / 2 / 4 (497 / 791 / 1,277
+tok/s), active-bytes fractions **0.42** / 0.44 / 0.51 (from 0.32 / 0.35 / 0.43), 402
+kernels a step instead of 511. Full depth by the same derivation (layers 0.739 of the
+serialized sum, 0.074 ms a layer at c = 1, 0.120 at c = 4): 3.50 ms a step at c = 1 (286
+tok/s, fraction 0.41 of 6.20 GB) and 5.53 ms at c = 4. Served: 520 / 805 / 1,258 tok/s,
+2.63 / 2.63 / 2.66x Transformers 5.17 (198 / 306 / 473 tok/s, static cache and
+torch.compile, its reference causal convolution: `causal_conv1d` is not on the device); a
+4,096-token prompt prefills at 56.3k tok/s; a prefix hit of 4,096 tokens costs 1.10x a cold
+16-token prompt; all eight agent turns found the previous prompt cached. The SGLang anchor
+(2.23 ms a token for Qwen3.6-35B-A3B at full depth, with MTP speculation) is still ahead of
+the 3.50 ms derived here without speculation. A step's time now (timeline, c = 1, serialized
+less 2.6 µs a node): the tail 108 nodes (lm_head 0.246 ms; the sampler and the log-probability
+block most of the remaining 0.25 ms, which the Triton sampler, the default since 80973ce,
+cuts to about a half: `sampler-tail-2026-12-04.json`), a Gated DeltaNet layer 13 kernels
+(in_proj 19.7 µs for 50.6 MB, out_proj 10.6 plus a 4.6 µs split-K reduce for 16.8 MB,
+router GEMV 8.0 and routing plan 6.5, gate/up 17.4 and wide down 12.4 with the shared
+expert folded in), an attention layer 21 (its q/k norms and rotary alone 6 compiled kernels).
+What would close the gap to 0.60 (1.40 ms at 20 layers): fewer kernels a layer (router and
+plan in one launch, the residual add in the down kernel, the attention layer's q/k norm and
+rotary in one), the out_proj GEMMs without split-K, and the sampler's sort.
+
 Where a step's time goes (`timeline-qwen3-30b-a3b-shape-2026-12-02.json`,
 `timeline-qwen3_5-35b-a3b-shape-2026-12-02.json`; serialized times, every node paying
 about 2.5 µs of event cost): the 30B shape's decode.1 is 467 kernels, 15 a layer, for 2.41
