@@ -1,5 +1,6 @@
 """The sampler's one-program-a-row filters and draw (``kernels/sampler.py``) against the
-tensor-op definitions in ``sampling.py`` (``filtered``, ``_draw``, ``_verify``).
+tensor-op definitions in ``sampling.py`` (``filtered``, ``_draw``, ``_verify``), and its
+log-probability block against ``ProgramSet._logprob_block``'s tensor operations.
 
 Without CUDA the kernel runs in Triton's CPU interpreter (conftest.py). The two sum floats
 in different orders (block scans with a carried total against one scan of the row), so a
@@ -229,20 +230,29 @@ def _logprob_reference(x: torch.Tensor, tok: torch.Tensor, n: int, vocab: int):
     return lp.gather(1, tok[:, None])[:, 0], lp.gather(1, order), order
 
 
-@pytest.mark.parametrize("V,block", [(100, 4096), (5000, 512), (20000, 4096)])
+@pytest.mark.parametrize("V,block", [(100, 4096), (5000, 512), (1030, 512), (20000, 4096)])
 def test_logprob_block_matches_log_softmax_and_its_largest_values(V, block):
     """Rows of several kinds (peaked, flat, thousands of exact ties, seven tied at the top, a
-    block boundary crossed by the largest values), 1, 5 and 20 values: the largest ids in
-    order, values within float32 rounding of log_softmax computed in double."""
+    block boundary crossed by the largest values, a block of -inf, -0.0 tied with +0.0), a
+    last block with fewer columns than values kept (1,030 = 2 x 512 + 6), tokens out of
+    range, 1, 5 and 20 values: the largest ids in order, values within float32 rounding of
+    log_softmax computed in double."""
     gen = torch.Generator().manual_seed(11)
-    x = torch.cat([_rows(V, gen)[:4], torch.randn(2, V, generator=gen) * 3])
-    x[5, block - 2: block + 2] = 30.0  # the top four straddle a block boundary (or lie in one block)
+    x = torch.cat([_rows(V, gen)[:4], torch.randn(4, V, generator=gen) * 3])
+    edge = min(block, V) - 2
+    x[5, edge: edge + 4] = 30.0  # the top four straddle a block boundary (or end the row)
+    x[6, : min(block, V // 2)] = float("-inf")  # a whole block of -inf logits (or half the row): no NaN
+    x[7, :60] = 0.0
+    x[7, 1:60:2] = -0.0  # -0.0 and +0.0 tie: ascending ids
+    x[7, 60:] = -5.0
     x = torch.cat([x, torch.randn(x.shape[0], 3, generator=gen)], dim=1)  # columns past the vocabulary
     tok = torch.randint(0, V, (x.shape[0],), generator=gen)
-    tok[0] = V + 2  # out of range: clamped, as the tensor ops do
+    tok[0], tok[1] = V + 2, -3  # out of range: clamped, as the tensor ops do
+    tok[6] = V - 1  # a finite logit
     for n in (1, 5, 20):
         got = K.logprob_block(*_on(x, tok), n, V, block=block).cpu()
-        value, top, ids = _logprob_reference(x, tok.clamp(max=V - 1), n, V)
+        value, top, ids = _logprob_reference(x, tok.clamp(0, V - 1), n, V)
+        assert torch.isfinite(got[:, : 1 + n].view(torch.float32)[6:]).all()
         vals = got[:, : 1 + n].view(torch.float32).double()
         assert torch.equal(got[:, 1 + n:].long(), ids), (n, got[:, 1 + n:], ids)
         assert (vals[:, 0] - value).abs().max() < 4e-6 * (1 + value.abs().max())
@@ -258,3 +268,26 @@ def test_logprob_block_rows_do_not_depend_on_the_batch():
     alone = torch.cat([K.logprob_block(args[0][i:i + 1], args[1][i:i + 1], 8, 3000, block=512).cpu()
                        for i in range(6)])
     assert torch.equal(together, alone)
+
+
+def test_the_programs_log_probability_block_is_the_same_with_the_kernel():
+    """``ProgramSet._logprob_block`` as the programs call it (float32 logits wider than the
+    sampling vocabulary, int64 tokens), kernel against tensor operations, on rows without
+    ties: the same ids, values within float32 rounding."""
+    from types import SimpleNamespace
+
+    from flare.prepare.programs import ProgramSet
+
+    gen = torch.Generator().manual_seed(13)
+    V = 3000
+    logits = torch.randn(4, V + 8, generator=gen) * 5
+    tok = torch.randint(0, V, (4,), generator=gen)
+
+    def block(kernel):
+        me = SimpleNamespace(sampler_kernel=kernel, caps=SimpleNamespace(max_logprobs=6, sampling_vocab=V))
+        return ProgramSet._logprob_block(me, *_on(logits, tok)).cpu()
+
+    ops, ker = block(False), block(True)
+    assert ker.dtype == ops.dtype and ker.shape == ops.shape == (4, 13)
+    assert torch.equal(ker[:, 7:], ops[:, 7:])
+    assert (ker[:, :7].view(torch.float32) - ops[:, :7].view(torch.float32)).abs().max() < 1e-5

@@ -554,7 +554,7 @@ class ProgramSet:
         bits then ids as int32.
         Per-row reductions (eager ATen, as ``choose``): a row's values never depend on the
         batch it shares. With the sampler kernel (CUDA), two Triton kernels instead
-        (``kernels/sampler.logprob_block``: equal values ordered by ascending id)."""
+        (``kernels/sampler.logprob_block``: equal logits ordered by ascending id)."""
         if self.sampler_kernel:
             from flare.prepare.kernels.sampler import logprob_block
 

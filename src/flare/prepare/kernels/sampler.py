@@ -1,4 +1,5 @@
-"""The sampler's filters and draw over the sorted probabilities, in one kernel a row.
+"""The sampler's kernels: the filters and draw over the sorted probabilities in one program a
+row, and the log-probability block (at the end of this module) in two kernels.
 
 ``sampling.choose`` and ``sampling.verify_chain`` sort each row's probabilities and then
 apply top-k, top-p and min-p, widen the kept prefix to the ties of its last member and draw
@@ -183,7 +184,7 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
 # of ``_logprob_merge_kernel`` joins a row's blocks. Candidates are 64-bit keys: the
 # logit's float32 bits mapped to an order-preserving unsigned integer above the complement
 # of the token id, so the largest key is the largest logit and, among equal logits, the
-# lowest id (torch.topk leaves the order of ties unspecified); N maxima are taken one
+# lowest id (two logits that differ but round to one log-probability keep their logit order) (torch.topk leaves the order of ties unspecified); N maxima are taken one
 # after the other. A row reads nothing of another row and is summed in one order whatever
 # the batch.
 
@@ -192,8 +193,8 @@ LP_BLOCK = 4096
 
 @triton.jit
 def _order_key(x, idx):
-    """64-bit keys ordering (x descending, idx ascending) as unsigned integers."""
-    bits = x.to(tl.uint32, bitcast=True)
+    """64-bit keys ordering (x descending, idx ascending) as unsigned integers (-0.0 as +0.0)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
     ordered = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
     return (ordered.to(tl.uint64) << 32) | (0xFFFFFFFF - idx.to(tl.uint32)).to(tl.uint64)
 
@@ -207,7 +208,8 @@ def _logprob_part_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, N: tl.cons
     inb = idx < V
     x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf")).to(tl.float32)
     m = tl.max(x, 0)
-    s = tl.sum(tl.where(inb, tl.exp(x - m), 0.0), 0)
+    # A block of -inf logits has no mass (x - m would be NaN there and poison the row's sum).
+    s = tl.sum(tl.where(inb, tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0.0), 0)
     at = row.to(tl.int64) * NB + blk
     tl.store(m_ptr + at, m)
     tl.store(s_ptr + at, s)
@@ -246,7 +248,7 @@ def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, 
 def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, block: int = LP_BLOCK) -> torch.Tensor:
     """``ProgramSet._logprob_block`` in two kernels: for logits ``[R, >= vocab]`` (rows with
     unit stride) and a token per row, int32 ``[R, 1 + 2 n]``: the token's log_softmax over the
-    first ``vocab`` columns, the ``n`` largest (descending; equal values by ascending id) as
+    first ``vocab`` columns, the ``n`` largest (descending; equal logits by ascending id) as
     float32 bits, then their ids. ``block``: columns a program (tests use small ones)."""
     if logits.stride(-1) != 1:
         raise ValueError("logprob_block needs rows with unit stride")
