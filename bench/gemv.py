@@ -31,12 +31,17 @@ SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 40
           "9b-gdn-in": (12352, 4096), "9b-attn-qkv": (10240, 4096), "9b-gate_up": (24576, 4096),
           "9b-down": (4096, 12288)}
 # (BN, BK, SPLIT, warps, stages[, defer]): the first version's best (reduced at every step),
-# then lanes kept through the loop (defer), narrow and long
+# then lanes kept through the loop (defer), narrow and long, then whole-K steps
 TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
            (8, 512, 1, 4, 3, 1), (8, 512, 1, 8, 3, 1), (4, 1024, 1, 4, 3, 1), (4, 1024, 1, 8, 4, 1),
            (8, 1024, 1, 8, 3, 1), (2, 2048, 1, 4, 3, 1), (16, 256, 1, 8, 3, 1), (8, 256, 1, 4, 4, 1),
            (16, 512, 1, 8, 3, 1), (32, 256, 1, 8, 3, 1), (32, 512, 1, 8, 2, 1),
-           (8, 512, 2, 4, 3, 1), (16, 512, 4, 8, 3, 1)]
+           (8, 512, 2, 4, 3, 1), (16, 512, 4, 8, 3, 1),
+           # one or two steps over the whole of K: every load of a program in flight at once
+           # (vectorised 16-byte loads when launched, 40-80 registers at
+           # one row, 56-160 at four, no spills, by ptxas for sm_90a)
+           (1, 4096, 1, 4, 1), (2, 4096, 1, 8, 1), (2, 2048, 1, 4, 1), (4, 2048, 1, 4, 1),
+           (8, 2048, 1, 8, 1), (1, 8192, 1, 8, 1)]
 CALLS = 20
 ROTATE_BYTES = 256 << 20
 
