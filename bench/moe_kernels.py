@@ -73,6 +73,11 @@ DECODE_GATE_UP = [(8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 8), (16, 10
 DECODE_DOWN = [(8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4)]
 # The down kernel that loads a token's pairs together (``wide_down``): rows, K columns, warps.
 DECODE_DOWN_WIDE = [(4, 128, 4), (4, 256, 4), (8, 128, 4), (8, 128, 8), (2, 256, 4), (16, 64, 8), (4, 64, 4)]
+# The fold's blocks (gate/up, wide down) beside its defaults ((16, 512, 4), (8, 128, 8)): at four
+# tokens of Qwen3-Next (top-10: 16 pair slots) the default wide down kernel needs 162 registers a
+# thread (ptxas, sm_90a), one 8-warp program an SM, where the routed-only one needs 127 (two).
+FOLDED_BLOCKS = [((16, 512, 4), (8, 128, 4)), ((16, 512, 4), (4, 64, 4)), ((16, 512, 4), (8, 64, 8)),
+                 ((8, 512, 4), (8, 128, 8)), ((4, 1024, 4), (8, 128, 8)), ((8, 256, 4), (4, 128, 4))]
 
 
 def loop64(x, w, ids, gate_up, down):
@@ -133,10 +138,22 @@ def shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype):
         gu, up = F.linear(x, s_gate_up).chunk(2, dim=-1)
         return (K.experts_decode(x, w, ids, gate_up, down) + torch.sigmoid(gl) * F.linear(F.silu(gu) * up, s_down),)
 
-    def folded(x):  # as the recipe runs decode steps: router and gate in one GEMV launch, the fold
+    def folded(x, gu=(16, 512, 4), dn=(8, 128, 8)):  # as the recipe runs decode steps: router and
+        logits, gl = K.router_gemv(x, router, s_gate)   # gate in one GEMV launch, the fold
+        w, ids = K.route_rows(logits, k, True)
+        return (K.experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gl), gate_up_blocks=gu,
+                                 down_blocks=dn),)
+
+    def shared_mlp(x, gl):  # the shared expert as the compiled layer runs it apart
+        gu, up = F.linear(x, s_gate_up).chunk(2, dim=-1)
+        return torch.sigmoid(gl) * F.linear(F.silu(gu) * up, s_down)
+
+    compiled_mlp = torch.compile(shared_mlp, dynamic=False) if device == "cuda" else shared_mlp
+
+    def apart_compiled(x):  # decode steps without the fold today: the router GEMV, the shared expert compiled
         logits, gl = K.router_gemv(x, router, s_gate)
         w, ids = K.route_rows(logits, k, True)
-        return (K.experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gl)),)
+        return (K.experts_decode(x, w, ids, gate_up, down) + compiled_mlp(x, gl),)
 
     def check(outs, state):  # folded against apart: the same sums but for rounding
         ref = apart(sets[0][0])[0].double()
@@ -145,7 +162,14 @@ def shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype):
     return [Case(f"{tag}.shared.apart", [(lambda s=s: apart(s[0])) for s in sets], [], None,
                  "router, route_rows, shared gate GEMV, the two GEMV kernels, then the shared expert as torch ops"),
             Case(f"{tag}.shared.folded", [(lambda s=s: folded(s[0])) for s in sets], [], check,
-                 "router, route_rows, shared gate GEMV, the two GEMV kernels with the shared expert as one more pair")]
+                 "router, route_rows, shared gate GEMV, the two GEMV kernels with the shared expert as one more pair"),
+            Case(f"{tag}.shared.apart_compiled", [(lambda s=s: apart_compiled(s[0])) for s in sets], [], check,
+                 "router GEMV with the gate, route_rows, the two GEMV kernels, the shared expert torch.compile'd "
+                 "as the compiled layer runs it when it does not fold")] + [
+        Case(f"{tag}.shared.folded[gu{gu[0]},{gu[1]},{gu[2]};dn{dn[0]},{dn[1]},{dn[2]}]",
+             [(lambda s=s, gu=gu, dn=dn: folded(s[0], gu, dn)) for s in sets], [], None,
+             "the fold with other blocks (gate/up; wide down)")
+        for gu, dn in FOLDED_BLOCKS]
 
 
 def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GATE_UP, DECODE_DOWN, DECODE_DOWN_WIDE),
