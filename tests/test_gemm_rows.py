@@ -165,3 +165,38 @@ def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
     monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({16}) if w.shape[1] == 96 else frozenset())
     assert gemm.make_row_invariant(layers, [16]) == {"0.o": frozenset({16})}
     assert o.flare_step_tiling == {1: gemm.STEP_TILINGS[1]}
+
+
+def test_a_layer_without_bias_can_take_the_gemv_at_step_rows():
+    """Without a bias, ``step_tiling`` also times ``STEP_GEMV_TILINGS``; where one is fastest
+    the layer's step rows go through ``gemv_linear`` (the custom op compiled layers call),
+    within float32 rounding of ``F.linear``; a layer with a bias is never offered one."""
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    k, v = len(gemm.STEP_TILINGS), len(gemm.STEP_GEMV_TILINGS)
+    times = iter([10] + [9] * k + [8] * (v - 1) + [3])  # cuBLAS, the GEMMs, the GEMVs: the last wins
+    layers = [nn.ModuleDict({"o": nn.Linear(96, 32, bias=False)}).to(DEVICE)]
+    found = gemm.choose_step_gemms(layers, [2], timer=lambda fn: next(times))
+    assert found == {"0.o": {2: gemm.STEP_GEMV_TILINGS[-1]}} and isinstance(found["0.o"][2], GemvTiling)
+    assert next(times, None) is None
+    o = layers[0]["o"]
+    x = torch.randn(2, 96, device=DEVICE)
+    eager = o(x)
+    torch.testing.assert_close(eager, F.linear(x, o.weight), atol=1e-4, rtol=1e-5)
+    if torch.cuda.is_available():  # compiled as the programs are: one graph, the same bits (the CPU
+        # interpreter cannot run a Triton op under torch.compile)
+        assert torch.equal(torch.compile(o, dynamic=False, fullgraph=True)(x), eager)
+    biased = nn.Linear(96, 32).to(DEVICE)
+    _, measured = gemm.step_tiling(biased.weight, biased.bias, 2, timer=lambda fn: 1.0)
+    assert not any(isinstance(t, GemvTiling) for t in measured)
+
+
+@pytest.mark.parametrize("tiling", gemm.STEP_GEMV_TILINGS)
+def test_every_step_gemv_tiling_is_a_linear_layer(tiling):
+    from flare.prepare.kernels.gemv import gemv_linear
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(70, 200, generator=g, dtype=torch.float64).float().to(DEVICE)
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, 200, generator=g, dtype=torch.float64).float().to(DEVICE)
+        torch.testing.assert_close(gemv_linear(x, w, tiling), F.linear(x, w), atol=1e-4, rtol=1e-5)

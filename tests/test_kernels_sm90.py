@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import gdn as K
     from flare.prepare.kernels import gdn_grid as GG
     from flare.prepare.kernels import gemm as G
+    from flare.prepare.kernels import gemv as GV
     from flare.prepare.kernels import moe as M
     from flare.prepare.kernels import paged_attention as A
     from flare.prepare.kernels import rownorm as RN
@@ -127,6 +128,12 @@ SCRIPT = textwrap.dedent('''
                                              "part_eff": "*i32", "valid": "*u8", "positions": "*i64"},
                          dict(SPLITS=32, SPLITS_PAD=32, D=128, D_PAD=128, SEG=seg, NSEG=nseg, BLOCK_N=64,
                               BLOCK_T=16, TILES_PAD=16))
+    # The few-row GEMV at the step tilings (no split: no workspace), one and four rows.
+    for bm in (1, 4):
+        for t in G.STEP_GEMV_TILINGS:
+            compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr"), **f32("part_ptr"),
+                                              "count_ptr": "*i32"},
+                             dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False), num_warps=t.warps)
     # The sampler: the draw after the sort, and the log-probability block (float32 logits,
     # 64-bit candidate keys; 20 values, a 248,320-token vocabulary's 61 blocks).
     for verify in (False, True):
@@ -145,4 +152,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 36, proc.stdout
+    assert proc.stdout.count("compiled") == 48, proc.stdout

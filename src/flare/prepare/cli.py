@@ -117,8 +117,9 @@ def parser() -> argparse.ArgumentParser:
                         "as with the prefix cache, may then generate other tokens than the same prompt prefilled "
                         "whole)")
     p.add_argument("--step-gemms", choices=("cublas", "measure"), default="cublas",
-                   help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM "
-                        "where it times faster at preparation (no split-K reduce kernels)")
+                   help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM or "
+                        "(no bias) the few-row GEMV where one times faster at preparation (no split-K reduce "
+                        "kernels)")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "
                         "default: 4 or a fifth of the weights, whichever is larger)")

@@ -54,7 +54,8 @@ class Options:
     # pieces may then differ from the prompt prefilled whole, cache on against off: kernels/gemm.py)
     split_prompt_gemms: bool = False
     # CUDA: decode and verify steps' linear layers: "cublas", or "measure" (the unsplit Triton
-    # GEMM at the row counts and layers where it times faster than cuBLAS: kernels/gemm.py)
+    # GEMM or, without a bias, the few-row GEMV, at the row counts and layers where it times
+    # faster than cuBLAS: kernels/gemm.py, kernels/gemv.py)
     step_gemms: str = "cublas"
     # CUDA: the sampler's filters and draw after the sort and the log-probability block:
     # "kernel" (Triton, kernels/sampler.py) or "ops" (the tensor operations of sampling.py and

@@ -34,6 +34,7 @@ from torch.library import triton_op, wrap_triton
 from torch.nn import functional as F
 
 from flare.prepare import prompt_rows
+from flare.prepare.kernels.gemv import GemvTiling, gemv_linear
 
 
 @triton.jit
@@ -132,11 +133,12 @@ def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iter
 class _RowInvariant:
     """Mixed into a linear layer's class: prompt rows at a row count in
     ``flare_split_rows`` go through ``nonsplit_linear``; the rows of other programs at a
-    row count in ``flare_step_tiling`` go through it with that tiling (where it measured
-    faster than cuBLAS: ``choose_step_gemms``); everything else as before."""
+    row count in ``flare_step_tiling`` go through it with that tiling, or through
+    ``gemv_linear`` for a ``GemvTiling`` (where it measured faster than cuBLAS:
+    ``choose_step_gemms``); everything else as before."""
 
     flare_split_rows: frozenset[int] = frozenset()
-    flare_step_tiling: dict[int, tuple[int, int, int, int]] = {}
+    flare_step_tiling: dict[int, tuple[int, ...]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -144,7 +146,10 @@ class _RowInvariant:
             if rows in self.flare_split_rows:
                 return nonsplit_linear(x, self.weight, self.bias)
         elif rows in self.flare_step_tiling:
-            return nonsplit_linear(x, self.weight, self.bias, self.flare_step_tiling[rows])
+            tiling = self.flare_step_tiling[rows]
+            if isinstance(tiling, GemvTiling):
+                return gemv_linear(x, self.weight, tiling)
+            return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
 
 
@@ -204,6 +209,10 @@ def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -
 # Tilings tried for step rows (BM, BN, BK, warps): one 16-row tile holds the batch, and
 # narrow column blocks give the weight's stream enough programs without splitting K.
 STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (16, 16, 512, 8))
+# The few-row GEMV (kernels/gemv.py) for layers without a bias: (columns a program, K a step,
+# warps), narrow programs over one or a few long steps of K, and the first version's best.
+STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(2, 2048, 4), GemvTiling(4, 2048, 4),
+                     GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4))
 
 
 def _time_ms(fn, reps: int = 20) -> float:
@@ -227,9 +236,10 @@ ROTATE_BYTES = 256 << 20
 
 
 def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=_time_ms,
-                margin: float = 0.97) -> tuple[tuple[int, int, int, int] | None, dict]:
-    """The fastest of ``STEP_TILINGS`` for ``rows`` rows over a weight of this shape, where
-    it takes at most ``margin`` x cuBLAS's time (``F.linear``), else None; and the times
+                margin: float = 0.97) -> tuple[tuple[int, ...] | None, dict]:
+    """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias, ``STEP_GEMV_TILINGS``)
+    for ``rows`` rows over a weight of this shape, where it takes at most ``margin`` x
+    cuBLAS's time (``F.linear``), else None; and the times
     measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
     On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``)."""
     g = torch.Generator(device=weight.device).manual_seed(0)
@@ -247,7 +257,9 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     times = {"cublas": timer(rotating(lambda w: F.linear(x, w, b)))}
     for t in STEP_TILINGS:
         times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
-    best = min(STEP_TILINGS, key=lambda t: times[t])
+    for t in STEP_GEMV_TILINGS if bias is None else ():
+        times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t)))
+    best = min((t for t in times if t != "cublas"), key=times.get)
     return (best if times[best] <= margin * times["cublas"] else None), times
 
 

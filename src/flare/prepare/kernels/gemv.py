@@ -25,9 +25,12 @@ in the interpreter and on the GPU.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
@@ -79,12 +82,13 @@ def workspace(rows: int, n: int, split: int, bn: int, device) -> tuple[torch.Ten
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
-         space: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+         space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel) -> torch.Tensor:
     """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K).
     ``tiling``: (BN, BK, SPLIT, warps, stages[, defer]); K is cut into SPLIT slices of whole
     BK steps; ``defer`` 1 keeps a float32 product per K lane through the loop and reduces the
     lanes once at the end (0, the default: reduced at every step). The two sum in other orders.
-    ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None)."""
+    ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None). ``kernel``: the plain
+    Triton kernel eagerly, or its ``wrap_triton`` form inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("gemv needs rows and weight with unit stride along K")
     M, K = x.shape
@@ -100,8 +104,35 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
         raise ValueError(f"gemv writes {M} x {N} outputs with unit stride, got {tuple(out.shape)}")
     if split > 1 and (tuple(part.shape) != (split, bm, N) or count.numel() < triton.cdiv(N, bn)):
         raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
-    gemv_kernel[(triton.cdiv(N, bn), split)](
+    kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, num_warps=warps,
         num_stages=stages)
     return out
+
+
+# -- as a decode step's linear layer ----------------------------------------------------
+
+
+class GemvTiling(NamedTuple):
+    """A tiling of ``gemv`` for a decode step's linear layer: no split of K (so no workspace
+    and no counters in the captured program), lanes reduced at every step."""
+
+    bn: int
+    bk: int
+    warps: int
+
+
+@triton_op("flare::gemv_linear", mutates_args=())
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int]) -> torch.Tensor:
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    bn, bk, warps = tiling
+    gemv(x, weight, out, (bn, bk, 1, warps, 1), kernel=wrap_triton(gemv_kernel))
+    return out
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) by ``gemv`` with ``tiling``, as a custom op (a compiled
+    layer calls it without a graph break)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return _gemv_op(rows, weight, list(tiling)).reshape(*x.shape[:-1], weight.shape[0])
