@@ -282,8 +282,10 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     0.2 ms); fewer launches per layer (norm + residual folded into the GEMM's
     neighbours, the KV write folded into attention, no combine when one split
     suffices); the sampler's sorts and scans over the 128k vocabulary at
-    batch 4 (two 66 µs scans). The 90 % target (4.17 ms on this definition)
-    is 0.75 ms away.
+    batch 4 (two 66 µs scans: since 80973ce the draw and the log-probability
+    block are Triton kernels, the sampling tail 0.32 -> 0.14 ms at one row and
+    0.72 -> 0.20 at four in `sampler-tail-2026-12-04.json`; the step itself not
+    yet re-timed). The 90 % target (4.17 ms on this definition) is 0.75 ms away.
 * **The hybrid against the roofline** (`qwen3_5-9b-shape`, full depth, random
   weights, run of 2026-12-01 at 258f9da, concurrency 1). A decode step must move
   15.98 GB: 15.87 GB of weights (the untied 2.03 GB input embedding counts one row)
@@ -803,7 +805,8 @@ the router 0.40 ms (its row-invariant GEMV 10 µs for 0.5 MB and the routing pla
 1.12 ms at c = 1 in 9 kernels a layer**: it runs outside the compiled layer, so its gate/up
 GEMM (4.2 MB) takes 14 µs at 0.3 TB/s in a transposed cuBLAS layout and its activation,
 gate and sums are five separate ATen kernels; the Gated DeltaNet layers take 0.74 ms.
-What would close the gap, in order of size: the sampler without a full-vocabulary sort
+What would close the gap, in order of size (as of 2026-12-02; the fold, the router GEMV and
+the sampler kernels have landed since, see above): the sampler without a full-vocabulary sort
 (about 0.4 ms a step on every model), the shared expert compiled with its layer or run as
 one more pair of the routed kernels (about 0.7 ms at 35B), a down-projection kernel that
 splits its 768-wide reduction over more CTAs (about 0.3 ms), router and plan in one kernel
