@@ -605,3 +605,23 @@ def test_scratch_default_grows_with_the_weights():
     assert scratch_gib(Options(), 16 * GiB) == 4.0
     assert scratch_gib(Options(), 35 * GiB) == pytest.approx(7.0)
     assert scratch_gib(Options(scratch_memory_gib=1.5), 35 * GiB) == 1.5
+
+
+def test_combo_kernels_reach_inductor_only_when_asked(monkeypatch):
+    """flare-prepare --combo-kernels: the CLI passes it on, and compiling the layers turns
+    Inductor's combo kernels on for that preparation and off otherwise."""
+    from types import SimpleNamespace
+
+    import torch._inductor.config as ic
+
+    from flare.prepare import cli
+    from flare.prepare.build import _compile_layers
+
+    assert cli.parser().parse_args(["m", "--out", "x", "--combo-kernels"]).combo_kernels
+    assert not cli.parser().parse_args(["m", "--out", "x"]).combo_kernels
+    monkeypatch.setattr(ic, "combo_kernels", ic.combo_kernels)  # restored after the test
+    recipe = SimpleNamespace(decoder_layers=lambda model: [torch.nn.Linear(4, 4)])
+    _compile_layers(recipe, torch.nn.Module(), combo=True)
+    assert ic.combo_kernels is True
+    _compile_layers(recipe, torch.nn.Module())
+    assert ic.combo_kernels is False

@@ -263,7 +263,7 @@ class _CudaArena:
 
     def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
         if opts.compile:
-            _compile_layers(recipe, model.module)
+            _compile_layers(recipe, model.module, combo=opts.combo_kernels)
         programs = ProgramSet(recipe, model, views, caps, opts.page_size, opts.attention or "triton", continuation,
                               sampler_kernel=opts.sampler == "kernel")
         if opts.compile:
@@ -383,10 +383,11 @@ def _load_weights(src: ModelSource, specs, views: dict[str, torch.Tensor]) -> No
     flush()
 
 
-def _compile_layers(recipe, model) -> None:
+def _compile_layers(recipe, model, combo: bool = False) -> None:
     """torch.compile (Inductor) on every decoder layer. Layers share their code, and
     nn-module inlining makes their weights graph inputs, so each program capacity
-    compiles once for all layers; attention itself stays outside (see attention.py)."""
+    compiles once for all layers; attention itself stays outside (see attention.py).
+    ``combo``: Inductor's combo kernels (``flare-prepare --combo-kernels``)."""
     import torch._dynamo
     import torch._inductor.config as ic
 
@@ -395,6 +396,7 @@ def _compile_layers(recipe, model) -> None:
     # Kernels must load through Triton's launcher, whose loads are recorded exactly
     # (the static launcher loads cubins itself).
     ic.use_static_cuda_launcher = False
+    ic.combo_kernels = combo
     for layer in recipe.decoder_layers(model):
         layer.compile(dynamic=False)
     # The rotary table lookup runs once per step before the layers (eager: a float32

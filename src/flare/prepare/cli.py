@@ -111,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
                         "Triton kernels (kernel, the default: one program a row for the draw, two for the block) "
                         "or as tensor operations (ops: some 65 kernels a step)")
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
+    p.add_argument("--combo-kernels", action="store_true",
+                   help="CUDA: let Inductor launch independent kernels of a compiled layer as one (combo kernels: "
+                        "fewer launches a decode step; not yet measured on the GPU)")
     p.add_argument("--split-prompt-gemms", action="store_true",
                    help="CUDA: let prompt programs use cuBLAS's split-K GEMMs where it picks them for few rows, "
                         "and Inductor's norm reductions (faster short prefills, but a prompt prefilled in pieces, "
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention": a.attention,
         "sampler": a.sampler,
         "compile": not a.no_compile,
+        "combo_kernels": a.combo_kernels,
         "split_prompt_gemms": a.split_prompt_gemms,
         "step_gemms": a.step_gemms,
         "served_name": a.served_name,
