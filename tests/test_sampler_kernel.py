@@ -291,3 +291,21 @@ def test_the_programs_log_probability_block_is_the_same_with_the_kernel():
     assert ker.dtype == ops.dtype and ker.shape == ops.shape == (4, 13)
     assert torch.equal(ker[:, 7:], ops[:, 7:])
     assert (ker[:, :7].view(torch.float32) - ops[:, :7].view(torch.float32)).abs().max() < 1e-5
+
+
+def test_top_p_of_one_keeps_every_token_even_where_the_mass_rounds_to_one():
+    """A peaked row whose float32 mass before its tail tokens rounds to 1: with top-p 1 (the
+    default of OpenAI clients, as top-k 0) every token stays a candidate on both paths, and
+    the kernel finds that without walking the row; top-p just under 1 still cuts the tail."""
+    V = 3000
+    x = torch.full((2, V), -30.0)
+    x[:, 0] = 30.0  # p0 rounds to 1 in float32: the mass before every other token is 1
+    sp, si = S._sorted(x)
+    assert float(torch.cumsum(sp, -1)[0, 0]) == 1.0
+    top_k = torch.zeros(2, dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.999])
+    min_p = torch.zeros(2)
+    kept, _, n_keep = S.filter_sorted(sp, si, top_k, top_p, min_p)
+    assert n_keep.tolist() == [V, 1]
+    u = torch.tensor([0.5, 0.5])
+    assert torch.equal(K.draw_sorted(*_on(sp, si, top_k, top_p, min_p, u)).cpu(), S._draw(kept, si, n_keep, u))

@@ -102,7 +102,7 @@ def scores(
 def choose(
     x: torch.Tensor,  # [B, V] scores
     top_k: torch.Tensor,  # [B] int, <= 0 disables
-    top_p: torch.Tensor,  # [B]
+    top_p: torch.Tensor,  # [B], >= 1 disables
     min_p: torch.Tensor,  # [B]
     u: torch.Tensor,  # [B] uniform draws in [0, 1)
     kernel: bool = False,
@@ -145,12 +145,15 @@ def filtered(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 def filter_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`filtered` over probabilities already sorted descending and their ids."""
+    """:func:`filtered` over probabilities already sorted descending and their ids. A top-p
+    of 1 or more keeps every token (as top-k <= 0 does): the mass before the last tokens can
+    round to 1 in float32, which would otherwise drop them."""
     v = sp.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v)).long()
     kth = sp.gather(1, (k - 1)[:, None])
     before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each token
-    keep = (sp >= kth) & (before < top_p[:, None]) & (sp >= min_p[:, None] * sp[:, :1])
+    nucleus = (before < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep = (sp >= kth) & nucleus & (sp >= min_p[:, None] * sp[:, :1])
     n_keep = keep.sum(dim=-1).clamp(min=1)
     threshold = sp.gather(1, (n_keep - 1)[:, None])
     kept = torch.where(sp >= threshold, sp, torch.zeros_like(sp))

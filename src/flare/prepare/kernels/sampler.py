@@ -12,7 +12,8 @@ a few microseconds when the kept prefix is short (bench/timeline.py, the step's 
 probabilities block by block and stops where the kept prefix ends:
 
 1. the prefix where every filter holds (``p >= p_k``, the mass strictly before a token
-   ``< top_p``, ``p >= min_p * p_max``), at least one token; its last value is the threshold;
+   ``< top_p`` unless top-p is 1 or more, ``p >= min_p * p_max``), at least one token; its
+   last value is the threshold (a row no filter holds back keeps every token without a walk);
 2. the tokens ``>= threshold`` (ties widened), their mass and count; for a verification,
    also the proposal's mass and the mass without it;
 3. the inverse-CDF draw over that mass (and, verifying, over the mass without the
@@ -65,24 +66,28 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     kth = tl.load(sp_ptr + base + k - 1)
     top_p = tl.load(top_p_ptr + row)
     floor = tl.load(min_p_ptr + row) * tl.load(sp_ptr + base)
+    # No filter holds anything back (no top-k, top-p >= 1, min-p under the smallest value, a
+    # NaN-free row): every token is kept without a walk (the sampling defaults of OpenAI clients).
+    everything = (k == V) & (top_p >= 1.0) & (tl.load(sp_ptr + base + V - 1) >= floor)
+    nucleus = tl.where(top_p >= 1.0, float("inf"), top_p)  # top-p >= 1 holds nothing back
 
     # 1. The kept prefix: every filter holds (each is a prefix of the sorted row).
     n_keep = tl.zeros([], tl.int32)
     carry = tl.zeros([], tl.float32)
     start = tl.zeros([], tl.int32)
-    go = start < V
+    go = (start < V) & ~everything
     while go:
         idx = start + offs
         inb = idx < V
         s = tl.load(sp_ptr + base + idx, mask=inb, other=0.0)
         incl = carry + tl.cumsum(s, 0)
-        keep = inb & (s >= kth) & (incl - s < top_p) & (s >= floor)
+        keep = inb & (s >= kth) & (incl - s < nucleus) & (s >= floor)
         c = tl.sum(keep.to(tl.int32), 0)
         n_keep += c
         carry = tl.max(incl, 0)  # the running total (non-negative terms)
         start += BLOCK
         go = (c == BLOCK) & (start < V)
-    n_keep = tl.maximum(n_keep, 1)
+    n_keep = tl.where(everything, V, tl.maximum(n_keep, 1))
     thr = tl.load(sp_ptr + base + n_keep - 1)
 
     # 2. Widened to the ties of the threshold: mass and count (and the proposal's part).
