@@ -8,7 +8,8 @@ are ``_attend_kernel``, ``_combine_kernel`` (split-K attention's merge) and
 ran eagerly, outside any compiled region.
 
 Parts of a layer (``part_of``) come from the weights a kernel reads: the router, the
-routed experts, the shared expert, attention, the Gated DeltaNet mixer, a dense MLP,
+routed experts (with the shared expert where decode steps fold it in), the shared expert
+run apart, attention, the Gated DeltaNet mixer, a dense MLP,
 the norms, and the head; kernels that read no weight belong to the part before them
 (``bench.timeline.fill_layers``): a mixture-of-experts layer's plan (softmax, sort,
 scatter, search) follows its router GEMM, the expert-output sum its grouped GEMMs.
@@ -31,10 +32,12 @@ _OPS = (
 )
 
 
+# In order: a decode step's folded expert kernels read the routed and the shared experts'
+# weights (experts), its router GEMV the router's and the shared expert's gate (router).
 _PARTS = (
-    ("shared_expert", ("shared_expert",)),
-    ("router", ("mlp.gate.",)),
     ("experts", ("mlp.experts.",)),
+    ("router", ("mlp.gate.",)),
+    ("shared_expert", ("shared_expert",)),
     ("attention", ("self_attn.",)),
     ("gdn", ("linear_attn.",)),
     ("mlp", ("mlp.",)),

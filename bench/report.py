@@ -781,7 +781,10 @@ torch.compile, its reference causal convolution: `causal_conv1d` is not on the d
 16-token prompt; all eight agent turns found the previous prompt cached. The SGLang anchor
 (2.23 ms a token for Qwen3.6-35B-A3B at full depth, with MTP speculation) is still ahead of
 the 3.50 ms derived here without speculation. A step's time now (timeline, c = 1, serialized
-less 2.6 µs a node): the tail 108 nodes (lm_head 0.246 ms; the sampler and the log-probability
+sums by part: the Gated DeltaNet layers 0.745 ms, the experts with the shared expert folded
+in 0.670, the tail and other kernels 0.555, attention 0.412, the router 0.280, lm_head 0.251,
+norms 0.194; at c = 4 the experts 1.561; node by node, serialized less 2.6 µs a node): the
+tail 108 nodes (lm_head 0.246 ms; the sampler and the log-probability
 block most of the remaining 0.25 ms, which the Triton sampler, the default since 80973ce,
 cuts to about a half: `sampler-tail-2026-12-04.json`), a Gated DeltaNet layer 13 kernels
 (in_proj 19.7 µs for 50.6 MB, out_proj 10.6 plus a 4.6 µs split-K reduce for 16.8 MB,

@@ -72,6 +72,10 @@ def test_parts_of_a_routed_layer_follow_the_weights_read():
     assert [r["part"] for r in rows] == ["norm", "attention", "attention", "router", "router", "router", "experts",
                                          "experts", "experts", "shared_expert", "shared_expert", "gdn", "head",
                                          "other"]
+    # A decode step's router GEMV (the shared expert's gate in its launch) and folded experts.
+    assert part_of(["w.model.layers.2.mlp.gate.weight", "w.model.layers.2.mlp.shared_expert_gate.weight"]) == "router"
+    assert part_of(["w.model.layers.2.mlp.experts.gate_up_proj",
+                    "w.model.layers.2.mlp.shared_expert.gate_up_proj.weight"]) == "experts"
 
 
 def test_operator_classes():
