@@ -1,7 +1,7 @@
 """Decode-step GEMMs inside CUDA graphs: cuBLAS (``F.linear``) against the few-row GEMM of
 ``kernels/gemv.py`` at a sweep of tilings (CUDA only).
 
-For each weight shape of the 8B dense and 9B hybrid layers and each row count, one CUDA
+For each weight shape of the 8B dense, 9B hybrid and A3B MoE layers and each row count, one CUDA
 graph holds ``CALLS`` products over rotating weight copies (at least 256 MiB together, past
 the L2 cache, as a decode step streams its weights); the graph's replay time over CALLS is
 the time per product, launches included as a program's graph pays them. cuBLAS's split-K
@@ -29,7 +29,12 @@ from flare.prepare.kernels import gemv as G
 
 SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 4096), "8b-down": (4096, 14336),
           "9b-gdn-in": (12352, 4096), "9b-attn-qkv": (10240, 4096), "9b-gate_up": (24576, 4096),
-          "9b-down": (4096, 12288)}
+          "9b-down": (4096, 12288),
+          # the A3B MoE shapes' dense weights (hidden 2,048): Qwen3.5-35B-A3B's fused Gated
+          # DeltaNet in_proj and gated attention q/k/v, Qwen3-30B-A3B's q/k/v, and the 4,096 -> 2,048
+          # out_proj / o_proj both have
+          "35b-gdn-in": (12352, 2048), "35b-attn-qkv": (9216, 2048), "30b-qkv": (5120, 2048),
+          "a3b-o": (2048, 4096)}
 # (BN, BK, SPLIT, warps, stages[, defer]): the first version's best (reduced at every step),
 # then lanes kept through the loop (defer), narrow and long, then whole-K steps
 TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
