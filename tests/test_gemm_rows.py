@@ -167,7 +167,7 @@ def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
     assert o.flare_step_tiling == {1: gemm.STEP_TILINGS[1]}
 
 
-def test_a_layer_without_bias_can_take_the_gemv_at_step_rows():
+def test_a_layer_without_bias_can_take_the_gemv_at_step_rows(monkeypatch):
     """Without a bias, ``step_tiling`` also times ``STEP_GEMV_TILINGS``; where one is fastest
     the layer's step rows go through ``gemv_linear`` (the custom op compiled layers call),
     within float32 rounding of ``F.linear``; a layer with a bias is never offered one."""
@@ -181,7 +181,11 @@ def test_a_layer_without_bias_can_take_the_gemv_at_step_rows():
     assert next(times, None) is None
     o = layers[0]["o"]
     x = torch.randn(2, 96, device=DEVICE)
+    calls = []
+    real = gemm.gemv_linear
+    monkeypatch.setattr(gemm, "gemv_linear", lambda x, w, t: calls.append((x.shape[0], t)) or real(x, w, t))
     eager = o(x)
+    assert calls == [(2, gemm.STEP_GEMV_TILINGS[-1])]
     torch.testing.assert_close(eager, F.linear(x, o.weight), atol=1e-4, rtol=1e-5)
     if torch.cuda.is_available():  # compiled as the programs are: one graph, the same bits (the CPU
         # interpreter cannot run a Triton op under torch.compile)
@@ -189,6 +193,11 @@ def test_a_layer_without_bias_can_take_the_gemv_at_step_rows():
     biased = nn.Linear(96, 32).to(DEVICE)
     _, measured = gemm.step_tiling(biased.weight, biased.bias, 2, timer=lambda fn: 1.0)
     assert not any(isinstance(t, GemvTiling) for t in measured)
+    # More rows than the GEMV holds (a verify step's 24): never offered, and refused if asked.
+    _, measured = gemm.step_tiling(o.weight, None, 24, timer=lambda fn: 1.0)
+    assert not any(isinstance(t, GemvTiling) for t in measured)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        real(torch.randn(24, 96, device=DEVICE), o.weight, gemm.STEP_GEMV_TILINGS[0])
 
 
 @pytest.mark.parametrize("tiling", gemm.STEP_GEMV_TILINGS)

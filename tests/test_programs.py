@@ -619,7 +619,12 @@ def test_combo_kernels_reach_inductor_only_when_asked(monkeypatch):
 
     assert cli.parser().parse_args(["m", "--out", "x", "--combo-kernels"]).combo_kernels
     assert not cli.parser().parse_args(["m", "--out", "x"]).combo_kernels
-    monkeypatch.setattr(ic, "combo_kernels", ic.combo_kernels)  # restored after the test
+    import torch._dynamo
+
+    for name in ("combo_kernels", "use_static_cuda_launcher"):  # restored after the test
+        monkeypatch.setattr(ic, name, getattr(ic, name))
+    for name in ("cache_size_limit", "accumulated_cache_size_limit"):
+        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
     recipe = SimpleNamespace(decoder_layers=lambda model: [torch.nn.Linear(4, 4)])
     _compile_layers(recipe, torch.nn.Module(), combo=True)
     assert ic.combo_kernels is True

@@ -309,3 +309,11 @@ def test_top_p_of_one_keeps_every_token_even_where_the_mass_rounds_to_one():
     assert n_keep.tolist() == [V, 1]
     u = torch.tensor([0.5, 0.5])
     assert torch.equal(K.draw_sorted(*_on(sp, si, top_k, top_p, min_p, u)).cpu(), S._draw(kept, si, n_keep, u))
+    # A tail token proposed with u_accept = 0: a candidate (accepted, p > 0) only where top-p 1
+    # kept the tail; the kernel and the tensor ops agree.
+    proposal = si[:, 5].clone()
+    zero = torch.zeros(2)
+    want = S._verify(kept, si, proposal, zero, u)
+    got = K.draw_sorted(*_on(sp, si, top_k, top_p, min_p, zero, proposal, u))
+    assert want[1].tolist() == [True, False]
+    assert torch.equal(got[1].cpu(), want[0]) and torch.equal(got[2].cpu(), want[1])

@@ -387,7 +387,9 @@ def _compile_layers(recipe, model, combo: bool = False) -> None:
     """torch.compile (Inductor) on every decoder layer. Layers share their code, and
     nn-module inlining makes their weights graph inputs, so each program capacity
     compiles once for all layers; attention itself stays outside (see attention.py).
-    ``combo``: Inductor's combo kernels (``flare-prepare --combo-kernels``)."""
+    ``combo``: Inductor's combo kernels (``flare-prepare --combo-kernels``): a process-wide
+    setting, read when each compiled piece first runs (at capture), so it covers the sampling
+    glue compiled after the layers too."""
     import torch._dynamo
     import torch._inductor.config as ic
 

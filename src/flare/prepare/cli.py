@@ -112,8 +112,8 @@ def parser() -> argparse.ArgumentParser:
                         "or as tensor operations (ops: some 65 kernels a step)")
     p.add_argument("--no-compile", action="store_true", help="capture without torch.compile (development)")
     p.add_argument("--combo-kernels", action="store_true",
-                   help="CUDA: let Inductor launch independent kernels of a compiled layer as one (combo kernels: "
-                        "fewer launches a decode step; not yet measured on the GPU)")
+                   help="CUDA: let Inductor launch independent kernels as one (combo kernels) in everything the "
+                        "preparation compiles: fewer launches a decode step; not yet measured on the GPU")
     p.add_argument("--split-prompt-gemms", action="store_true",
                    help="CUDA: let prompt programs use cuBLAS's split-K GEMMs where it picks them for few rows, "
                         "and Inductor's norm reductions (faster short prefills, but a prompt prefilled in pieces, "

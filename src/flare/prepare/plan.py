@@ -50,8 +50,9 @@ class Options:
     mtp: bool = False  # keep the checkpoint's MTP head: verify programs end with learned drafts (recipes/mtp.py)
     attention: str | None = None  # reference | triton
     compile: bool = True
-    # CUDA: Inductor's combo kernels (independent kernels of a compiled layer in one launch, such
-    # as the q and k rotary or Qwen3.5's q/k norms; each element computed as before)
+    # CUDA: Inductor's combo kernels (independent kernels in one launch, such as the q and k rotary
+    # or Qwen3.5's q/k norms; each element computed as before), for everything compiled
+    # during the preparation (the setting is Inductor's, process-wide)
     combo_kernels: bool = False
     # CUDA: prompt programs keep cuBLAS's split-K GEMMs (faster short prefills; a prompt prefilled in
     # pieces may then differ from the prompt prefilled whole, cache on against off: kernels/gemm.py)

@@ -34,7 +34,7 @@ from torch.library import triton_op, wrap_triton
 from torch.nn import functional as F
 
 from flare.prepare import prompt_rows
-from flare.prepare.kernels.gemv import GemvTiling, gemv_linear
+from flare.prepare.kernels.gemv import GEMV_MAX_ROWS, GemvTiling, gemv_linear
 
 
 @triton.jit
@@ -237,8 +237,8 @@ ROTATE_BYTES = 256 << 20
 
 def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=_time_ms,
                 margin: float = 0.97) -> tuple[tuple[int, ...] | None, dict]:
-    """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias, ``STEP_GEMV_TILINGS``)
-    for ``rows`` rows over a weight of this shape, where it takes at most ``margin`` x
+    """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias and at most
+    ``GEMV_MAX_ROWS`` rows, ``STEP_GEMV_TILINGS``) for ``rows`` rows over a weight of this shape, where it takes at most ``margin`` x
     cuBLAS's time (``F.linear``), else None; and the times
     measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
     On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``)."""
@@ -257,7 +257,7 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     times = {"cublas": timer(rotating(lambda w: F.linear(x, w, b)))}
     for t in STEP_TILINGS:
         times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
-    for t in STEP_GEMV_TILINGS if bias is None else ():
+    for t in STEP_GEMV_TILINGS if bias is None and rows <= GEMV_MAX_ROWS else ():
         times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t)))
     best = min((t for t in times if t != "cublas"), key=times.get)
     return (best if times[best] <= margin * times["cublas"] else None), times

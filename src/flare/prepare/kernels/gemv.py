@@ -114,6 +114,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
 # -- as a decode step's linear layer ----------------------------------------------------
 
 
+# Rows a decode step's GEMV takes at most: the kernel holds a [rows, BN, BK] product block in
+# registers (a program of 64 rows already reaches Triton's largest block at BN 8, BK 2,048).
+GEMV_MAX_ROWS = 8
+
+
 class GemvTiling(NamedTuple):
     """A tiling of ``gemv`` for a decode step's linear layer: no split of K (so no workspace
     and no counters in the captured program), lanes reduced at every step."""
@@ -127,12 +132,16 @@ class GemvTiling(NamedTuple):
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int]) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     bn, bk, warps = tiling
-    gemv(x, weight, out, (bn, bk, 1, warps, 1), kernel=wrap_triton(gemv_kernel))
+    # No split: the partial sums and counters are never read, so ``out`` stands in for both
+    # (no workspace allocated, no counters zeroed in a captured program).
+    gemv(x, weight, out, (bn, bk, 1, warps, 1), space=(out, out), kernel=wrap_triton(gemv_kernel))
     return out
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) by ``gemv`` with ``tiling``, as a custom op (a compiled
-    layer calls it without a graph break)."""
+    layer calls it without a graph break), for at most ``GEMV_MAX_ROWS`` rows."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv_linear takes at most {GEMV_MAX_ROWS} rows, not {rows.shape[0]}")
     return _gemv_op(rows, weight, list(tiling)).reshape(*x.shape[:-1], weight.shape[0])
