@@ -607,11 +607,12 @@ def test_scratch_default_grows_with_the_weights():
     assert scratch_gib(Options(scratch_memory_gib=1.5), 35 * GiB) == 1.5
 
 
-def test_combo_kernels_reach_inductor_only_when_asked(monkeypatch):
+def test_combo_kernels_reach_inductor_only_when_asked():
     """flare-prepare --combo-kernels: the CLI passes it on, and compiling the layers turns
     Inductor's combo kernels on for that preparation and off otherwise."""
     from types import SimpleNamespace
 
+    import torch._dynamo
     import torch._inductor.config as ic
 
     from flare.prepare import cli
@@ -619,14 +620,13 @@ def test_combo_kernels_reach_inductor_only_when_asked(monkeypatch):
 
     assert cli.parser().parse_args(["m", "--out", "x", "--combo-kernels"]).combo_kernels
     assert not cli.parser().parse_args(["m", "--out", "x"]).combo_kernels
-    import torch._dynamo
-
-    for name in ("combo_kernels", "use_static_cuda_launcher"):  # restored after the test
-        monkeypatch.setattr(ic, name, getattr(ic, name))
-    for name in ("cache_size_limit", "accumulated_cache_size_limit"):
-        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
     recipe = SimpleNamespace(decoder_layers=lambda model: [torch.nn.Linear(4, 4)])
-    _compile_layers(recipe, torch.nn.Module(), combo=True)
-    assert ic.combo_kernels is True
-    _compile_layers(recipe, torch.nn.Module())
-    assert ic.combo_kernels is False
+    # Restored after the test with the config modules' own patch (pytest's monkeypatch deletes a
+    # torch config entry when it undoes a setattr on it).
+    with ic.patch(combo_kernels=ic.combo_kernels, use_static_cuda_launcher=ic.use_static_cuda_launcher), \
+            torch._dynamo.config.patch(cache_size_limit=torch._dynamo.config.cache_size_limit,
+                                       accumulated_cache_size_limit=torch._dynamo.config.accumulated_cache_size_limit):
+        _compile_layers(recipe, torch.nn.Module(), combo=True)
+        assert ic.combo_kernels is True
+        _compile_layers(recipe, torch.nn.Module())
+        assert ic.combo_kernels is False
