@@ -735,7 +735,8 @@ The roofline of a mixture of experts is the **active bytes** of a step (`bench/c
 `step_bytes`): every non-expert weight but the untied embedding, the routed experts a row
 routes to (the expected union for several rows, E (1 - (1 - k/E)^c), random-weight
 routers routing near uniformly), the embedding rows, recurrent state read and written.
-Against it, the replay floor (GPU time per decode step):
+Against it, the replay floor (GPU time per decode step; the first rows are the runs of
+2026-12-02, the last the 35B shape's run of 2026-12-04 with the fold and the router GEMV):
 
 | shape (depth) | c | floor ms per step | active GB | active-bytes roofline ms | fraction | full depth (derived) |
 |---|---|---|---|---|---|---|
@@ -745,6 +746,9 @@ Against it, the replay floor (GPU time per decode step):
 | Qwen3.5-35B-A3B (20 of 40) | 1 | 2.720 | 3.52 | 0.82 | **0.30** | 4.89 ms, 204 tok/s, 0.29 |
 | | 2 | 3.179 | 4.56 | 1.06 | 0.33 | |
 | | 4 | 3.729 | 6.55 | 1.52 | 0.41 | 6.72 ms |
+| Qwen3.5-35B-A3B (20 of 40), 2026-12-04 | 1 | 2.013 | 3.61 | 0.84 | **0.42** | 3.50 ms, 286 tok/s, 0.41 |
+| | 2 | 2.529 | 4.75 | 1.10 | 0.44 | |
+| | 4 | 3.132 | 6.93 | 1.61 | 0.51 | 5.53 ms |
 
 Full depth: the graph's time spent in layers (the timeline's share of the serialized sum,
 0.80 at c = 1) divided by the layers is the time of a layer (30B: 0.080 ms; 35B: 0.109
