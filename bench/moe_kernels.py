@@ -132,23 +132,21 @@ def shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype):
     s_down = (torch.randn(H, I_s, generator=g) * I_s ** -0.5).to(dtype).to(device)
     s_gate = torch.randn(1, H, generator=g).to(dtype).to(device)
 
-    def apart(x):  # as decode steps ran before the fold: tiled router and gate, the expert apart
-        w, ids = K.route_rows(K.invariant_linear(x, router), k, True)
-        gl = K.invariant_linear(x, s_gate)
+    def shared_mlp(x, gl):  # the shared expert apart: gate/up GEMM, SiLU * up, down GEMM, gated
         gu, up = F.linear(x, s_gate_up).chunk(2, dim=-1)
-        return (K.experts_decode(x, w, ids, gate_up, down) + torch.sigmoid(gl) * F.linear(F.silu(gu) * up, s_down),)
+        return torch.sigmoid(gl) * F.linear(F.silu(gu) * up, s_down)
+
+    compiled_mlp = torch.compile(shared_mlp, dynamic=False) if device == "cuda" else shared_mlp
+
+    def apart(x):  # as decode steps ran before the fold: tiled router and gate, the expert apart (eager)
+        w, ids = K.route_rows(K.invariant_linear(x, router), k, True)
+        return (K.experts_decode(x, w, ids, gate_up, down) + shared_mlp(x, K.invariant_linear(x, s_gate)),)
 
     def folded(x, gu=(16, 512, 4), dn=(8, 128, 8)):  # as the recipe runs decode steps: router and
         logits, gl = K.router_gemv(x, router, s_gate)   # gate in one GEMV launch, the fold
         w, ids = K.route_rows(logits, k, True)
         return (K.experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gl), gate_up_blocks=gu,
                                  down_blocks=dn),)
-
-    def shared_mlp(x, gl):  # the shared expert as the compiled layer runs it apart
-        gu, up = F.linear(x, s_gate_up).chunk(2, dim=-1)
-        return torch.sigmoid(gl) * F.linear(F.silu(gu) * up, s_down)
-
-    compiled_mlp = torch.compile(shared_mlp, dynamic=False) if device == "cuda" else shared_mlp
 
     def apart_compiled(x):  # decode steps without the fold today: the router GEMV, the shared expert compiled
         logits, gl = K.router_gemv(x, router, s_gate)

@@ -3,7 +3,7 @@ sampler kernels (CUDA only).
 
 The tail after ``lm_head``: scores (penalties, temperature), the filters and draw
 (``sampling.choose``: softmax and sort, then ATen ops or ``kernels/sampler.draw_sorted``),
-and the log-probability block (``ProgramSet._logprob_block``: ATen's log_softmax and topk,
+and the log-probability block (``sampling.logprob_block``: ATen's log_softmax and topk,
 or ``kernels/sampler.logprob_block``). One CUDA graph holds CALLS tails on rotating rows of
 random logits; its replay time over CALLS is a tail's time as a program pays it, launches
 included. Sampling parameters: temperature 1.0, top-p 0.95, top-k 20 (the serving
@@ -25,17 +25,9 @@ import triton
 
 from bench.graphs import graph_ms
 from flare.prepare import sampling as S
-from flare.prepare.kernels import sampler as K
 
 CALLS = 20
 LOGPROBS = 20
-
-
-def _ops_logprobs(logits, tok, vocab):
-    lp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
-    chosen = lp.gather(1, tok.clamp(0, vocab - 1)[:, None])
-    top, ids = torch.topk(lp, LOGPROBS, dim=-1, sorted=True)
-    return torch.cat([torch.cat([chosen, top], dim=-1).view(torch.int32), ids.int()], dim=-1)
 
 
 def main(argv=None) -> int:
@@ -68,7 +60,7 @@ def main(argv=None) -> int:
                     for i, lg in enumerate(logits):
                         x = S.scores(lg, hist, ones, ones, zeros, zeros, vocab)
                         tok = S.choose(x, tk, tp, zeros, u, kernel=kernel)
-                        lp = (K.logprob_block(lg, tok, LOGPROBS, vocab) if kernel else _ops_logprobs(lg, tok, vocab))
+                        lp = S.logprob_block(lg, tok, LOGPROBS, vocab, kernel=kernel)
                         if keep:
                             outs.setdefault(kernel, []).append((tok, lp))
 

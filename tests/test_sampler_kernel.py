@@ -1,6 +1,6 @@
 """The sampler's one-program-a-row filters and draw (``kernels/sampler.py``) against the
 tensor-op definitions in ``sampling.py`` (``filtered``, ``_draw``, ``_verify``), and its
-log-probability block against ``ProgramSet._logprob_block``'s tensor operations.
+log-probability block against ``sampling.logprob_block``'s tensor operations.
 
 Without CUDA the kernel runs in Triton's CPU interpreter (conftest.py). The two sum floats
 in different orders (block scans with a carried total against one scan of the row), so a
@@ -223,7 +223,7 @@ def test_verify_chain_with_the_kernel_emits_what_the_tensor_ops_emit():
 
 
 def _logprob_reference(x: torch.Tensor, tok: torch.Tensor, n: int, vocab: int):
-    """``ProgramSet._logprob_block``'s definition with ties ordered by ascending id: (the token's
+    """``sampling.logprob_block``'s definition with ties ordered by ascending id: (the token's
     value, the n largest values, their ids)."""
     lp = torch.log_softmax(x[:, :vocab].double(), dim=-1)
     order = torch.sort(-lp, dim=-1, stable=True).indices[:, :n]  # descending, equal values by id
@@ -271,27 +271,17 @@ def test_logprob_block_rows_do_not_depend_on_the_batch():
 
 
 def test_the_programs_log_probability_block_is_the_same_with_the_kernel():
-    """``ProgramSet._logprob_block`` as the programs call it (float32 logits wider than the
+    """``sampling.logprob_block`` as the programs call it (float32 logits wider than the
     sampling vocabulary, int64 tokens), kernel against tensor operations, on rows without
     ties: the same ids, values within float32 rounding."""
-    from types import SimpleNamespace
-
-    from flare.prepare.programs import ProgramSet
-
     gen = torch.Generator().manual_seed(13)
     V = 3000
     logits = torch.randn(4, V + 8, generator=gen) * 5
     tok = torch.randint(0, V, (4,), generator=gen)
-
-    def block(kernel):
-        me = SimpleNamespace(sampler_kernel=kernel, caps=SimpleNamespace(max_logprobs=6, sampling_vocab=V))
-        return ProgramSet._logprob_block(me, *_on(logits, tok)).cpu()
-
-    ops, ker = block(False), block(True)
+    ops, ker = (S.logprob_block(*_on(logits, tok), 6, V, kernel=kernel).cpu() for kernel in (False, True))
     assert ker.dtype == ops.dtype and ker.shape == ops.shape == (4, 13)
     assert torch.equal(ker[:, 7:], ops[:, 7:])
     assert (ker[:, :7].view(torch.float32) - ops[:, :7].view(torch.float32)).abs().max() < 1e-5
-
 
 def test_top_p_of_one_keeps_every_token_even_where_the_mass_rounds_to_one():
     """A peaked row whose float32 mass before its tail tokens rounds to 1: with top-p 1 (the

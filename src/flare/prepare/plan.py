@@ -63,7 +63,7 @@ class Options:
     step_gemms: str = "cublas"
     # CUDA: the sampler's filters and draw after the sort and the log-probability block:
     # "kernel" (Triton, kernels/sampler.py) or "ops" (the tensor operations of sampling.py and
-    # ProgramSet._logprob_block, some 65 kernels)
+    # sampling.logprob_block, some 65 kernels)
     sampler: str = "kernel"
     scratch_memory_gib: float | None = None  # CUDA: arena tail for torch's pool (default: scratch_gib)
     reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory

@@ -33,7 +33,7 @@ from flare.prepare import prompt_rows
 from flare.prepare.attention import PagedBatch
 from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import PreparedModel, Recipe
-from flare.prepare.sampling import apply_token_mask, choose, scores, uniform, verify_chain
+from flare.prepare.sampling import apply_token_mask, choose, logprob_block, scores, uniform, verify_chain
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -123,7 +123,8 @@ class ProgramSet:
         draw, and the committed rows. Eager they are some 200 kernels of a few
         microseconds each per step (bench/timeline.py: the integer hash alone is ~100);
         compiled, a handful. Reductions (softmax, sort, scans: ``choose``; with the sampler
-        kernel, the CUDA default, the scans and the draw in one Triton program a row, ``kernels/sampler.py``) stay eager,
+        kernel, the CUDA default, the scans and the draw in one Triton program a row,
+        ``kernels/sampler.py``) stay eager,
         whose per-row results do not depend on the batch size, so batch composition still
         never changes a request's tokens. Only pure functions are compiled, so no buffer
         mutation goes through functionalization (which could copy a whole state buffer);
@@ -239,7 +240,7 @@ class ProgramSet:
 
     def score(self, C: int) -> None:
         """A prefill chunk that also scores its tokens: row j of ``out.scores`` is the
-        log-probability block (``_logprob_block``) of token j given everything before it:
+        log-probability block (``sampling.logprob_block``) of token j given everything before it:
         the slot's saved final hidden vector predicts the chunk's first token, the chunk's
         own rows the rest (the host ignores the first row of a prompt's first chunk, which
         has no prefix, and rows past the count)."""
@@ -548,18 +549,5 @@ class ProgramSet:
         completion.copy_(record)
 
     def _logprob_block(self, logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        """A log-probability block per row (``interface.logprob_columns``): log_softmax of
-        the raw logits over the sampling vocabulary, token ``tok``'s value and the top
-        ``max_logprobs`` (torch.topk: exact ties in a fixed but unspecified order), float32
-        bits then ids as int32.
-        Per-row reductions (eager ATen, as ``choose``): a row's values never depend on the
-        batch it shares. With the sampler kernel (CUDA), two Triton kernels instead
-        (``kernels/sampler.logprob_block``: equal logits ordered by ascending id)."""
-        if self.sampler_kernel:
-            from flare.prepare.kernels.sampler import logprob_block
-
-            return logprob_block(logits.float(), tok, self.caps.max_logprobs, self.caps.sampling_vocab)
-        lp = torch.log_softmax(logits[:, : self.caps.sampling_vocab].float(), dim=-1)
-        chosen = lp.gather(1, tok.clamp(0, self.caps.sampling_vocab - 1)[:, None])
-        top, ids = torch.topk(lp, self.caps.max_logprobs, dim=-1, sorted=True)
-        return torch.cat([torch.cat([chosen, top], dim=-1).view(torch.int32), ids.int()], dim=-1)
+        """``sampling.logprob_block`` of the core's ``max_logprobs`` over its sampling vocabulary."""
+        return logprob_block(logits, tok, self.caps.max_logprobs, self.caps.sampling_vocab, kernel=self.sampler_kernel)

@@ -238,9 +238,9 @@ ROTATE_BYTES = 256 << 20
 def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=_time_ms,
                 margin: float = 0.97) -> tuple[tuple[int, ...] | None, dict]:
     """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias and at most
-    ``GEMV_MAX_ROWS`` rows, ``STEP_GEMV_TILINGS``) for ``rows`` rows over a weight of this shape, where it takes at most ``margin`` x
-    cuBLAS's time (``F.linear``), else None; and the times
-    measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
+    ``GEMV_MAX_ROWS`` rows, ``STEP_GEMV_TILINGS``) for ``rows`` rows over a weight of this
+    shape, where it takes at most ``margin`` x cuBLAS's time (``F.linear``), else None; and
+    the times measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
     On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``)."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     n, k = weight.shape

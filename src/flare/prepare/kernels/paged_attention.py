@@ -54,8 +54,9 @@ enough, and the bits do not depend on it). Decode steps keep the even split (the
 need not equal a prompt's), whose partition of a row's keys follows ``eff``, hence the
 step's live rows: past about ``eff`` key blocks of context a decode row's bits depend on
 what shares its step. ``segments=True`` gives a decode launch the prompt launches'
-segments (one token a tile), so its rows do not; what that costs is measured by
-``bench/attention_decode.py`` before any program takes it.
+segments (one token a tile), so its rows do not; no program takes it: on the H200 it is
+1.4-1.8x slower at four live rows of 16K-128K context (``bench/attention_decode.py``,
+docs/gpu.md).
 
 Open before this replaces main's kernel (reviewed 2026-12-02; not yet run on a GPU):
 * Speed, to measure on the H200: at the 8B shape with a 131K context a segment is 16 blocks

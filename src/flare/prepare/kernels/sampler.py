@@ -180,7 +180,7 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
 
 # -- the log-probability block ------------------------------------------------------------
 #
-# ``ProgramSet._logprob_block``: log_softmax of the raw logits over the sampling vocabulary,
+# ``sampling.logprob_block``: log_softmax of the raw logits over the sampling vocabulary,
 # the sampled (or scored) token's value and the N largest with their ids. With tensor
 # operations that is a softmax, a gather and ATen's radix top-k: about 30 kernels a step
 # on the H200 (the decode tail of bench/timeline.py). Here it is two: each program of
@@ -189,9 +189,9 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
 # of ``_logprob_merge_kernel`` joins a row's blocks. Candidates are 64-bit keys: the
 # logit's float32 bits mapped to an order-preserving unsigned integer above the complement
 # of the token id, so the largest key is the largest logit and, among equal logits, the
-# lowest id (two logits that differ but round to one log-probability keep their logit order) (torch.topk leaves the order of ties unspecified); N maxima are taken one
-# after the other. A row reads nothing of another row and is summed in one order whatever
-# the batch.
+# lowest id (torch.topk leaves the order of ties unspecified; two logits that differ but
+# round to one log-probability keep their logit order); N maxima are taken one after the
+# other. A row reads nothing of another row and is summed in one order whatever the batch.
 
 LP_BLOCK = 4096
 
@@ -251,7 +251,7 @@ def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, 
 
 
 def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, block: int = LP_BLOCK) -> torch.Tensor:
-    """``ProgramSet._logprob_block`` in two kernels: for logits ``[R, >= vocab]`` (rows with
+    """``sampling.logprob_block`` in two kernels: for logits ``[R, >= vocab]`` (rows with
     unit stride) and a token per row, int32 ``[R, 1 + 2 n]``: the token's log_softmax over the
     first ``vocab`` columns, the ``n`` largest (descending; equal logits by ascending id) as
     float32 bits, then their ids. ``block``: columns a program (tests use small ones)."""
