@@ -1,26 +1,8 @@
-"""Timing work as a program pays it: inside a CUDA graph (CUDA only)."""
+"""Timing work as a program pays it: inside a CUDA graph (CUDA only). The one definition lives
+in ``flare.prepare.timing`` (prepare's own measurements use it too)."""
 
 from __future__ import annotations
 
-import torch
+from flare.prepare.timing import graph_ms
 
-
-def graph_ms(fn, per: int = 1, replays: int = 10) -> float:
-    """Capture ``fn`` (run once before, outside the graph: compilation and warm-up) in a CUDA
-    graph; the median of ``replays`` replays' GPU time (events), divided by ``per`` (the
-    number of units of work ``fn`` does), in ms."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / per)
-    return sorted(times)[len(times) // 2]
+__all__ = ["graph_ms"]

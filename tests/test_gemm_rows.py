@@ -209,3 +209,18 @@ def test_every_step_gemv_tiling_is_a_linear_layer(tiling):
     for rows in (1, 3, 4):
         x = torch.randn(rows, 200, generator=g, dtype=torch.float64).float().to(DEVICE)
         torch.testing.assert_close(gemv_linear(x, w, tiling), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_a_deferred_step_gemv_tiling_reaches_the_kernel():
+    """``GemvTiling``'s ``defer`` is the kernel's: the custom op gives the bits of ``gemv`` with
+    the lanes kept through the loop, not those reduced at every step (float32, K over several
+    steps: the two orders differ here)."""
+    from flare.prepare.kernels import gemv as G
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 3000, generator=g).to(DEVICE)
+    x = torch.randn(2, 3000, generator=g).to(DEVICE)
+    got = G.gemv_linear(x, w, G.GemvTiling(8, 256, 4, 1))
+    deferred = G.gemv(x, w, torch.empty(2, 40, device=DEVICE), (8, 256, 1, 4, 1, 1))
+    stepwise = G.gemv(x, w, torch.empty(2, 40, device=DEVICE), (8, 256, 1, 4, 1, 0))
+    assert torch.equal(got, deferred) and not torch.equal(got, stepwise)

@@ -210,24 +210,27 @@ def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -
 # narrow column blocks give the weight's stream enough programs without splitting K.
 STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (16, 16, 512, 8))
 # The few-row GEMV (kernels/gemv.py) for layers without a bias: (columns a program, K a step,
-# warps), narrow programs over one or a few long steps of K, and the first version's best.
+# warps[, defer]), narrow programs over one or a few long steps of K, the first version's best,
+# and 8 columns over steps of 1,024 with the lanes kept through the loop (the fastest for each
+# of the 9B hybrid's four GDN-layer weights at one row among the five ``bench/pdl.py`` tries,
+# ``bench/results/pdl-2026-12-04.json``).
 STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(2, 2048, 4), GemvTiling(4, 2048, 4),
-                     GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4))
+                     GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1))
 
 
-def _time_ms(fn, reps: int = 20) -> float:
-    """Median GPU time of ``fn`` over ``reps`` runs (CUDA events), after two warm-ups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+# Products a timing captures in one CUDA graph (each on the next weight copy).
+TIMED_CALLS = 20
+
+
+def _time_ms(fn) -> float:
+    """GPU time of one ``fn`` (ms): ``TIMED_CALLS`` of them captured in a CUDA graph, the median
+    replay over their number. Timed one launch at a time between events, each call also paid
+    its launch (several µs against a 10-50 µs decode GEMM): the 9B hybrid's prepare of
+    2026-12-04 chose no GEMV that way, where ``bench/gemv.py``, timing inside graphs, had it
+    5-11 % faster than cuBLAS at one row for three of the four weights of a GDN layer."""
+    from flare.prepare.timing import graph_ms
+
+    return graph_ms(lambda: [fn() for _ in range(TIMED_CALLS)], TIMED_CALLS)
 
 
 # Weight copies a timing rotates through, together at least this large: more than the

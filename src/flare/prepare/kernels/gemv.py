@@ -121,20 +121,23 @@ GEMV_MAX_ROWS = 8
 
 class GemvTiling(NamedTuple):
     """A tiling of ``gemv`` for a decode step's linear layer: no split of K (so no workspace
-    and no counters in the captured program), lanes reduced at every step."""
+    and no counters in the captured program); lanes reduced at every step, or with ``defer``
+    1 once after the loop."""
 
     bn: int
     bk: int
     warps: int
+    defer: int = 0
 
 
 @triton_op("flare::gemv_linear", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int]) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    bn, bk, warps = tiling
+    bn, bk, warps = tiling[:3]
+    defer = tiling[3] if len(tiling) > 3 else 0
     # No split: the partial sums and counters are never read, so ``out`` stands in for both
     # (no workspace allocated, no counters zeroed in a captured program).
-    gemv(x, weight, out, (bn, bk, 1, warps, 1), space=(out, out), kernel=wrap_triton(gemv_kernel))
+    gemv(x, weight, out, (bn, bk, 1, warps, 1, defer), space=(out, out), kernel=wrap_triton(gemv_kernel))
     return out
 
 
