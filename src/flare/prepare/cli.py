@@ -125,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
                         "kernels)")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "
-                        "default: 4 or a fifth of the weights, whichever is larger)")
+                        "default: 6 or a fifth of the weights, whichever is larger)")
     p.add_argument("--gpu-reserve", type=float, default=4.0,
                    help="CUDA: GiB of device memory left free when sizing KV pages from free memory")
     p.add_argument("--qualify", type=int, default=0,

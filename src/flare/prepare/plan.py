@@ -82,12 +82,14 @@ class Options:
 def scratch_gib(opts: Options, weights_bytes: int) -> float:
     """The arena tail torch's pool may use while programs are warmed up and captured (graph
     intermediates, workspaces; only the used part stays in the core): ``--scratch-memory``, or
-    by default 4 GiB or a fifth of the weights, whichever is larger. What the programs use grows
+    by default 6 GiB or a fifth of the weights, whichever is larger. What the programs use grows
     with the model (on the H200: 3.1 GiB for the Qwen3-30B-A3B shape at 24 layers, 31 GB of
-    weights; 4.7 GiB for the Qwen3.5-35B-A3B shape at 20 layers, 36 GB, where 4 GiB ran out)."""
+    weights; 4.7 GiB for the Qwen3.5-35B-A3B shape at 20 layers, 36 GB, where 4 GiB ran out;
+    4.55 GiB for the Qwen3.5-9B shape, 17.9 GB, since its prompt programs keep the block grid's
+    states: 4 GiB ran out there on 2026-12-04)."""
     if opts.scratch_memory_gib is not None:
         return opts.scratch_memory_gib
-    return max(4.0, 0.2 * weights_bytes / GiB)
+    return max(6.0, 0.2 * weights_bytes / GiB)
 
 
 def _dtype_enum(t: torch.dtype) -> DType:
