@@ -306,6 +306,25 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     copy bandwidth without split-K (about 0.5 ms), then fewer launches per layer
     (norm and residual folded into their neighbours, the GDN conv folded into the
     delta-rule step). The recurrent state costs 24 µs of the 5.22 ms.
+  * **Re-timed 2026-12-04** (`decode-floor-qwen3_5-9b-shape-2026-12-04.json`, two
+    cores of the same session): with the sampler kernels the floor's step is
+    5.08 ms (74 % of the 3.77 ms bytes-moved roofline); prepared with
+    `--step-gemms measure`, whose timer now captures 20 products in a CUDA graph
+    (timed between events one launch at a time it had chosen nothing), 4.91 ms:
+    **76 %** (204 tok/s; c = 2 / 4 unchanged at 5.16 / 5.28 ms). One row's
+    in_proj takes the unsplit Triton GEMM (30.8 µs serialized in layer 0 against
+    cuBLAS's 32.6), out_proj, o_proj and down_proj the GEMV (14.1, 13.7 and 29.1 µs
+    against cuBLAS's 14.6 + 5.1, 13.9 + 4.7 and 30.8 + 4.8 with their split-K
+    reduces), 482 kernels a step instead of 522
+    (`timeline-qwen3_5-9b-shape-2026-12-04.json`).
+    Still 0.22 ms from 80 %: the 248k-token sort before the draw (4 radix passes,
+    ~55 µs serialized), the gated norm that Inductor now emits as two kernels
+    before the GEMV (24 more launches), 9-10 small kernels a layer. A chained
+    measurement of programmatic dependent launch (`bench/pdl.py`,
+    `pdl-2026-12-04.json`, the GDN layer's four GEMMs with a small kernel after
+    each) found 122.7 µs a layer with cuBLAS, 117.7 with the GEMV, 114.2 with
+    every kernel launched dependent: ~1 µs a boundary, not pursued (Inductor
+    cannot launch a user kernel with PDL).
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
   `generate` with a static cache and its compiled forward; the mode is recorded
   per batch): 1.72 / 1.64 / 1.58x at c = 1 / 2 / 4 (ITL 5.02 against 8.69 ms).
