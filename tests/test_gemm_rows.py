@@ -226,3 +226,44 @@ def test_a_deferred_step_gemv_tiling_reaches_the_kernel():
     deferred = G.gemv(x, w, torch.empty(2, 40, device=DEVICE), (8, 256, 1, 4, 1, 1))
     stepwise = G.gemv(x, w, torch.empty(2, 40, device=DEVICE), (8, 256, 1, 4, 1, 0))
     assert torch.equal(got, deferred) and not torch.equal(got, stepwise)
+
+
+def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(monkeypatch):
+    """A fused gated MLP (recipes/fused.py) at a step row count where ``down_proj`` takes the
+    GEMV runs the down projection with silu(gate) * up computed in the GEMV's loads (one
+    launch fewer), within float32 rounding of the MLP as written; not in a prompt program,
+    at another row count, or under a forward hook (a tensor-parallel all-reduce)."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from flare.prepare import prompt_rows
+    from flare.prepare.kernels.gemv import GemvTiling
+    from flare.prepare.recipes.fused import fuse_mlp
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96)
+    torch.manual_seed(0)
+    plain = LlamaMLP(cfg).to(DEVICE)
+    mlp = LlamaMLP(cfg).to(DEVICE)
+    mlp.load_state_dict(plain.state_dict())
+    assert fuse_mlp(mlp)
+    mlp.gate_up_proj.weight.data = torch.cat([plain.gate_proj.weight, plain.up_proj.weight]).to(DEVICE)
+    gemm._switch(mlp.down_proj)
+    tiling = GemvTiling(8, 64, 4, 1)
+    mlp.down_proj.flare_step_tiling = {2: tiling}
+    calls = []
+    real = gemm.gemv_linear
+    monkeypatch.setattr(gemm, "gemv_linear", lambda *a, **kw: calls.append((a[0].shape, kw)) or real(*a, **kw))
+    x = torch.randn(2, 64, device=DEVICE)
+    with torch.no_grad():
+        want = plain(x)
+        torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
+        assert calls == [((2, 192), {"swiglu": True})]
+        calls.clear()
+        with prompt_rows.marked(True):
+            torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mlp(x[:1]), want[:1], atol=1e-5, rtol=1e-5)
+        assert calls == []
+        hook = mlp.down_proj.register_forward_hook(lambda _m, _a, out: out)
+        mlp(x)
+        assert calls == [((2, 96), {})]  # the down projection's own GEMV, after the activation
+        hook.remove()

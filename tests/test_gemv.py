@@ -65,3 +65,26 @@ def test_a_split_that_leaves_a_slice_empty_or_a_workspace_of_other_sizes_is_refu
         G.gemv(x, w, torch.empty(1, 16, device=DEVICE), (16, 32, 2, 4, 2), G.workspace(1, 8, 2, 16, DEVICE))
     with pytest.raises(ValueError, match="outputs"):
         G.gemv(x, w, torch.empty(1, 32, device=DEVICE)[:, ::2], (16, 32, 1, 4, 2))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_gated_activation_in_the_loads(rows):
+    """``swiglu``: the rows are [gate | up] and the product is (silu(gate) * up) @ w.T with the
+    activation rounded to the rows' dtype once: within float32 rounding of the GEMV of that
+    activation computed apart, and of float64; rows of another width are refused. bfloat16 on
+    the GPU; float32 in the CPU interpreter, whose float32 -> bfloat16 conversion truncates
+    where the GPU's rounds to nearest."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 72, 200
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    w = torch.randn(n, k, generator=g).to(DEVICE, dt)
+    gu = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dt)
+    tiling = (8, 64, 1, 4, 1, 1)
+    fused = G.gemv(gu, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling, swiglu=True)
+    gate, up = gu.float().split(k, dim=1)
+    act = (gate * torch.sigmoid(gate) * up).to(dt)
+    apart = G.gemv(act, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling)
+    torch.testing.assert_close(fused, apart, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fused.double(), act.double() @ w.double().T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="gate \\| up"):
+        G.gemv(gu[:, :-2].contiguous(), w, torch.empty(rows, n, device=DEVICE), tiling, swiglu=True)

@@ -152,6 +152,19 @@ class _RowInvariant:
             return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
 
+    def flare_step_gemv(self, rows: int) -> GemvTiling | None:
+        """The GEMV tiling this layer takes in a step of ``rows`` rows; None where it takes
+        another product (a prompt program, cuBLAS, the unsplit GEMM)."""
+        if prompt_rows.active():
+            return None
+        tiling = self.flare_step_tiling.get(rows)
+        return tiling if isinstance(tiling, GemvTiling) else None
+
+    def flare_swiglu_down(self, gate_up: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
+        """This layer as a gated MLP's down projection of ``silu(gate) * up``, from the
+        [gate | up] projection, by the GEMV with the activation in its loads."""
+        return gemv_linear(gate_up, self.weight, tiling, swiglu=True)
+
 
 _CLASSES: dict[type, type] = {}
 

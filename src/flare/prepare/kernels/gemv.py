@@ -36,7 +36,7 @@ from torch.library import triton_op, wrap_triton
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr,
-                DEFER: tl.constexpr):
+                DEFER: tl.constexpr, SWIGLU: tl.constexpr = False):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -49,7 +49,13 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, 
         k_in = kk < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_in[:, None] & k_in[None, :],
                     other=0.0)
-        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
+        x_at = x_ptr + m[:, None] * stride_xm + kk[None, :]
+        if SWIGLU:  # the row holds [gate | up], K each: silu(gate) * up in float32, rounded once
+            g = tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+            u = tl.load(x_at + K, mask=m_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+            x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0)
         products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         if DEFER:
             lanes += products
@@ -82,8 +88,12 @@ def workspace(rows: int, n: int, split: int, bn: int, device) -> tuple[torch.Ten
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
-         space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel) -> torch.Tensor:
-    """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K).
+         space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel,
+         swiglu: bool = False) -> torch.Tensor:
+    """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K); with
+    ``swiglu``, ``x [M, 2 K]`` holds a gated MLP's gate and up halves and the product is
+    ``(silu(gate) * up) @ w.T``, the activation computed in float32 and rounded to x's dtype
+    once, as a compiled MLP's separate activation kernel stores it (one launch fewer).
     ``tiling``: (BN, BK, SPLIT, warps, stages[, defer]); K is cut into SPLIT slices of whole
     BK steps; ``defer`` 1 keeps a float32 product per K lane through the loop and reduces the
     lanes once at the end (0, the default: reduced at every step). The two sum in other orders.
@@ -93,6 +103,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
         raise ValueError("gemv needs rows and weight with unit stride along K")
     M, K = x.shape
     N = w.shape[0]
+    if swiglu:
+        if K != 2 * w.shape[1]:
+            raise ValueError(f"gemv with swiglu takes [gate | up] rows of 2 x {w.shape[1]} columns, got {K}")
+        K = w.shape[1]
     bn, bk, split, warps, stages = tiling[:5]
     defer = bool(tiling[5]) if len(tiling) > 5 else False
     ks = triton.cdiv(triton.cdiv(K, split), bk) * bk
@@ -106,7 +120,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
         raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
     kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, num_warps=warps,
+        BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, num_warps=warps,
         num_stages=stages)
     return out
 
@@ -131,20 +145,23 @@ class GemvTiling(NamedTuple):
 
 
 @triton_op("flare::gemv_linear", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int]) -> torch.Tensor:
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: bool = False) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     bn, bk, warps = tiling[:3]
     defer = tiling[3] if len(tiling) > 3 else 0
     # No split: the partial sums and counters are never read, so ``out`` stands in for both
     # (no workspace allocated, no counters zeroed in a captured program).
-    gemv(x, weight, out, (bn, bk, 1, warps, 1, defer), space=(out, out), kernel=wrap_triton(gemv_kernel))
+    gemv(x, weight, out, (bn, bk, 1, warps, 1, defer), space=(out, out), kernel=wrap_triton(gemv_kernel),
+         swiglu=swiglu)
     return out
 
 
-def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swiglu: bool = False) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) by ``gemv`` with ``tiling``, as a custom op (a compiled
-    layer calls it without a graph break), for at most ``GEMV_MAX_ROWS`` rows."""
+    layer calls it without a graph break), for at most ``GEMV_MAX_ROWS`` rows. ``swiglu``: ``x``
+    is a gated MLP's [gate | up] projection and the product is its down projection of
+    ``silu(gate) * up`` (``gemv``)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"gemv_linear takes at most {GEMV_MAX_ROWS} rows, not {rows.shape[0]}")
-    return _gemv_op(rows, weight, list(tiling)).reshape(*x.shape[:-1], weight.shape[0])
+    return _gemv_op(rows, weight, list(tiling), swiglu).reshape(*x.shape[:-1], weight.shape[0])

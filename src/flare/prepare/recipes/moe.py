@@ -29,9 +29,8 @@ from flare.prepare.kernels import moe as K
 from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import Recipe, RecipeError, Replacement
 from flare.prepare.recipes.decoder import DECODER_SHARDING
-from flare.prepare.recipes.fused import FusedLinear, fuse_mlp
+from flare.prepare.recipes.fused import SILU_ACTS as _SILU, FusedLinear, fuse_mlp
 
-_SILU = ("SiLU", "SiLUActivation")  # the activation the grouped kernels compute
 
 
 def _triton(x: torch.Tensor, paged: PagedBatch | None) -> bool:
