@@ -264,3 +264,25 @@ def test_each_attention_class_gets_the_window_transformers_passes():
     llama = LlamaConfig(**small)
     llama.sliding_window = 24
     assert [layer_window(LlamaAttention(llama, i)) for i in range(2)] == [None, None]
+
+
+@pytest.mark.parametrize("module", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rotary", [16, 64])
+def test_the_rotary_without_cat_is_the_models_own_bit_for_bit(module, dtype, rotary):
+    """The gated attention's rotary embedding (``rotary_without_cat``) gives the bits of the
+    model's own ``apply_rotary_pos_emb``, partial (a quarter of the head, as Qwen3.5 and
+    Qwen3-Next configure it) and whole, for queries and keys of other head counts."""
+    import importlib
+
+    from flare.prepare.recipes.fused import rotary_without_cat
+
+    own = importlib.import_module(f"transformers.models.{module}.modeling_{module}").apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(rotary)
+    q = torch.randn(2, 4, 3, 64, generator=g).to(dtype)
+    k = torch.randn(2, 2, 3, 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(2, 3, rotary, generator=g).to(dtype) for _ in range(2))
+    want_q, want_k = own(q, k, cos, sin)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    assert torch.equal(rotary_without_cat(q, c, s), want_q)
+    assert torch.equal(rotary_without_cat(k, c, s), want_k)

@@ -116,10 +116,30 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(out), weights
 
 
+def rotary_without_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Transformers' rotary embedding of the first ``r = cos.shape[-1]`` dims of each head
+    (``rotate_half`` pairs: d with d + r/2), the other dims passed through, as one expression
+    without ``torch.cat``: ``x * cos' + x[partner] * sign * sin'``, ``cos'`` and ``sin'`` padded
+    to the head with 1 and 0. The same products and sums, so the same bits eagerly; compiled,
+    the per-head RMSNorm before it and this fuse into one kernel where Transformers' partial
+    rotary (``cat([rotated, passed])`` around ``cat((-x2, x1))``) made Inductor emit a
+    reduction and two pointwise kernels for each of q and k (the H200 timelines)."""
+    r, d = cos.shape[-1], x.shape[-1]
+    half = r // 2
+    dims = torch.arange(d, device=x.device)
+    partner = torch.where(dims < half, dims + half, torch.where(dims < r, dims - half, dims))
+    sign = torch.where(dims < half, -1.0, 1.0).to(x.dtype)
+    cos = F.pad(cos, (0, d - r), value=1.0)
+    sin = F.pad(sin, (0, d - r), value=0.0)
+    return x * cos + x[..., partner] * sign * sin
+
+
 def _gated_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """Qwen3.5's gated attention forward with one q/k/v GEMM: ``q_proj`` yields each head's
     query followed by its output gate; the attention output is scaled by sigmoid(gate)
-    before ``o_proj``."""
+    before ``o_proj``. Its partial rotary embedding (Qwen3.5, Qwen3-Next: non-interleaved) is
+    ``rotary_without_cat``; the gate stays a view of the projection until that product (a
+    reshape of it would copy it in a kernel of its own)."""
     from flare.prepare.attention import flare_paged_attention
 
     kwargs.pop("cache", None)
@@ -128,15 +148,15 @@ def _gated_attention_forward(self, hidden_states, position_embeddings=None, atte
     hidden_shape = (*input_shape, -1, self.head_dim)
     q_gate, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.sizes, dim=-1)
     q, gate = torch.chunk(q_gate.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(*input_shape, -1)
     q = self.q_norm(q.reshape(hidden_shape)).transpose(1, 2)
     k = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
     v = v.view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
-    q, k = self.flare_rotary(q, k, cos, sin)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over the heads, as Transformers' unsqueeze_dim=1
+    q, k = rotary_without_cat(q, cos, sin), rotary_without_cat(k, cos, sin)
     out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                                          sliding_window=layer_window(self), **kwargs)
-    out = out.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
+    out = (out.reshape(hidden_shape) * torch.sigmoid(gate)).reshape(*input_shape, -1)
     return self.o_proj(out), weights
 
 
