@@ -32,7 +32,10 @@ STEPS=" ${STEPS:-prepare floor timeline serve depth1 baseline collect} "
 step() { [[ "$STEPS" == *" $1 "* ]]; }
 if step prepare && [ ! -f $CORE/manifest.json ]; then
   t0=$SECONDS
-  python3 -m flare.prepare.cli $MODEL --out $CORE --device cuda "${PREP[@]}" 2>&1 | grep -v "^  " | tail -12
+  # The whole log travels in the raw archive (which step GEMMs were chosen, the captures); the
+  # console gets its tail.
+  python3 -m flare.prepare.cli $MODEL --out $CORE --device cuda "${PREP[@]}" > $OUT/prepare-$MODEL.log 2>&1
+  grep -v "^  " $OUT/prepare-$MODEL.log | tail -12
   echo "prepare_s $((SECONDS - t0))" | tee $OUT/prepare_time-$MODEL.txt
   cp $CORE/prepare_report.json $OUT/prepare_report-$MODEL.json
 fi
