@@ -74,7 +74,7 @@ DECODE_DOWN = [(8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8)
 # The down kernel that loads a token's pairs together (``wide_down``): rows, K columns, warps.
 DECODE_DOWN_WIDE = [(4, 128, 4), (4, 256, 4), (8, 128, 4), (8, 128, 8), (2, 256, 4), (16, 64, 8), (4, 64, 4)]
 # The fold's blocks (gate/up, wide down) beside its defaults ((16, 512, 4), (8, 128, 4)); the
-# wide down kernel's default was (8, 128, 8) until the 2026-12-04 sweep: at four tokens of
+# folded wide down kernel's default was (8, 128, 8) until the 2026-12-04 sweep: at four tokens of
 # Qwen3-Next (top-10: 16 pair slots) it needs 162 registers a thread with the shared pair (ptxas,
 # sm_90a), one 8-warp program an SM.
 FOLDED_BLOCKS = [((16, 512, 4), (8, 128, 8)), ((16, 512, 4), (4, 64, 4)), ((16, 512, 4), (8, 64, 8)),
@@ -143,7 +143,7 @@ def shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype):
         w, ids = K.route_rows(K.invariant_linear(x, router), k, True)
         return (K.experts_decode(x, w, ids, gate_up, down) + shared_mlp(x, K.invariant_linear(x, s_gate)),)
 
-    def folded(x, gu=(16, 512, 4), dn=(8, 128, 4)):  # as the recipe runs decode steps: router and
+    def folded(x, gu=(16, 512, 4), dn=None):  # as the recipe runs decode steps: router and
         logits, gl = K.router_gemv(x, router, s_gate)   # gate in one GEMV launch, the fold
         w, ids = K.route_rows(logits, k, True)
         return (K.experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gl), gate_up_blocks=gu,
@@ -198,7 +198,7 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
     tag = f"{name}[T{T}]"
     out = []
     if decode and T * k <= K.DECODE_PAIRS:
-        def decode(x, w, ids, gu=(16, 512, 4), dn=(8, 128, 4)):
+        def decode(x, w, ids, gu=(16, 512, 4), dn=None):
             logits = K.router_gemv(x, router)[0]
             w, ids = K.route_rows(logits, k, True)
             return (K.experts_decode(x, w, ids, gate_up, down, gate_up_blocks=gu, down_blocks=dn),)

@@ -556,7 +556,7 @@ def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, o
 def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, *, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
-                   down_blocks: tuple[int, int, int] = (8, 128, 4), wide_down: bool = True) -> torch.Tensor:
+                   down_blocks: tuple[int, int, int] | None = None, wide_down: bool = True) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
     slot order. The same roundings as ``experts_triton`` and ``experts_torch``; sentinel
@@ -567,10 +567,13 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     On the H200 (``bench/results/moe-kernels-decode-wide-2026-12-02.json``, both expert
     launches): 28.0 against 34.5 µs at one token of the Qwen3-30B-A3B layer, 80.9 against
     89.4 at four; 22.2 against 25.2 and 62.7 against 65.2 for Qwen3.5-35B-A3B. The wide
-    down kernel's default blocks (8 rows, 128 columns, 4 warps; 8 warps before) from the sweep
-    of ``moe-kernels-decode-2026-12-04b.json``: with the shared expert folded, Qwen3-Next's layer
-    52.98 -> 42.68 µs at one token and 155.3 -> 108.2 at four (8 warps of 162 registers a
-    thread left one program an SM), Qwen3.5-35B-A3B's 33.67 -> 33.32 and 79.66 -> 74.80.
+    down kernel's default blocks (``down_blocks`` None): 8 rows of 128 columns, on 4 warps with
+    a shared expert folded in and 8 without. With the shared pair 4 warps won every case of
+    ``moe-kernels-decode-2026-12-04b.json`` (Qwen3-Next's layer 52.98 -> 42.68 µs at one token
+    and 155.3 -> 108.2 at four: 8 warps of 162 registers a thread left one program an SM;
+    Qwen3.5-35B-A3B's 33.67 -> 33.32 and 79.66 -> 74.80); without it 8 warps stay, faster at
+    one token for Qwen3-30B-A3B (28.0 against 29.6 µs, ``moe-kernels-decode-2026-12-04.json``)
+    and Qwen3.5-35B-A3B (22.2 against 23.3).
 
     ``shared`` = (gate_up ``[2 I_s, H]``, down ``[H, I_s]``, gate logits ``[T, 1]``): a gated
     shared expert runs in the same two launches as one more pair of every token that is not
@@ -606,7 +609,7 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
         x, gate_up, s_gate_up, ids, h, E, I, I_s, H, k, rows, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         h.stride(0), BN=bn, BK=min(bk, triton.next_power_of_2(H)), num_warps=warps)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    bn, bk, warps = down_blocks
+    bn, bk, warps = down_blocks or ((8, 128, 4) if shared is not None else (8, 128, 8))
     if wide_down:
         _decode_down_wide_kernel[(T, triton.cdiv(H, bn))](
             h, down, s_down, s_gate, ids, weights.contiguous(), out, E, H, I, I_s, width, rows, h.stride(0),
