@@ -108,10 +108,12 @@ def test_fused_layer_matches_transformers(model_type):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_fused_layer_compiles():
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_fused_layer_compiles(family):
     """The class-level forward override traces through torch.compile (the paged attention
-    call is a graph break, as in the unfused layer) and computes the same values."""
-    cfg = _config("qwen3")
+    call is a graph break, as in the unfused layer) and computes the same values; the gated
+    attention's rotary (an index and selects built from arange) too."""
+    cfg = _config(family)
     model, _, twin = _layer(cfg)
     x = torch.randn(1, 7, cfg.hidden_size, dtype=torch.float64)
     eager = _run(model, twin, cfg, x)

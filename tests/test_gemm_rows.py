@@ -232,7 +232,8 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
     """A fused gated MLP (recipes/fused.py) at a step row count where ``down_proj`` takes the
     GEMV runs the down projection with silu(gate) * up computed in the GEMV's loads (one
     launch fewer), within float32 rounding of the MLP as written; not in a prompt program,
-    at another row count, or under a forward hook (a tensor-parallel all-reduce)."""
+    at another row count, under a forward hook (a tensor-parallel all-reduce), or with a
+    GEMV of fewer than ``SWIGLU_MIN_BN`` columns a program."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -267,3 +268,8 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
         mlp(x)
         assert calls == [((2, 96), {})]  # the down projection's own GEMV, after the activation
         hook.remove()
+        calls.clear()
+        # A GEMV of fewer columns a program would compute the activation too many times.
+        mlp.down_proj.flare_step_tiling = {2: GemvTiling(gemm.SWIGLU_MIN_BN // 2, 64, 4)}
+        torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
+        assert calls == [((2, 96), {})]

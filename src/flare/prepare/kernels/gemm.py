@@ -23,6 +23,7 @@ layer and row count once, and compiled into each program's graph.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Iterable
 
@@ -152,13 +153,15 @@ class _RowInvariant:
             return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
 
-    def flare_step_gemv(self, rows: int) -> GemvTiling | None:
-        """The GEMV tiling this layer takes in a step of ``rows`` rows; None where it takes
-        another product (a prompt program, cuBLAS, the unsplit GEMM)."""
+    def flare_swiglu_tiling(self, rows: int) -> GemvTiling | None:
+        """The GEMV tiling this layer takes in a step of ``rows`` rows where, as a gated MLP's
+        down projection, it may compute the activation in its loads (``flare_swiglu_down``);
+        None where it takes another product (a prompt program, cuBLAS, the unsplit GEMM) or
+        a GEMV of fewer than ``SWIGLU_MIN_BN`` columns a program."""
         if prompt_rows.active():
             return None
         tiling = self.flare_step_tiling.get(rows)
-        return tiling if isinstance(tiling, GemvTiling) else None
+        return tiling if isinstance(tiling, GemvTiling) and tiling.bn >= SWIGLU_MIN_BN else None
 
     def flare_swiglu_down(self, gate_up: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
         """This layer as a gated MLP's down projection of ``silu(gate) * up``, from the
@@ -231,19 +234,26 @@ STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(
                      GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1))
 
 
-# Products a timing captures in one CUDA graph (each on the next weight copy).
+# Each program of the GEMV with the gated activation in its loads computes the activation of
+# every row's K inputs again: rows x K x N / BN sigmoids a step. At 8 columns a program the 9B
+# down projection (N 4,096, K 12,288) costs about 6M a row, beside its 100 MB weight stream; at
+# one column 50M, which could take as long as the stream itself. The step tiling is timed
+# without the activation, so narrower programs keep the activation kernel apart.
+SWIGLU_MIN_BN = 8
+
+# Products a timing captures in one CUDA graph at least (each on the next weight copy).
 TIMED_CALLS = 20
 
 
-def _time_ms(fn) -> float:
-    """GPU time of one ``fn`` (ms): ``TIMED_CALLS`` of them captured in a CUDA graph, the median
+def _time_ms(fn, calls: int = TIMED_CALLS) -> float:
+    """GPU time of one ``fn`` (ms): ``calls`` of them captured in a CUDA graph, the median
     replay over their number. Timed one launch at a time between events, each call also paid
     its launch (several µs against a 10-50 µs decode GEMM): the 9B hybrid's prepare of
     2026-12-04 chose no GEMV that way, where ``bench/gemv.py``, timing inside graphs, had it
-    5-11 % faster than cuBLAS at one row for three of the four weights of a GDN layer."""
+    3-10 % faster than cuBLAS at one row for three of the four weights of a GDN layer."""
     from flare.prepare.timing import graph_ms
 
-    return graph_ms(lambda: [fn() for _ in range(TIMED_CALLS)], TIMED_CALLS)
+    return graph_ms(lambda: [fn() for _ in range(calls)], calls)
 
 
 # Weight copies a timing rotates through, together at least this large: more than the
@@ -251,13 +261,15 @@ def _time_ms(fn) -> float:
 ROTATE_BYTES = 256 << 20
 
 
-def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=_time_ms,
+def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=None,
                 margin: float = 0.97) -> tuple[tuple[int, ...] | None, dict]:
     """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias and at most
     ``GEMV_MAX_ROWS`` rows, ``STEP_GEMV_TILINGS``) for ``rows`` rows over a weight of this
     shape, where it takes at most ``margin`` x cuBLAS's time (``F.linear``), else None; and
     the times measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
-    On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``)."""
+    On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``); the
+    default ``timer`` captures a call for every copy (at least ``TIMED_CALLS``), so a small
+    weight's copies are not all read from L2 the replays after the first."""
     g = torch.Generator(device=weight.device).manual_seed(0)
     n, k = weight.shape
     w = torch.randn((n, k), generator=g, device=weight.device, dtype=weight.dtype) * k ** -0.5
@@ -269,6 +281,9 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     def rotating(call):
         turn = itertools.count()
         return lambda: call(ws[next(turn) % len(ws)])
+
+    if timer is None:
+        timer = functools.partial(_time_ms, calls=max(TIMED_CALLS, len(ws)))
 
     times = {"cublas": timer(rotating(lambda w: F.linear(x, w, b)))}
     for t in STEP_TILINGS:

@@ -120,7 +120,8 @@ def rotary_without_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """Transformers' rotary embedding of the first ``r = cos.shape[-1]`` dims of each head
     (``rotate_half`` pairs: d with d + r/2), the other dims passed through, as one expression
     without ``torch.cat``: ``x * cos' + x[partner] * sign * sin'``, ``cos'`` and ``sin'`` padded
-    to the head with 1 and 0. The same products and sums, so the same bits eagerly; compiled,
+    to the head with 1 and 0, the passed dims selected as they are. The same products and sums,
+    so the same bits eagerly; compiled,
     the per-head RMSNorm before it and this fuse into one kernel where Transformers' partial
     rotary (``cat([rotated, passed])`` around ``cat((-x2, x1))``) made Inductor emit a
     reduction and two pointwise kernels for each of q and k (the H200 timelines)."""
@@ -131,7 +132,7 @@ def rotary_without_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     sign = torch.where(dims < half, -1.0, 1.0).to(x.dtype)
     cos = F.pad(cos, (0, d - r), value=1.0)
     sin = F.pad(sin, (0, d - r), value=0.0)
-    return x * cos + x[..., partner] * sign * sin
+    return torch.where(dims < r, x * cos + x[..., partner] * sign * sin, x)  # passed dims as they are
 
 
 def _gated_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
@@ -178,17 +179,24 @@ ATTENTION_FORWARDS = {
 SILU_ACTS = ("SiLU", "SiLUActivation")
 
 
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as M
+
+    return bool(M._global_forward_hooks or M._global_forward_pre_hooks)
+
+
 def _mlp_forward(self, x):
     gate_up = self.gate_up_proj(x)
     down = self.down_proj
     # A decode step whose down projection takes the few-row GEMV (``--step-gemms measure``)
     # computes silu(gate) * up in that GEMV's loads: one launch fewer. Not under a forward
-    # hook (a tensor-parallel all-reduce), which the GEMV would bypass.
-    step_gemv = getattr(down, "flare_step_gemv", None)
-    if (step_gemv is not None and type(self.act_fn).__name__ in SILU_ACTS
+    # hook (a tensor-parallel all-reduce), the module's own or a global one, which the GEMV
+    # would bypass.
+    swiglu_tiling = getattr(down, "flare_swiglu_tiling", None)
+    if (swiglu_tiling is not None and type(self.act_fn).__name__ in SILU_ACTS
             and self.gate_up_proj.sizes[0] == self.gate_up_proj.sizes[1]
-            and not (down._forward_hooks or down._forward_pre_hooks)):
-        tiling = step_gemv(gate_up.numel() // gate_up.shape[-1])
+            and not (down._forward_hooks or down._forward_pre_hooks or _global_hooks())):
+        tiling = swiglu_tiling(gate_up.numel() // gate_up.shape[-1])
         if tiling is not None:
             return down.flare_swiglu_down(gate_up, tiling)
     gate, up = gate_up.split(self.gate_up_proj.sizes, dim=-1)
