@@ -21,7 +21,7 @@ _OPS = (
     ("splitk_reduce", ("splitkreduce",)),
     ("attention", ("attention", "_attend_kernel", "_combine_kernel")),
     ("kv_write", ("kv_write", "write_kv")),
-    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet")),
+    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "nonsplit_kernel")),
     ("norm", ("rsqrt",)),
     ("mlp_act", ("silu",)),
     ("experts", ("_grouped_kernel",)),

@@ -323,7 +323,7 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     measurement of programmatic dependent launch (`bench/pdl.py`,
     `pdl-2026-12-04.json`, the GDN layer's four GEMMs with a small kernel after
     each) found 122.7 µs a layer with cuBLAS, 117.7 with the GEMV, 114.2 with
-    every kernel launched dependent: ~1 µs a boundary, not pursued (Inductor
+    every kernel launched dependent: ~0.4 µs a boundary, not pursued (Inductor
     cannot launch a user kernel with PDL).
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
   `generate` with a static cache and its compiled forward; the mode is recorded
