@@ -747,7 +747,7 @@ the model shapes have not been re-timed with it yet.
 ran every step at ed5fc7f (serving table above); `qwen3_5-35b-a3b-shape` (20 of
 Qwen3.5-35B-A3B's 40 layers) ran prepare, floor and timeline (`--kv-memory 16
 --scratch-memory 16`: the default 4 GiB of preparation scratch ran out, 4.71 GiB were
-used; since 371c03f the default is a fifth of the weights) before the machine was lost,
+used; since 371c03f the default is a fifth of the weights, 6 GiB at least since 373995c) before the machine was lost,
 so it has no served figures (`floor-qwen3_5-35b-a3b-shape-2026-12-02.json`).
 
 The roofline of a mixture of experts is the **active bytes** of a step (`bench/collect.py`
