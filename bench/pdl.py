@@ -37,10 +37,7 @@ from torch.nn import functional as F
 
 from bench import graphs
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # older Triton: the same functions under libdevice's sibling module
-    from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LAYER = {"in_proj": (12352, 4096), "out_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 # (BN, BK, warps) swept per weight

@@ -128,21 +128,14 @@ SCRIPT = textwrap.dedent('''
                                              "part_eff": "*i32", "valid": "*u8", "positions": "*i64"},
                          dict(SPLITS=32, SPLITS_PAD=32, D=128, D_PAD=128, SEG=seg, NSEG=nseg, BLOCK_N=64,
                               BLOCK_T=16, TILES_PAD=16))
-    # The few-row GEMV at the step tilings (no split: no workspace), one and four rows.
+    # The few-row GEMV at the step tilings (no split: no workspace), one and four rows, and
+    # with the gated MLP's activation in its loads at the tilings that may take it.
     for bm in (1, 4):
         for t in G.STEP_GEMV_TILINGS:
-            compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr"), **f32("part_ptr"),
-                                              "count_ptr": "*i32"},
-                             dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=bool(t.defer), SWIGLU=False),
-                             num_warps=t.warps)
-    # and with the gated MLP's activation in its loads (a down projection after gate/up), at
-    # the tilings that may take it
-    for bm in (1, 4):
-        for t in G.STEP_GEMV_TILINGS:
-            if t.bn >= G.SWIGLU_MIN_BN:
+            for swiglu in (False, True) if t.bn >= G.SWIGLU_MIN_BN else (False,):
                 compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr"), **f32("part_ptr"),
                                                   "count_ptr": "*i32"},
-                                 dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=bool(t.defer), SWIGLU=True),
+                                 dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=bool(t.defer), SWIGLU=swiglu),
                                  num_warps=t.warps)
     # The sampler: the draw after the sort, and the log-probability block (float32 logits,
     # 64-bit candidate keys; 20 values, a 248,320-token vocabulary's 61 blocks).
