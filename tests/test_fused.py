@@ -10,6 +10,8 @@ and loading writes every checkpoint tensor into its rows.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -288,3 +290,62 @@ def test_the_rotary_without_cat_is_the_models_own_bit_for_bit(module, dtype, rot
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     assert torch.equal(rotary_without_cat(q, c, s), want_q)
     assert torch.equal(rotary_without_cat(k, c, s), want_k)
+
+
+def _run_layer(model, layer, cfg, x: torch.Tensor):
+    T = x.shape[1]
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        return layer(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos,
+                     paged=_batch(cfg, T))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_mlp_and_its_residual_add_are_one_call(model_type):
+    """A decoder layer whose MLP is fused runs Transformers' forward with its MLP call and the
+    residual add after it as one ``mlp_residual`` (which a one-row step's GEMV takes in its
+    epilogue): the layer's output is the canonical layer's, eagerly and compiled; the rewritten
+    forward is the class's own but for those two statements, one class for every layer."""
+    from flare.prepare.recipes import fused
+
+    cfg = _config(model_type)
+    model, canon, twin = _layer(cfg)
+    assert type(twin).__name__ == f"Fused{type(canon).__name__}"
+    forward = inspect.unwrap(type(twin).forward)  # under Transformers' decorators and checkpointing wrapper
+    assert forward.__code__.co_filename.startswith("<flare residual")
+    calls = []
+    real = fused.mlp_residual
+    x = torch.randn(1, 11, cfg.hidden_size, dtype=torch.float64)
+    want = _run_layer(model, canon, cfg, x)
+    try:
+        fused.mlp_residual = lambda *a: calls.append(a[0]) or real(*a)
+        forward.__globals__["_flare_mlp_residual"] = fused.mlp_residual
+        got = _run_layer(model, twin, cfg, x)
+    finally:
+        forward.__globals__["_flare_mlp_residual"] = real
+        fused.mlp_residual = real
+    assert calls == [twin.mlp]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    twin.compile(backend="aot_eager", dynamic=False)
+    torch.testing.assert_close(_run_layer(model, twin, cfg, x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_layer_whose_forward_has_another_shape_keeps_it():
+    """Mixture-of-experts layers unpack a tuple between the MLP call and the add: their forward
+    is not rewritten; a forward calling ``super()`` neither (no class cell for it there)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from flare.prepare.recipes.fused import _residual_forward
+
+    assert _residual_forward(Qwen3_5MoeDecoderLayer) is None
+
+    class Wrapped(LlamaDecoderLayer):
+        def forward(self, hidden_states, **kwargs):
+            residual = hidden_states
+            hidden_states = super().forward(hidden_states, **kwargs)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+    assert _residual_forward(Wrapped) is None and _residual_forward(LlamaDecoderLayer) is not None

@@ -233,7 +233,7 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
     GEMV runs the down projection with silu(gate) * up computed in the GEMV's loads (one
     launch fewer), within float32 rounding of the MLP as written; not in a prompt program,
     at another row count, under a forward hook (a tensor-parallel all-reduce), or with a
-    GEMV of fewer than ``SWIGLU_MIN_BN`` columns a program."""
+    GEMV of fewer than ``FOLD_MIN_BN`` columns a program."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -270,6 +270,60 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
         hook.remove()
         calls.clear()
         # A GEMV of fewer columns a program would compute the activation too many times.
-        mlp.down_proj.flare_step_tiling = {2: GemvTiling(gemm.SWIGLU_MIN_BN // 2, 64, 4)}
+        mlp.down_proj.flare_step_tiling = {2: GemvTiling(gemm.FOLD_MIN_BN // 2, 64, 4)}
         torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
         assert calls == [((2, 96), {})]
+
+
+def test_a_gated_deltanet_whose_out_proj_takes_the_gemv_folds_its_gated_norm(monkeypatch):
+    """After the mixer of a Gated DeltaNet (recipes/qwen3_5.py), at a step row count where
+    ``out_proj`` takes the GEMV, the gated RMS norm is computed in the GEMV's loads (two launches
+    fewer), within float32 rounding of the norm and projection as written; not in a prompt
+    program, under a hook on either module, for a norm that is not the gated one, or with a GEMV
+    of fewer than ``FOLD_MIN_BN`` columns a program."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+
+    from flare.prepare.kernels.gemv import GemvTiling
+    from flare.prepare.recipes.qwen3_5 import _norm_and_out
+
+    heads, dv, hidden, T = 4, 32, 48, 2
+    torch.manual_seed(0)
+    norm = Qwen3_5RMSNormGated(dv, eps=1e-6).to(DEVICE)
+    norm.weight.data = torch.rand(dv, device=DEVICE) + 0.5
+    out = nn.Linear(heads * dv, hidden, bias=False).to(DEVICE)
+    gemm._switch(out)
+    out.flare_step_tiling = {T: GemvTiling(8, 64, 4, 1)}
+    mod = SimpleNamespace(norm=norm, out_proj=out, head_v_dim=dv)
+    core = torch.randn(T, heads, dv, device=DEVICE) * torch.tensor([0.1, 1.0, 3.0, 10.0], device=DEVICE)[:, None]
+    z = torch.randn(T, heads * dv, device=DEVICE)
+    calls = []
+    real = gemm.gemv_linear
+    monkeypatch.setattr(gemm, "gemv_linear", lambda *a, **kw: calls.append((a[0].shape[-2:], sorted(kw))) or real(*a, **kw))
+    with torch.no_grad():
+        want = F.linear(norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(1, T, -1), out.weight)
+        torch.testing.assert_close(_norm_and_out(mod, core, z, T), want, atol=1e-4, rtol=1e-5)
+        assert calls == [((T, heads * dv), ["gated_norm"])]
+        calls.clear()
+        with prompt_rows.marked(True):
+            torch.testing.assert_close(_norm_and_out(mod, core, z, T), want, atol=1e-5, rtol=1e-5)
+        assert calls == []
+        for module in (norm, out):
+            hook = module.register_forward_hook(lambda _m, _a, o: o)
+            torch.testing.assert_close(_norm_and_out(mod, core, z, T), want, atol=1e-4, rtol=1e-5)
+            assert calls == [((T, heads * dv), [])]  # the projection's own GEMV, after the norm
+            hook.remove()
+            calls.clear()
+        # Another norm (not gated): its own forward, then the GEMV.
+        class Ungated(Qwen3_5RMSNorm):
+            def forward(self, x, gate):
+                return super().forward(x)
+
+        plain = SimpleNamespace(norm=Ungated(dv).to(DEVICE), out_proj=out, head_v_dim=dv)
+        _norm_and_out(plain, core, z, T)
+        assert calls == [((T, heads * dv), [])]
+        calls.clear()
+        out.flare_step_tiling = {T: GemvTiling(gemm.FOLD_MIN_BN // 2, 64, 4)}
+        torch.testing.assert_close(_norm_and_out(mod, core, z, T), want, atol=1e-4, rtol=1e-5)
+        assert calls == [((T, heads * dv), [])]

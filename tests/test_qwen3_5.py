@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import HYBRID_OPTS, INTERPRETER_CHUNK, prepare_core
-from tests.rig import admit, decode, load_rig, prefill
+from tests.rig import admit, decode, decode_alike, load_rig, prefill, prefilled_rigs
 
 LENGTHS = (15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 290)  # pages of 16, delta-rule chunks of 64, prefill 128
 DECODE_STEPS = 8
@@ -223,3 +223,28 @@ def test_triton_path_matches_the_reference_path(stream):
     for n in ref_state:
         torch.testing.assert_close(tri_state[n], ref_state[n], atol=1e-4, rtol=1e-4, msg=n)
     assert float(ref_state["state.gdn.recurrent"].abs().max()) > 1e-3  # the states are not trivially zero
+
+
+def test_one_row_steps_on_the_gemv_fold_the_gated_norm_and_the_activation(stream, monkeypatch):
+    """``--step-gemms gemv`` (kernels/gemm.force_step_gemv) on the CUDA path under Triton's
+    interpreter: one-row decode steps take the GEMV for every projection without a bias, with
+    each Gated DeltaNet's gated norm in out_proj's loads and each MLP's activation in down_proj's
+    loads and the layer's residual add in its epilogue (the folds the 9B shape's measured step
+    GEMMs take on the H200), and give the tokens and,
+    within float32 rounding, the logits of the same core without them."""
+    from flare.prepare.kernels import gemm
+
+    core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
+    plain, folded = prefilled_rigs(core, {1: stream[:21]}, 2, attention="triton")
+    layers = list(folded.model.model.layers)
+    chosen = gemm.force_step_gemv(layers, [1, 2, 4])
+    assert chosen and all(c == {1: gemm.FORCED_GEMV} for c in chosen.values())
+    assert gemm.force_step_gemv(layers, [2, 4]) == {}  # no one-row step, no GEMV
+    calls = []
+    real = gemm.gemv_linear
+    monkeypatch.setattr(gemm, "gemv_linear", lambda *a, **kw: calls.append(sorted(kw)) or real(*a, **kw))
+    decode_alike(plain, folded, [1], steps=2)
+    gdn = sum(1 for layer in layers if hasattr(layer, "linear_attn"))
+    assert 0 < gdn < len(layers)
+    assert calls.count(["gated_norm"]) == 2 * gdn and calls.count(["residual", "swiglu"]) == 2 * len(layers)
+    assert [] in calls  # the projections without a fold (in_proj, q/k/v, o_proj) took it too

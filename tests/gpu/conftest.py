@@ -46,8 +46,10 @@ SHAPES = {
                            "--pack-capacities", "64,256", "--draft-tokens", "5"],
     # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md), and
     # verify programs with per-position state (speculative decoding's rollback).
+    # One-row decode steps on the GEMV (--step-gemms gemv): the gated norm and the MLP's activation
+    # in its loads, the residual add in its epilogue (what the 9B shape's measured GEMMs take).
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
-                            "--draft-tokens", "3"],
+                            "--draft-tokens", "3", "--step-gemms", "gemv"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Hybrid and routed experts with a gated shared expert: Qwen3.5-35B-A3B's and
@@ -56,7 +58,8 @@ SHAPES = {
     # chained in verify programs; the serve test speculates with them, the default on such a core).
     "qwen3_5-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
                                 "--draft-tokens", "3", "--mtp"],
-    "qwen3-next-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    "qwen3-next-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
+                               "--step-gemms", "gemv"],
     # Sliding-window attention: Mistral-7B-v0.1's per-layer geometry (window 4,096) at 4 layers.
     "mistral-small-shape": ["--context-limit", "9216", "--prefill-chunk-size", "2048", "--kv-pages", "1200"],
 }

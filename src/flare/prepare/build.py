@@ -226,8 +226,8 @@ class _CudaArena:
         """Linear layers that cuBLAS would split at a prompt program's row count compute
         those programs with the unsplit Triton GEMM (kernels/gemm.py), and the RMS norms take
         their mean of squares from a row-invariant kernel there (kernels/rownorm.py)."""
-        if opts.step_gemms == "measure":
-            self._step_gemms(recipe, model, caps, continuation, progress)
+        if opts.step_gemms != "cublas":
+            self._step_gemms(recipe, model, caps, continuation, progress, forced=opts.step_gemms == "gemv")
         if opts.split_prompt_gemms:
             return
         from flare.prepare.kernels.gemm import make_row_invariant
@@ -247,16 +247,18 @@ class _CudaArena:
         if left:
             progress(f"norms left to the compiler (their code is not one rownorm knows): {', '.join(left)}")
 
-    def _step_gemms(self, recipe, model, caps, continuation, progress) -> None:
+    def _step_gemms(self, recipe, model, caps, continuation, progress, forced: bool = False) -> None:
         """Decode and verify steps: each linear layer takes the unsplit Triton GEMM at the
-        row counts where it measured faster than cuBLAS (kernels/gemm.choose_step_gemms)."""
-        from flare.prepare.kernels.gemm import choose_step_gemms
+        row counts where it measured faster than cuBLAS (kernels/gemm.choose_step_gemms), or
+        (``forced``) the GEMV at one-row steps (kernels/gemm.force_step_gemv)."""
+        from flare.prepare.kernels.gemm import choose_step_gemms, force_step_gemv
 
         rows = {p.capacity * (caps.draft_tokens + 1 if p.kind == mf.ProgramKind.verify else 1)
                 for p in program_table(caps, None, continuation)
                 if p.kind in (mf.ProgramKind.decode, mf.ProgramKind.verify)}
+        layers = recipe.decoder_layers(model.module)
         by_name: dict[str, set] = {}
-        for name, chosen in choose_step_gemms(recipe.decoder_layers(model.module), rows).items():
+        for name, chosen in (force_step_gemv(layers, rows) if forced else choose_step_gemms(layers, rows)).items():
             by_name.setdefault(name.split(".", 1)[1], set()).update(chosen.items())
         for name, chosen in sorted(by_name.items()):
             progress(f"step GEMM for {name}: " + ", ".join(f"{r} rows {t}" for r, t in sorted(chosen)))

@@ -119,10 +119,11 @@ def parser() -> argparse.ArgumentParser:
                         "and Inductor's norm reductions (faster short prefills, but a prompt prefilled in pieces, "
                         "as with the prefix cache, may then generate other tokens than the same prompt prefilled "
                         "whole)")
-    p.add_argument("--step-gemms", choices=("cublas", "measure"), default="cublas",
+    p.add_argument("--step-gemms", choices=("cublas", "measure", "gemv"), default="cublas",
                    help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM or "
                         "(no bias) the few-row GEMV where one times faster at preparation (no split-K reduce "
-                        "kernels)")
+                        "kernels); 'gemv': every layer without a bias on the GEMV at one-row steps, untimed "
+                        "(the folds it carries, exercised on small shapes whatever times faster)")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "
                         "default: 6 or a fifth of the weights, whichever is larger)")

@@ -153,20 +153,32 @@ class _RowInvariant:
             return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
 
-    def flare_swiglu_tiling(self, rows: int) -> GemvTiling | None:
-        """The GEMV tiling this layer takes in a step of ``rows`` rows where, as a gated MLP's
-        down projection, it may compute the activation in its loads (``flare_swiglu_down``);
-        None where it takes another product (a prompt program, cuBLAS, the unsplit GEMM) or
-        a GEMV of fewer than ``SWIGLU_MIN_BN`` columns a program."""
+    def flare_fold_tiling(self, rows: int) -> GemvTiling | None:
+        """The GEMV tiling this layer takes in a step of ``rows`` rows where it may compute its
+        input's last elementwise step in its loads: as a gated MLP's down projection the
+        activation (``flare_swiglu_down``), after a Gated DeltaNet the gated norm
+        (``flare_gated_norm_out``); None where it takes another product (a prompt program,
+        cuBLAS, the unsplit GEMM) or a GEMV of fewer than ``FOLD_MIN_BN`` columns a program."""
         if prompt_rows.active():
             return None
         tiling = self.flare_step_tiling.get(rows)
-        return tiling if isinstance(tiling, GemvTiling) and tiling.bn >= SWIGLU_MIN_BN else None
+        return tiling if isinstance(tiling, GemvTiling) and tiling.bn >= FOLD_MIN_BN else None
 
-    def flare_swiglu_down(self, gate_up: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
+    def flare_swiglu_down(self, gate_up: torch.Tensor, tiling: GemvTiling,
+                          residual: torch.Tensor | None = None) -> torch.Tensor:
         """This layer as a gated MLP's down projection of ``silu(gate) * up``, from the
-        [gate | up] projection, by the GEMV with the activation in its loads."""
-        return gemv_linear(gate_up, self.weight, tiling, swiglu=True)
+        [gate | up] projection, by the GEMV with the activation in its loads (and ``residual``
+        added in its epilogue, when given)."""
+        if residual is None:
+            return gemv_linear(gate_up, self.weight, tiling, swiglu=True)
+        return gemv_linear(gate_up, self.weight, tiling, swiglu=True, residual=residual)
+
+    def flare_gated_norm_out(self, x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             tiling: GemvTiling) -> torch.Tensor:
+        """This layer of the gated RMS norm of ``x`` (groups of ``norm_weight``'s length, gate
+        ``z``) by the GEMV with the norm in its loads (``tiling``'s K step a whole number of
+        groups)."""
+        return gemv_linear(x, self.weight, tiling, gated_norm=(z, norm_weight, eps))
 
 
 _CLASSES: dict[type, type] = {}
@@ -234,12 +246,12 @@ STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(
                      GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1))
 
 
-# Each program of the GEMV with the gated activation in its loads computes the activation of
-# every row's K inputs again: rows x K x N / BN sigmoids a step. At 8 columns a program the 9B
+# Each program of the GEMV with the gated activation (or a gated norm) in its loads computes it
+# for every row's K inputs again: rows x K x N / BN sigmoids a step. At 8 columns a program the 9B
 # down projection (N 4,096, K 12,288) costs about 6M a row, beside its 100 MB weight stream; at
 # one column 50M, which could take as long as the stream itself. The step tiling is timed
-# without the activation, so narrower programs keep the activation kernel apart.
-SWIGLU_MIN_BN = 8
+# without the fold, so narrower programs keep the activation or norm kernel apart.
+FOLD_MIN_BN = 8
 
 # Products a timing captures in one CUDA graph at least (each on the next weight copy).
 TIMED_CALLS = 20
@@ -292,6 +304,27 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
         times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t)))
     best = min((t for t in times if t != "cublas"), key=times.get)
     return (best if times[best] <= margin * times["cublas"] else None), times
+
+
+# The GEMV ``--step-gemms gemv`` gives every layer at one row: 8 columns a program (so the
+# folds take it), K in steps of 1,024 with the lanes kept through the loop.
+FORCED_GEMV = GemvTiling(8, 1024, 4, 1)
+
+
+def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, dict]:
+    """Every plain linear layer without a bias under ``layers`` takes ``FORCED_GEMV`` in the
+    one-row steps (when ``row_counts`` has 1), untimed: what ``choose_step_gemms`` would pick
+    on a model whose GEMVs time faster, on any shape (the GPU suite's small cores). Returns
+    {module name: {1: tiling}} as ``choose_step_gemms`` does."""
+    if 1 not in set(row_counts):
+        return {}
+    found = {}
+    for name, module in _plain_linears(layers):
+        if module.bias is None:
+            _switch(module)
+            module.flare_step_tiling = {**module.flare_step_tiling, 1: FORCED_GEMV}
+            found[name] = {1: FORCED_GEMV}
+    return found
 
 
 def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], **kw) -> dict[str, dict]:

@@ -179,28 +179,82 @@ ATTENTION_FORWARDS = {
 SILU_ACTS = ("SiLU", "SiLUActivation")
 
 
-def _global_hooks() -> bool:
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward hook, of one of ``modules`` or a global one, would see their calls (a
+    tensor-parallel all-reduce, for one): a fold that bypasses their forward would skip it."""
     from torch.nn.modules import module as M
 
-    return bool(M._global_forward_hooks or M._global_forward_pre_hooks)
+    return bool(M._global_forward_hooks or M._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
 
 
-def _mlp_forward(self, x):
+def _mlp_forward(self, x, residual=None):
+    """gate/up -> act(gate) * up -> down (``+ residual`` when given: ``mlp_residual``)."""
     gate_up = self.gate_up_proj(x)
     down = self.down_proj
     # A decode step whose down projection takes the few-row GEMV (``--step-gemms measure``)
-    # computes silu(gate) * up in that GEMV's loads: one launch fewer. Not under a forward
-    # hook (a tensor-parallel all-reduce), the module's own or a global one, which the GEMV
-    # would bypass.
-    swiglu_tiling = getattr(down, "flare_swiglu_tiling", None)
+    # computes silu(gate) * up in that GEMV's loads, and the residual add after it: a launch
+    # fewer each. Not under a forward hook (a tensor-parallel all-reduce), the module's own or
+    # a global one, which the GEMV would bypass.
+    swiglu_tiling = getattr(down, "flare_fold_tiling", None)
     if (swiglu_tiling is not None and type(self.act_fn).__name__ in SILU_ACTS
             and self.gate_up_proj.sizes[0] == self.gate_up_proj.sizes[1]
-            and not (down._forward_hooks or down._forward_pre_hooks or _global_hooks())):
+            and not hooked(down)):
         tiling = swiglu_tiling(gate_up.numel() // gate_up.shape[-1])
         if tiling is not None:
-            return down.flare_swiglu_down(gate_up, tiling)
+            return down.flare_swiglu_down(gate_up, tiling, residual)
     gate, up = gate_up.split(self.gate_up_proj.sizes, dim=-1)
-    return down(self.act_fn(gate) * up)
+    out = down(self.act_fn(gate) * up)
+    return out if residual is None else residual + out
+
+
+def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + mlp(x)``, a decoder layer's MLP and the residual add after it: a fused gated
+    MLP (``_mlp_forward``) without hooks takes the residual into its down projection, whose GEMV
+    (one-row steps) adds it in its epilogue; anything else runs as written."""
+    if type(mlp).forward is _mlp_forward and not hooked(mlp):
+        return _mlp_forward(mlp, x, residual)
+    return residual + mlp(x)
+
+
+# The two statements of a Transformers decoder layer's forward that ``mlp_residual`` replaces.
+_MLP_THEN_ADD = ("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states")
+_LAYER_FORWARDS: dict[type, object] = {}
+
+
+def _residual_forward(cls: type):
+    """``cls.forward`` with its MLP call and the residual add right after it (``_MLP_THEN_ADD``,
+    once, at the top level of the body) as one ``mlp_residual`` call: the same code otherwise,
+    compiled from its syntax tree in its module's namespace. None where the forward does not
+    have that shape (a mixture-of-experts layer unpacks a tuple between the two), calls
+    ``super()`` (no class cell here) or its source is unavailable. Its decorators apply again."""
+    if cls in _LAYER_FORWARDS:
+        return _LAYER_FORWARDS[cls]
+    import ast
+    import inspect
+    import textwrap
+
+    forward = None
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    fn = tree.body[0] if tree is not None and tree.body else None
+    if isinstance(fn, ast.FunctionDef) and not any(
+            isinstance(n, ast.Name) and n.id in ("super", "__class__") for n in ast.walk(fn)):
+        want = [ast.dump(ast.parse(line).body[0]) for line in _MLP_THEN_ADD]
+        body = [ast.dump(stmt) for stmt in fn.body]
+        at = [i for i in range(len(body) - 1) if body[i:i + 2] == want]
+        if len(at) == 1:
+            call = ast.parse("hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)").body[0]
+            fn.body[at[0]:at[0] + 2] = [ast.copy_location(call, fn.body[at[0]])]
+            namespace = dict(vars(sys.modules[cls.__module__]), _flare_mlp_residual=mlp_residual)
+            exec(compile(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])),
+                         f"<flare residual {cls.__qualname__}.forward>", "exec"), namespace)
+            forward = namespace[fn.name]
+    _LAYER_FORWARDS[cls] = forward
+    return forward
 
 
 _SUBCLASSES: dict[tuple[type, object], type] = {}
@@ -236,6 +290,9 @@ def fuse_projections(layers: list[nn.Module]) -> int:
             n += 1
         if mlp is not None and fuse_mlp(mlp):
             n += 1
+            forward = _residual_forward(type(layer))
+            if forward is not None:
+                _with_forward(layer, forward)
     return n
 
 

@@ -40,7 +40,7 @@ from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
 from flare.prepare.recipes.base import KVGeometry, Recipe, RecipeError, Replacement, StateBuffer
 from flare.prepare.recipes.decoder import DECODER_SHARDING
-from flare.prepare.recipes.fused import fuse_linears
+from flare.prepare.recipes.fused import fuse_linears, hooked
 from flare.prepare.recipes.moe import check_moe, prepared_moe
 
 CONV_STATE = "state.gdn.conv"
@@ -85,8 +85,7 @@ def _prepared_gdn_with(inputs):
                 mixed, z, b, a = inputs(self, x)  # q|k|v, z, b, a
                 mix = _mix_triton if paged.impl == "triton" else _mix_torch
                 core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
-                core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-                return self.out_proj(core.reshape(1, T, -1))
+                return _norm_and_out(self, core, z, T)
 
         return PagedGatedDeltaNet
 
@@ -95,6 +94,26 @@ def _prepared_gdn_with(inputs):
 
 _prepared_gdn = _prepared_gdn_with(_qwen3_5_inputs)
 _prepared_next_gdn = _prepared_gdn_with(_qwen3_next_inputs)
+
+
+def _norm_and_out(mod, core: torch.Tensor, z: torch.Tensor, T: int) -> torch.Tensor:
+    """The gated RMS norm of the mixer's output, then ``out_proj``. A step whose out_proj takes
+    the few-row GEMV (``--step-gemms measure``) computes the norm in that GEMV's loads (two
+    launches fewer a layer: Inductor makes the norm a reduction and a pointwise kernel before a
+    custom op), unless a hook would see the modules' calls or the norm is not Transformers'
+    gated one."""
+    from flare.prepare.kernels.rownorm import is_gated_norm
+
+    norm, out = mod.norm, mod.out_proj
+    fold = getattr(out, "flare_fold_tiling", None)
+    tiling = fold(T) if fold is not None else None
+    if (tiling is not None and tiling.bk % mod.head_v_dim == 0 and norm.weight.numel() == mod.head_v_dim
+            and is_gated_norm(norm) and not hooked(norm, out)):
+        rows = core.reshape(T, -1)
+        return out.flare_gated_norm_out(rows, z.reshape(T, -1), norm.weight, norm.variance_epsilon,
+                                        tiling).reshape(1, T, -1)
+    core = norm(core.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim))
+    return out(core.reshape(1, T, -1))
 
 
 def _state_rows(mod, paged: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
