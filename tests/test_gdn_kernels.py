@@ -28,6 +28,7 @@ from flare.prepare.kernels.gdn import (  # noqa: E402
     conv1d_decode_step,
     conv1d_prefill_chunk,
     conv1d_verify_steps,
+    gated_rms_norm,
     gdn_decode_step,
     gdn_prefill_gates,
     gdn_prefill_recurrent,
@@ -386,3 +387,29 @@ def test_conv_verify_steps_are_the_bits_of_decode_steps_in_a_row(dtype, W):
         want = conv1d_decode_step(x[at], work, weight, bias, rows, valid_t[at], block_c=16)
         assert torch.equal(out[at], want), j
         assert torch.equal(steps[:, j], work), j
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_is_the_modules_norm(dtype):
+    """``gated_rms_norm`` over [T, H, D] heads with the gate a strided view (as the input
+    projection's z columns are): Transformers' Qwen3.5 gated norm, head by head, to float32
+    rounding (bfloat16 loosely: the interpreter truncates its casts); heads of other scales, a
+    head of zeros stays zero; shapes that do not match are refused."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    g = torch.Generator().manual_seed(21)
+    T, H, D = 3, 5, 32
+    norm = Qwen3_5RMSNormGated(D, eps=1e-6)
+    norm.weight.data = torch.rand(D, generator=g) + 0.5
+    norm = norm.to(DEVICE, dtype)
+    x = (torch.randn(T, H, D, generator=g) * torch.logspace(-2, 1, H)[:, None]).to(DEVICE, dtype)
+    x[1, 2] = 0
+    proj = torch.randn(T, H * D + 7, generator=g).to(DEVICE, dtype)  # z | other columns, like in_proj's split
+    z = proj[:, : H * D].unflatten(-1, (H, D))
+    with torch.no_grad():
+        want = norm(x.reshape(-1, D), z.reshape(-1, D)).reshape(T, H, D)
+    got = gated_rms_norm(x, z, norm.weight, 1e-6)
+    torch.testing.assert_close(got, want, **(TIGHT if dtype == torch.float32 else LOOSE))
+    assert not got[1, 2].any() and got.abs().max() > 0.1
+    with pytest.raises(ValueError, match="expected"):
+        gated_rms_norm(x, z[:, :, :-1], norm.weight, 1e-6)

@@ -90,43 +90,6 @@ def test_the_gated_activation_in_the_loads(rows):
         G.gemv(gu[:, :-2].contiguous(), w, torch.empty(rows, n, device=DEVICE), tiling, swiglu=True)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_gated_norm_in_the_loads(rows):
-    """``gated_norm``: the product is that of Transformers' gated RMS norm (Qwen3.5's module,
-    each 32-column head normalised apart, gated by silu(z)) computed in the loads: within
-    float32 rounding of the GEMV of the module's output (bfloat16 on the GPU: the head's sum of
-    squares in another order may move an input by one unit in the last place); groups that do
-    not divide K or the step, a gate of another shape, and both folds at once are refused."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
-
-    g = torch.Generator().manual_seed(13)
-    n, k, group = 72, 256, 32
-    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    norm = Qwen3_5RMSNormGated(group, eps=1e-6)
-    norm.weight.data = torch.rand(group, generator=g) + 0.5
-    norm = norm.to(DEVICE, dt)
-    w = torch.randn(n, k, generator=g).to(DEVICE, dt)
-    x = (torch.randn(rows, k, generator=g) * torch.linspace(0.1, 4, k)).to(DEVICE, dt)  # heads of other scales
-    z = torch.randn(rows, k, generator=g).to(DEVICE, dt)
-    tiling = (8, 64, 1, 4, 1, 1)
-    fused = G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling,
-                   gated_norm=(z, norm.weight, 1e-6))
-    with torch.no_grad():
-        normed = norm(x.reshape(-1, group), z.reshape(-1, group)).reshape(rows, k)
-    apart = G.gemv(normed, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling)
-    tol = dict(rtol=1e-5, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=5e-2)
-    torch.testing.assert_close(fused, apart, **tol)
-    # Without the norm the product differs (the fold is not a no-op).
-    assert not torch.allclose(fused, G.gemv(x, w, torch.empty_like(fused), tiling), **tol)
-    out = torch.empty(rows, n, device=DEVICE)
-    with pytest.raises(ValueError, match="groups of a power of two"):
-        G.gemv(x, w, out, tiling, gated_norm=(z, norm.weight[:24].contiguous(), 1e-6))
-    with pytest.raises(ValueError, match="groups of a power of two"):
-        G.gemv(x, w, out, (8, 16, 1, 4, 1, 1), gated_norm=(z, norm.weight, 1e-6))
-    with pytest.raises(ValueError, match="gate z"):
-        G.gemv(x, w, out, tiling, gated_norm=(z[:, :-2].contiguous(), norm.weight, 1e-6))
-
-
 def test_the_residual_in_the_epilogue():
     """``residual``: the output is residual + the product, the product rounded to the output's
     dtype first and the sum rounded again: the same bits as the GEMV's output added apart in

@@ -225,13 +225,13 @@ def test_triton_path_matches_the_reference_path(stream):
     assert float(ref_state["state.gdn.recurrent"].abs().max()) > 1e-3  # the states are not trivially zero
 
 
-def test_one_row_steps_on_the_gemv_fold_the_gated_norm_and_the_activation(stream, monkeypatch):
+def test_one_row_steps_on_the_gemv_fold_the_activation_and_the_residual(stream, monkeypatch):
     """``--step-gemms gemv`` (kernels/gemm.force_step_gemv) on the CUDA path under Triton's
     interpreter: one-row decode steps take the GEMV for every projection without a bias, with
-    each Gated DeltaNet's gated norm in out_proj's loads and each MLP's activation in down_proj's
-    loads and the layer's residual add in its epilogue (the folds the 9B shape's measured step
-    GEMMs take on the H200), and give the tokens and,
-    within float32 rounding, the logits of the same core without them."""
+    each MLP's activation in down_proj's loads and the layer's residual add in its epilogue (the
+    folds the 9B shape's measured step GEMMs take on the H200), and give the tokens and, within
+    float32 rounding, the logits of the same core without them; each Gated DeltaNet layer's
+    gated norm runs as one kernel after its delta rule (gdn.gated_rms_norm) in every decode step."""
     from flare.prepare.kernels import gemm
 
     core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
@@ -240,11 +240,15 @@ def test_one_row_steps_on_the_gemv_fold_the_gated_norm_and_the_activation(stream
     chosen = gemm.force_step_gemv(layers, [1, 2, 4])
     assert chosen and all(c == {1: gemm.FORCED_GEMV} for c in chosen.values())
     assert gemm.force_step_gemv(layers, [2, 4]) == {}  # no one-row step, no GEMV
-    calls = []
-    real = gemm.gemv_linear
+    from flare.prepare.kernels import gdn as K
+
+    calls, norms = [], []
+    real, real_norm = gemm.gemv_linear, K.gated_rms_norm
     monkeypatch.setattr(gemm, "gemv_linear", lambda *a, **kw: calls.append(sorted(kw)) or real(*a, **kw))
+    monkeypatch.setattr(K, "gated_rms_norm", lambda *a, **kw: norms.append(a[0].shape) or real_norm(*a, **kw))
     decode_alike(plain, folded, [1], steps=2)
     gdn = sum(1 for layer in layers if hasattr(layer, "linear_attn"))
     assert 0 < gdn < len(layers)
-    assert calls.count(["gated_norm"]) == 2 * gdn and calls.count(["residual", "swiglu"]) == 2 * len(layers)
+    assert len(norms) == 2 * 2 * gdn  # both rigs, two steps
+    assert calls.count(["residual", "swiglu"]) == 2 * len(layers)
     assert [] in calls  # the projections without a fold (in_proj, q/k/v, o_proj) took it too

@@ -25,6 +25,7 @@ Launch grids::
     conv1d_decode_step    (B, cdiv(D, block_c))
     conv1d_prefill_chunk  (cdiv(T, block_t), cdiv(D, block_c))   token block 0 also writes the history
     gdn_prefill_gates     (cdiv(T, block_t),)
+    gated_rms_norm        (T, H)                           a decode step's output heads, normed and gated
 
 ``gdn_prefill_recurrent`` runs a prefill chunk's recurrence token by token: each token's
 update is the same arithmetic wherever a chunk starts, so a state is bitwise the same
@@ -445,6 +446,46 @@ def gdn_prefill_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_
         BLOCK_T=block_t, BLOCK_H=triton.next_power_of_2(H), num_warps=4,
     )
     return g, beta
+
+
+@triton.jit
+def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, stride_xt, stride_xh, stride_zt, stride_zh, stride_ot,
+                       stride_oh, eps, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    d_in = d < D
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=d_in, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)).to(dtype)
+    scaled = (tl.load(w_ptr + d, mask=d_in, other=0.0).to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    z = tl.load(z_ptr + t * stride_zt + h * stride_zh + d, mask=d_in, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (scaled.to(tl.float32) * (z * tl.sigmoid(z))).to(dtype),
+             mask=d_in)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Transformers' gated RMS norm of a Gated DeltaNet's output (``Qwen3_5RMSNormGated``,
+    ``Qwen3NextRMSNormGated`` with a SiLU gate) over heads ``x [T, H, D]``, gate ``z [T, H, D]``
+    (any strides but unit along D: a view of the input projection), weight ``[D]``, in one launch
+    of a program a head: in float32 ``x * rsqrt(mean(x^2) + eps)`` rounded to x's dtype, times
+    the weight (rounded), times ``silu(z)``, rounded, as the module's casts do. Compiled, the
+    module is a reduction and a pointwise kernel before the few-row GEMV (a custom op), one
+    kernel before cuBLAS. Returns ``[T, H, D]`` (contiguous)."""
+    if x.dim() != 3 or z.shape != x.shape or weight.shape != (x.shape[2],):
+        raise ValueError(f"x {tuple(x.shape)} / z {tuple(z.shape)} / weight {tuple(weight.shape)}: expected "
+                         f"[T, H, D], [T, H, D] and [D]")
+    if x.stride(2) != 1 or z.stride(2) != 1:
+        raise ValueError("gated_rms_norm takes heads with unit stride")
+    out = _output(out, tuple(x.shape), x)
+    T, H, D = x.shape
+    if T * H:
+        block = triton.next_power_of_2(D)
+        _gated_norm_kernel[(T, H)](x, z, weight, out, D, x.stride(0), x.stride(1), z.stride(0), z.stride(1),
+                                   out.stride(0), out.stride(1), eps, BLOCK=block, num_warps=1 if block <= 256 else 4)
+    return out
 
 
 # -- verify programs: W positions of each row in one launch ---------------------------------

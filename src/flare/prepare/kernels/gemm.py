@@ -154,11 +154,10 @@ class _RowInvariant:
         return super().forward(x)
 
     def flare_fold_tiling(self, rows: int) -> GemvTiling | None:
-        """The GEMV tiling this layer takes in a step of ``rows`` rows where it may compute its
-        input's last elementwise step in its loads: as a gated MLP's down projection the
-        activation (``flare_swiglu_down``), after a Gated DeltaNet the gated norm
-        (``flare_gated_norm_out``); None where it takes another product (a prompt program,
-        cuBLAS, the unsplit GEMM) or a GEMV of fewer than ``FOLD_MIN_BN`` columns a program."""
+        """The GEMV tiling this layer takes in a step of ``rows`` rows where, as a gated MLP's
+        down projection, it may compute the activation in its loads (``flare_swiglu_down``);
+        None where it takes another product (a prompt program, cuBLAS, the unsplit GEMM) or
+        a GEMV of fewer than ``FOLD_MIN_BN`` columns a program."""
         if prompt_rows.active():
             return None
         tiling = self.flare_step_tiling.get(rows)
@@ -172,13 +171,6 @@ class _RowInvariant:
         if residual is None:
             return gemv_linear(gate_up, self.weight, tiling, swiglu=True)
         return gemv_linear(gate_up, self.weight, tiling, swiglu=True, residual=residual)
-
-    def flare_gated_norm_out(self, x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                             tiling: GemvTiling) -> torch.Tensor:
-        """This layer of the gated RMS norm of ``x`` (groups of ``norm_weight``'s length, gate
-        ``z``) by the GEMV with the norm in its loads (``tiling``'s K step a whole number of
-        groups)."""
-        return gemv_linear(x, self.weight, tiling, gated_norm=(z, norm_weight, eps))
 
 
 _CLASSES: dict[type, type] = {}
@@ -246,11 +238,11 @@ STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(
                      GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1))
 
 
-# Each program of the GEMV with the gated activation (or a gated norm) in its loads computes it
-# for every row's K inputs again: rows x K x N / BN sigmoids a step. At 8 columns a program the 9B
+# Each program of the GEMV with the gated activation in its loads computes it for every row's
+# K inputs again: rows x K x N / BN sigmoids a step. At 8 columns a program the 9B
 # down projection (N 4,096, K 12,288) costs about 6M a row, beside its 100 MB weight stream; at
 # one column 50M, which could take as long as the stream itself. The step tiling is timed
-# without the fold, so narrower programs keep the activation or norm kernel apart.
+# without the fold, so narrower programs keep the activation kernel apart.
 FOLD_MIN_BN = 8
 
 # Products a timing captures in one CUDA graph at least (each on the next weight copy).

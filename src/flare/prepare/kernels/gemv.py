@@ -34,24 +34,6 @@ from torch.library import triton_op, wrap_triton
 
 
 @triton.jit
-def _gated_norm(x, z_ptr, nw_ptr, m, kk, m_in, k_in, stride_zm, eps, BM: tl.constexpr, BK: tl.constexpr,
-                NORM: tl.constexpr):
-    """Transformers' gated RMS norm (Qwen3.5, Qwen3-Next) of a [BM, BK] block of rows whose
-    groups of NORM columns (one head each; BK a multiple of NORM) are normalised apart: in
-    float32, ``x * rsqrt(mean(x^2) + eps)`` rounded to x's dtype, times the weight (rounded
-    again), times ``silu(z)`` in float32, rounded once more, as the module's own casts do."""
-    dtype = x.dtype
-    groups = tl.reshape(x.to(tl.float32), [BM, BK // NORM, NORM])
-    var = tl.sum(groups * groups, axis=2) / NORM
-    normed = tl.reshape(groups * tl.rsqrt(var + eps)[:, :, None], [BM, BK]).to(dtype)
-    weight = tl.load(nw_ptr + kk % NORM, mask=k_in, other=0.0)
-    scaled = (weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype)
-    z = tl.load(z_ptr + m[:, None] * stride_zm + kk[None, :], mask=m_in[:, None] & k_in[None, :],
-                other=0.0).to(tl.float32)
-    return (scaled.to(tl.float32) * (z * tl.sigmoid(z))).to(dtype)
-
-
-@triton.jit
 def _epilogue(acc, r_ptr, m, n, keep, stride_rm, dtype: tl.constexpr, RESIDUAL: tl.constexpr):
     """The product rounded to the output's dtype; with RESIDUAL, ``residual + product`` rounded
     again, as a decoder layer's separate add of the two (in float32) stores it."""
@@ -63,10 +45,10 @@ def _epilogue(acc, r_ptr, m, n, keep, stride_rm, dtype: tl.constexpr, RESIDUAL: 
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, z_ptr, nw_ptr, r_ptr, M, N, K, stride_xm, stride_wn,
-                stride_om, stride_zm, stride_rm, eps, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                KS: tl.constexpr, SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
-                NORM: tl.constexpr = 0, RESIDUAL: tl.constexpr = False):
+def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                stride_rm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
+                RESIDUAL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -84,9 +66,6 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, z_ptr, nw_ptr, r_ptr
             g = tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
             u = tl.load(x_at + K, mask=m_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
             x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
-        elif NORM > 0:  # a gated RMS norm over each NORM-wide group (head), gated by silu(z)
-            x = _gated_norm(tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0), z_ptr, nw_ptr, m, kk,
-                            m_in, k_in, stride_zm, eps, BM, BK, NORM)
         else:
             x = tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0)
         products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -123,16 +102,11 @@ def workspace(rows: int, n: int, split: int, bn: int, device) -> tuple[torch.Ten
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
          space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel,
-         swiglu: bool = False, gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K); with
     ``swiglu``, ``x [M, 2 K]`` holds a gated MLP's gate and up halves and the product is
     ``(silu(gate) * up) @ w.T``, the activation computed in float32 and rounded to x's dtype
-    once, as a compiled MLP's separate activation kernel stores it (one launch fewer). With
-    ``gated_norm = (z, weight, eps)`` (z ``[M, K]``, weight ``[G]``, G a power of two dividing
-    K and the tiling's BK) the product is ``gated_norm(x, z) @ w.T``: each group of G columns
-    (a head) RMS-normalised, scaled by the weight and gated by ``silu(z)`` with Transformers'
-    roundings (``_gated_norm``), in the loads (two launches fewer than the norm compiled apart).
+    once, as a compiled MLP's separate activation kernel stores it (one launch fewer).
     ``residual`` ``[M, N]``: the output is ``residual + x @ w.T``, the product rounded to the
     output's dtype before the add and the sum rounded again (a decoder layer's residual add,
     one launch fewer).
@@ -150,15 +124,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
             raise ValueError(f"gemv with swiglu takes [gate | up] rows of 2 x {w.shape[1]} columns, got {K}")
         K = w.shape[1]
     bn, bk, split, warps, stages = tiling[:5]
-    z, nw, eps, group = x, x, 0.0, 0
-    if gated_norm is not None:
-        z, nw, eps = gated_norm
-        group = nw.numel()
-        if swiglu or nw.dim() != 1 or group & (group - 1) or K % group or bk % group:
-            raise ValueError(f"gemv's gated norm takes groups of a power of two dividing K = {K} and the step "
-                             f"{bk}, got a weight of shape {tuple(nw.shape)}" + (" with swiglu" if swiglu else ""))
-        if z.shape != x.shape or z.stride(-1) != 1:
-            raise ValueError(f"gemv's gate z must be [M, K] = {tuple(x.shape)} with unit stride, got {tuple(z.shape)}")
     r = x if residual is None else residual
     if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(-1) != 1):
         raise ValueError(f"gemv's residual must be [M, N] = {(M, N)} with unit stride, got {tuple(residual.shape)}")
@@ -173,9 +138,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if split > 1 and (tuple(part.shape) != (split, bm, N) or count.numel() < triton.cdiv(N, bn)):
         raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
     kernel[(triton.cdiv(N, bn), split)](
-        x, w, out, part, count, z, nw, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), z.stride(0), r.stride(0),
-        eps, BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, NORM=group,
-        RESIDUAL=residual is not None, num_warps=warps, num_stages=stages)
+        x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0),
+        BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
+        num_warps=warps, num_stages=stages)
     return out
 
 
@@ -200,7 +165,6 @@ class GemvTiling(NamedTuple):
 
 @triton_op("flare::gemv_linear", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: bool = False,
-             z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     bn, bk, warps = tiling[:3]
@@ -208,27 +172,19 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: b
     # No split: the partial sums and counters are never read, so ``out`` stands in for both
     # (no workspace allocated, no counters zeroed in a captured program).
     gemv(x, weight, out, (bn, bk, 1, warps, 1, defer), space=(out, out), kernel=wrap_triton(gemv_kernel),
-         swiglu=swiglu, gated_norm=None if z is None else (z, norm_weight, eps), residual=residual)
+         swiglu=swiglu, residual=residual)
     return out
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swiglu: bool = False,
-                gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) by ``gemv`` with ``tiling``, as a custom op (a compiled
     layer calls it without a graph break), for at most ``GEMV_MAX_ROWS`` rows. ``swiglu``: ``x``
     is a gated MLP's [gate | up] projection and the product is its down projection of
-    ``silu(gate) * up``; ``gated_norm = (z, weight, eps)``: the product is that of the gated RMS
-    norm of ``x``; ``residual`` (the output's shape): added to the product (``gemv``)."""
+    ``silu(gate) * up``; ``residual`` (the output's shape): added to the product (``gemv``)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[0] > GEMV_MAX_ROWS:
         raise ValueError(f"gemv_linear takes at most {GEMV_MAX_ROWS} rows, not {rows.shape[0]}")
-    z = norm_weight = None
-    eps = 0.0
-    if gated_norm is not None:
-        z, norm_weight, eps = gated_norm
-        z = z.reshape(-1, z.shape[-1]).contiguous()
     if residual is not None:
         residual = residual.reshape(-1, residual.shape[-1]).contiguous()
-    return _gemv_op(rows, weight, list(tiling), swiglu, z, norm_weight, float(eps), residual).reshape(
-        *x.shape[:-1], weight.shape[0])
+    return _gemv_op(rows, weight, list(tiling), swiglu, residual).reshape(*x.shape[:-1], weight.shape[0])

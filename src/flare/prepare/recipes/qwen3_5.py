@@ -84,8 +84,12 @@ def _prepared_gdn_with(inputs):
                 T = x.shape[0]
                 mixed, z, b, a = inputs(self, x)  # q|k|v, z, b, a
                 mix = _mix_triton if paged.impl == "triton" else _mix_torch
-                core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
-                return _norm_and_out(self, core, z, T)
+                if mix is _mix_triton and _norms_in_decode(self, paged):
+                    core = _decode_triton_normed(self, paged, mixed, b, a, z)  # normed and gated
+                else:
+                    core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
+                    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+                return self.out_proj(core.reshape(1, T, -1))
 
         return PagedGatedDeltaNet
 
@@ -94,26 +98,6 @@ def _prepared_gdn_with(inputs):
 
 _prepared_gdn = _prepared_gdn_with(_qwen3_5_inputs)
 _prepared_next_gdn = _prepared_gdn_with(_qwen3_next_inputs)
-
-
-def _norm_and_out(mod, core: torch.Tensor, z: torch.Tensor, T: int) -> torch.Tensor:
-    """The gated RMS norm of the mixer's output, then ``out_proj``. A step whose out_proj takes
-    the few-row GEMV (``--step-gemms measure``) computes the norm in that GEMV's loads (two
-    launches fewer a layer: Inductor makes the norm a reduction and a pointwise kernel before a
-    custom op), unless a hook would see the modules' calls or the norm is not Transformers'
-    gated one."""
-    from flare.prepare.kernels.rownorm import is_gated_norm
-
-    norm, out = mod.norm, mod.out_proj
-    fold = getattr(out, "flare_fold_tiling", None)
-    tiling = fold(T) if fold is not None else None
-    if (tiling is not None and tiling.bk % mod.head_v_dim == 0 and norm.weight.numel() == mod.head_v_dim
-            and is_gated_norm(norm) and not hooked(norm, out)):
-        rows = core.reshape(T, -1)
-        return out.flare_gated_norm_out(rows, z.reshape(T, -1), norm.weight, norm.variance_epsilon,
-                                        tiling).reshape(1, T, -1)
-    core = norm(core.reshape(-1, mod.head_v_dim), z.reshape(-1, mod.head_v_dim))
-    return out(core.reshape(1, T, -1))
 
 
 def _state_rows(mod, paged: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,6 +350,30 @@ def _aligned_prefill_triton(mod, paged: PagedBatch, rows, slot, count, rule) -> 
     tail_core, final = run(seq[whole:], meta[1:2], block)
     return G.grid_commit(whole_core, tail_core, final, block, seq, rec_rows, block_rows, stash_rows, grid_rows,
                          slot, start, count, meta, T)
+
+
+def _norms_in_decode(mod, paged: PagedBatch) -> bool:
+    """Whether a step's gated norm runs in ``_decode_triton_normed`` (one launch after the delta
+    rule, where Inductor compiles the module into two before the few-row GEMV): decode steps of
+    the CUDA path, with Transformers' gated norm (``rownorm.is_gated_norm``) and no hook on it.
+    Prompt and verify programs keep the module."""
+    from flare.prepare.kernels.rownorm import is_gated_norm
+
+    return (not paged.single_slot and not paged.verify_width and is_gated_norm(mod.norm)
+            and not hooked(mod.norm))
+
+
+@torch.compiler.disable
+def _decode_triton_normed(mod, paged: PagedBatch, mixed, b, a, z) -> torch.Tensor:
+    """A decode step's convolution and delta rule (``_decode_triton``), then the gated norm of
+    its output heads (``gdn.gated_rms_norm``): ``[T, Hv * Dv]``."""
+    from flare.prepare.kernels import gdn as K
+
+    conv_rows, rec_rows = _state_rows(mod, paged)
+    core = _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)  # [T, Hv, Dv]
+    gate = z.reshape(core.shape) if z.dim() == 3 else z.unflatten(-1, core.shape[1:])  # a view
+    out = K.gated_rms_norm(core, gate, mod.norm.weight, mod.norm.variance_epsilon)
+    return out.reshape(core.shape[0], -1)
 
 
 def _decode_triton(mod, conv_rows, rec_rows, slots, live, mixed, b, a) -> torch.Tensor:
