@@ -131,10 +131,11 @@ def test_every_step_tiling_is_a_linear_layer(tiling):
 
 
 def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
-    """``choose_step_gemms`` times cuBLAS and each tiling once per (shape, dtype, rows) and
-    switches a layer at the row counts where the fastest tiling takes at most 0.97 x
-    cuBLAS's time; the layer then runs decode-sized rows outside prompt programs with that
-    tiling, and everything else as before."""
+    """``choose_step_gemms`` times cuBLAS and each tiling once per (shape, dtype, rows) and gives
+    a layer one family for all its step row counts (``step_choice``) where its summed time is at
+    most 0.97 x cuBLAS's: the unsplit GEMM at each count, or cuBLAS at a count where it does not
+    split K (the same bits); the layer then runs decode-sized rows outside prompt programs with
+    that tiling, and everything else as before."""
     k = len(gemm.STEP_TILINGS)
     # Measurement order: layer o at 1 then 4 rows, layer down at 1 then 4 rows (cuBLAS first).
     groups = iter([[10, 9, 5, 8, 8, 8], [10] + [9.9] * k, [1] + [2] * k, [10, 4] + [5] * (k - 1)])
@@ -145,26 +146,32 @@ def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
             pending.extend(next(groups))
         return pending.pop(0)
 
+    # cuBLAS splits o's K at four rows (other bits than the unsplit GEMM), down's nowhere.
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({4}) if w.shape[1] == 96 else frozenset())
     layers = [nn.ModuleDict({"o": nn.Linear(96, 32), "down": nn.Linear(48, 32)}).to(DEVICE)]
     found = gemm.choose_step_gemms(layers, [4, 1], timer=timer)
-    assert found == {"0.o": {1: gemm.STEP_TILINGS[1]}, "0.down": {4: gemm.STEP_TILINGS[0]}}
+    # o: 5 + 9.9 unsplit against cuBLAS's 20 (and at four rows the unsplit GEMM, not cuBLAS,
+    # though cuBLAS is a little faster there: its split rows would differ from the one-row
+    # step's); down: cuBLAS at one row (unsplit there, and faster), the GEMM at four.
+    assert found == {"0.o": {1: gemm.STEP_TILINGS[1], 4: gemm.STEP_TILINGS[0]}, "0.down": {4: gemm.STEP_TILINGS[0]}}
     assert not pending and next(groups, None) is None
     calls = []
     real = gemm.nonsplit_linear
     monkeypatch.setattr(gemm, "nonsplit_linear", lambda x, w, b=None, t=None: calls.append((x.shape[0], t))
                         or real(x, w, b, t))
     o, down = layers[0]["o"], layers[0]["down"]
-    one, four = torch.randn(1, 96, device=DEVICE), torch.randn(4, 96, device=DEVICE)
+    one, two = torch.randn(1, 96, device=DEVICE), torch.randn(2, 96, device=DEVICE)
     torch.testing.assert_close(o(one), F.linear(one, o.weight, o.bias), atol=1e-4, rtol=1e-5)
-    assert torch.equal(o(four), F.linear(four, o.weight, o.bias))
+    assert torch.equal(o(two), F.linear(two, o.weight, o.bias))  # not a step row count of this core
     with prompt_rows.marked(True):  # a prompt program: no step tiling
         assert torch.equal(o(one), F.linear(one, o.weight, o.bias))
     down(torch.randn(4, 48, device=DEVICE))
+    down(torch.randn(1, 48, device=DEVICE))
     assert calls == [(1, gemm.STEP_TILINGS[1]), (4, gemm.STEP_TILINGS[0])]
     # Prompt rows still measured for the layers switched here (the two choices compose).
     monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({16}) if w.shape[1] == 96 else frozenset())
     assert gemm.make_row_invariant(layers, [16]) == {"0.o": frozenset({16})}
-    assert o.flare_step_tiling == {1: gemm.STEP_TILINGS[1]}
+    assert o.flare_step_tiling == {1: gemm.STEP_TILINGS[1], 4: gemm.STEP_TILINGS[0]}
 
 
 def test_a_layer_without_bias_can_take_the_gemv_at_step_rows(monkeypatch):
@@ -200,6 +207,36 @@ def test_a_layer_without_bias_can_take_the_gemv_at_step_rows(monkeypatch):
     assert not any(isinstance(t, GemvTiling) for t in measured)
     with pytest.raises(ValueError, match="at most 8 rows"):
         real(torch.randn(24, 96, device=DEVICE), o.weight, gemm.STEP_GEMV_TILINGS[0])
+
+
+def test_a_gemv_faster_at_one_row_only_is_taken_at_every_count_or_not_at_all(monkeypatch):
+    """A row's bits must not depend on its step's row count: the GEMV that wins at one row takes
+    the four-row steps too where its summed time wins (never the GEMV at one row and cuBLAS or
+    the GEMM at four, as choosing per count did); where its four-row time makes it lose, the
+    unsplit GEMM takes both counts; a GEMV tiling is offered only where every count fits it."""
+    k, v = len(gemm.STEP_TILINGS), len(gemm.STEP_GEMV_TILINGS)
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset(counts))
+    weight = torch.randn(32, 96, device=DEVICE)
+    last = gemm.STEP_GEMV_TILINGS[-1]
+    one = [10] + [9] * k + [8] * (v - 1) + [3]
+    for four, want in (([10] + [9] * k + [20] * (v - 1) + [12], {1: last, 4: last}),
+                       ([10] + [9] * k + [20] * (v - 1) + [17], {1: gemm.STEP_TILINGS[0], 4: gemm.STEP_TILINGS[0]})):
+        times = iter(one + four)
+        chosen, _ = gemm.step_choice(weight, None, [1, 4], timer=lambda fn: next(times))
+        assert chosen == want and next(times, None) is None
+    times = iter([1.0] * 100)
+    chosen, measured = gemm.step_choice(weight, None, [4, 24], timer=lambda fn: next(times))
+    assert not any(isinstance(t, gemm.GemvTiling) for t in chosen.values())
+
+
+def test_forced_gemv_takes_every_step_row_count():
+    """``--step-gemms gemv``: every layer without a bias on ``FORCED_GEMV`` at each step row
+    count (one family, so a row's bits do not depend on its batch); none where a count exceeds
+    the GEMV's rows; layers with a bias keep cuBLAS."""
+    layers = [nn.ModuleDict({"o": nn.Linear(96, 32, bias=False), "b": nn.Linear(96, 32)}).to(DEVICE)]
+    assert gemm.force_step_gemv(layers, [4, 24]) == {}
+    assert gemm.force_step_gemv(layers, [4, 1, 2]) == {"0.o": {c: gemm.FORCED_GEMV for c in (1, 2, 4)}}
+    assert not hasattr(layers[0]["b"], "flare_step_tiling")
 
 
 @pytest.mark.parametrize("tiling", gemm.STEP_GEMV_TILINGS)

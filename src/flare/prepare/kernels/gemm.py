@@ -298,45 +298,92 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     return (best if times[best] <= margin * times["cublas"] else None), times
 
 
-# The GEMV ``--step-gemms gemv`` gives every layer at one row: 8 columns a program (so the
-# folds take it), K in steps of 1,024 with the lanes kept through the loop.
+# The GEMV ``--step-gemms gemv`` gives every layer: 8 columns a program (so the folds take it),
+# K in steps of 1,024 with the lanes kept through the loop.
 FORCED_GEMV = GemvTiling(8, 1024, 4, 1)
 
 
+def _gemv_rows(counts: list[int]) -> bool:
+    return bool(counts) and counts[-1] <= GEMV_MAX_ROWS
+
+
 def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, dict]:
-    """Every plain linear layer without a bias under ``layers`` takes ``FORCED_GEMV`` in the
-    one-row steps (when ``row_counts`` has 1), untimed: what ``choose_step_gemms`` would pick
-    on a model whose GEMVs time faster, on any shape (the GPU suite's small cores). Returns
-    {module name: {1: tiling}} as ``choose_step_gemms`` does."""
-    if 1 not in set(row_counts):
+    """Every plain linear layer without a bias under ``layers`` takes ``FORCED_GEMV`` at every
+    step row count (all of them, so that a row's bits do not depend on its batch: the GEMV sums
+    each row alone), untimed: what ``choose_step_gemms`` picks where the GEMVs time faster, on any
+    shape (the GPU suite's small cores). Nothing where a count exceeds ``GEMV_MAX_ROWS`` (verify
+    programs of several drafts). Returns {module name: {rows: tiling}} as ``choose_step_gemms``."""
+    counts = sorted(set(row_counts))
+    if not _gemv_rows(counts):
         return {}
     found = {}
     for name, module in _plain_linears(layers):
         if module.bias is None:
             _switch(module)
-            module.flare_step_tiling = {**module.flare_step_tiling, 1: FORCED_GEMV}
-            found[name] = {1: FORCED_GEMV}
+            module.flare_step_tiling = {c: FORCED_GEMV for c in counts}
+            found[name] = dict(module.flare_step_tiling)
     return found
 
 
+def _same_rows(fn, x: torch.Tensor, counts: list[int]) -> bool:
+    """Whether ``fn`` gives each row the same bits at every row count (random rows ``x``)."""
+    full = fn(x[:counts[-1]])
+    return all(torch.equal(fn(x[:c]), full[:c]) for c in counts)
+
+
+def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
+                margin: float = 0.97) -> tuple[dict[int, tuple[int, ...]], dict]:
+    """One product for a layer's decode and verify steps at every row count in ``counts``, so
+    that a row's bits never depend on how many rows its step has (the batch the scheduler put it
+    in: cache on and off, a request resumed alone, give the same tokens only then). The
+    candidates are families whose rows have the same bits at every count: cuBLAS as it is (no
+    tiling: the default, whose few-row kernels the GPU suite checks), the unsplit GEMM (one
+    float32 sum over K in order: any ``STEP_TILINGS`` tiling at each count, and cuBLAS at the
+    counts where it does not split K, the same bits) and each GEMV tiling at every count (where
+    all counts are GEMV rows, no bias, and its rows check equal across counts here). The family
+    with the least time summed over the counts wins where it takes at most ``margin`` x cuBLAS's
+    sum. Returns ({rows: tiling} for the counts that leave cuBLAS, {count: step_tiling's times}).
+    Chosen per row count instead, the 9B hybrid took the GEMV at one row and cuBLAS at four, and
+    a row decoded alone differed from the same row batched (GPU suite, 2026-12-04)."""
+    times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0)[1] for c in counts}
+    g = torch.Generator(device=weight.device).manual_seed(1)
+    n, k = weight.shape
+    w = torch.randn((n, k), generator=g, device=weight.device, dtype=weight.dtype) * k ** -0.5
+    x = torch.randn((counts[-1], k), generator=g, device=weight.device, dtype=weight.dtype)
+    cublas = sum(times[c]["cublas"] for c in counts)
+    split = split_rows(weight, bias, counts)  # counts where cuBLAS's bits are not the unsplit ones
+    unsplit, unsplit_ms = {}, 0.0
+    for c in counts:
+        t = min(STEP_TILINGS, key=times[c].get)
+        if c not in split and times[c]["cublas"] <= times[c][t]:
+            unsplit_ms += times[c]["cublas"]  # cuBLAS does not split here: the same bits
+        else:
+            unsplit[c], unsplit_ms = t, unsplit_ms + times[c][t]
+    families = [(unsplit_ms, unsplit)]
+    if bias is None and _gemv_rows(counts):
+        for t in STEP_GEMV_TILINGS:
+            if _same_rows(lambda rows, t=t: gemv_linear(rows, w, t), x, counts):
+                families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
+    best_ms, best = min(families, key=lambda f: f[0])
+    return (best if best and best_ms <= margin * cublas else {}), times
+
+
 def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], **kw) -> dict[str, dict]:
-    """For each plain linear layer under ``layers`` and each row count of the decode and
-    verify programs, the unsplit GEMM with the tiling ``step_tiling`` picks where it beats
-    cuBLAS (which splits K for few rows and adds a reduce kernel). Returns {module name:
-    {rows: tiling}} for the layers switched, measuring each (shape, dtype, rows) once."""
+    """For each plain linear layer under ``layers``, the product of its decode and verify steps
+    (``step_choice``: one family for all their row counts, where it beats cuBLAS, which splits
+    K for few rows and adds a reduce kernel). Returns {module name: {rows: tiling}} for the
+    layers switched, measuring each (shape, dtype) once."""
     counts = sorted(set(row_counts))
-    measured: dict[tuple, tuple] = {}
+    if not counts:
+        return {}
+    measured: dict[tuple, dict] = {}
     found = {}
     for name, module in _plain_linears(layers):
-        chosen = {}
-        for rows in counts:
-            key = (*_key(module), rows)
-            if key not in measured:
-                measured[key] = step_tiling(module.weight, module.bias, rows, **kw)[0]
-            if measured[key] is not None:
-                chosen[rows] = measured[key]
-        if chosen:
+        key = _key(module)
+        if key not in measured:
+            measured[key] = step_choice(module.weight, module.bias, counts, **kw)[0]
+        if measured[key]:
             _switch(module)
-            module.flare_step_tiling = chosen
-            found[name] = chosen
+            module.flare_step_tiling = dict(measured[key])
+            found[name] = dict(measured[key])
     return found
