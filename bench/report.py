@@ -325,6 +325,18 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     each) found 122.7 µs a layer with cuBLAS, 117.7 with the GEMV, 114.2 with
     every kernel launched dependent: ~0.4 µs a boundary, not pursued (Inductor
     cannot launch a user kernel with PDL).
+  * **Later on 2026-12-04** (`decode-floor-qwen3_5-9b-shape-2026-12-04-folds.json`,
+    `timeline-qwen3_5-9b-shape-2026-12-04-run2.json`): the MLP's activation in the
+    down projection's GEMV loads and the residual add in its epilogue, the cat-free
+    rotary, and the gated norm as one kernel after the delta rule: **4.776 ms, 0.785**
+    (209 tok/s; 354 kernels at c = 1; c = 2 / 4: 5.106 / 5.221 ms); with the gated norm
+    in out_proj's GEMV loads instead, 4.867 ms (that GEMV 13.4 -> 18.7 µs). **Not an
+    exact core:** this run, like the 4.91 ms one, chose step GEMMs per row count (the
+    GEMV at one row, cuBLAS at four), so a row's bits depended on its batch (the GPU
+    suite's batch-invariance and exact-repeat tests fail on cores prepared so,
+    docs/gpu.md). Since b3b9446 each layer takes one family at every count; the 9B has
+    not been timed that way (the GEMV loses 1.13-1.69x at four rows, so the one-row gain
+    may go). The exact default core's step is 5.08 ms (0.74).
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
   `generate` with a static cache and its compiled forward; the mode is recorded
   per batch): 1.72 / 1.64 / 1.58x at c = 1 / 2 / 4 (ITL 5.02 against 8.69 ms).
