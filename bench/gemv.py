@@ -35,7 +35,7 @@ SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 40
           # out_proj / o_proj both have
           "35b-gdn-in": (12352, 2048), "35b-attn-qkv": (9216, 2048), "30b-qkv": (5120, 2048),
           "a3b-o": (2048, 4096)}
-# (BN, BK, SPLIT, warps, stages[, defer]): the first version's best (reduced at every step),
+# (BN, BK, SPLIT, warps, stages[, defer[, rowloop]]): the first version's best (reduced at every step),
 # then lanes kept through the loop (defer), narrow and long, then whole-K steps
 TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
            (8, 512, 1, 4, 3, 1), (8, 512, 1, 8, 3, 1), (4, 1024, 1, 4, 3, 1), (4, 1024, 1, 8, 4, 1),
@@ -46,7 +46,9 @@ TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
            # (vectorised 16-byte loads when launched, 40-80 registers at
            # one row, 56-160 at four, no spills, by ptxas for sm_90a)
            (1, 4096, 1, 4, 1), (2, 4096, 1, 8, 1), (2, 2048, 1, 4, 1), (4, 2048, 1, 4, 1),
-           (8, 2048, 1, 8, 1), (1, 8192, 1, 8, 1)]
+           (8, 2048, 1, 8, 1), (1, 8192, 1, 8, 1),
+           # a row at a time against the weight tile (rowloop): [BN, BK] products at four rows too
+           (8, 512, 1, 4, 1, 0, 1), (8, 1024, 1, 8, 1, 0, 1), (16, 512, 1, 8, 1, 0, 1), (4, 2048, 1, 8, 1, 0, 1)]
 CALLS = 20
 ROTATE_BYTES = 256 << 20
 
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     meta = {"machine": platform.node(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": sys.version.split()[0], "dtype": "bfloat16",
             "calls_per_graph": CALLS, "rotation_bytes": ROTATE_BYTES,
-            "tilings": "(BN, BK, SPLIT, warps, stages[, defer])",
+            "tilings": "(BN, BK, SPLIT, warps, stages[, defer[, rowloop]])",
             "timing": "CUDA graph of CALLS products over rotating weight copies, median of 10 replays, per product",
             "command": "python -m bench.gemv " + " ".join(sys.argv[1:] if argv is None else argv)}
     results: dict = {}

@@ -14,18 +14,19 @@ from flare.prepare.kernels import gemv as G  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("defer", [0, 1])
+@pytest.mark.parametrize("defer,rowloop", [(0, 0), (1, 0), (0, 1)])
 @pytest.mark.parametrize("split", [1, 3, 4])
 @pytest.mark.parametrize("rows", [1, 3, 4])
-def test_a_few_rows_times_a_weight(rows, split, defer):
+def test_a_few_rows_times_a_weight(rows, split, defer, rowloop):
     """N not a multiple of the tile, K not a multiple of the slices: masked edges; every row
     within float32 rounding of float64; the same bits on a second call (the counters were
-    reset) and for the row alone (row-invariant); the counters end at zero."""
+    reset) and for the row alone (row-invariant: also a row at a time, ``rowloop``); the
+    counters end at zero."""
     g = torch.Generator().manual_seed(rows * 10 + split)
     n, k = 100, 300
     w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
     x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
-    tiling = (16, 32, split, 4, 2, defer)
+    tiling = (16, 32, split, 4, 2, defer, rowloop)
     space = G.workspace(rows, n, split, 16, DEVICE)
     out = G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling, space)
     want = x.double() @ w.double().T
@@ -102,13 +103,31 @@ def test_the_residual_in_the_epilogue():
     w = torch.randn(n, k, generator=g).to(DEVICE, dt)
     x = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dt)
     r = torch.randn(rows, n, generator=g).to(DEVICE, dt)
-    for split, swiglu in ((1, False), (3, False), (1, True)):
+    for split, swiglu, rowloop in ((1, False, 0), (3, False, 0), (1, True, 0), (1, True, 1)):
         xs = x if swiglu else x[:, :k].contiguous()
-        tiling = (8, 32, split, 4, 1, 0)
+        tiling = (8, 32, split, 4, 1, 0, rowloop)
         space = G.workspace(rows, n, split, 8, DEVICE)
         plain = G.gemv(xs, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling, space, swiglu=swiglu)
         got = G.gemv(xs, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling, space, swiglu=swiglu, residual=r)
-        assert torch.equal(got, (r.float() + plain.float()).to(dt)), (split, swiglu)
+        assert torch.equal(got, (r.float() + plain.float()).to(dt)), (split, swiglu, rowloop)
         assert not torch.equal(got, plain)
     with pytest.raises(ValueError, match="residual"):
         G.gemv(x[:, :k].contiguous(), w, torch.empty(rows, n, device=DEVICE), (8, 32, 1, 4, 1), residual=r[:, :-1])
+
+
+def test_a_row_loop_with_the_activation_and_the_lanes_kept_is_refused():
+    """``rowloop`` with the activation in its loads: within float32 rounding of the activation
+    computed apart, the same bits for a row alone; ``rowloop`` with ``defer`` is refused (the
+    lanes of every row would stay in registers)."""
+    g = torch.Generator().manual_seed(19)
+    n, k, rows = 24, 160, 3
+    w = torch.randn(n, k, generator=g).to(DEVICE, torch.float32)
+    gu = torch.randn(rows, 2 * k, generator=g).to(DEVICE, torch.float32)
+    tiling = (8, 64, 1, 4, 1, 0, 1)
+    fused = G.gemv(gu, w, torch.empty(rows, n, device=DEVICE), tiling, swiglu=True)
+    gate, up = gu.split(k, dim=1)
+    torch.testing.assert_close(fused, (gate * torch.sigmoid(gate) * up) @ w.T, rtol=1e-5, atol=1e-4)
+    alone = G.gemv(gu[1:2].clone(), w, torch.empty(1, n, device=DEVICE), tiling, swiglu=True)
+    assert torch.equal(alone[0], fused[1])
+    with pytest.raises(ValueError, match="row loop"):
+        G.gemv(gu[:, :k].contiguous(), w, torch.empty(rows, n, device=DEVICE), (8, 64, 1, 4, 1, 1, 1))

@@ -233,9 +233,12 @@ STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 1
 # warps[, defer]), narrow programs over one or a few long steps of K, the first version's best,
 # and 8 columns over steps of 1,024 with the lanes kept through the loop (the fastest for each
 # of the 9B hybrid's four GDN-layer weights at one row among the five ``bench/pdl.py`` tries,
-# ``bench/results/pdl-2026-12-04.json``).
+# ``bench/results/pdl-2026-12-04.json``); then two that take a row at a time (``rowloop``: the
+# broadcast ones took 1.13-1.69x cuBLAS's time at four rows, and a layer's GEMV must serve every
+# step row count, ``step_choice``; not yet timed on the H200).
 STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(2, 2048, 4), GemvTiling(4, 2048, 4),
-                     GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1))
+                     GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1),
+                     GemvTiling(8, 512, 4, 0, 1), GemvTiling(8, 1024, 8, 0, 1))
 
 
 # Each program of the GEMV with the gated activation in its loads computes it for every row's

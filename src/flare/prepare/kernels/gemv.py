@@ -45,10 +45,23 @@ def _epilogue(acc, r_ptr, m, n, keep, stride_rm, dtype: tl.constexpr, RESIDUAL: 
 
 
 @triton.jit
+def _rows(x_at, mask, K, SWIGLU: tl.constexpr, dtype: tl.constexpr):
+    """Row inputs at ``x_at``: as they are, or (SWIGLU) from [gate | up] rows of K each,
+    silu(gate) * up in float32 rounded once."""
+    if SWIGLU:
+        g = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_at + K, mask=mask, other=0.0).to(tl.float32)
+        x = (g * tl.sigmoid(g) * u).to(dtype)
+    else:
+        x = tl.load(x_at, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                 stride_rm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
-                RESIDUAL: tl.constexpr = False):
+                RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -61,18 +74,22 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
         k_in = kk < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_in[:, None] & k_in[None, :],
                     other=0.0)
-        x_at = x_ptr + m[:, None] * stride_xm + kk[None, :]
-        if SWIGLU:  # the row holds [gate | up], K each: silu(gate) * up in float32, rounded once
-            g = tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
-            u = tl.load(x_at + K, mask=m_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
-            x = (g * tl.sigmoid(g) * u).to(x_ptr.dtype.element_ty)
+        if ROWLOOP:  # a row at a time against the weight tile: [BN, BK] products whatever BM
+            wf = w.to(tl.float32)
+            for r in tl.static_range(BM):
+                # the row's bound folded into K's (the interpreter mis-types scalar & tensor masks)
+                x = _rows(x_ptr + r * stride_xm + kk, kk < tl.where(r < M, K, 0), K, SWIGLU,
+                          x_ptr.dtype.element_ty)
+                part = tl.sum(x.to(tl.float32)[None, :] * wf, axis=1)
+                acc = tl.where(m[:, None] == r, acc + part[None, :], acc)
         else:
-            x = tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0)
-        products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if DEFER:
-            lanes += products
-        else:
-            acc += tl.sum(products, axis=2)
+            x = _rows(x_ptr + m[:, None] * stride_xm + kk[None, :], m_in[:, None] & k_in[None, :], K, SWIGLU,
+                      x_ptr.dtype.element_ty)
+            products = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            if DEFER:
+                lanes += products
+            else:
+                acc += tl.sum(products, axis=2)
     if DEFER:
         acc = tl.sum(lanes, axis=2)
     out_at = out_ptr + m[:, None] * stride_om + n[None, :]
@@ -110,9 +127,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     ``residual`` ``[M, N]``: the output is ``residual + x @ w.T``, the product rounded to the
     output's dtype before the add and the sum rounded again (a decoder layer's residual add,
     one launch fewer).
-    ``tiling``: (BN, BK, SPLIT, warps, stages[, defer]); K is cut into SPLIT slices of whole
-    BK steps; ``defer`` 1 keeps a float32 product per K lane through the loop and reduces the
-    lanes once at the end (0, the default: reduced at every step). The two sum in other orders.
+    ``tiling``: (BN, BK, SPLIT, warps, stages[, defer[, rowloop]]); K is cut into SPLIT slices
+    of whole BK steps; ``defer`` 1 keeps a float32 product per K lane through the loop and
+    reduces the lanes once at the end (0, the default: reduced at every step). The two sum in
+    other orders. ``rowloop`` 1 multiplies the weight tile by one row at a time (a [BN, BK]
+    product whatever the rows, where the broadcast holds [BM, BN, BK] in registers: the
+    broadcast GEMV took 1.13-1.69x cuBLAS's time at four rows on the H200); its own sums, the
+    same for a row at every M.
     ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None). ``kernel``: the plain
     Triton kernel eagerly, or its ``wrap_triton`` form inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -128,6 +149,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(-1) != 1):
         raise ValueError(f"gemv's residual must be [M, N] = {(M, N)} with unit stride, got {tuple(residual.shape)}")
     defer = bool(tiling[5]) if len(tiling) > 5 else False
+    rowloop = bool(tiling[6]) if len(tiling) > 6 else False
+    if defer and rowloop:
+        raise ValueError("gemv keeps K lanes through the loop (defer) with the rows broadcast only, not a row loop")
     ks = triton.cdiv(triton.cdiv(K, split), bk) * bk
     if split > 1 and (split - 1) * ks >= K:
         raise ValueError(f"K = {K} does not fill {split} slices of {ks} columns")
@@ -140,7 +164,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0),
         BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
-        num_warps=warps, num_stages=stages)
+        ROWLOOP=rowloop, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -155,12 +179,13 @@ GEMV_MAX_ROWS = 8
 class GemvTiling(NamedTuple):
     """A tiling of ``gemv`` for a decode step's linear layer: no split of K (so no workspace
     and no counters in the captured program); lanes reduced at every step, or with ``defer``
-    1 once after the loop."""
+    1 once after the loop; with ``rowloop`` 1 a row at a time against the weight tile."""
 
     bn: int
     bk: int
     warps: int
     defer: int = 0
+    rowloop: int = 0
 
 
 @triton_op("flare::gemv_linear", mutates_args=())
@@ -169,9 +194,10 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: b
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     bn, bk, warps = tiling[:3]
     defer = tiling[3] if len(tiling) > 3 else 0
+    rowloop = tiling[4] if len(tiling) > 4 else 0
     # No split: the partial sums and counters are never read, so ``out`` stands in for both
     # (no workspace allocated, no counters zeroed in a captured program).
-    gemv(x, weight, out, (bn, bk, 1, warps, 1, defer), space=(out, out), kernel=wrap_triton(gemv_kernel),
+    gemv(x, weight, out, (bn, bk, 1, warps, 1, defer, rowloop), space=(out, out), kernel=wrap_triton(gemv_kernel),
          swiglu=swiglu, residual=residual)
     return out
 
