@@ -330,7 +330,7 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     down projection's GEMV loads and the residual add in its epilogue, the cat-free
     rotary, and the gated norm as one kernel after the delta rule: **4.776 ms, 0.785**
     (209 tok/s; 354 kernels at c = 1; c = 2 / 4: 5.106 / 5.221 ms); with the gated norm
-    in out_proj's GEMV loads instead, 4.867 ms (that GEMV 13.4 -> 18.7 µs). **Not an
+    in out_proj's GEMV loads instead, 4.867 ms (that GEMV 13.4 -> 18.8 µs). **Not an
     exact core:** this run, like the 4.91 ms one, chose step GEMMs per row count (the
     GEMV at one row, cuBLAS at four), so a row's bits depended on its batch (the GPU
     suite's batch-invariance and exact-repeat tests fail on cores prepared so,

@@ -138,7 +138,7 @@ def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
     that tiling, and everything else as before."""
     k = len(gemm.STEP_TILINGS)
     # Measurement order: layer o at 1 then 4 rows, layer down at 1 then 4 rows (cuBLAS first).
-    groups = iter([[10, 9, 5, 8, 8, 8], [10] + [9.9] * k, [1] + [2] * k, [10, 4] + [5] * (k - 1)])
+    groups = iter([[10, 9, 5, 8, 8, 8], [9.5] + [9.9] * k, [1] + [2] * k, [10, 4] + [5] * (k - 1)])
     pending = []
 
     def timer(fn):
@@ -150,9 +150,9 @@ def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
     monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({4}) if w.shape[1] == 96 else frozenset())
     layers = [nn.ModuleDict({"o": nn.Linear(96, 32), "down": nn.Linear(48, 32)}).to(DEVICE)]
     found = gemm.choose_step_gemms(layers, [4, 1], timer=timer)
-    # o: 5 + 9.9 unsplit against cuBLAS's 20 (and at four rows the unsplit GEMM, not cuBLAS,
-    # though cuBLAS is a little faster there: its split rows would differ from the one-row
-    # step's); down: cuBLAS at one row (unsplit there, and faster), the GEMM at four.
+    # o: 5 + 9.9 unsplit against cuBLAS's 19.5 (and at four rows the unsplit GEMM, not cuBLAS,
+    # though cuBLAS is faster there, 9.5: its split rows would differ from the one-row step's);
+    # down: cuBLAS at one row (unsplit there, and faster), the GEMM at four.
     assert found == {"0.o": {1: gemm.STEP_TILINGS[1], 4: gemm.STEP_TILINGS[0]}, "0.down": {4: gemm.STEP_TILINGS[0]}}
     assert not pending and next(groups, None) is None
     calls = []
@@ -224,17 +224,36 @@ def test_a_gemv_faster_at_one_row_only_is_taken_at_every_count_or_not_at_all(mon
         times = iter(one + four)
         chosen, _ = gemm.step_choice(weight, None, [1, 4], timer=lambda fn: next(times))
         assert chosen == want and next(times, None) is None
-    times = iter([1.0] * 100)
+    # A verify step of 24 rows: no GEMV offered (the GEMMs win here: cuBLAS 2, the rest 1).
+    times = iter([2.0] + [1.0] * (k + v) + [2.0] + [1.0] * k)
     chosen, measured = gemm.step_choice(weight, None, [4, 24], timer=lambda fn: next(times))
-    assert not any(isinstance(t, gemm.GemvTiling) for t in chosen.values())
+    assert chosen == {4: gemm.STEP_TILINGS[0], 24: gemm.STEP_TILINGS[0]} and next(times, None) is None
+    assert not any(isinstance(t, gemm.GemvTiling) for t in measured[24])
+
+
+def test_where_cublas_rows_differ_between_counts_another_family_is_taken(monkeypatch):
+    """cuBLAS as it is counts as one family only where its rows have the same bits at every
+    count: where they differ (it splits K at some counts), the unsplit GEMM is taken even when
+    it is no faster than cuBLAS."""
+    k = len(gemm.STEP_TILINGS)
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({1}))
+    weight, bias = torch.randn(32, 96, device=DEVICE), torch.randn(32, device=DEVICE)
+    monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: True)
+    times = iter([1.0] * (2 * (k + 1)))
+    assert gemm.step_choice(weight, bias, [1, 4], timer=lambda fn: next(times))[0] == {}
+    monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: False)
+    times = iter([1.0] * (2 * (k + 1)))
+    # At one row cuBLAS splits (the unsplit GEMM's tiling); at four it does not and ties (cuBLAS).
+    assert gemm.step_choice(weight, bias, [1, 4], timer=lambda fn: next(times))[0] == {1: gemm.STEP_TILINGS[0]}
 
 
 def test_forced_gemv_takes_every_step_row_count():
     """``--step-gemms gemv``: every layer without a bias on ``FORCED_GEMV`` at each step row
-    count (one family, so a row's bits do not depend on its batch); none where a count exceeds
-    the GEMV's rows; layers with a bias keep cuBLAS."""
+    count (one family, so a row's bits do not depend on its batch); refused where a count
+    exceeds the GEMV's rows (a verify step of several drafts); layers with a bias keep cuBLAS."""
     layers = [nn.ModuleDict({"o": nn.Linear(96, 32, bias=False), "b": nn.Linear(96, 32)}).to(DEVICE)]
-    assert gemm.force_step_gemv(layers, [4, 24]) == {}
+    with pytest.raises(ValueError, match="exceed the GEMV"):
+        gemm.force_step_gemv(layers, [4, 24])
     assert gemm.force_step_gemv(layers, [4, 1, 2]) == {"0.o": {c: gemm.FORCED_GEMV for c in (1, 2, 4)}}
     assert not hasattr(layers[0]["b"], "flare_step_tiling")
 
@@ -295,7 +314,7 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
     with torch.no_grad():
         want = plain(x)
         torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
-        assert calls == [((2, 192), {"swiglu": True})]
+        assert calls == [((2, 192), {"swiglu": True, "residual": None})]
         calls.clear()
         with prompt_rows.marked(True):
             torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)

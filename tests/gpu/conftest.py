@@ -46,10 +46,10 @@ SHAPES = {
                            "--pack-capacities", "64,256", "--draft-tokens", "5"],
     # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md), and
     # verify programs with per-position state (speculative decoding's rollback).
-    # One-row decode steps on the GEMV (--step-gemms gemv): the gated norm and the MLP's activation
-    # in its loads, the residual add in its epilogue (what the 9B shape's measured GEMMs take).
+    # Decode and verify steps on the GEMV (--step-gemms gemv: every step row count, at most 8,
+    # so one draft token): the MLP's activation in its loads, the residual add in its epilogue.
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
-                            "--draft-tokens", "3", "--step-gemms", "gemv"],
+                            "--draft-tokens", "1", "--step-gemms", "gemv"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Hybrid and routed experts with a gated shared expert: Qwen3.5-35B-A3B's and

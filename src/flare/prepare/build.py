@@ -226,6 +226,8 @@ class _CudaArena:
         """Linear layers that cuBLAS would split at a prompt program's row count compute
         those programs with the unsplit Triton GEMM (kernels/gemm.py), and the RMS norms take
         their mean of squares from a row-invariant kernel there (kernels/rownorm.py)."""
+        if opts.step_gemms not in ("cublas", "measure", "gemv"):
+            raise ValueError(f"step_gemms {opts.step_gemms!r}: expected cublas, measure or gemv")
         if opts.step_gemms != "cublas":
             self._step_gemms(recipe, model, caps, continuation, progress, forced=opts.step_gemms == "gemv")
         if opts.split_prompt_gemms:
@@ -248,9 +250,9 @@ class _CudaArena:
             progress(f"norms left to the compiler (their code is not one rownorm knows): {', '.join(left)}")
 
     def _step_gemms(self, recipe, model, caps, continuation, progress, forced: bool = False) -> None:
-        """Decode and verify steps: each linear layer takes the unsplit Triton GEMM at the
-        row counts where it measured faster than cuBLAS (kernels/gemm.choose_step_gemms), or
-        (``forced``) the GEMV at one-row steps (kernels/gemm.force_step_gemv)."""
+        """Decode and verify steps: each linear layer takes one product at all their row counts,
+        the unsplit Triton GEMM or a GEMV where it measured faster than cuBLAS
+        (kernels/gemm.choose_step_gemms), or (``forced``) the GEMV (kernels/gemm.force_step_gemv)."""
         from flare.prepare.kernels.gemm import choose_step_gemms, force_step_gemv
 
         rows = {p.capacity * (caps.draft_tokens + 1 if p.kind == mf.ProgramKind.verify else 1)

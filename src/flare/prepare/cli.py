@@ -122,8 +122,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-gemms", choices=("cublas", "measure", "gemv"), default="cublas",
                    help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM or "
                         "(no bias) the few-row GEMV where one times faster at preparation (no split-K reduce "
-                        "kernels); 'gemv': every layer without a bias on the GEMV at one-row steps, untimed "
-                        "(the folds it carries, exercised on small shapes whatever times faster)")
+                        "kernels), one product a layer for every step row count (a row's bits never depend on its "
+                        "batch); 'gemv': every layer without a bias on the GEMV at every step row count (at most 8), "
+                        "untimed (the folds it carries, exercised on small shapes whatever times faster)")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "
                         "default: 6 or a fifth of the weights, whichever is larger)")

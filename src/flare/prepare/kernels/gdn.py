@@ -465,21 +465,21 @@ def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, stride_xt, stride_xh, st
              mask=d_in)
 
 
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Transformers' gated RMS norm of a Gated DeltaNet's output (``Qwen3_5RMSNormGated``,
     ``Qwen3NextRMSNormGated`` with a SiLU gate) over heads ``x [T, H, D]``, gate ``z [T, H, D]``
     (any strides but unit along D: a view of the input projection), weight ``[D]``, in one launch
     of a program a head: in float32 ``x * rsqrt(mean(x^2) + eps)`` rounded to x's dtype, times
     the weight (rounded), times ``silu(z)``, rounded, as the module's casts do. Compiled, the
     module is a reduction and a pointwise kernel before the few-row GEMV (a custom op), one
-    kernel before cuBLAS. Returns ``[T, H, D]`` (contiguous)."""
-    if x.dim() != 3 or z.shape != x.shape or weight.shape != (x.shape[2],):
-        raise ValueError(f"x {tuple(x.shape)} / z {tuple(z.shape)} / weight {tuple(weight.shape)}: expected "
-                         f"[T, H, D], [T, H, D] and [D]")
+    kernel before cuBLAS. The weight in x's dtype (the module's product rounds to it then).
+    Returns ``[T, H, D]`` (contiguous)."""
+    if x.dim() != 3 or z.shape != x.shape or weight.shape != (x.shape[2],) or weight.dtype != x.dtype:
+        raise ValueError(f"x {tuple(x.shape)} / z {tuple(z.shape)} / weight {tuple(weight.shape)} {weight.dtype}: "
+                         f"expected [T, H, D], [T, H, D] and [D] in x's dtype {x.dtype}")
     if x.stride(2) != 1 or z.stride(2) != 1:
         raise ValueError("gated_rms_norm takes heads with unit stride")
-    out = _output(out, tuple(x.shape), x)
+    out = _output(None, tuple(x.shape), x)
     T, H, D = x.shape
     if T * H:
         block = triton.next_power_of_2(D)

@@ -104,6 +104,17 @@ def nonsplit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 # -- which programs, which layers ---------------------------------------------------
 
+def _random_operands(weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A random weight and bias (None without one) of the layer's shapes, dtypes and device, and
+    ``rows`` random rows for them: times and bit patterns do not depend on the values."""
+    g = torch.Generator(device=weight.device).manual_seed(seed)
+    n, k = weight.shape
+    w = torch.randn((n, k), generator=g, device=weight.device, dtype=weight.dtype) * k ** -0.5
+    b = None if bias is None else torch.randn(n, generator=g, device=weight.device, dtype=bias.dtype)
+    return w, b, torch.randn((rows, k), generator=g, device=weight.device, dtype=weight.dtype)
+
+
 def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iterable[int]) -> frozenset[int]:
     """The row counts at which ``F.linear`` over a weight of this shape, dtype and device
     gives other bits than ``nonsplit_linear`` (random data: cuBLAS picks its kernel by the
@@ -115,12 +126,9 @@ def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iter
     counts = sorted(set(row_counts))
     if not counts:
         return frozenset()
-    g = torch.Generator(device=weight.device).manual_seed(0)
     n, k = weight.shape
     dt = weight.dtype
-    w = torch.randn((n, k), generator=g, device=weight.device, dtype=dt) * k ** -0.5
-    b = None if bias is None else torch.randn(n, generator=g, device=weight.device, dtype=bias.dtype)
-    x = torch.randn((counts[-1], k), generator=g, device=weight.device, dtype=dt)
+    w, b, x = _random_operands(weight, bias, counts[-1])
     ref = nonsplit_linear(x, w, b)
     for c in counts:
         if not torch.equal(nonsplit_linear(x[:c], w, b), ref[:c]):
@@ -168,8 +176,6 @@ class _RowInvariant:
         """This layer as a gated MLP's down projection of ``silu(gate) * up``, from the
         [gate | up] projection, by the GEMV with the activation in its loads (and ``residual``
         added in its epilogue, when given)."""
-        if residual is None:
-            return gemv_linear(gate_up, self.weight, tiling, swiglu=True)
         return gemv_linear(gate_up, self.weight, tiling, swiglu=True, residual=residual)
 
 
@@ -277,13 +283,9 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``); the
     default ``timer`` captures a call for every copy (at least ``TIMED_CALLS``), so a small
     weight's copies are not all read from L2 the replays after the first."""
-    g = torch.Generator(device=weight.device).manual_seed(0)
-    n, k = weight.shape
-    w = torch.randn((n, k), generator=g, device=weight.device, dtype=weight.dtype) * k ** -0.5
+    w, b, x = _random_operands(weight, bias, rows)
     copies = 1 if weight.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
     ws = [w] + [w.clone() for _ in range(copies - 1)]
-    b = None if bias is None else torch.randn(n, generator=g, device=weight.device, dtype=bias.dtype)
-    x = torch.randn((rows, k), generator=g, device=weight.device, dtype=weight.dtype)
 
     def rotating(call):
         turn = itertools.count()
@@ -302,8 +304,9 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
 
 
 # The GEMV ``--step-gemms gemv`` gives every layer: 8 columns a program (so the folds take it),
-# K in steps of 1,024 with the lanes kept through the loop.
-FORCED_GEMV = GemvTiling(8, 1024, 4, 1)
+# K in steps of 512, a row at a time (its registers do not grow with the rows: a verify step of
+# 8 rows with the lanes kept would hold 64K float32 lanes a program).
+FORCED_GEMV = GemvTiling(8, 512, 4, 0, 1)
 
 
 def _gemv_rows(counts: list[int]) -> bool:
@@ -313,19 +316,33 @@ def _gemv_rows(counts: list[int]) -> bool:
 def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, dict]:
     """Every plain linear layer without a bias under ``layers`` takes ``FORCED_GEMV`` at every
     step row count (all of them, so that a row's bits do not depend on its batch: the GEMV sums
-    each row alone), untimed: what ``choose_step_gemms`` picks where the GEMVs time faster, on any
-    shape (the GPU suite's small cores). Nothing where a count exceeds ``GEMV_MAX_ROWS`` (verify
-    programs of several drafts). Returns {module name: {rows: tiling}} as ``choose_step_gemms``."""
+    each row alone, checked here on the device at these counts), untimed: what
+    ``choose_step_gemms`` picks where the GEMVs time faster, on any shape (the GPU suite's small
+    cores). Refused where a count exceeds ``GEMV_MAX_ROWS`` (verify programs of several drafts
+    at the larger decode capacities). Returns {module name: {rows: tiling}} as
+    ``choose_step_gemms`` does."""
     counts = sorted(set(row_counts))
-    if not _gemv_rows(counts):
+    if not counts:
         return {}
-    found = {}
+    if not _gemv_rows(counts):
+        raise ValueError(f"--step-gemms gemv: steps of {counts[-1]} rows (verify programs) exceed the GEMV's "
+                         f"{GEMV_MAX_ROWS}; use fewer draft tokens or decode capacities, or --step-gemms measure")
+    found, checked = {}, set()
     for name, module in _plain_linears(layers):
-        if module.bias is None:
-            _switch(module)
-            module.flare_step_tiling = {c: FORCED_GEMV for c in counts}
-            found[name] = dict(module.flare_step_tiling)
+        if module.bias is not None:
+            continue
+        if _key(module) not in checked:
+            w, _, x = _random_operands(module.weight, None, counts[-1], seed=1)
+            if not _same_rows(lambda rows: gemv_linear(rows, w, FORCED_GEMV), x, counts):
+                raise RuntimeError(f"the GEMV {FORCED_GEMV} gives a row other bits at another row count on this "
+                                   f"device ({tuple(module.weight.shape)}): --step-gemms gemv would break exactness")
+            checked.add(_key(module))
+        _switch(module)
+        module.flare_step_tiling = {c: FORCED_GEMV for c in counts}
+        found[name] = dict(module.flare_step_tiling)
     return found
+
+
 
 
 def _same_rows(fn, x: torch.Tensor, counts: list[int]) -> bool:
@@ -334,26 +351,30 @@ def _same_rows(fn, x: torch.Tensor, counts: list[int]) -> bool:
     return all(torch.equal(fn(x[:c]), full[:c]) for c in counts)
 
 
+def _cublas_same_rows(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, counts: list[int]) -> bool:
+    """Whether cuBLAS gives each row the same bits at every one of ``counts`` on this device."""
+    return _same_rows(lambda rows: F.linear(rows, w, b), x, counts)
+
+
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
                 margin: float = 0.97) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
-    in: cache on and off, a request resumed alone, give the same tokens only then). The
-    candidates are families whose rows have the same bits at every count: cuBLAS as it is (no
-    tiling: the default, whose few-row kernels the GPU suite checks), the unsplit GEMM (one
-    float32 sum over K in order: any ``STEP_TILINGS`` tiling at each count, and cuBLAS at the
-    counts where it does not split K, the same bits) and each GEMV tiling at every count (where
-    all counts are GEMV rows, no bias, and its rows check equal across counts here). The family
-    with the least time summed over the counts wins where it takes at most ``margin`` x cuBLAS's
-    sum. Returns ({rows: tiling} for the counts that leave cuBLAS, {count: step_tiling's times}).
-    Chosen per row count instead, the 9B hybrid took the GEMV at one row and cuBLAS at four, and
-    a row decoded alone differed from the same row batched (GPU suite, 2026-12-04)."""
+    in: cache on and off, a request resumed alone, give the same tokens only then). Families
+    whose rows have the same bits at every count, checked here on random data: cuBLAS as it is
+    (no tiling, the default), where its rows agree across the counts; the unsplit GEMM (one
+    float32 sum over K in order: a ``STEP_TILINGS`` tiling at each count, and cuBLAS at the
+    counts where it does not split K, the same bits); each GEMV tiling at every count (where
+    all counts are GEMV rows and the layer has no bias). The family with the least time summed
+    over the counts wins where it takes at most ``margin`` x cuBLAS's sum; where cuBLAS's own
+    rows differ between counts, the fastest other family wins whatever its time. Returns
+    ({rows: tiling} for the counts that leave cuBLAS, {count: step_tiling's times}). Chosen per
+    row count instead, the 9B hybrid took the GEMV at one row and cuBLAS at four, and a row
+    decoded alone differed from the same row batched (GPU suite, 2026-12-04)."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0)[1] for c in counts}
-    g = torch.Generator(device=weight.device).manual_seed(1)
-    n, k = weight.shape
-    w = torch.randn((n, k), generator=g, device=weight.device, dtype=weight.dtype) * k ** -0.5
-    x = torch.randn((counts[-1], k), generator=g, device=weight.device, dtype=weight.dtype)
+    w, b, x = _random_operands(weight, bias, counts[-1], seed=1)
     cublas = sum(times[c]["cublas"] for c in counts)
+    cublas_same = _cublas_same_rows(w, b, x, counts)
     split = split_rows(weight, bias, counts)  # counts where cuBLAS's bits are not the unsplit ones
     unsplit, unsplit_ms = {}, 0.0
     for c in counts:
@@ -362,12 +383,17 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
             unsplit_ms += times[c]["cublas"]  # cuBLAS does not split here: the same bits
         else:
             unsplit[c], unsplit_ms = t, unsplit_ms + times[c][t]
+            if not torch.equal(nonsplit_linear(x[:c], w, b, t), nonsplit_linear(x[:c], w, b)):
+                raise RuntimeError(f"the unsplit GEMM's tiling {t} gives other bits than its default at {c} rows "
+                                   f"({tuple(weight.shape)}) on this device")
     families = [(unsplit_ms, unsplit)]
     if bias is None and _gemv_rows(counts):
         for t in STEP_GEMV_TILINGS:
             if _same_rows(lambda rows, t=t: gemv_linear(rows, w, t), x, counts):
                 families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
     best_ms, best = min(families, key=lambda f: f[0])
+    if not cublas_same:
+        return best, times
     return (best if best and best_ms <= margin * cublas else {}), times
 
 

@@ -178,7 +178,7 @@ def _mixin(cls: type) -> type | None:
 
 def is_gated_norm(module: nn.Module) -> bool:
     """Whether ``module`` computes Transformers' gated RMS norm with a SiLU gate (its code is
-    ``_GATED_FORWARD``, switched here or not), which ``gemv``'s gated-norm loads reproduce."""
+    ``_GATED_FORWARD``, switched here or not), which ``gdn.gated_rms_norm`` reproduces."""
     return ((isinstance(module, _Gated) or _mixin(type(module)) is _Gated)
             and getattr(module, "activation", None) == "silu")
 

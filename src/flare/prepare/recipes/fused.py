@@ -179,13 +179,13 @@ ATTENTION_FORWARDS = {
 SILU_ACTS = ("SiLU", "SiLUActivation")
 
 
-def hooked(*modules: nn.Module) -> bool:
-    """Whether a forward hook, of one of ``modules`` or a global one, would see their calls (a
-    tensor-parallel all-reduce, for one): a fold that bypasses their forward would skip it."""
+def hooked(module: nn.Module) -> bool:
+    """Whether a forward hook, the module's own or a global one, would see its calls (a
+    tensor-parallel all-reduce, for one): a fold that bypasses its forward would skip it."""
     from torch.nn.modules import module as M
 
-    return bool(M._global_forward_hooks or M._global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+    return bool(M._global_forward_hooks or M._global_forward_pre_hooks or module._forward_hooks
+                or module._forward_pre_hooks)
 
 
 def _mlp_forward(self, x, residual=None):
@@ -227,7 +227,8 @@ def _residual_forward(cls: type):
     once, at the top level of the body) as one ``mlp_residual`` call: the same code otherwise,
     compiled from its syntax tree in its module's namespace. None where the forward does not
     have that shape (a mixture-of-experts layer unpacks a tuple between the two), calls
-    ``super()`` (no class cell here) or its source is unavailable. Its decorators apply again."""
+    ``super()`` or closes over names (no class cell or closure here) or its source is
+    unavailable. Its decorators apply again; line numbers are the source's."""
     if cls in _LAYER_FORWARDS:
         return _LAYER_FORWARDS[cls]
     import ast
@@ -235,13 +236,14 @@ def _residual_forward(cls: type):
     import textwrap
 
     forward = None
+    original = inspect.unwrap(cls.forward)
     try:
-        source = textwrap.dedent(inspect.getsource(cls.forward))
-        tree = ast.parse(source)
+        lines, first = inspect.getsourcelines(original)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError):
         tree = None
     fn = tree.body[0] if tree is not None and tree.body else None
-    if isinstance(fn, ast.FunctionDef) and not any(
+    if isinstance(fn, ast.FunctionDef) and not original.__code__.co_freevars and not any(
             isinstance(n, ast.Name) and n.id in ("super", "__class__") for n in ast.walk(fn)):
         want = [ast.dump(ast.parse(line).body[0]) for line in _MLP_THEN_ADD]
         body = [ast.dump(stmt) for stmt in fn.body]
@@ -249,9 +251,10 @@ def _residual_forward(cls: type):
         if len(at) == 1:
             call = ast.parse("hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)").body[0]
             fn.body[at[0]:at[0] + 2] = [ast.copy_location(call, fn.body[at[0]])]
-            namespace = dict(vars(sys.modules[cls.__module__]), _flare_mlp_residual=mlp_residual)
-            exec(compile(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])),
-                         f"<flare residual {cls.__qualname__}.forward>", "exec"), namespace)
+            # The namespace of the module that defines the forward (a copy, with the call's name).
+            namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual)
+            module = ast.increment_lineno(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])), first - 1)
+            exec(compile(module, f"<flare residual {cls.__qualname__}.forward>", "exec"), namespace)
             forward = namespace[fn.name]
     _LAYER_FORWARDS[cls] = forward
     return forward

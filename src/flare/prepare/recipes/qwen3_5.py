@@ -84,8 +84,8 @@ def _prepared_gdn_with(inputs):
                 T = x.shape[0]
                 mixed, z, b, a = inputs(self, x)  # q|k|v, z, b, a
                 mix = _mix_triton if paged.impl == "triton" else _mix_torch
-                if mix is _mix_triton and _norms_in_decode(self, paged):
-                    core = _decode_triton_normed(self, paged, mixed, b, a, z)  # normed and gated
+                if mix is _mix_triton and _norms_in_step(self, paged, mixed):
+                    core = _step_triton_normed(self, paged, mixed, b, a, z)  # normed and gated
                 else:
                     core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
                     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
@@ -352,25 +352,31 @@ def _aligned_prefill_triton(mod, paged: PagedBatch, rows, slot, count, rule) -> 
                          slot, start, count, meta, T)
 
 
-def _norms_in_decode(mod, paged: PagedBatch) -> bool:
-    """Whether a step's gated norm runs in ``_decode_triton_normed`` (one launch after the delta
-    rule, where Inductor compiles the module into two before the few-row GEMV): decode steps of
-    the CUDA path, with Transformers' gated norm (``rownorm.is_gated_norm``) and no hook on it.
-    Prompt and verify programs keep the module."""
+def _norms_in_step(mod, paged: PagedBatch, mixed: torch.Tensor) -> bool:
+    """Whether a step's gated norm runs in ``_step_triton_normed`` (one launch after the delta
+    rule, where Inductor compiles the module into two before the few-row GEMV): decode and
+    verify steps of the CUDA path (both, so that a row's bits are the same in either), with
+    Transformers' gated norm (``rownorm.is_gated_norm``) in the model's dtype and no hook on
+    it. Prompt programs keep the module."""
     from flare.prepare.kernels.rownorm import is_gated_norm
 
-    return (not paged.single_slot and not paged.verify_width and is_gated_norm(mod.norm)
-            and not hooked(mod.norm))
+    norm = mod.norm
+    return (not paged.single_slot and is_gated_norm(norm) and norm.weight.dtype == mixed.dtype
+            and not hooked(norm))
 
 
 @torch.compiler.disable
-def _decode_triton_normed(mod, paged: PagedBatch, mixed, b, a, z) -> torch.Tensor:
-    """A decode step's convolution and delta rule (``_decode_triton``), then the gated norm of
-    its output heads (``gdn.gated_rms_norm``): ``[T, Hv * Dv]``."""
+def _step_triton_normed(mod, paged: PagedBatch, mixed, b, a, z) -> torch.Tensor:
+    """A decode or verify step's convolution and delta rule (``_decode_triton``,
+    ``_verify_triton``), then the gated norm of its output heads (``gdn.gated_rms_norm``):
+    ``[T, Hv * Dv]``."""
     from flare.prepare.kernels import gdn as K
 
-    conv_rows, rec_rows = _state_rows(mod, paged)
-    core = _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)  # [T, Hv, Dv]
+    if paged.verify_width:
+        core = _verify_triton(mod, paged, mixed, b, a)
+    else:
+        conv_rows, rec_rows = _state_rows(mod, paged)
+        core = _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)
     gate = z.reshape(core.shape) if z.dim() == 3 else z.unflatten(-1, core.shape[1:])  # a view
     out = K.gated_rms_norm(core, gate, mod.norm.weight, mod.norm.variance_epsilon)
     return out.reshape(core.shape[0], -1)
