@@ -147,7 +147,9 @@ def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
         return pending.pop(0)
 
     # cuBLAS splits o's K at four rows (other bits than the unsplit GEMM), down's nowhere.
-    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({4}) if w.shape[1] == 96 else frozenset())
+    monkeypatch.setattr(gemm, "split_rows",
+                        lambda w, b, counts, remedy="": frozenset({4}) if w.shape[1] == 96 else frozenset())
+    monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: True)
     layers = [nn.ModuleDict({"o": nn.Linear(96, 32), "down": nn.Linear(48, 32)}).to(DEVICE)]
     found = gemm.choose_step_gemms(layers, [4, 1], timer=timer)
     # o: 5 + 9.9 unsplit against cuBLAS's 19.5 (and at four rows the unsplit GEMM, not cuBLAS,
@@ -215,7 +217,7 @@ def test_a_gemv_faster_at_one_row_only_is_taken_at_every_count_or_not_at_all(mon
     the GEMM at four, as choosing per count did); where its four-row time makes it lose, the
     unsplit GEMM takes both counts; a GEMV tiling is offered only where every count fits it."""
     k, v = len(gemm.STEP_TILINGS), len(gemm.STEP_GEMV_TILINGS)
-    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset(counts))
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset(counts))
     weight = torch.randn(32, 96, device=DEVICE)
     last = gemm.STEP_GEMV_TILINGS[-1]
     one = [10] + [9] * k + [8] * (v - 1) + [3]
@@ -236,15 +238,16 @@ def test_where_cublas_rows_differ_between_counts_another_family_is_taken(monkeyp
     count: where they differ (it splits K at some counts), the unsplit GEMM is taken even when
     it is no faster than cuBLAS."""
     k = len(gemm.STEP_TILINGS)
-    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts: frozenset({1}))
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset())
     weight, bias = torch.randn(32, 96, device=DEVICE), torch.randn(32, device=DEVICE)
     monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: True)
     times = iter([1.0] * (2 * (k + 1)))
-    assert gemm.step_choice(weight, bias, [1, 4], timer=lambda fn: next(times))[0] == {}
+    assert gemm.step_choice(weight, bias, [1, 4], timer=lambda fn: next(times))[0] == {}  # a tie: cuBLAS stays
     monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: False)
     times = iter([1.0] * (2 * (k + 1)))
-    # At one row cuBLAS splits (the unsplit GEMM's tiling); at four it does not and ties (cuBLAS).
-    assert gemm.step_choice(weight, bias, [1, 4], timer=lambda fn: next(times))[0] == {1: gemm.STEP_TILINGS[0]}
+    # cuBLAS's rows differ between one row and four: the unsplit GEMM at both, though it only ties.
+    assert gemm.step_choice(weight, bias, [1, 4], timer=lambda fn: next(times))[0] == {
+        1: gemm.STEP_TILINGS[0], 4: gemm.STEP_TILINGS[0]}
 
 
 def test_forced_gemv_takes_every_step_row_count():

@@ -122,8 +122,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-gemms", choices=("cublas", "measure", "gemv"), default="cublas",
                    help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM or "
                         "(no bias) the few-row GEMV where one times faster at preparation (no split-K reduce "
-                        "kernels), one product a layer for every step row count (a row's bits never depend on its "
-                        "batch); 'gemv': every layer without a bias on the GEMV at every step row count (at most 8), "
+                        "kernels), one product a layer for every step row count (so a row's bits in the decoder's "
+                        "linear layers do not depend on its batch; it may then be slower than cuBLAS where cuBLAS's "
+                        "own rows differ between counts); 'gemv': every layer without a bias on the GEMV at every step "
+                        "row count (at most 8), "
                         "untimed (the folds it carries, exercised on small shapes whatever times faster)")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "

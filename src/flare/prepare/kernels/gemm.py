@@ -115,7 +115,8 @@ def _random_operands(weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
     return w, b, torch.randn((rows, k), generator=g, device=weight.device, dtype=weight.dtype)
 
 
-def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iterable[int]) -> frozenset[int]:
+def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iterable[int],
+               remedy: str = "--split-prompt-gemms") -> frozenset[int]:
     """The row counts at which ``F.linear`` over a weight of this shape, dtype and device
     gives other bits than ``nonsplit_linear`` (random data: cuBLAS picks its kernel by the
     shapes, never by the values). Raises if ``nonsplit_linear`` itself differs between row
@@ -133,7 +134,7 @@ def split_rows(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iter
     for c in counts:
         if not torch.equal(nonsplit_linear(x[:c], w, b), ref[:c]):
             raise RuntimeError(f"the unsplit GEMM's rows differ between {c} and {counts[-1]} rows ({n} x {k}, {dt}): "
-                               f"its tilings do not agree on this device (use --split-prompt-gemms)")
+                               f"its tilings do not agree on this device (use {remedy})")
     if dt == torch.float32 and bias is not None:
         return frozenset(counts)
     return frozenset(c for c in counts if not torch.equal(F.linear(x[:c], w, b), ref[:c]))
@@ -333,7 +334,7 @@ def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> d
             continue
         if _key(module) not in checked:
             w, _, x = _random_operands(module.weight, None, counts[-1], seed=1)
-            if not _same_rows(lambda rows: gemv_linear(rows, w, FORCED_GEMV), x, counts):
+            if not _gemv_same_rows(w, x, FORCED_GEMV, counts):
                 raise RuntimeError(f"the GEMV {FORCED_GEMV} gives a row other bits at another row count on this "
                                    f"device ({tuple(module.weight.shape)}): --step-gemms gemv would break exactness")
             checked.add(_key(module))
@@ -349,6 +350,20 @@ def _same_rows(fn, x: torch.Tensor, counts: list[int]) -> bool:
     """Whether ``fn`` gives each row the same bits at every row count (random rows ``x``)."""
     full = fn(x[:counts[-1]])
     return all(torch.equal(fn(x[:c]), full[:c]) for c in counts)
+
+
+def _gemv_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts: list[int]) -> bool:
+    """Whether the GEMV with ``tiling`` gives each row the same bits at every count, as it is and,
+    where the folds may take it (``FOLD_MIN_BN``), with the activation in its loads and the
+    residual in its epilogue (random rows ``x`` standing for both halves of [gate | up])."""
+    if not _same_rows(lambda rows: gemv_linear(rows, w, tiling), x, counts):
+        return False
+    if tiling.bn < FOLD_MIN_BN:
+        return True
+    gate_up = torch.cat([x, x.flip(0)], dim=1)
+    residual = torch.full((x.shape[0], w.shape[0]), 0.5, device=x.device, dtype=x.dtype)
+    return _same_rows(lambda rows: gemv_linear(gate_up[: rows.shape[0]], w, tiling, swiglu=True,
+                                               residual=residual[: rows.shape[0]].contiguous()), x, counts)
 
 
 def _cublas_same_rows(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, counts: list[int]) -> bool:
@@ -375,24 +390,28 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     w, b, x = _random_operands(weight, bias, counts[-1], seed=1)
     cublas = sum(times[c]["cublas"] for c in counts)
     cublas_same = _cublas_same_rows(w, b, x, counts)
-    split = split_rows(weight, bias, counts)  # counts where cuBLAS's bits are not the unsplit ones
+    # Counts where cuBLAS's bits are not the unsplit ones (all of them where its own rows differ
+    # between counts: the family then keeps off cuBLAS).
+    split = split_rows(weight, bias, counts, remedy="--step-gemms cublas") if cublas_same else frozenset(counts)
     unsplit, unsplit_ms = {}, 0.0
     for c in counts:
         t = min(STEP_TILINGS, key=times[c].get)
         if c not in split and times[c]["cublas"] <= times[c][t]:
             unsplit_ms += times[c]["cublas"]  # cuBLAS does not split here: the same bits
-        else:
+        elif torch.equal(nonsplit_linear(x[:c], w, b, t), nonsplit_linear(x[:c], w, b)):
             unsplit[c], unsplit_ms = t, unsplit_ms + times[c][t]
-            if not torch.equal(nonsplit_linear(x[:c], w, b, t), nonsplit_linear(x[:c], w, b)):
-                raise RuntimeError(f"the unsplit GEMM's tiling {t} gives other bits than its default at {c} rows "
-                                   f"({tuple(weight.shape)}) on this device")
+        else:  # a tiling whose bits are not its default's on this device: no unsplit family
+            unsplit_ms = float("inf")
     families = [(unsplit_ms, unsplit)]
     if bias is None and _gemv_rows(counts):
         for t in STEP_GEMV_TILINGS:
-            if _same_rows(lambda rows, t=t: gemv_linear(rows, w, t), x, counts):
+            if _gemv_same_rows(w, x, t, counts):
                 families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
     best_ms, best = min(families, key=lambda f: f[0])
     if not cublas_same:
+        if best_ms == float("inf"):
+            raise RuntimeError(f"no product gives a row the same bits at every step row count {counts} on this device "
+                               f"({tuple(weight.shape)}): use --step-gemms cublas")
         return best, times
     return (best if best and best_ms <= margin * cublas else {}), times
 

@@ -250,12 +250,16 @@ def _residual_forward(cls: type):
         at = [i for i in range(len(body) - 1) if body[i:i + 2] == want]
         if len(at) == 1:
             call = ast.parse("hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)").body[0]
-            fn.body[at[0]:at[0] + 2] = [ast.copy_location(call, fn.body[at[0]])]
+            ast.increment_lineno(call, fn.body[at[0]].lineno - 1)  # the line of the MLP call it replaces
+            fn.body[at[0]:at[0] + 2] = [call]
             # The namespace of the module that defines the forward (a copy, with the call's name).
             namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual)
-            module = ast.increment_lineno(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])), first - 1)
-            exec(compile(module, f"<flare residual {cls.__qualname__}.forward>", "exec"), namespace)
-            forward = namespace[fn.name]
+            module = ast.increment_lineno(ast.Module(body=[fn], type_ignores=[]), first - 1)
+            try:  # the decorators run again here; any that fails leaves the forward as it is
+                exec(compile(module, f"<flare residual {cls.__qualname__}.forward>", "exec"), namespace)
+                forward = namespace[fn.name]
+            except Exception:
+                forward = None
     _LAYER_FORWARDS[cls] = forward
     return forward
 
