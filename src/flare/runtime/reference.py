@@ -56,6 +56,17 @@ def _arena_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
+def _exited(proc: asyncio.subprocess.Process | None) -> bool:
+    """Whether the process has exited, reaped or not (a zombie until the event loop reaps it)."""
+    if proc is None or proc.returncode is not None:
+        return True
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except OSError:  # gone, where /proc exists (elsewhere: not known, so not exited)
+        return Path("/proc/self").exists()
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
+
+
 class _Rank:
     """One rank's shared arena file, its host views and its worker process."""
 
@@ -264,14 +275,17 @@ class ReferenceExecutor:
 
     async def _peer_death(self, pending: dict) -> ExecutionError | None:
         """A rank's error can be its collective failing because a peer died: the peer's
-        death, seen within a moment (its stdout closes when it dies), is the cause to
-        report."""
+        death, seen within a moment (its stdout closes when it dies, or its process is gone
+        or a zombie: a child still holding the pipe keeps it open), is the cause to report."""
         if not pending:
             return None
         done, _ = await asyncio.wait(pending, timeout=PEER_DEATH_GRACE_S)
         for task in done:
             r = pending.pop(task)
             if not task.result():
+                return ExecutionError(f"reference worker exited (rank {r})", code="worker_died")
+        for r in pending.values():
+            if _exited(self._ranks[r].proc):
                 return ExecutionError(f"reference worker exited (rank {r})", code="worker_died")
         return None
 
