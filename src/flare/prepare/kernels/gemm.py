@@ -344,8 +344,6 @@ def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> d
     return found
 
 
-
-
 def _same_rows(fn, x: torch.Tensor, counts: list[int]) -> bool:
     """Whether ``fn`` gives each row the same bits at every row count (random rows ``x``)."""
     full = fn(x[:counts[-1]])

@@ -192,13 +192,11 @@ class GemvTiling(NamedTuple):
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: bool = False,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    bn, bk, warps = tiling[:3]
-    defer = tiling[3] if len(tiling) > 3 else 0
-    rowloop = tiling[4] if len(tiling) > 4 else 0
+    t = GemvTiling(*tiling)
     # No split: the partial sums and counters are never read, so ``out`` stands in for both
     # (no workspace allocated, no counters zeroed in a captured program).
-    gemv(x, weight, out, (bn, bk, 1, warps, 1, defer, rowloop), space=(out, out), kernel=wrap_triton(gemv_kernel),
-         swiglu=swiglu, residual=residual)
+    gemv(x, weight, out, (t.bn, t.bk, 1, t.warps, 1, t.defer, t.rowloop), space=(out, out),
+         kernel=wrap_triton(gemv_kernel), swiglu=swiglu, residual=residual)
     return out
 
 

@@ -196,11 +196,11 @@ def _mlp_forward(self, x, residual=None):
     # computes silu(gate) * up in that GEMV's loads, and the residual add after it: a launch
     # fewer each. Not under a forward hook (a tensor-parallel all-reduce), the module's own or
     # a global one, which the GEMV would bypass.
-    swiglu_tiling = getattr(down, "flare_fold_tiling", None)
-    if (swiglu_tiling is not None and type(self.act_fn).__name__ in SILU_ACTS
+    fold_tiling = getattr(down, "flare_fold_tiling", None)
+    if (fold_tiling is not None and type(self.act_fn).__name__ in SILU_ACTS
             and self.gate_up_proj.sizes[0] == self.gate_up_proj.sizes[1]
             and not hooked(down)):
-        tiling = swiglu_tiling(gate_up.numel() // gate_up.shape[-1])
+        tiling = fold_tiling(gate_up.numel() // gate_up.shape[-1])
         if tiling is not None:
             return down.flare_swiglu_down(gate_up, tiling, residual)
     gate, up = gate_up.split(self.gate_up_proj.sizes, dim=-1)

@@ -367,16 +367,11 @@ def _norms_in_step(mod, paged: PagedBatch, mixed: torch.Tensor) -> bool:
 
 @torch.compiler.disable
 def _step_triton_normed(mod, paged: PagedBatch, mixed, b, a, z) -> torch.Tensor:
-    """A decode or verify step's convolution and delta rule (``_decode_triton``,
-    ``_verify_triton``), then the gated norm of its output heads (``gdn.gated_rms_norm``):
-    ``[T, Hv * Dv]``."""
+    """A decode or verify step's convolution and delta rule (``_mix_triton``), then the gated
+    norm of its output heads (``gdn.gated_rms_norm``): ``[T, Hv * Dv]``."""
     from flare.prepare.kernels import gdn as K
 
-    if paged.verify_width:
-        core = _verify_triton(mod, paged, mixed, b, a)
-    else:
-        conv_rows, rec_rows = _state_rows(mod, paged)
-        core = _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)
+    core = _mix_triton(mod, paged, mixed, b, a)  # [T, Hv, Dv]
     gate = z.reshape(core.shape) if z.dim() == 3 else z.unflatten(-1, core.shape[1:])  # a view
     out = K.gated_rms_norm(core, gate, mod.norm.weight, mod.norm.variance_epsilon)
     return out.reshape(core.shape[0], -1)
