@@ -9,7 +9,14 @@ reduce kernels are inside its time. Each tiling's output is checked against cuBL
 (bfloat16 rounding) before it is timed. The JSON is rewritten after every shape, so a run
 cut short keeps what it measured.
 
-    python -m bench.gemv OUT.json [--rows 1,4] [--shapes 8b-o,8b-down,...]
+    python -m bench.gemv OUT.json [--rows 1,4] [--shapes 8b-o,8b-down,...] [--only dot] [--folds]
+
+``--only dot`` (or ``rowloop``, ``defer``) times that variant's tilings alone; ``--folds`` also
+times, for the down projections (``FOLD_SHAPES``), the product as a decoder layer needs it:
+``residual + (silu(gate) * up) @ w.T`` from [gate | up] rows, by cuBLAS with the activation
+and the add as two elementwise kernels (a multiply stands in for the compiled activation
+kernel: the same bytes, one launch), by each tiling with both folded, and by each ``dot``
+tiling with the residual folded and the activation apart (the recipe's choice for it).
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 40
           # out_proj / o_proj both have
           "35b-gdn-in": (12352, 2048), "35b-attn-qkv": (9216, 2048), "30b-qkv": (5120, 2048),
           "a3b-o": (2048, 4096)}
-# (BN, BK, SPLIT, warps, stages[, defer[, rowloop]]): the first version's best (reduced at every step),
+FOLD_SHAPES = ("8b-down", "9b-down")
+VARIANTS = {"defer": 5, "rowloop": 6, "dot": 7}
+# (BN, BK, SPLIT, warps, stages[, defer[, rowloop[, dot]]]): the first version's best (reduced at every step),
 # then lanes kept through the loop (defer), narrow and long, then whole-K steps
 TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
            (8, 512, 1, 4, 3, 1), (8, 512, 1, 8, 3, 1), (4, 1024, 1, 4, 3, 1), (4, 1024, 1, 8, 4, 1),
@@ -48,7 +57,12 @@ TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
            (1, 4096, 1, 4, 1), (2, 4096, 1, 8, 1), (2, 2048, 1, 4, 1), (4, 2048, 1, 4, 1),
            (8, 2048, 1, 8, 1), (1, 8192, 1, 8, 1),
            # a row at a time against the weight tile (rowloop): [BN, BK] products at four rows too
-           (8, 512, 1, 4, 1, 0, 1), (8, 1024, 1, 8, 1, 0, 1), (16, 512, 1, 8, 1, 0, 1), (4, 2048, 1, 8, 1, 0, 1)]
+           (8, 512, 1, 4, 1, 0, 1), (8, 1024, 1, 8, 1, 0, 1), (16, 512, 1, 8, 1, 0, 1), (4, 2048, 1, 8, 1, 0, 1),
+           # one tensor-core tile of 16 rows whatever the rows (dot), the K loop pipelined (stages)
+           (16, 128, 1, 4, 4, 0, 0, 1), (16, 256, 1, 4, 3, 0, 0, 1), (16, 256, 1, 4, 4, 0, 0, 1),
+           (16, 512, 1, 4, 2, 0, 0, 1), (32, 128, 1, 4, 4, 0, 0, 1), (32, 256, 1, 4, 3, 0, 0, 1),
+           (32, 256, 1, 8, 4, 0, 0, 1), (32, 512, 1, 8, 2, 0, 0, 1), (64, 128, 1, 4, 4, 0, 0, 1),
+           (64, 256, 1, 8, 3, 0, 0, 1)]
 CALLS = 20
 ROTATE_BYTES = 256 << 20
 
@@ -58,18 +72,46 @@ def graph_ms(calls) -> float:
     return graphs.graph_ms(lambda: [c() for c in calls], len(calls))
 
 
+def _folded(w, ws, rows: int, k: int, n: int, tilings, dev, g) -> dict:
+    """ms of ``residual + (silu(gate) * up) @ w.T`` from [gate | up] rows (``--folds``)."""
+    gu = torch.randn((rows, 2 * k), generator=g, device=dev, dtype=torch.bfloat16)
+    r = torch.randn((rows, n), generator=g, device=dev, dtype=torch.bfloat16)
+    out = torch.empty((rows, n), device=dev, dtype=torch.bfloat16)
+    gate, up = gu[:, :k], gu[:, k:]
+    act = torch.empty((rows, k), device=dev, dtype=torch.bfloat16)
+    res = {"cublas+act+add": graph_ms([lambda i=i: torch.add(r, F.linear(torch.mul(gate, up, out=act), ws[i % len(ws)]))
+                                       for i in range(CALLS)])}
+    for t in tilings:
+        if t[2] != 1 or t[0] < 8:
+            continue
+        key = "x".join(map(str, t))
+        try:
+            res[key] = graph_ms([lambda i=i, t=t: G.gemv(gu, ws[i % len(ws)], out, t, (out, out), swiglu=True,
+                                                         residual=r) for i in range(CALLS)])
+            if len(t) > 7 and t[7]:
+                res[key + "-act-apart"] = graph_ms([lambda i=i, t=t: G.gemv(torch.mul(gate, up, out=act), ws[i % len(ws)],
+                                                                            out, t, (out, out), residual=r)
+                                                    for i in range(CALLS)])
+        except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
+            res[key] = f"{type(e).__name__}: {str(e)[:200]}"
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--rows", default="1,4")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--only", choices=sorted(VARIANTS))
+    p.add_argument("--folds", action="store_true")
     a = p.parse_args(argv)
+    tilings = [t for t in TILINGS if a.only is None or (len(t) > VARIANTS[a.only] and t[VARIANTS[a.only]])]
     dev = torch.device("cuda")
     rows_list = [int(r) for r in a.rows.split(",")]
     meta = {"machine": platform.node(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "python": sys.version.split()[0], "dtype": "bfloat16",
             "calls_per_graph": CALLS, "rotation_bytes": ROTATE_BYTES,
-            "tilings": "(BN, BK, SPLIT, warps, stages[, defer[, rowloop]])",
+            "tilings": "(BN, BK, SPLIT, warps, stages[, defer[, rowloop[, dot]]])",
             "timing": "CUDA graph of CALLS products over rotating weight copies, median of 10 replays, per product",
             "command": "python -m bench.gemv " + " ".join(sys.argv[1:] if argv is None else argv)}
     results: dict = {}
@@ -86,13 +128,13 @@ def main(argv=None) -> int:
             ref = F.linear(x, w)
             entry = {"weight_mb": mb, "ms": {}, "errors": {}}
             entry["ms"]["cublas"] = graph_ms([lambda i=i: F.linear(x, ws[i % len(ws)]) for i in range(CALLS)])
-            for t in TILINGS:
+            for t in tilings:
                 key = "x".join(map(str, t))
                 bn, bk, split = t[:3]
                 if split > 1 and (split - 1) * (triton.cdiv(triton.cdiv(k, split), bk) * bk) >= k:
                     continue
                 try:
-                    space = G.workspace(rows, n, split, bn, dev)
+                    space = G.workspace(rows, n, split, bn, dev, dot=len(t) > 7 and bool(t[7]))
                     got = G.gemv(x, w, out, t, space).clone()
                     if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
                         entry["errors"][key] = f"max diff {(got.float() - ref.float()).abs().max().item():.3g}"
@@ -101,6 +143,8 @@ def main(argv=None) -> int:
                                                  for i in range(CALLS)])
                 except Exception as e:  # a tiling that does not compile or launch here
                     entry["errors"][key] = f"{type(e).__name__}: {str(e)[:200]}"
+            if a.folds and name in FOLD_SHAPES:
+                entry["folded_ms"] = _folded(w, ws, rows, k, n, tilings, dev, g)
             entry["tb_per_s"] = {t: mb / 1e6 / (v / 1e3) for t, v in entry["ms"].items()}
             best = min((t for t in entry["ms"] if t != "cublas"), key=entry["ms"].get, default=None)
             entry["best"] = best

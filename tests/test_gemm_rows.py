@@ -292,7 +292,8 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
     GEMV runs the down projection with silu(gate) * up computed in the GEMV's loads (one
     launch fewer), within float32 rounding of the MLP as written; not in a prompt program,
     at another row count, under a forward hook (a tensor-parallel all-reduce), or with a
-    GEMV of fewer than ``FOLD_MIN_BN`` columns a program."""
+    GEMV of fewer than ``FOLD_MIN_BN`` columns a program; the tensor-core tile (``dot``) takes
+    the activation computed apart."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -332,4 +333,10 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
         mlp.down_proj.flare_step_tiling = {2: GemvTiling(gemm.FOLD_MIN_BN // 2, 64, 4)}
         torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
         assert calls == [((2, 96), {})]
+        calls.clear()
+        # The tensor-core tile takes the activation computed apart (each of its 16 rows would
+        # compute it), the residual still in its epilogue.
+        mlp.down_proj.flare_step_tiling = {2: GemvTiling(16, 32, 4, dot=1)}
+        torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
+        assert calls == [((2, 96), {"residual": None})]
 

@@ -14,20 +14,26 @@ from flare.prepare.kernels import gemv as G  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("defer,rowloop", [(0, 0), (1, 0), (0, 1)])
-@pytest.mark.parametrize("split", [1, 3, 4])
-@pytest.mark.parametrize("rows", [1, 3, 4])
-def test_a_few_rows_times_a_weight(rows, split, defer, rowloop):
+# (rows, split, (defer, rowloop, dot)): every rows x split pair for the plain product, three for
+# each variant (the split's reduction is the same code in all).
+VARIANT_CASES = ([(r, s, (0, 0, 0)) for r in (1, 3, 4) for s in (1, 3, 4)]
+                 + [(r, s, v) for v in ((1, 0, 0), (0, 1, 0), (0, 0, 1)) for r, s in ((1, 1), (3, 4), (4, 3))])
+
+
+@pytest.mark.parametrize("rows,split,variant", VARIANT_CASES)
+def test_a_few_rows_times_a_weight(rows, split, variant):
     """N not a multiple of the tile, K not a multiple of the slices: masked edges; every row
     within float32 rounding of float64; the same bits on a second call (the counters were
-    reset) and for the row alone (row-invariant: also a row at a time, ``rowloop``); the
-    counters end at zero."""
+    reset) and for the row alone (row-invariant: also a row at a time, ``rowloop``, and one
+    tensor-core tile, ``dot``); the counters end at zero."""
     g = torch.Generator().manual_seed(rows * 10 + split)
     n, k = 100, 300
-    w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
-    x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
-    tiling = (16, 32, split, 4, 2, defer, rowloop)
-    space = G.workspace(rows, n, split, 16, DEVICE)
+    # The CPU interpreter's tl.dot takes no bfloat16 operands (it returns garbage): float32 there.
+    dt = torch.float32 if variant[2] and DEVICE == "cpu" else torch.bfloat16
+    w = torch.randn(n, k, generator=g).to(DEVICE, dt)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dt)
+    tiling = (16, 32, split, 4, 2, *variant)
+    space = G.workspace(rows, n, split, 16, DEVICE, dot=bool(variant[2]))
     out = G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=torch.float32), tiling, space)
     want = x.double() @ w.double().T
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
@@ -103,13 +109,15 @@ def test_the_residual_in_the_epilogue():
     w = torch.randn(n, k, generator=g).to(DEVICE, dt)
     x = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dt)
     r = torch.randn(rows, n, generator=g).to(DEVICE, dt)
-    for split, swiglu, rowloop in ((1, False, 0), (3, False, 0), (1, True, 0), (1, True, 1)):
+    for split, swiglu, rowloop, dot in ((1, False, 0, 0), (3, False, 0, 0), (1, True, 0, 0), (1, True, 1, 0),
+                                        (1, False, 0, 1), (1, True, 0, 1)):
         xs = x if swiglu else x[:, :k].contiguous()
-        tiling = (8, 32, split, 4, 1, 0, rowloop)
-        space = G.workspace(rows, n, split, 8, DEVICE)
+        bn = 16 if dot else 8
+        tiling = (bn, 32, split, 4, 1, 0, rowloop, dot)
+        space = G.workspace(rows, n, split, bn, DEVICE, dot=bool(dot))
         plain = G.gemv(xs, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling, space, swiglu=swiglu)
         got = G.gemv(xs, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling, space, swiglu=swiglu, residual=r)
-        assert torch.equal(got, (r.float() + plain.float()).to(dt)), (split, swiglu, rowloop)
+        assert torch.equal(got, (r.float() + plain.float()).to(dt)), (split, swiglu, rowloop, dot)
         assert not torch.equal(got, plain)
     with pytest.raises(ValueError, match="residual"):
         G.gemv(x[:, :k].contiguous(), w, torch.empty(rows, n, device=DEVICE), (8, 32, 1, 4, 1), residual=r[:, :-1])
@@ -129,5 +137,26 @@ def test_a_row_loop_with_the_activation_and_the_lanes_kept_is_refused():
     torch.testing.assert_close(fused, (gate * torch.sigmoid(gate) * up) @ w.T, rtol=1e-5, atol=1e-4)
     alone = G.gemv(gu[1:2].clone(), w, torch.empty(1, n, device=DEVICE), tiling, swiglu=True)
     assert torch.equal(alone[0], fused[1])
-    with pytest.raises(ValueError, match="row loop"):
+    with pytest.raises(ValueError, match="one at most"):
         G.gemv(gu[:, :k].contiguous(), w, torch.empty(rows, n, device=DEVICE), (8, 64, 1, 4, 1, 1, 1))
+
+
+def test_the_tensor_core_tile_serves_up_to_its_rows():
+    """``dot``: 16 rows (a verify step of 4 slots and 3 drafts) within float32 rounding of
+    float64, each row the same bits as alone and at 9 rows, with the activation in the loads;
+    17 rows, or a BN under tl.dot's 16, refused."""
+    g = torch.Generator().manual_seed(23)
+    n, k = 48, 96
+    w = torch.randn(n, k, generator=g).to(DEVICE, torch.float32)
+    gu = torch.randn(17, 2 * k, generator=g).to(DEVICE, torch.float32)
+    tiling = (16, 32, 1, 4, 1, 0, 0, 1)
+    full = G.gemv(gu[:16], w, torch.empty(16, n, device=DEVICE), tiling, swiglu=True)
+    gate, up = gu[:16].double().split(k, dim=1)
+    torch.testing.assert_close(full.double(), (gate * torch.sigmoid(gate) * up) @ w.double().T, rtol=1e-5, atol=1e-4)
+    nine = G.gemv(gu[:9].clone(), w, torch.empty(9, n, device=DEVICE), tiling, swiglu=True)
+    alone = G.gemv(gu[5:6].clone(), w, torch.empty(1, n, device=DEVICE), tiling, swiglu=True)
+    assert torch.equal(nine, full[:9]) and torch.equal(alone[0], full[5])
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        G.gemv(gu, w, torch.empty(17, n, device=DEVICE), tiling, swiglu=True)
+    with pytest.raises(ValueError, match="BN, BK of 16"):
+        G.gemv(gu[:2].clone(), w, torch.empty(2, n, device=DEVICE), (8, 32, 1, 4, 1, 0, 0, 1), swiglu=True)

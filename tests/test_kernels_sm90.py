@@ -37,10 +37,10 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import rownorm as RN
     from flare.prepare.kernels import sampler as SK
 
-    def compile_for_sm90(fn, types, constexprs, num_warps=4):
+    def compile_for_sm90(fn, types, constexprs, num_warps=4, num_stages=3):
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
         print("compiled", fn.__name__)
 
     bf16 = lambda *names: {n: "*bf16" for n in names}
@@ -133,21 +133,29 @@ SCRIPT = textwrap.dedent('''
     # The few-row GEMV at the step tilings (no split: no workspace), one and four rows, and
     # with the gated MLP's activation in its loads (and the residual add after it in its
     # epilogue) at the tilings that may take them.
-    for bm in (1, 4):
-        for t in G.STEP_GEMV_TILINGS:
-            folds = ((False, False), (True, False), (True, True)) if t.bn >= G.FOLD_MIN_BN else ((False, False),)
+    # The tensor-core tile (dot) has 16 rows at every count and keeps the activation apart.
+    for t in G.STEP_GEMV_TILINGS:
+        if t.bn < G.FOLD_MIN_BN:
+            folds = ((False, False),)
+        elif G.folds_swiglu(t):
+            folds = ((False, False), (True, False), (True, True))
+        else:
+            folds = ((False, False), (False, True))
+        for bm in (GV.DOT_ROWS,) if t.dot else (1, 4):
             for swiglu, residual in folds:
                 compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr"), **f32("part_ptr"),
                                                   "count_ptr": "*i32"},
                                  dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=bool(t.defer), SWIGLU=swiglu,
-                                      RESIDUAL=residual, ROWLOOP=bool(t.rowloop)), num_warps=t.warps)
+                                      RESIDUAL=residual, ROWLOOP=bool(t.rowloop), DOT=bool(t.dot), PRECISION="tf32"),
+                                 num_warps=t.warps, num_stages=t.stages)
     # --step-gemms gemv's tiling at the other step row counts it serves (2 and 8 rows).
     t = G.FORCED_GEMV
     for bm in (2, 8):
         compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr"), **f32("part_ptr"),
                                           "count_ptr": "*i32"},
                          dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=bool(t.defer), SWIGLU=True,
-                              RESIDUAL=True, ROWLOOP=bool(t.rowloop)), num_warps=t.warps)
+                              RESIDUAL=True, ROWLOOP=bool(t.rowloop), DOT=False, PRECISION="tf32"),
+                         num_warps=t.warps)
     # The sampler: the draw after the sort, and the log-probability block (float32 logits,
     # 64-bit candidate keys; 20 values, a 248,320-token vocabulary's 61 blocks).
     for verify in (False, True):
@@ -166,4 +174,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 77, proc.stdout
+    assert proc.stdout.count("compiled") == 87, proc.stdout

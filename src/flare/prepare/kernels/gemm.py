@@ -35,7 +35,7 @@ from torch.library import triton_op, wrap_triton
 from torch.nn import functional as F
 
 from flare.prepare import prompt_rows
-from flare.prepare.kernels.gemv import GEMV_MAX_ROWS, GemvTiling, gemv_linear
+from flare.prepare.kernels.gemv import GemvTiling, gemv_linear
 
 
 @triton.jit
@@ -175,9 +175,13 @@ class _RowInvariant:
     def flare_swiglu_down(self, gate_up: torch.Tensor, tiling: GemvTiling,
                           residual: torch.Tensor | None = None) -> torch.Tensor:
         """This layer as a gated MLP's down projection of ``silu(gate) * up``, from the
-        [gate | up] projection, by the GEMV with the activation in its loads (and ``residual``
-        added in its epilogue, when given)."""
-        return gemv_linear(gate_up, self.weight, tiling, swiglu=True, residual=residual)
+        [gate | up] projection, by the GEMV with the activation in its loads (``folds_swiglu``;
+        otherwise computed apart, as the MLP computes it) and ``residual`` added in its
+        epilogue, when given."""
+        if folds_swiglu(tiling):
+            return gemv_linear(gate_up, self.weight, tiling, swiglu=True, residual=residual)
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return gemv_linear(F.silu(gate) * up, self.weight, tiling, residual=residual)
 
 
 _CLASSES: dict[type, type] = {}
@@ -242,10 +246,19 @@ STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 1
 # of the 9B hybrid's four GDN-layer weights at one row among the five ``bench/pdl.py`` tries,
 # ``bench/results/pdl-2026-12-04.json``); then two that take a row at a time (``rowloop``: the
 # broadcast ones took 1.13-1.69x cuBLAS's time at four rows, and a layer's GEMV must serve every
-# step row count, ``step_choice``; not yet timed on the H200).
+# step row count, ``step_choice``; on the H200 the row loop was no better, 1.6-2.0 TB/s at four
+# rows, ``gemv-2026-12-04-run2.json``); then one 16-row tensor-core tile at every count (``dot``,
+# the same program whatever the rows, up to 16: verify steps too), the five of
+# ``gemv-2026-12-04-run3.json``'s ten that were best for some weight of the 9B and 8B shapes: the
+# 9B in_proj at 3.9 TB/s against cuBLAS's 3.6 at 1-4 rows, q/k/v and gate/up within 1 % of
+# cuBLAS, the 4,096-column weights (down, o/out_proj) 5-15 % under it (too few programs without
+# a split of K).
 STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(2, 2048, 4), GemvTiling(4, 2048, 4),
                      GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1),
-                     GemvTiling(8, 512, 4, 0, 1), GemvTiling(8, 1024, 8, 0, 1))
+                     GemvTiling(8, 512, 4, 0, 1), GemvTiling(8, 1024, 8, 0, 1),
+                     GemvTiling(16, 256, 4, dot=1, stages=3), GemvTiling(32, 256, 4, dot=1, stages=3),
+                     GemvTiling(16, 512, 4, dot=1, stages=2), GemvTiling(32, 128, 4, dot=1, stages=4),
+                     GemvTiling(64, 128, 4, dot=1, stages=4))
 
 
 # Each program of the GEMV with the gated activation in its loads computes it for every row's
@@ -254,6 +267,13 @@ STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(
 # one column 50M, which could take as long as the stream itself. The step tiling is timed
 # without the fold, so narrower programs keep the activation kernel apart.
 FOLD_MIN_BN = 8
+
+
+def folds_swiglu(tiling: GemvTiling) -> bool:
+    """Whether a down projection on this GEMV tiling computes the gated activation in its loads:
+    not the tensor-core tile (``dot``), which would compute it for all ``DOT_ROWS`` rows of its
+    tile, 16x a one-row step's sigmoids (its residual fold stays)."""
+    return not tiling.dot
 
 # Products a timing captures in one CUDA graph at least (each on the next weight copy).
 TIMED_CALLS = 20
@@ -278,7 +298,7 @@ ROTATE_BYTES = 256 << 20
 def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=None,
                 margin: float = 0.97) -> tuple[tuple[int, ...] | None, dict]:
     """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias and at most
-    ``GEMV_MAX_ROWS`` rows, ``STEP_GEMV_TILINGS``) for ``rows`` rows over a weight of this
+    its ``max_rows``, ``STEP_GEMV_TILINGS``) for ``rows`` rows over a weight of this
     shape, where it takes at most ``margin`` x cuBLAS's time (``F.linear``), else None; and
     the times measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
     On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``); the
@@ -298,8 +318,9 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     times = {"cublas": timer(rotating(lambda w: F.linear(x, w, b)))}
     for t in STEP_TILINGS:
         times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
-    for t in STEP_GEMV_TILINGS if bias is None and rows <= GEMV_MAX_ROWS else ():
-        times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t)))
+    for t in STEP_GEMV_TILINGS if bias is None else ():
+        if rows <= t.max_rows:
+            times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t)))
     best = min((t for t in times if t != "cublas"), key=times.get)
     return (best if times[best] <= margin * times["cublas"] else None), times
 
@@ -310,8 +331,8 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
 FORCED_GEMV = GemvTiling(8, 512, 4, 0, 1)
 
 
-def _gemv_rows(counts: list[int]) -> bool:
-    return bool(counts) and counts[-1] <= GEMV_MAX_ROWS
+def _gemv_rows(counts: list[int], tiling: GemvTiling = FORCED_GEMV) -> bool:
+    return bool(counts) and counts[-1] <= tiling.max_rows
 
 
 def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, dict]:
@@ -319,7 +340,7 @@ def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> d
     step row count (all of them, so that a row's bits do not depend on its batch: the GEMV sums
     each row alone, checked here on the device at these counts), untimed: what
     ``choose_step_gemms`` picks where the GEMVs time faster, on any shape (the GPU suite's small
-    cores). Refused where a count exceeds ``GEMV_MAX_ROWS`` (verify programs of several drafts
+    cores). Refused where a count exceeds its ``max_rows`` (verify programs of several drafts
     at the larger decode capacities). Returns {module name: {rows: tiling}} as
     ``choose_step_gemms`` does."""
     counts = sorted(set(row_counts))
@@ -327,7 +348,7 @@ def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> d
         return {}
     if not _gemv_rows(counts):
         raise ValueError(f"--step-gemms gemv: steps of {counts[-1]} rows (verify programs) exceed the GEMV's "
-                         f"{GEMV_MAX_ROWS}; use fewer draft tokens or decode capacities, or --step-gemms measure")
+                         f"{FORCED_GEMV.max_rows}; use fewer draft tokens or decode capacities, or --step-gemms measure")
     found, checked = {}, set()
     for name, module in _plain_linears(layers):
         if module.bias is not None:
@@ -360,7 +381,8 @@ def _gemv_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts
         return True
     gate_up = torch.cat([x, x.flip(0)], dim=1)
     residual = torch.full((x.shape[0], w.shape[0]), 0.5, device=x.device, dtype=x.dtype)
-    return _same_rows(lambda rows: gemv_linear(gate_up[: rows.shape[0]], w, tiling, swiglu=True,
+    return _same_rows(lambda rows: gemv_linear(gate_up[: rows.shape[0]] if folds_swiglu(tiling) else rows, w, tiling,
+                                               swiglu=folds_swiglu(tiling),
                                                residual=residual[: rows.shape[0]].contiguous()), x, counts)
 
 
@@ -401,9 +423,9 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
         else:  # a tiling whose bits are not its default's on this device: no unsplit family
             unsplit_ms = float("inf")
     families = [(unsplit_ms, unsplit)]
-    if bias is None and _gemv_rows(counts):
+    if bias is None:
         for t in STEP_GEMV_TILINGS:
-            if _gemv_same_rows(w, x, t, counts):
+            if _gemv_rows(counts, t) and _gemv_same_rows(w, x, t, counts):
                 families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
     best_ms, best = min(families, key=lambda f: f[0])
     if not cublas_same:

@@ -1,4 +1,4 @@
-"""A decode-step GEMM for a few rows (M <= 8): ``out = x @ w.T``, streaming the weight once.
+"""A decode-step GEMM for a few rows (M <= 8; 16 with ``dot``): ``out = x @ w.T``, streaming the weight once.
 
 A decode step's linear layers multiply 1-4 rows by weights of tens to hundreds of MB, so
 their time is the weight's bytes over the memory bandwidth. cuBLAS reaches 2.6-4.2 TB/s
@@ -20,7 +20,12 @@ across K at every step, was 1.18-1.49x slower than cuBLAS at one row, docs/gpu.m
 
 A row's sums involve no other row; whether its bits are also the same at every M (the row
 block BM changes the register layout of the reduction) is what tests/test_gemv.py checks,
-in the interpreter and on the GPU.
+in the interpreter and on the GPU. The ``dot`` variant runs one tensor-core tile of
+``DOT_ROWS`` rows (``tl.dot``, rows past M zeros) at every M: the same program whatever the
+rows, so the same bits by construction. On the H200 it streamed the 9B hybrid's Gated DeltaNet
+in_proj at 3.92-3.97 TB/s at one, two and four rows against cuBLAS's 3.54-3.59 (32 columns a
+program, K steps of 128, four stages), where the row loop fell to 1.6-2.0 TB/s at four rows
+(``bench/results/gemv-2026-12-04-run2.json``, ``-run3.json``).
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def _rows(x_at, mask, K, SWIGLU: tl.constexpr, dtype: tl.constexpr):
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                 stride_rm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
-                RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False):
+                RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False, DOT: tl.constexpr = False,
+                PRECISION: tl.constexpr = "ieee"):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -74,7 +80,11 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
         k_in = kk < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_in[:, None] & k_in[None, :],
                     other=0.0)
-        if ROWLOOP:  # a row at a time against the weight tile: [BN, BK] products whatever BM
+        if DOT:  # one tensor-core tile of DOT_ROWS rows whatever M (rows past M load zeros)
+            x = _rows(x_ptr + m[:, None] * stride_xm + kk[None, :], m_in[:, None] & k_in[None, :], K, SWIGLU,
+                      x_ptr.dtype.element_ty)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        elif ROWLOOP:  # a row at a time against the weight tile: [BN, BK] products whatever BM
             wf = w.to(tl.float32)
             for r in tl.static_range(BM):
                 # the row's bound folded into K's (the interpreter mis-types scalar & tensor masks)
@@ -110,9 +120,18 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-def workspace(rows: int, n: int, split: int, bn: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+# Rows of the tensor-core tile of ``gemv``'s ``dot`` variant: tl.dot's least, and the most
+# rows it serves (a 4-slot step of 3 draft tokens verifies 16).
+DOT_ROWS = 16
+
+
+def _block_rows(rows: int, dot: bool) -> int:
+    return DOT_ROWS if dot else triton.next_power_of_2(rows)
+
+
+def workspace(rows: int, n: int, split: int, bn: int, device, dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial sums, zeroed ticket counters) for ``gemv`` at these sizes."""
-    bm = triton.next_power_of_2(rows)
+    bm = _block_rows(rows, dot)
     return (torch.empty((split, bm, n), dtype=torch.float32, device=device),
             torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device))
 
@@ -127,13 +146,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     ``residual`` ``[M, N]``: the output is ``residual + x @ w.T``, the product rounded to the
     output's dtype before the add and the sum rounded again (a decoder layer's residual add,
     one launch fewer).
-    ``tiling``: (BN, BK, SPLIT, warps, stages[, defer[, rowloop]]); K is cut into SPLIT slices
+    ``tiling``: (BN, BK, SPLIT, warps, stages[, defer[, rowloop[, dot]]]); K is cut into SPLIT slices
     of whole BK steps; ``defer`` 1 keeps a float32 product per K lane through the loop and
     reduces the lanes once at the end (0, the default: reduced at every step). The two sum in
     other orders. ``rowloop`` 1 multiplies the weight tile by one row at a time (a [BN, BK]
     product whatever the rows, where the broadcast holds [BM, BN, BK] in registers: the
     broadcast GEMV took 1.13-1.69x cuBLAS's time at four rows on the H200); its own sums, the
-    same for a row at every M.
+    same for a row at every M. ``dot`` 1 multiplies one tensor-core tile of ``DOT_ROWS`` rows
+    (``tl.dot``; rows past M are zeros, M at most ``DOT_ROWS``): the same program at every M, so a
+    row's bits are the same at every M by construction; BN and BK at least 16.
     ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None). ``kernel``: the plain
     Triton kernel eagerly, or its ``wrap_triton`` form inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -150,13 +171,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
         raise ValueError(f"gemv's residual must be [M, N] = {(M, N)} with unit stride, got {tuple(residual.shape)}")
     defer = bool(tiling[5]) if len(tiling) > 5 else False
     rowloop = bool(tiling[6]) if len(tiling) > 6 else False
-    if defer and rowloop:
-        raise ValueError("gemv keeps K lanes through the loop (defer) with the rows broadcast only, not a row loop")
+    dot = bool(tiling[7]) if len(tiling) > 7 else False
+    if defer + rowloop + dot > 1:
+        raise ValueError("gemv's defer, rowloop and dot are variants of the product: one at most")
+    if dot and (M > DOT_ROWS or bn < 16 or bk < 16):
+        raise ValueError(f"gemv's dot variant takes at most {DOT_ROWS} rows and BN, BK of 16 or more: "
+                         f"{M} rows, BN {bn}, BK {bk}")
     ks = triton.cdiv(triton.cdiv(K, split), bk) * bk
     if split > 1 and (split - 1) * ks >= K:
         raise ValueError(f"K = {K} does not fill {split} slices of {ks} columns")
-    part, count = space if space is not None else workspace(M, N, split, bn, x.device)
-    bm = triton.next_power_of_2(M)
+    part, count = space if space is not None else workspace(M, N, split, bn, x.device, dot)
+    bm = _block_rows(M, dot)
     if out.stride(-1) != 1 or out.shape[0] < M or out.shape[1] != N:
         raise ValueError(f"gemv writes {M} x {N} outputs with unit stride, got {tuple(out.shape)}")
     if split > 1 and (tuple(part.shape) != (split, bm, N) or count.numel() < triton.cdiv(N, bn)):
@@ -164,7 +189,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0),
         BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
-        ROWLOOP=rowloop, num_warps=warps, num_stages=stages)
+        ROWLOOP=rowloop, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=stages)
     return out
 
 
@@ -179,13 +205,22 @@ GEMV_MAX_ROWS = 8
 class GemvTiling(NamedTuple):
     """A tiling of ``gemv`` for a decode step's linear layer: no split of K (so no workspace
     and no counters in the captured program); lanes reduced at every step, or with ``defer``
-    1 once after the loop; with ``rowloop`` 1 a row at a time against the weight tile."""
+    1 once after the loop; with ``rowloop`` 1 a row at a time against the weight tile; with
+    ``dot`` 1 one tensor-core tile of ``DOT_ROWS`` rows; ``stages``: Triton's software
+    pipelining of the K loop (1: none)."""
 
     bn: int
     bk: int
     warps: int
     defer: int = 0
     rowloop: int = 0
+    dot: int = 0
+    stages: int = 1
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a step may give this tiling."""
+        return DOT_ROWS if self.dot else GEMV_MAX_ROWS
 
 
 @triton_op("flare::gemv_linear", mutates_args=())
@@ -195,7 +230,7 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: b
     t = GemvTiling(*tiling)
     # No split: the partial sums and counters are never read, so ``out`` stands in for both
     # (no workspace allocated, no counters zeroed in a captured program).
-    gemv(x, weight, out, (t.bn, t.bk, 1, t.warps, 1, t.defer, t.rowloop), space=(out, out),
+    gemv(x, weight, out, (t.bn, t.bk, 1, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=(out, out),
          kernel=wrap_triton(gemv_kernel), swiglu=swiglu, residual=residual)
     return out
 
@@ -207,8 +242,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swigl
     is a gated MLP's [gate | up] projection and the product is its down projection of
     ``silu(gate) * up``; ``residual`` (the output's shape): added to the product (``gemv``)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    if rows.shape[0] > GEMV_MAX_ROWS:
-        raise ValueError(f"gemv_linear takes at most {GEMV_MAX_ROWS} rows, not {rows.shape[0]}")
+    if rows.shape[0] > tiling.max_rows:
+        raise ValueError(f"gemv_linear with {tiling} takes at most {tiling.max_rows} rows, not {rows.shape[0]}")
     if residual is not None:
         residual = residual.reshape(-1, residual.shape[-1]).contiguous()
     return _gemv_op(rows, weight, list(tiling), swiglu, residual).reshape(*x.shape[:-1], weight.shape[0])
