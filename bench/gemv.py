@@ -62,7 +62,11 @@ TILINGS = [(8, 512, 1, 4, 3), (4, 1024, 1, 4, 3),
            (16, 128, 1, 4, 4, 0, 0, 1), (16, 256, 1, 4, 3, 0, 0, 1), (16, 256, 1, 4, 4, 0, 0, 1),
            (16, 512, 1, 4, 2, 0, 0, 1), (32, 128, 1, 4, 4, 0, 0, 1), (32, 256, 1, 4, 3, 0, 0, 1),
            (32, 256, 1, 8, 4, 0, 0, 1), (32, 512, 1, 8, 2, 0, 0, 1), (64, 128, 1, 4, 4, 0, 0, 1),
-           (64, 256, 1, 8, 3, 0, 0, 1)]
+           (64, 256, 1, 8, 3, 0, 0, 1),
+           # the same with K split, the slices added in order by a second launch (tickets=False,
+           # as the programs run it: no counters)
+           (16, 128, 4, 4, 4, 0, 0, 1), (32, 128, 2, 4, 4, 0, 0, 1), (32, 128, 4, 4, 4, 0, 0, 1),
+           (32, 128, 8, 4, 4, 0, 0, 1), (32, 256, 4, 4, 3, 0, 0, 1), (64, 128, 4, 4, 4, 0, 0, 1)]
 CALLS = 20
 ROTATE_BYTES = 256 << 20
 
@@ -82,15 +86,18 @@ def _folded(w, ws, rows: int, k: int, n: int, tilings, dev, g) -> dict:
     res = {"cublas+act+add": graph_ms([lambda i=i: torch.add(r, F.linear(torch.mul(gate, up, out=act), ws[i % len(ws)]))
                                        for i in range(CALLS)])}
     for t in tilings:
-        if t[2] != 1 or t[0] < 8:
+        dot = len(t) > 7 and bool(t[7])
+        if (t[2] != 1 and not dot) or t[0] < 8:
             continue
         key = "x".join(map(str, t))
+        space = G.workspace(rows, n, t[2], t[0], dev, dot=dot)
         try:
-            res[key] = graph_ms([lambda i=i, t=t: G.gemv(gu, ws[i % len(ws)], out, t, (out, out), swiglu=True,
-                                                         residual=r) for i in range(CALLS)])
-            if len(t) > 7 and t[7]:
+            if t[2] == 1:  # (the activation fold of a split tile: as costly as unsplit, not timed)
+                res[key] = graph_ms([lambda i=i, t=t: G.gemv(gu, ws[i % len(ws)], out, t, space, swiglu=True,
+                                                             residual=r, tickets=not dot) for i in range(CALLS)])
+            if dot:
                 res[key + "-act-apart"] = graph_ms([lambda i=i, t=t: G.gemv(torch.mul(gate, up, out=act), ws[i % len(ws)],
-                                                                            out, t, (out, out), residual=r)
+                                                                            out, t, space, residual=r, tickets=False)
                                                     for i in range(CALLS)])
         except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
             res[key] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -133,13 +140,15 @@ def main(argv=None) -> int:
                 bn, bk, split = t[:3]
                 if split > 1 and (split - 1) * (triton.cdiv(triton.cdiv(k, split), bk) * bk) >= k:
                     continue
+                dot = len(t) > 7 and bool(t[7])
                 try:
-                    space = G.workspace(rows, n, split, bn, dev, dot=len(t) > 7 and bool(t[7]))
-                    got = G.gemv(x, w, out, t, space).clone()
+                    space = G.workspace(rows, n, split, bn, dev, dot=dot)
+                    got = G.gemv(x, w, out, t, space, tickets=not dot).clone()
                     if not torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2):
                         entry["errors"][key] = f"max diff {(got.float() - ref.float()).abs().max().item():.3g}"
                         continue
-                    entry["ms"][key] = graph_ms([lambda i=i, t=t, space=space: G.gemv(x, ws[i % len(ws)], out, t, space)
+                    entry["ms"][key] = graph_ms([lambda i=i, t=t, space=space: G.gemv(x, ws[i % len(ws)], out, t, space,
+                                                                                       tickets=not dot)
                                                  for i in range(CALLS)])
                 except Exception as e:  # a tiling that does not compile or launch here
                     entry["errors"][key] = f"{type(e).__name__}: {str(e)[:200]}"

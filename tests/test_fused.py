@@ -326,6 +326,9 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
         fused.mlp_residual = real
     assert calls == [twin.mlp]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # --step-gemms measure charges cuBLAS this layer's residual add (its GEMV folds it); not the
+    # canonical layer's, whose add stays a kernel of its own whatever its down projection runs.
+    assert fused.residual_down_projections([canon, twin]) == [twin.mlp.down_proj]
     twin.compile(backend="aot_eager", dynamic=False)
     torch.testing.assert_close(_run_layer(model, twin, cfg, x), want, rtol=1e-12, atol=1e-12)
 

@@ -176,17 +176,23 @@ def test_step_gemms_switch_where_they_time_faster_than_cublas(monkeypatch):
     assert o.flare_step_tiling == {1: gemm.STEP_TILINGS[1], 4: gemm.STEP_TILINGS[0]}
 
 
+def _gemvs_for(k: int) -> list:
+    """The GEMV tilings offered for a weight of K = ``k`` (a split must leave no slice empty)."""
+    return [t for t in gemm.STEP_GEMV_TILINGS if t.fits(k)]
+
+
 def test_a_layer_without_bias_can_take_the_gemv_at_step_rows(monkeypatch):
     """Without a bias, ``step_tiling`` also times ``STEP_GEMV_TILINGS``; where one is fastest
     the layer's step rows go through ``gemv_linear`` (the custom op compiled layers call),
     within float32 rounding of ``F.linear``; a layer with a bias is never offered one."""
     from flare.prepare.kernels.gemv import GemvTiling
 
-    k, v = len(gemm.STEP_TILINGS), len(gemm.STEP_GEMV_TILINGS)
+    gemvs = _gemvs_for(96)
+    k, v = len(gemm.STEP_TILINGS), len(gemvs)
     times = iter([10] + [9] * k + [8] * (v - 1) + [3])  # cuBLAS, the GEMMs, the GEMVs: the last wins
     layers = [nn.ModuleDict({"o": nn.Linear(96, 32, bias=False)}).to(DEVICE)]
     found = gemm.choose_step_gemms(layers, [2], timer=lambda fn: next(times))
-    assert found == {"0.o": {2: gemm.STEP_GEMV_TILINGS[-1]}} and isinstance(found["0.o"][2], GemvTiling)
+    assert found == {"0.o": {2: gemvs[-1]}} and isinstance(found["0.o"][2], GemvTiling)
     assert next(times, None) is None
     o = layers[0]["o"]
     x = torch.randn(2, 96, device=DEVICE)
@@ -194,7 +200,7 @@ def test_a_layer_without_bias_can_take_the_gemv_at_step_rows(monkeypatch):
     real = gemm.gemv_linear
     monkeypatch.setattr(gemm, "gemv_linear", lambda x, w, t: calls.append((x.shape[0], t)) or real(x, w, t))
     eager = o(x)
-    assert calls == [(2, gemm.STEP_GEMV_TILINGS[-1])]
+    assert calls == [(2, gemvs[-1])]
     torch.testing.assert_close(eager, F.linear(x, o.weight), atol=1e-4, rtol=1e-5)
     if torch.cuda.is_available():  # compiled as the programs are (in inference mode: the custom op
         # has no autograd formula): one graph, the same bits (the CPU interpreter cannot run a
@@ -216,21 +222,42 @@ def test_a_gemv_faster_at_one_row_only_is_taken_at_every_count_or_not_at_all(mon
     the four-row steps too where its summed time wins (never the GEMV at one row and cuBLAS or
     the GEMM at four, as choosing per count did); where its four-row time makes it lose, the
     unsplit GEMM takes both counts; a GEMV tiling is offered only where every count fits it."""
-    k, v = len(gemm.STEP_TILINGS), len(gemm.STEP_GEMV_TILINGS)
+    gemvs = _gemvs_for(96)
+    k, v = len(gemm.STEP_TILINGS), len(gemvs)
     monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset(counts))
     weight = torch.randn(32, 96, device=DEVICE)
-    last = gemm.STEP_GEMV_TILINGS[-1]
+    last = gemvs[-1]
     one = [10] + [9] * k + [8] * (v - 1) + [3]
     for four, want in (([10] + [9] * k + [20] * (v - 1) + [12], {1: last, 4: last}),
                        ([10] + [9] * k + [20] * (v - 1) + [17], {1: gemm.STEP_TILINGS[0], 4: gemm.STEP_TILINGS[0]})):
         times = iter(one + four)
         chosen, _ = gemm.step_choice(weight, None, [1, 4], timer=lambda fn: next(times))
         assert chosen == want and next(times, None) is None
-    # A verify step of 24 rows: no GEMV offered (the GEMMs win here: cuBLAS 2, the rest 1).
+    # A verify step of 24 rows: no GEMV offered, not even the 16-row tensor-core tile (the GEMMs
+    # win here: cuBLAS 2, the rest 1).
     times = iter([2.0] + [1.0] * (k + v) + [2.0] + [1.0] * k)
     chosen, measured = gemm.step_choice(weight, None, [4, 24], timer=lambda fn: next(times))
     assert chosen == {4: gemm.STEP_TILINGS[0], 24: gemm.STEP_TILINGS[0]} and next(times, None) is None
     assert not any(isinstance(t, gemm.GemvTiling) for t in measured[24])
+
+
+def test_a_down_projection_that_folds_the_residual_charges_cublas_the_add(monkeypatch):
+    """``residual_fold``: cuBLAS and the unsplit GEMM pay the residual add's kernel too (timed
+    after the products, at each count), the GEMV, whose epilogue adds it, does not: a GEMV 2 %
+    slower than cuBLAS alone wins against cuBLAS plus the add, and loses without the fold."""
+    gemvs = _gemvs_for(96)
+    k, v = len(gemm.STEP_TILINGS), len(gemvs)
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset())
+    monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: True)
+    weight = torch.randn(32, 96, device=DEVICE)
+    products = [10.0] + [20.0] * k + [20.0] * (v - 1) + [10.2]
+    times = iter(products + [2.0])
+    chosen, measured = gemm.step_choice(weight, None, [1], timer=lambda fn: next(times), residual_fold=True)
+    assert chosen == {1: gemvs[-1]} and next(times, None) is None
+    assert measured[1]["add"] == 2.0 and measured["sums"] == {"cublas_ms": 12.0, "chosen_ms": 10.2}
+    times = iter(products)
+    chosen, measured = gemm.step_choice(weight, None, [1], timer=lambda fn: next(times))
+    assert chosen == {} and measured["sums"] == {"cublas_ms": 10.0, "chosen_ms": 10.0}
 
 
 def test_where_cublas_rows_differ_between_counts_another_family_is_taken(monkeypatch):
@@ -266,9 +293,10 @@ def test_every_step_gemv_tiling_is_a_linear_layer(tiling):
     from flare.prepare.kernels.gemv import gemv_linear
 
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(70, 200, generator=g, dtype=torch.float64).float().to(DEVICE)
+    k = 200 if tiling.split == 1 else 3000  # every slice of a split filled
+    w = torch.randn(70, k, generator=g, dtype=torch.float64).float().to(DEVICE)
     for rows in (1, 3, 4):
-        x = torch.randn(rows, 200, generator=g, dtype=torch.float64).float().to(DEVICE)
+        x = torch.randn(rows, k, generator=g, dtype=torch.float64).float().to(DEVICE)
         torch.testing.assert_close(gemv_linear(x, w, tiling), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 

@@ -160,3 +160,30 @@ def test_the_tensor_core_tile_serves_up_to_its_rows():
         G.gemv(gu, w, torch.empty(17, n, device=DEVICE), tiling, swiglu=True)
     with pytest.raises(ValueError, match="BN, BK of 16"):
         G.gemv(gu[:2].clone(), w, torch.empty(2, n, device=DEVICE), (8, 32, 1, 4, 1, 0, 0, 1), swiglu=True)
+
+
+@pytest.mark.parametrize("dot", [0, 1])
+def test_slices_added_by_a_second_launch_are_the_tickets_sums(dot):
+    """``tickets=False`` (what a captured program runs: no counters): the slices' partial sums
+    added in order by ``sum_slices_kernel`` are the same bits as the last ticket's sums, with
+    and without the residual; the same through ``gemv_linear`` with a split ``GemvTiling`` (the
+    partial sums allocated by the op), and each row the same bits alone (``dot``)."""
+    g = torch.Generator().manual_seed(29)
+    rows, n, k, split = 3, 40, 384, 3
+    dt = torch.float32 if dot and DEVICE == "cpu" else torch.bfloat16
+    w = torch.randn(n, k, generator=g).to(DEVICE, dt)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dt)
+    r = torch.randn(rows, n, generator=g).to(DEVICE, dt)
+    tiling = (16, 32, split, 4, 2, 0, 0, dot)
+    for residual in (None, r):
+        space = G.workspace(rows, n, split, 16, DEVICE, dot=bool(dot))
+        want = G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling, space, residual=residual)
+        part = torch.empty_like(space[0])
+        got = G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling, (part, part), residual=residual,
+                     tickets=False)
+        assert torch.equal(got, want)
+        op = G.gemv_linear(x, w, G.GemvTiling(16, 32, 4, dot=dot, stages=2, split=split), residual=residual)
+        assert torch.equal(op, want)
+    if dot:
+        alone = G.gemv_linear(x[1:2].clone(), w, G.GemvTiling(16, 32, 4, dot=1, stages=2, split=split))
+        assert torch.equal(alone[0], G.gemv_linear(x, w, G.GemvTiling(16, 32, 4, dot=1, stages=2, split=split))[1])

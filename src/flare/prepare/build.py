@@ -260,7 +260,8 @@ class _CudaArena:
                 if p.kind in (mf.ProgramKind.decode, mf.ProgramKind.verify)}
         layers = recipe.decoder_layers(model.module)
         by_name: dict[str, set] = {}
-        for name, chosen in (force_step_gemv(layers, rows) if forced else choose_step_gemms(layers, rows)).items():
+        chosen_gemms = force_step_gemv(layers, rows) if forced else choose_step_gemms(layers, rows, log=progress)
+        for name, chosen in chosen_gemms.items():
             by_name.setdefault(name.split(".", 1)[1], set()).update(chosen.items())
         for name, chosen in sorted(by_name.items()):
             progress(f"step GEMM for {name}: " + ", ".join(f"{r} rows {t}" for r, t in sorted(chosen)))

@@ -252,13 +252,16 @@ STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 1
 # ``gemv-2026-12-04-run3.json``'s ten that were best for some weight of the 9B and 8B shapes: the
 # 9B in_proj at 3.9 TB/s against cuBLAS's 3.6 at 1-4 rows, q/k/v and gate/up within 1 % of
 # cuBLAS, the 4,096-column weights (down, o/out_proj) 5-15 % under it (too few programs without
-# a split of K).
+# a split of K); and four that split K (2-4 slices, their partial sums added in order by a second
+# launch that also adds the residual: not yet timed).
 STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(2, 2048, 4), GemvTiling(4, 2048, 4),
                      GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1),
                      GemvTiling(8, 512, 4, 0, 1), GemvTiling(8, 1024, 8, 0, 1),
                      GemvTiling(16, 256, 4, dot=1, stages=3), GemvTiling(32, 256, 4, dot=1, stages=3),
                      GemvTiling(16, 512, 4, dot=1, stages=2), GemvTiling(32, 128, 4, dot=1, stages=4),
-                     GemvTiling(64, 128, 4, dot=1, stages=4))
+                     GemvTiling(64, 128, 4, dot=1, stages=4),
+                     GemvTiling(32, 128, 4, dot=1, stages=4, split=2), GemvTiling(32, 128, 4, dot=1, stages=4, split=4),
+                     GemvTiling(64, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 256, 4, dot=1, stages=3, split=4))
 
 
 # Each program of the GEMV with the gated activation in its loads computes it for every row's
@@ -319,7 +322,7 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     for t in STEP_TILINGS:
         times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
     for t in STEP_GEMV_TILINGS if bias is None else ():
-        if rows <= t.max_rows:
+        if rows <= t.max_rows and t.fits(weight.shape[1]):
             times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t)))
     best = min((t for t in times if t != "cublas"), key=times.get)
     return (best if times[best] <= margin * times["cublas"] else None), times
@@ -391,8 +394,16 @@ def _cublas_same_rows(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, 
     return _same_rows(lambda rows: F.linear(rows, w, b), x, counts)
 
 
+def _add_ms(weight: torch.Tensor, rows: int, timer=None) -> float:
+    """The time of a residual add of ``rows`` rows of this layer's outputs, a kernel of its own."""
+    a = torch.randn((rows, weight.shape[0]), device=weight.device, dtype=weight.dtype)
+    b = torch.randn_like(a)
+    out = torch.empty_like(a)
+    return (timer or _time_ms)(lambda: torch.add(a, b, out=out))
+
+
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
-                margin: float = 0.97) -> tuple[dict[int, tuple[int, ...]], dict]:
+                margin: float = 0.97, residual_fold: bool = False) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
     in: cache on and off, a request resumed alone, give the same tokens only then). Families
@@ -405,10 +416,17 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     rows differ between counts, the fastest other family wins whatever its time. Returns
     ({rows: tiling} for the counts that leave cuBLAS, {count: step_tiling's times}). Chosen per
     row count instead, the 9B hybrid took the GEMV at one row and cuBLAS at four, and a row
-    decoded alone differed from the same row batched (GPU suite, 2026-12-04)."""
+    decoded alone differed from the same row batched (GPU suite, 2026-12-04).
+    ``residual_fold``: the layer is a down projection whose GEMV adds the decoder layer's residual
+    in its epilogue (``fused.residual_down_projections``): cuBLAS and the unsplit GEMM are charged
+    the add's own kernel as well, timed at each count (``times[count]["add"]``)."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0)[1] for c in counts}
+    add = {c: _add_ms(weight, c, timer) if residual_fold else 0.0 for c in counts}
+    for c in counts:
+        if residual_fold:
+            times[c]["add"] = add[c]
     w, b, x = _random_operands(weight, bias, counts[-1], seed=1)
-    cublas = sum(times[c]["cublas"] for c in counts)
+    cublas = sum(times[c]["cublas"] + add[c] for c in counts)
     cublas_same = _cublas_same_rows(w, b, x, counts)
     # Counts where cuBLAS's bits are not the unsplit ones (all of them where its own rows differ
     # between counts: the family then keeps off cuBLAS).
@@ -417,39 +435,53 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     for c in counts:
         t = min(STEP_TILINGS, key=times[c].get)
         if c not in split and times[c]["cublas"] <= times[c][t]:
-            unsplit_ms += times[c]["cublas"]  # cuBLAS does not split here: the same bits
+            unsplit_ms += times[c]["cublas"] + add[c]  # cuBLAS does not split here: the same bits
         elif torch.equal(nonsplit_linear(x[:c], w, b, t), nonsplit_linear(x[:c], w, b)):
-            unsplit[c], unsplit_ms = t, unsplit_ms + times[c][t]
+            unsplit[c], unsplit_ms = t, unsplit_ms + times[c][t] + add[c]
         else:  # a tiling whose bits are not its default's on this device: no unsplit family
             unsplit_ms = float("inf")
     families = [(unsplit_ms, unsplit)]
     if bias is None:
         for t in STEP_GEMV_TILINGS:
-            if _gemv_rows(counts, t) and _gemv_same_rows(w, x, t, counts):
-                families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
+            if _gemv_rows(counts, t) and t.fits(weight.shape[1]) and _gemv_same_rows(w, x, t, counts):
+                # (a GEMV too narrow for the folds leaves the add to its own kernel too)
+                families.append((sum(times[c][t] + (add[c] if t.bn < FOLD_MIN_BN else 0.0) for c in counts),
+                                 {c: t for c in counts}))
     best_ms, best = min(families, key=lambda f: f[0])
     if not cublas_same:
         if best_ms == float("inf"):
             raise RuntimeError(f"no product gives a row the same bits at every step row count {counts} on this device "
                                f"({tuple(weight.shape)}): use --step-gemms cublas")
-        return best, times
-    return (best if best and best_ms <= margin * cublas else {}), times
+    elif not (best and best_ms <= margin * cublas):
+        best, best_ms = {}, cublas
+    times["sums"] = {"cublas_ms": cublas, "chosen_ms": best_ms}  # over the counts, the adds included
+    return best, times
 
 
-def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], **kw) -> dict[str, dict]:
+def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], log=None, **kw) -> dict[str, dict]:
     """For each plain linear layer under ``layers``, the product of its decode and verify steps
     (``step_choice``: one family for all their row counts, where it beats cuBLAS, which splits
     K for few rows and adds a reduce kernel). Returns {module name: {rows: tiling}} for the
-    layers switched, measuring each (shape, dtype) once."""
+    layers switched, measuring each (shape, dtype, residual fold) once; ``log``: a callable given a
+    line of the summed times for each."""
+    from flare.prepare.recipes.fused import residual_down_projections
+
     counts = sorted(set(row_counts))
     if not counts:
         return {}
+    layers = list(layers)
+    folds = {id(m) for m in residual_down_projections(layers)}
     measured: dict[tuple, dict] = {}
     found = {}
     for name, module in _plain_linears(layers):
-        key = _key(module)
+        key = (*_key(module), id(module) in folds)
         if key not in measured:
-            measured[key] = step_choice(module.weight, module.bias, counts, **kw)[0]
+            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-1], **kw)
+            if log is not None:
+                sums = times["sums"]
+                log(f"step GEMM times for {tuple(module.weight.shape)}{' with the residual add' if key[-1] else ''} "
+                    f"(µs summed over {counts} rows): cuBLAS {sums['cublas_ms'] * 1e3:.1f}, chosen "
+                    f"{sums['chosen_ms'] * 1e3:.1f}")
         if measured[key]:
             _switch(module)
             module.flare_step_tiling = dict(measured[key])

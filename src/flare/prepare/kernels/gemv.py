@@ -67,7 +67,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
                 stride_rm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
                 RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False, DOT: tl.constexpr = False,
-                PRECISION: tl.constexpr = "ieee"):
+                PRECISION: tl.constexpr = "ieee", TICKETS: tl.constexpr = True):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -109,6 +109,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
     else:
         rows = part_ptr + (m[:, None] * N + n[None, :]).to(tl.int64)
         tl.store(rows + s * BM * N, acc, mask=keep)
+    if (SPLIT > 1) & TICKETS:  # (without tickets ``sum_slices_kernel`` adds the slices after)
         tl.debug_barrier()  # every thread's partial sums are stored before the ticket
         ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:
@@ -118,6 +119,28 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
             tl.store(out_at, _epilogue(total, r_ptr, m, n, keep, stride_rm, out_ptr.dtype.element_ty, RESIDUAL),
                      mask=keep)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def sum_slices_kernel(part_ptr, out_ptr, r_ptr, N, stride_om, stride_rm, BM: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Program (row, block of columns): the row's SPLIT partial sums added in order 0, 1, ...
+    (as the last ticket's program adds them), then ``_epilogue``."""
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = n < N
+    total = tl.zeros([BLOCK], tl.float32)
+    for j in range(SPLIT):
+        total += tl.load(part_ptr + ((j * BM + row) * N + n).to(tl.int64), mask=keep, other=0.0)
+    y = total.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(r_ptr + row * stride_rm + n, mask=keep, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_om + n, y, mask=keep)
+
+
+# Columns a program of ``sum_slices_kernel`` adds.
+SUM_BLOCK = 1024
 
 
 # Rows of the tensor-core tile of ``gemv``'s ``dot`` variant: tl.dot's least, and the most
@@ -138,7 +161,8 @@ def workspace(rows: int, n: int, split: int, bn: int, device, dot: bool = False)
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
          space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel,
-         swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+         swiglu: bool = False, residual: torch.Tensor | None = None, tickets: bool = True,
+         sum_kernel=sum_slices_kernel) -> torch.Tensor:
     """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K); with
     ``swiglu``, ``x [M, 2 K]`` holds a gated MLP's gate and up halves and the product is
     ``(silu(gate) * up) @ w.T``, the activation computed in float32 and rounded to x's dtype
@@ -155,8 +179,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     same for a row at every M. ``dot`` 1 multiplies one tensor-core tile of ``DOT_ROWS`` rows
     (``tl.dot``; rows past M are zeros, M at most ``DOT_ROWS``): the same program at every M, so a
     row's bits are the same at every M by construction; BN and BK at least 16.
-    ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None). ``kernel``: the plain
-    Triton kernel eagerly, or its ``wrap_triton`` form inside a custom op."""
+    ``tickets`` False: with SPLIT > 1 the slices' partial sums are added in the same order by a
+    second launch (``sum_slices_kernel``, which also adds the residual) instead of the last
+    ticket's program, so no counters (``space``'s second tensor is never read): what a captured
+    program can hold, which cannot keep counters at zero between replays without a buffer of
+    its own.
+    ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None). ``kernel``, ``sum_kernel``: the
+    plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("gemv needs rows and weight with unit stride along K")
     M, K = x.shape
@@ -184,13 +213,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     bm = _block_rows(M, dot)
     if out.stride(-1) != 1 or out.shape[0] < M or out.shape[1] != N:
         raise ValueError(f"gemv writes {M} x {N} outputs with unit stride, got {tuple(out.shape)}")
-    if split > 1 and (tuple(part.shape) != (split, bm, N) or count.numel() < triton.cdiv(N, bn)):
+    if split > 1 and (tuple(part.shape) != (split, bm, N) or (tickets and count.numel() < triton.cdiv(N, bn))):
         raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
     kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0),
         BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
-        ROWLOOP=rowloop, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=stages)
+        ROWLOOP=rowloop, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", TICKETS=tickets,
+        num_warps=warps, num_stages=stages)
+    if split > 1 and not tickets:
+        block = min(SUM_BLOCK, triton.next_power_of_2(N))
+        sum_kernel[(M, triton.cdiv(N, block))](part, out, r, N, out.stride(0), r.stride(0), BM=bm, SPLIT=split,
+                                               BLOCK=block, RESIDUAL=residual is not None, num_warps=4)
     return out
 
 
@@ -207,7 +240,9 @@ class GemvTiling(NamedTuple):
     and no counters in the captured program); lanes reduced at every step, or with ``defer``
     1 once after the loop; with ``rowloop`` 1 a row at a time against the weight tile; with
     ``dot`` 1 one tensor-core tile of ``DOT_ROWS`` rows; ``stages``: Triton's software
-    pipelining of the K loop (1: none)."""
+    pipelining of the K loop (1: none); ``split``: K in that many slices, their partial sums
+    (float32, in memory the captured program allocates) added in order by a second launch that
+    also adds the residual (``gemv(..., tickets=False)``)."""
 
     bn: int
     bk: int
@@ -216,11 +251,16 @@ class GemvTiling(NamedTuple):
     rowloop: int = 0
     dot: int = 0
     stages: int = 1
+    split: int = 1
 
     @property
     def max_rows(self) -> int:
         """The most rows a step may give this tiling."""
         return DOT_ROWS if self.dot else GEMV_MAX_ROWS
+
+    def fits(self, k: int) -> bool:
+        """Whether K = ``k`` fills every slice of the split (``gemv`` refuses an empty one)."""
+        return self.split == 1 or (self.split - 1) * triton.cdiv(triton.cdiv(k, self.split), self.bk) * self.bk < k
 
 
 @triton_op("flare::gemv_linear", mutates_args=())
@@ -228,17 +268,21 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: b
              residual: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     t = GemvTiling(*tiling)
-    # No split: the partial sums and counters are never read, so ``out`` stands in for both
-    # (no workspace allocated, no counters zeroed in a captured program).
-    gemv(x, weight, out, (t.bn, t.bk, 1, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=(out, out),
-         kernel=wrap_triton(gemv_kernel), swiglu=swiglu, residual=residual)
+    # No counters (a captured program cannot keep them at zero between replays): without a split
+    # ``out`` stands in for the partial sums, never read; with one the partial sums are memory
+    # of the program (every element read is written first) and a second launch adds them.
+    part = out if t.split == 1 else torch.empty((t.split, _block_rows(x.shape[0], bool(t.dot)), weight.shape[0]),
+                                                dtype=torch.float32, device=x.device)
+    gemv(x, weight, out, (t.bn, t.bk, t.split, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=(part, out),
+         kernel=wrap_triton(gemv_kernel), swiglu=swiglu, residual=residual, tickets=False,
+         sum_kernel=wrap_triton(sum_slices_kernel))
     return out
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swiglu: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) by ``gemv`` with ``tiling``, as a custom op (a compiled
-    layer calls it without a graph break), for at most ``GEMV_MAX_ROWS`` rows. ``swiglu``: ``x``
+    layer calls it without a graph break), for at most ``tiling.max_rows`` rows. ``swiglu``: ``x``
     is a gated MLP's [gate | up] projection and the product is its down projection of
     ``silu(gate) * up``; ``residual`` (the output's shape): added to the product (``gemv``)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()

@@ -197,15 +197,34 @@ def _mlp_forward(self, x, residual=None):
     # fewer each. Not under a forward hook (a tensor-parallel all-reduce), the module's own or
     # a global one, which the GEMV would bypass.
     fold_tiling = getattr(down, "flare_fold_tiling", None)
-    if (fold_tiling is not None and type(self.act_fn).__name__ in SILU_ACTS
-            and self.gate_up_proj.sizes[0] == self.gate_up_proj.sizes[1]
-            and not hooked(down)):
+    if fold_tiling is not None and _folds(self) and not hooked(down):
         tiling = fold_tiling(gate_up.numel() // gate_up.shape[-1])
         if tiling is not None:
             return down.flare_swiglu_down(gate_up, tiling, residual)
     gate, up = gate_up.split(self.gate_up_proj.sizes, dim=-1)
     out = down(self.act_fn(gate) * up)
     return out if residual is None else residual + out
+
+
+def _folds(mlp: nn.Module) -> bool:
+    """Whether a fused gated MLP's down projection may take the GEMV's folds (``_mlp_forward``)."""
+    return (type(mlp).forward is _mlp_forward and type(mlp.act_fn).__name__ in SILU_ACTS
+            and mlp.gate_up_proj.sizes[0] == mlp.gate_up_proj.sizes[1])
+
+
+def residual_down_projections(layers) -> list[nn.Module]:
+    """The down projections under ``layers`` that add their decoder layer's residual in a step
+    where they take the GEMV (a layer whose forward ``_residual_forward`` rewrote, over a fused
+    gated MLP): elsewhere the add is a kernel of its own. ``--step-gemms measure`` counts that
+    kernel against the products that leave it (``gemm.step_choice``'s ``residual_fold``)."""
+    import inspect
+
+    def rewritten(layer) -> bool:  # (under the wrappers Transformers' classes put around a forward)
+        code = getattr(inspect.unwrap(type(layer).forward), "__code__", None)
+        return code is not None and code.co_filename.startswith(_REWRITTEN)
+
+    return [layer.mlp.down_proj for layer in layers
+            if rewritten(layer) and _folds(getattr(layer, "mlp", None) or nn.Module())]
 
 
 def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -220,6 +239,7 @@ def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
 # The two statements of a Transformers decoder layer's forward that ``mlp_residual`` replaces.
 _MLP_THEN_ADD = ("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states")
 _LAYER_FORWARDS: dict[type, object] = {}
+_REWRITTEN = "<flare residual"  # the file name a rewritten forward's code carries
 
 
 def _residual_forward(cls: type):
@@ -256,7 +276,7 @@ def _residual_forward(cls: type):
             namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual)
             module = ast.increment_lineno(ast.Module(body=[fn], type_ignores=[]), first - 1)
             try:  # the decorators run again here; any that fails leaves the forward as it is
-                exec(compile(module, f"<flare residual {cls.__qualname__}.forward>", "exec"), namespace)
+                exec(compile(module, f"{_REWRITTEN} {cls.__qualname__}.forward>", "exec"), namespace)
                 forward = namespace[fn.name]
             except Exception:
                 forward = None
