@@ -4,8 +4,8 @@ A decode step's linear layers see 1-4 rows (a verify step B x (D + 1)). The H200
 of the 8B and 9B-hybrid shapes shows cuBLAS streaming their weights at 2.4-3.8 TB/s and
 adding 64 split-K reduce kernels a step. ``flare-prepare --step-gemms measure`` times, per
 layer shape and row count, cuBLAS (``F.linear``) against ``kernels/gemm.py``'s unsplit
-GEMM at each of ``STEP_TILINGS`` (and, for at most 8 rows, ``kernels/gemv.py``'s GEMV at each
-of ``STEP_GEMV_TILINGS``, named ``gemv-...`` here) and takes the fastest where it is at least
+GEMM at each of ``STEP_TILINGS`` (and, for the rows each takes, ``kernels/gemv.py``'s GEMV at
+each of ``STEP_GEMV_TILINGS``, named ``gemv-...`` here) and takes the fastest where it is at least
 3 % faster.
 This script records the same measurement for the per-layer shapes of Llama-3.1-8B and
 Qwen3.5-9B (bfloat16, random data; GPU time by CUDA events, median of 20, launch

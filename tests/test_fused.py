@@ -329,6 +329,11 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
     # --step-gemms measure charges cuBLAS this layer's residual add (its GEMV folds it); not the
     # canonical layer's, whose add stays a kernel of its own whatever its down projection runs.
     assert fused.residual_down_projections([canon, twin]) == [twin.mlp.down_proj]
+    _, plain, _ = _layer(cfg)  # a fused MLP in a layer whose forward was not rewritten
+    assert fused.fuse_mlp(plain.mlp) and fused.residual_down_projections([plain]) == []
+    hook = twin.mlp.down_proj.register_forward_hook(lambda _m, _a, out: out)  # a TP all-reduce
+    assert fused.residual_down_projections([twin]) == []
+    hook.remove()
     twin.compile(backend="aot_eager", dynamic=False)
     torch.testing.assert_close(_run_layer(model, twin, cfg, x), want, rtol=1e-12, atol=1e-12)
 

@@ -300,6 +300,38 @@ def test_every_step_gemv_tiling_is_a_linear_layer(tiling):
         torch.testing.assert_close(gemv_linear(x, w, tiling), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles and captures a CUDA graph")
+def test_a_split_step_gemv_compiles_and_replays_in_a_cuda_graph():
+    """A layer on a split tensor-core GEMV (its partial sums allocated inside the op, a second
+    launch adding them) compiled as the programs are and captured in a CUDA graph: each replay
+    the eager bits, for the captured input and for new values written into it."""
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    layer = nn.Linear(4096, 512, bias=False).to("cuda", torch.bfloat16)
+    gemm._switch(layer)
+    layer.flare_step_tiling = {2: GemvTiling(32, 128, 4, dot=1, stages=4, split=4)}
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    other = torch.randn_like(x)
+    with torch.inference_mode():
+        eager, eager_other = layer(x), layer(other)
+        assert not torch.equal(eager, F.linear(x, layer.weight))  # (the GEMV, not cuBLAS: other sums)
+        compiled = torch.compile(layer, dynamic=False, fullgraph=True)
+        static = x.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            assert torch.equal(compiled(static), eager)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(static)
+        for src, want in ((x, eager), (other, eager_other), (x, eager)):
+            static.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+
+
 def test_a_deferred_step_gemv_tiling_reaches_the_kernel():
     """``GemvTiling``'s ``defer`` is the kernel's: the custom op gives the bits of ``gemv`` with
     the lanes kept through the loop, not those reduced at every step (float32, K over several
@@ -328,6 +360,7 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
     from flare.prepare import prompt_rows
     from flare.prepare.kernels.gemv import GemvTiling
     from flare.prepare.recipes.fused import fuse_mlp
+    from flare.prepare.recipes.fused import mlp_residual as fused_mlp_residual
 
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96)
     torch.manual_seed(0)
@@ -365,6 +398,7 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
         # The tensor-core tile takes the activation computed apart (each of its 16 rows would
         # compute it), the residual still in its epilogue.
         mlp.down_proj.flare_step_tiling = {2: GemvTiling(16, 32, 4, dot=1)}
-        torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
-        assert calls == [((2, 96), {"residual": None})]
+        r = torch.randn(2, 64, device=DEVICE)
+        torch.testing.assert_close(fused_mlp_residual(mlp, x, r), r + want, atol=1e-4, rtol=1e-5)
+        assert len(calls) == 1 and calls[0][0] == (2, 96) and calls[0][1]["residual"] is r
 

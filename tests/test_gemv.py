@@ -143,16 +143,19 @@ def test_a_row_loop_with_the_activation_and_the_lanes_kept_is_refused():
 
 def test_the_tensor_core_tile_serves_up_to_its_rows():
     """``dot``: 16 rows (a verify step of 4 slots and 3 drafts) within float32 rounding of
-    float64, each row the same bits as alone and at 9 rows, with the activation in the loads;
-    17 rows, or a BN under tl.dot's 16, refused."""
+    float64 (of the activation rounded to the rows' dtype), each row the same bits as alone and
+    at 9 rows, with the activation in the loads; 17 rows, or a BN under tl.dot's 16, refused.
+    bfloat16 tensor cores on the GPU, float32 in the CPU interpreter (its tl.dot's only)."""
     g = torch.Generator().manual_seed(23)
     n, k = 48, 96
-    w = torch.randn(n, k, generator=g).to(DEVICE, torch.float32)
-    gu = torch.randn(17, 2 * k, generator=g).to(DEVICE, torch.float32)
+    dt = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    w = torch.randn(n, k, generator=g).to(DEVICE, dt)
+    gu = torch.randn(17, 2 * k, generator=g).to(DEVICE, dt)
     tiling = (16, 32, 1, 4, 1, 0, 0, 1)
     full = G.gemv(gu[:16], w, torch.empty(16, n, device=DEVICE), tiling, swiglu=True)
-    gate, up = gu[:16].double().split(k, dim=1)
-    torch.testing.assert_close(full.double(), (gate * torch.sigmoid(gate) * up) @ w.double().T, rtol=1e-5, atol=1e-4)
+    gate, up = gu[:16].float().split(k, dim=1)
+    act = (gate * torch.sigmoid(gate) * up).to(dt).double()
+    torch.testing.assert_close(full.double(), act @ w.double().T, rtol=1e-5, atol=1e-4)
     nine = G.gemv(gu[:9].clone(), w, torch.empty(9, n, device=DEVICE), tiling, swiglu=True)
     alone = G.gemv(gu[5:6].clone(), w, torch.empty(1, n, device=DEVICE), tiling, swiglu=True)
     assert torch.equal(nine, full[:9]) and torch.equal(alone[0], full[5])

@@ -164,9 +164,10 @@ class _RowInvariant:
 
     def flare_fold_tiling(self, rows: int) -> GemvTiling | None:
         """The GEMV tiling this layer takes in a step of ``rows`` rows where, as a gated MLP's
-        down projection, it may compute the activation in its loads (``flare_swiglu_down``);
-        None where it takes another product (a prompt program, cuBLAS, the unsplit GEMM) or
-        a GEMV of fewer than ``FOLD_MIN_BN`` columns a program."""
+        down projection, it may take the residual add in its epilogue and (``folds_swiglu``) the
+        activation in its loads (``flare_swiglu_down``); None where it takes another product (a
+        prompt program, cuBLAS, the unsplit GEMM) or a GEMV of fewer than ``FOLD_MIN_BN``
+        columns a program."""
         if prompt_rows.active():
             return None
         tiling = self.flare_step_tiling.get(rows)
@@ -240,8 +241,8 @@ def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -
 # Tilings tried for step rows (BM, BN, BK, warps): one 16-row tile holds the batch, and
 # narrow column blocks give the weight's stream enough programs without splitting K.
 STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (16, 16, 512, 8))
-# The few-row GEMV (kernels/gemv.py) for layers without a bias: (columns a program, K a step,
-# warps[, defer]), narrow programs over one or a few long steps of K, the first version's best,
+# The few-row GEMV (kernels/gemv.py) for layers without a bias (``GemvTiling``: columns a
+# program, K a step, warps, defer, rowloop, dot, stages, split), narrow programs over one or a few long steps of K, the first version's best,
 # and 8 columns over steps of 1,024 with the lanes kept through the loop (the fastest for each
 # of the 9B hybrid's four GDN-layer weights at one row among the five ``bench/pdl.py`` tries,
 # ``bench/results/pdl-2026-12-04.json``); then two that take a row at a time (``rowloop``: the
@@ -414,7 +415,9 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     all counts are GEMV rows and the layer has no bias). The family with the least time summed
     over the counts wins where it takes at most ``margin`` x cuBLAS's sum; where cuBLAS's own
     rows differ between counts, the fastest other family wins whatever its time. Returns
-    ({rows: tiling} for the counts that leave cuBLAS, {count: step_tiling's times}). Chosen per
+    ({rows: tiling} for the counts that leave cuBLAS, {count: step_tiling's times, and "add" with
+    ``residual_fold``; "sums": {"cublas_ms", "chosen_ms"}, the two families' times summed over the
+    counts, the adds included}). Chosen per
     row count instead, the 9B hybrid took the GEMV at one row and cuBLAS at four, and a row
     decoded alone differed from the same row batched (GPU suite, 2026-12-04).
     ``residual_fold``: the layer is a down projection whose GEMV adds the decoder layer's residual

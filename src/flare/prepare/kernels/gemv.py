@@ -62,7 +62,10 @@ def _rows(x_at, mask, K, SWIGLU: tl.constexpr, dtype: tl.constexpr):
     return x
 
 
-@triton.jit
+# M is never specialised (Triton compiles an integer argument of 1, or one divisible by 16,
+# into a binary of its own): one binary for every row count, so the dot variant's "the same
+# program at every M" holds for the machine code too.
+@triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                 stride_rm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
@@ -107,8 +110,8 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
     if SPLIT == 1:
         tl.store(out_at, _epilogue(acc, r_ptr, m, n, keep, stride_rm, out_ptr.dtype.element_ty, RESIDUAL), mask=keep)
     else:
-        rows = part_ptr + (m[:, None] * N + n[None, :]).to(tl.int64)
-        tl.store(rows + s * BM * N, acc, mask=keep)
+        rows = part_ptr + (m[:, None].to(tl.int64) * N + n[None, :])
+        tl.store(rows + s.to(tl.int64) * BM * N, acc, mask=keep)
     if (SPLIT > 1) & TICKETS:  # (without tickets ``sum_slices_kernel`` adds the slices after)
         tl.debug_barrier()  # every thread's partial sums are stored before the ticket
         ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -131,7 +134,7 @@ def sum_slices_kernel(part_ptr, out_ptr, r_ptr, N, stride_om, stride_rm, BM: tl.
     keep = n < N
     total = tl.zeros([BLOCK], tl.float32)
     for j in range(SPLIT):
-        total += tl.load(part_ptr + ((j * BM + row) * N + n).to(tl.int64), mask=keep, other=0.0)
+        total += tl.load(part_ptr + (j * BM + row).to(tl.int64) * N + n, mask=keep, other=0.0)
     y = total.to(out_ptr.dtype.element_ty)
     if RESIDUAL:
         r = tl.load(r_ptr + row * stride_rm + n, mask=keep, other=0.0)
@@ -184,7 +187,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     ticket's program, so no counters (``space``'s second tensor is never read): what a captured
     program can hold, which cannot keep counters at zero between replays without a buffer of
     its own.
-    ``space``: ``workspace(M, N, SPLIT, BN)`` (made here when None). ``kernel``, ``sum_kernel``: the
+    ``space``: ``workspace(M, N, SPLIT, BN, dot=dot)`` (made here when None). ``kernel``, ``sum_kernel``: the
     plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("gemv needs rows and weight with unit stride along K")
@@ -230,14 +233,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
 # -- as a decode step's linear layer ----------------------------------------------------
 
 
-# Rows a decode step's GEMV takes at most: the kernel holds a [rows, BN, BK] product block in
-# registers (a program of 64 rows already reaches Triton's largest block at BN 8, BK 2,048).
+# Rows a decode step's GEMV takes at most, but for the dot variant (``DOT_ROWS``): the broadcast
+# kernel holds a [rows, BN, BK] product block in registers (a program of 64 rows already reaches
+# Triton's largest block at BN 8, BK 2,048).
 GEMV_MAX_ROWS = 8
 
 
 class GemvTiling(NamedTuple):
-    """A tiling of ``gemv`` for a decode step's linear layer: no split of K (so no workspace
-    and no counters in the captured program); lanes reduced at every step, or with ``defer``
+    """A tiling of ``gemv`` for a decode step's linear layer: no counters in the captured program
+    (and without ``split`` no workspace either); lanes reduced at every step, or with ``defer``
     1 once after the loop; with ``rowloop`` 1 a row at a time against the weight tile; with
     ``dot`` 1 one tensor-core tile of ``DOT_ROWS`` rows; ``stages``: Triton's software
     pipelining of the K loop (1: none); ``split``: K in that many slices, their partial sums

@@ -193,8 +193,8 @@ def _mlp_forward(self, x, residual=None):
     gate_up = self.gate_up_proj(x)
     down = self.down_proj
     # A decode step whose down projection takes the few-row GEMV (``--step-gemms measure``)
-    # computes silu(gate) * up in that GEMV's loads, and the residual add after it: a launch
-    # fewer each. Not under a forward hook (a tensor-parallel all-reduce), the module's own or
+    # computes silu(gate) * up in that GEMV's loads (not the tensor-core tile's: ``folds_swiglu``),
+    # and the residual add after it: a launch fewer each. Not under a forward hook (a tensor-parallel all-reduce), the module's own or
     # a global one, which the GEMV would bypass.
     fold_tiling = getattr(down, "flare_fold_tiling", None)
     if fold_tiling is not None and _folds(self) and not hooked(down):
@@ -223,14 +223,17 @@ def residual_down_projections(layers) -> list[nn.Module]:
         code = getattr(inspect.unwrap(type(layer).forward), "__code__", None)
         return code is not None and code.co_filename.startswith(_REWRITTEN)
 
+    # (a forward hook on the MLP or its down projection, a tensor-parallel all-reduce, keeps the
+    # add apart: ``mlp_residual`` and ``_mlp_forward``)
     return [layer.mlp.down_proj for layer in layers
-            if rewritten(layer) and _folds(getattr(layer, "mlp", None) or nn.Module())]
+            if rewritten(layer) and _folds(getattr(layer, "mlp", None) or nn.Module())
+            and not hooked(layer.mlp) and not hooked(layer.mlp.down_proj)]
 
 
 def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + mlp(x)``, a decoder layer's MLP and the residual add after it: a fused gated
     MLP (``_mlp_forward``) without hooks takes the residual into its down projection, whose GEMV
-    (one-row steps) adds it in its epilogue; anything else runs as written."""
+    (in steps where it takes one) adds it in its epilogue; anything else runs as written."""
     if type(mlp).forward is _mlp_forward and not hooked(mlp):
         return _mlp_forward(mlp, x, residual)
     return residual + mlp(x)
