@@ -70,6 +70,30 @@ def test_a_switched_norm_computes_transformers_formula(cls, monkeypatch):
     torch.testing.assert_close(kernel.float(), want.float(), rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls", _classes()[2:4], ids=lambda c: c.__name__)
+def test_step_norms_take_the_row_invariant_mean_where_asked(cls, monkeypatch):
+    """``steps=True`` (``--step-norms invariant``): a switched norm takes its mean of squares from
+    ``mean_square`` outside prompt programs too (decode and verify steps), each row the same bits
+    alone and among others; a norm switched before for prompt programs only is given the steps
+    as well; without it, steps keep the compiled formula."""
+    calls = []
+    real = R.mean_square
+    monkeypatch.setattr(R, "mean_square", lambda t: calls.append(t.shape[0]) or real(t))
+    x = torch.randn(4, 64).to(DEVICE)
+    for first_prompts_only in (False, True):
+        norm = cls(64, eps=1e-6).to(DEVICE)
+        holder = nn.ModuleList([norm])
+        if first_prompts_only:
+            R.make_norms_row_invariant(holder)
+            calls.clear()
+            norm(x)
+            assert calls == []  # steps: the compiled formula
+        assert R.make_norms_row_invariant(holder, steps=True)[0] == ({} if first_prompts_only else {cls.__name__: 1})
+        calls.clear()
+        every, alone = norm(x), norm(x[2:3].clone())
+        assert calls == [4, 1] and torch.equal(alone[0], every[2])
+
+
 def test_a_norm_of_other_code_is_left_and_reported():
     class OddRMSNorm(nn.Module):
         def __init__(self):

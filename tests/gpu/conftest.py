@@ -47,9 +47,11 @@ SHAPES = {
     # The hybrid: Gated DeltaNet state in every checkpoint and program (docs/gpu.md), and
     # verify programs with per-position state (speculative decoding's rollback).
     # Decode and verify steps on the GEMV (--step-gemms gemv: every step row count, at most 8,
-    # so one draft token): the MLP's activation in its loads, the residual add in its epilogue.
+    # so one draft token): the MLP's activation in its loads, the residual add in its epilogue;
+    # and their RMS norms on the row-invariant mean of squares (--step-norms invariant: Inductor
+    # compiles a norm's reduction per step program, timed per program past 1,024 values a row).
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
-                            "--draft-tokens", "1", "--step-gemms", "gemv"],
+                            "--draft-tokens", "1", "--step-gemms", "gemv", "--step-norms", "invariant"],
     # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
     "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
     # Hybrid and routed experts with a gated shared expert: Qwen3.5-35B-A3B's and
@@ -59,7 +61,7 @@ SHAPES = {
     "qwen3_5-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
                                 "--draft-tokens", "3", "--mtp"],
     "qwen3-next-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
-                               "--step-gemms", "gemv"],
+                               "--step-gemms", "gemv", "--step-norms", "invariant"],
     # Sliding-window attention: Mistral-7B-v0.1's per-layer geometry (window 4,096) at 4 layers.
     "mistral-small-shape": ["--context-limit", "9216", "--prefill-chunk-size", "2048", "--kv-pages", "1200"],
 }

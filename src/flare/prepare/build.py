@@ -228,6 +228,11 @@ class _CudaArena:
         their mean of squares from a row-invariant kernel there (kernels/rownorm.py)."""
         if opts.step_gemms not in ("cublas", "measure", "gemv"):
             raise ValueError(f"step_gemms {opts.step_gemms!r}: expected cublas, measure or gemv")
+        if opts.step_norms not in ("compiled", "invariant"):
+            raise ValueError(f"step_norms {opts.step_norms!r}: expected compiled or invariant")
+        if opts.step_norms == "invariant" and opts.split_prompt_gemms:
+            raise ValueError("--step-norms invariant takes the prompt programs' row-invariant norms, which "
+                             "--split-prompt-gemms leaves to the compiler")
         if opts.step_gemms != "cublas":
             self._step_gemms(recipe, model, caps, continuation, progress, forced=opts.step_gemms == "gemv")
         if opts.split_prompt_gemms:
@@ -242,9 +247,10 @@ class _CudaArena:
             progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
         from flare.prepare.kernels.rownorm import make_norms_row_invariant
 
-        switched, left = make_norms_row_invariant(model.module)
+        switched, left = make_norms_row_invariant(model.module, steps=opts.step_norms == "invariant")
         if switched:
-            progress("row-invariant mean of squares in prompt programs for " +
+            progress(f"row-invariant mean of squares in prompt programs"
+                     f"{' and decode/verify steps' if opts.step_norms == 'invariant' else ''} for " +
                      ", ".join(f"{n} ({k})" for n, k in sorted(switched.items())))
         if left:
             progress(f"norms left to the compiler (their code is not one rownorm knows): {', '.join(left)}")

@@ -127,6 +127,12 @@ def parser() -> argparse.ArgumentParser:
                         "own rows differ between counts); 'gemv': every layer without a bias on the GEMV at every step "
                         "row count (at most 8), "
                         "untimed (the folds it carries, exercised on small shapes whatever times faster)")
+    p.add_argument("--step-norms", choices=("compiled", "invariant"), default="compiled",
+                   help="CUDA: decode and verify steps' RMS norms as Inductor compiles them (its reduction's blocks "
+                        "and warps picked per program, so a row's bits may depend on its batch at hidden sizes over "
+                        "1,024), or with the row-invariant mean of squares of prompt programs (one launch more a "
+                        "norm); with --step-gemms measure or gemv, what keeps a decode row's bits independent of its "
+                        "batch")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "
                         "default: 6 or a fifth of the weights, whichever is larger)")
@@ -170,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "combo_kernels": a.combo_kernels,
         "split_prompt_gemms": a.split_prompt_gemms,
         "step_gemms": a.step_gemms,
+        "step_norms": a.step_norms,
         "served_name": a.served_name,
         "scratch_memory_gib": a.scratch_memory,
         "reserve_gib": a.gpu_reserve,

@@ -61,6 +61,11 @@ class Options:
     # GEMM or, without a bias, the few-row GEMV, at the row counts and layers where it times
     # faster than cuBLAS: kernels/gemm.py, kernels/gemv.py)
     step_gemms: str = "cublas"
+    # CUDA: decode and verify steps' RMS norms: "compiled" (Inductor's reduction, its blocks and
+    # warps picked per program, by timing above 1,024 values a row) or "invariant" (the mean of
+    # squares from kernels/rownorm.py, as prompt programs take it: a row's bits the same in every
+    # step; one launch more a norm)
+    step_norms: str = "compiled"
     # CUDA: the sampler's filters and draw after the sort and the log-probability block:
     # "kernel" (Triton, kernels/sampler.py) or "ops" (the tensor operations of sampling.py and
     # sampling.logprob_block, some 65 kernels)

@@ -13,7 +13,10 @@ squares from ``mean_square``: one Triton program per row, whose block and warps 
 from the row's length only, so every row sums in the same order in every program. The
 rest of each norm is elementwise and stays in the compiled graph, where Inductor fuses it
 as before. Decode and verify steps keep Inductor's reduction (their rows need not equal a
-prefill's).
+prefill's), unless ``steps`` (``--step-norms invariant``): Inductor compiles a reduction per
+step program too, so at rows over 1,024 values (timed candidates) a decode row's bits could
+depend on how many rows its step has; with ``steps`` those programs take ``mean_square`` too
+(a module's ``flare_step_rows``).
 
 Norm classes are switched by what their code is (its syntax tree, so comments, layout and
 annotations do not count), not their name: a class whose ``_norm``
@@ -74,21 +77,28 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
     return _mean_square_op(x.reshape(-1, n).contiguous()).reshape(*x.shape[:-1], 1)
 
 
-class _ZeroCentred:
+class _Rows:
+    flare_step_rows = False  # decode and verify steps too (``make_norms_row_invariant(steps=True)``)
+
+    def _invariant(self) -> bool:
+        return self.flare_step_rows or prompt_rows.active()
+
+
+class _ZeroCentred(_Rows):
     """Transformers' zero-centred ``_norm`` with the mean of squares from ``mean_square`` in
     prompt programs."""
 
     def _norm(self, x):
-        if not prompt_rows.active():
+        if not self._invariant():
             return super()._norm(x)
         return x * torch.rsqrt(mean_square(x) + self.eps)
 
 
-class _Scaled:
+class _Scaled(_Rows):
     """Llama's RMS norm with the mean of squares from ``mean_square`` in prompt programs."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not prompt_rows.active():
+        if not self._invariant():
             return super().forward(hidden_states)
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
@@ -96,12 +106,12 @@ class _Scaled:
         return self.weight * hidden_states.to(input_dtype)
 
 
-class _Gated:
+class _Gated(_Rows):
     """A Gated DeltaNet's gated RMS norm with the mean of squares from ``mean_square`` in
     prompt programs."""
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if not prompt_rows.active():
+        if not self._invariant():
             return super().forward(hidden_states, gate)
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
@@ -186,15 +196,17 @@ def is_gated_norm(module: nn.Module) -> bool:
 _CLASSES: dict[type, type] = {}
 
 
-def make_norms_row_invariant(model: nn.Module) -> tuple[dict[str, int], list[str]]:
+def make_norms_row_invariant(model: nn.Module, steps: bool = False) -> tuple[dict[str, int], list[str]]:
     """Switch every RMS norm of ``model`` whose code is one of the three above (module
-    docstring) and whose rows are at most ``MAX_ROW`` long; returns ({class name: modules
-    switched}, names of the norm classes left as they are)."""
+    docstring) and whose rows are at most ``MAX_ROW`` long, for prompt programs and, with
+    ``steps``, decode and verify steps too; returns ({class name: modules switched}, names of
+    the norm classes left as they are)."""
     switched: dict[str, int] = {}
     left: set[str] = set()
     for module in model.modules():
         cls = type(module)
         if cls in _CLASSES.values():
+            module.flare_step_rows = module.flare_step_rows or steps
             continue
         if "RMSNorm" not in cls.__name__:
             continue
@@ -206,5 +218,7 @@ def make_norms_row_invariant(model: nn.Module) -> tuple[dict[str, int], list[str
         if cls not in _CLASSES:
             _CLASSES[cls] = type(f"RowInvariant{cls.__name__}", (mixin, cls), {})
         module.__class__ = _CLASSES[cls]
+        if steps:
+            module.flare_step_rows = True
         switched[cls.__name__] = switched.get(cls.__name__, 0) + 1
     return switched, sorted(left)
