@@ -125,6 +125,9 @@ def _check_request(opts: Options, session, tp: TensorParallel) -> None:
         raise PrepareError(f"rank {tp.rank} of {tp.size} was asked to prepare rank {opts.tp_rank} of {opts.tp_size}")
     if tp.active and opts.qualify:
         raise PrepareError("--qualify records golden replays of one rank; it is not supported with --tp > 1")
+    if opts.step_norms == "invariant" and opts.split_prompt_gemms:
+        raise PrepareError("--step-norms invariant takes the prompt programs' row-invariant norms, which "
+                           "--split-prompt-gemms leaves to the compiler")
 
 
 def _plan_sizes(buffers, caps: mf.Capacities, pages: int) -> dict[str, int]:
@@ -230,9 +233,6 @@ class _CudaArena:
             raise ValueError(f"step_gemms {opts.step_gemms!r}: expected cublas, measure or gemv")
         if opts.step_norms not in ("compiled", "invariant"):
             raise ValueError(f"step_norms {opts.step_norms!r}: expected compiled or invariant")
-        if opts.step_norms == "invariant" and opts.split_prompt_gemms:
-            raise ValueError("--step-norms invariant takes the prompt programs' row-invariant norms, which "
-                             "--split-prompt-gemms leaves to the compiler")
         if opts.step_gemms != "cublas":
             self._step_gemms(recipe, model, caps, continuation, progress, forced=opts.step_gemms == "gemv")
         if opts.split_prompt_gemms:
