@@ -138,7 +138,7 @@ def main(argv=None) -> int:
             for t in tilings:
                 key = "x".join(map(str, t))
                 bn, bk, split = t[:3]
-                if split > 1 and (split - 1) * (triton.cdiv(triton.cdiv(k, split), bk) * bk) >= k:
+                if not G.fills_slices(k, split, bk):
                     continue
                 dot = len(t) > 7 and bool(t[7])
                 try:

@@ -242,8 +242,8 @@ def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -
 # narrow column blocks give the weight's stream enough programs without splitting K.
 STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 128, 4), (16, 16, 512, 8))
 # The few-row GEMV (kernels/gemv.py) for layers without a bias (``GemvTiling``: columns a
-# program, K a step, warps, defer, rowloop, dot, stages, split), narrow programs over one or a few long steps of K, the first version's best,
-# and 8 columns over steps of 1,024 with the lanes kept through the loop (the fastest for each
+# program, K a step, warps, defer, rowloop, dot, stages, split), narrow programs over one or a
+# few long steps of K, the first version's best, and 8 columns over steps of 1,024 with the lanes kept through the loop (the fastest for each
 # of the 9B hybrid's four GDN-layer weights at one row among the five ``bench/pdl.py`` tries,
 # ``bench/results/pdl-2026-12-04.json``); then two that take a row at a time (``rowloop``: the
 # broadcast ones took 1.13-1.69x cuBLAS's time at four rows, and a layer's GEMV must serve every
@@ -278,6 +278,7 @@ def folds_swiglu(tiling: GemvTiling) -> bool:
     not the tensor-core tile (``dot``), which would compute it for all ``DOT_ROWS`` rows of its
     tile, 16x a one-row step's sigmoids (its residual fold stays)."""
     return not tiling.dot
+
 
 # Products a timing captures in one CUDA graph at least (each on the next weight copy).
 TIMED_CALLS = 20
@@ -335,10 +336,6 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
 FORCED_GEMV = GemvTiling(8, 512, 4, 0, 1)
 
 
-def _gemv_rows(counts: list[int], tiling: GemvTiling = FORCED_GEMV) -> bool:
-    return bool(counts) and counts[-1] <= tiling.max_rows
-
-
 def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, dict]:
     """Every plain linear layer without a bias under ``layers`` takes ``FORCED_GEMV`` at every
     step row count (all of them, so that a row's bits do not depend on its batch: the GEMV sums
@@ -350,7 +347,7 @@ def force_step_gemv(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> d
     counts = sorted(set(row_counts))
     if not counts:
         return {}
-    if not _gemv_rows(counts):
+    if counts[-1] > FORCED_GEMV.max_rows:
         raise ValueError(f"--step-gemms gemv: steps of {counts[-1]} rows (verify programs) exceed the GEMV's "
                          f"{FORCED_GEMV.max_rows}; use fewer draft tokens or decode capacities, or --step-gemms measure")
     found, checked = {}, set()
@@ -424,10 +421,10 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     in its epilogue (``fused.residual_down_projections``): cuBLAS and the unsplit GEMM are charged
     the add's own kernel as well, timed at each count (``times[count]["add"]``)."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0)[1] for c in counts}
-    add = {c: _add_ms(weight, c, timer) if residual_fold else 0.0 for c in counts}
-    for c in counts:
-        if residual_fold:
-            times[c]["add"] = add[c]
+    if residual_fold:
+        for c in counts:
+            times[c]["add"] = _add_ms(weight, c, timer)
+    add = {c: times[c].get("add", 0.0) for c in counts}
     w, b, x = _random_operands(weight, bias, counts[-1], seed=1)
     cublas = sum(times[c]["cublas"] + add[c] for c in counts)
     cublas_same = _cublas_same_rows(w, b, x, counts)
@@ -444,12 +441,11 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
         else:  # a tiling whose bits are not its default's on this device: no unsplit family
             unsplit_ms = float("inf")
     families = [(unsplit_ms, unsplit)]
-    if bias is None:
-        for t in STEP_GEMV_TILINGS:
-            if _gemv_rows(counts, t) and t.fits(weight.shape[1]) and _gemv_same_rows(w, x, t, counts):
-                # (a GEMV too narrow for the folds leaves the add to its own kernel too)
-                families.append((sum(times[c][t] + (add[c] if t.bn < FOLD_MIN_BN else 0.0) for c in counts),
-                                 {c: t for c in counts}))
+    for t in STEP_GEMV_TILINGS:  # those step_tiling offered at every count (no bias, rows and K they take)
+        if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
+            # (a GEMV too narrow for the folds leaves the add to its own kernel too)
+            families.append((sum(times[c][t] + (add[c] if t.bn < FOLD_MIN_BN else 0.0) for c in counts),
+                             {c: t for c in counts}))
     best_ms, best = min(families, key=lambda f: f[0])
     if not cublas_same:
         if best_ms == float("inf"):

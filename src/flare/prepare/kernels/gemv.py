@@ -129,17 +129,14 @@ def sum_slices_kernel(part_ptr, out_ptr, r_ptr, N, stride_om, stride_rm, BM: tl.
                       BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
     """Program (row, block of columns): the row's SPLIT partial sums added in order 0, 1, ...
     (as the last ticket's program adds them), then ``_epilogue``."""
-    row = tl.program_id(0)
+    m = tl.program_id(0) + tl.arange(0, 1)  # the row, as a block of one for ``_epilogue``
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    keep = n < N
-    total = tl.zeros([BLOCK], tl.float32)
+    keep = n[None, :] < N
+    total = tl.zeros([1, BLOCK], tl.float32)
     for j in range(SPLIT):
-        total += tl.load(part_ptr + (j * BM + row).to(tl.int64) * N + n, mask=keep, other=0.0)
-    y = total.to(out_ptr.dtype.element_ty)
-    if RESIDUAL:
-        r = tl.load(r_ptr + row * stride_rm + n, mask=keep, other=0.0)
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_om + n, y, mask=keep)
+        total += tl.load(part_ptr + (j * BM + m[:, None]).to(tl.int64) * N + n[None, :], mask=keep, other=0.0)
+    tl.store(out_ptr + m[:, None] * stride_om + n[None, :],
+             _epilogue(total, r_ptr, m, n, keep, stride_rm, out_ptr.dtype.element_ty, RESIDUAL), mask=keep)
 
 
 # Columns a program of ``sum_slices_kernel`` adds.
@@ -155,11 +152,23 @@ def _block_rows(rows: int, dot: bool) -> int:
     return DOT_ROWS if dot else triton.next_power_of_2(rows)
 
 
+def fills_slices(k: int, split: int, bk: int) -> bool:
+    """Whether K = ``k`` cut into ``split`` slices of whole ``bk`` steps leaves none empty."""
+    return split == 1 or (split - 1) * _slice_width(k, split, bk) < k
+
+
+def _slice_width(k: int, split: int, bk: int) -> int:
+    return triton.cdiv(triton.cdiv(k, split), bk) * bk
+
+
+def partials(rows: int, n: int, split: int, device, dot: bool = False) -> torch.Tensor:
+    """The float32 partial sums ``gemv`` with ``split`` slices writes for ``rows`` rows."""
+    return torch.empty((split, _block_rows(rows, dot), n), dtype=torch.float32, device=device)
+
+
 def workspace(rows: int, n: int, split: int, bn: int, device, dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial sums, zeroed ticket counters) for ``gemv`` at these sizes."""
-    bm = _block_rows(rows, dot)
-    return (torch.empty((split, bm, n), dtype=torch.float32, device=device),
-            torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device))
+    return partials(rows, n, split, device, dot), torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
@@ -209,8 +218,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if dot and (M > DOT_ROWS or bn < 16 or bk < 16):
         raise ValueError(f"gemv's dot variant takes at most {DOT_ROWS} rows and BN, BK of 16 or more: "
                          f"{M} rows, BN {bn}, BK {bk}")
-    ks = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    if split > 1 and (split - 1) * ks >= K:
+    ks = _slice_width(K, split, bk)
+    if not fills_slices(K, split, bk):
         raise ValueError(f"K = {K} does not fill {split} slices of {ks} columns")
     part, count = space if space is not None else workspace(M, N, split, bn, x.device, dot)
     bm = _block_rows(M, dot)
@@ -264,7 +273,7 @@ class GemvTiling(NamedTuple):
 
     def fits(self, k: int) -> bool:
         """Whether K = ``k`` fills every slice of the split (``gemv`` refuses an empty one)."""
-        return self.split == 1 or (self.split - 1) * triton.cdiv(triton.cdiv(k, self.split), self.bk) * self.bk < k
+        return fills_slices(k, self.split, self.bk)
 
 
 @triton_op("flare::gemv_linear", mutates_args=())
@@ -275,8 +284,7 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: b
     # No counters (a captured program cannot keep them at zero between replays): without a split
     # ``out`` stands in for the partial sums, never read; with one the partial sums are memory
     # of the program (every element read is written first) and a second launch adds them.
-    part = out if t.split == 1 else torch.empty((t.split, _block_rows(x.shape[0], bool(t.dot)), weight.shape[0]),
-                                                dtype=torch.float32, device=x.device)
+    part = out if t.split == 1 else partials(x.shape[0], weight.shape[0], t.split, x.device, bool(t.dot))
     gemv(x, weight, out, (t.bn, t.bk, t.split, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=(part, out),
          kernel=wrap_triton(gemv_kernel), swiglu=swiglu, residual=residual, tickets=False,
          sum_kernel=wrap_triton(sum_slices_kernel))

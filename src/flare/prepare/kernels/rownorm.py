@@ -205,8 +205,9 @@ def make_norms_row_invariant(model: nn.Module, steps: bool = False) -> tuple[dic
     left: set[str] = set()
     for module in model.modules():
         cls = type(module)
-        if cls in _CLASSES.values():
-            module.flare_step_rows = module.flare_step_rows or steps
+        if cls in _CLASSES.values():  # switched before (for prompt programs, or steps too)
+            if steps:
+                module.flare_step_rows = True
             continue
         if "RMSNorm" not in cls.__name__:
             continue

@@ -194,8 +194,8 @@ def _mlp_forward(self, x, residual=None):
     down = self.down_proj
     # A decode step whose down projection takes the few-row GEMV (``--step-gemms measure``)
     # computes silu(gate) * up in that GEMV's loads (not the tensor-core tile's: ``folds_swiglu``),
-    # and the residual add after it: a launch fewer each. Not under a forward hook (a tensor-parallel all-reduce), the module's own or
-    # a global one, which the GEMV would bypass.
+    # and the residual add after it: a launch fewer each. Not under a forward hook (a
+    # tensor-parallel all-reduce), the module's own or a global one, which the GEMV would bypass.
     fold_tiling = getattr(down, "flare_fold_tiling", None)
     if fold_tiling is not None and _folds(self) and not hooked(down):
         tiling = fold_tiling(gate_up.numel() // gate_up.shape[-1])
@@ -225,9 +225,9 @@ def residual_down_projections(layers) -> list[nn.Module]:
 
     # (a forward hook on the MLP or its down projection, a tensor-parallel all-reduce, keeps the
     # add apart: ``mlp_residual`` and ``_mlp_forward``)
-    return [layer.mlp.down_proj for layer in layers
-            if rewritten(layer) and _folds(getattr(layer, "mlp", None) or nn.Module())
-            and not hooked(layer.mlp) and not hooked(layer.mlp.down_proj)]
+    mlps = [(layer, getattr(layer, "mlp", None)) for layer in layers]
+    return [mlp.down_proj for layer, mlp in mlps
+            if mlp is not None and rewritten(layer) and _folds(mlp) and not hooked(mlp) and not hooked(mlp.down_proj)]
 
 
 def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
