@@ -312,7 +312,8 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
     model, canon, twin = _layer(cfg)
     assert type(twin).__name__ == f"Fused{type(canon).__name__}"
     forward = inspect.unwrap(type(twin).forward)  # under Transformers' decorators and checkpointing wrapper
-    assert forward.__code__.co_filename.startswith("<flare residual")
+    assert forward.__code__.co_filename.startswith("<flare rewritten")
+    assert forward.flare_rewrites == {"mlp_residual", "add_norm"}
     calls = []
     real = fused.mlp_residual
     x = torch.randn(1, 11, cfg.hidden_size, dtype=torch.float64)
@@ -340,13 +341,14 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
 
 def test_a_layer_whose_forward_has_another_shape_keeps_it():
     """Mixture-of-experts layers unpack a tuple between the MLP call and the add: their forward
-    is not rewritten; a forward calling ``super()`` neither (no class cell for it there)."""
+    takes only the add before the post-attention norm as ``add_norm``; a forward calling
+    ``super()`` is not rewritten (no class cell for it there)."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from flare.prepare.recipes.fused import _residual_forward
+    from flare.prepare.recipes.fused import _rewritten_forward
 
-    assert _residual_forward(Qwen3_5MoeDecoderLayer) is None
+    assert inspect.unwrap(_rewritten_forward(Qwen3_5MoeDecoderLayer)).flare_rewrites == {"add_norm"}
 
     class Wrapped(LlamaDecoderLayer):
         def forward(self, hidden_states, **kwargs):
@@ -356,4 +358,10 @@ def test_a_layer_whose_forward_has_another_shape_keeps_it():
             hidden_states = residual + hidden_states
             return hidden_states
 
-    assert _residual_forward(Wrapped) is None and _residual_forward(LlamaDecoderLayer) is not None
+    assert _rewritten_forward(Wrapped) is None and _rewritten_forward(LlamaDecoderLayer) is not None
+
+    class Other(LlamaDecoderLayer):  # neither statement sequence
+        def forward(self, hidden_states, **kwargs):
+            return self.mlp(self.post_attention_layernorm(hidden_states))
+
+    assert _rewritten_forward(Other) is None

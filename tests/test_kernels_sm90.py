@@ -105,6 +105,9 @@ SCRIPT = textwrap.dedent('''
     for block in (1024, 4096):  # hidden 576 .. 1,024 and 4,096 (8B); the norms pass float32 rows
         compile_for_sm90(RN._mean_square_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK=block),
                          num_warps=RN._warps(block))
+    for add, zero in ((True, True), (False, False)):  # a step's whole norm in one launch, bf16 rows
+        compile_for_sm90(RN._rms_norm_kernel, {**bf16("x_ptr", "r_ptr", "w_ptr", "out_ptr", "sum_ptr"), "eps": "fp32"},
+                         dict(BLOCK=4096, ADD=add, ZERO_CENTRED=zero), num_warps=RN._warps(4096))
     # The block grid's movement: the stash and rows in bf16, states fp32, int32 grid rows and
     # meta, the slot and start int64, an int32 count.
     grid = {"grid_ptr": "*i32", "slot_ptr": "*i64", "start_ptr": "*i64", "count_ptr": "*i32", "meta_ptr": "*i32"}
@@ -179,4 +182,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 97, proc.stdout
+    assert proc.stdout.count("compiled") == 99, proc.stdout

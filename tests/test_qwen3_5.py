@@ -243,7 +243,8 @@ def test_one_row_steps_on_the_gemv_fold_the_activation_and_the_residual(stream, 
 
     calls, norms = [], []
     real, real_norm = gemm.gemv_linear, K.gated_rms_norm
-    monkeypatch.setattr(gemm, "gemv_linear", lambda *a, **kw: calls.append(sorted(kw)) or real(*a, **kw))
+    monkeypatch.setattr(gemm, "gemv_linear", lambda *a, **kw: calls.append(sorted(k for k, v in kw.items() if v is not None))
+                        or real(*a, **kw))
     monkeypatch.setattr(K, "gated_rms_norm", lambda *a, **kw: norms.append(a[0].shape) or real_norm(*a, **kw))
     decode_alike(plain, folded, [1], steps=2)
     gdn = sum(1 for layer in layers if hasattr(layer, "linear_attn"))
@@ -251,3 +252,26 @@ def test_one_row_steps_on_the_gemv_fold_the_activation_and_the_residual(stream, 
     assert len(norms) == 2 * 2 * gdn  # both rigs, two steps
     assert calls.count(["residual", "swiglu"]) == 2 * len(layers)
     assert [] in calls  # the projections without a fold (in_proj, q/k/v, o_proj) took it too
+
+
+def test_step_norms_in_one_launch_with_the_residual_add(stream, monkeypatch):
+    """``--step-norms invariant`` (kernels/rownorm.make_norms_row_invariant(steps=True)) on the
+    CUDA path under Triton's interpreter: in decode steps every decoder layer's residual add
+    after its mixer and its post-attention norm are one ``rms_norm`` launch (the rewritten
+    layer forward's ``add_norm``), the input norms and the final norm one launch each without
+    the add (the final norm and the attention layers' per-head q/k norms too), and the tokens
+    and, within float32 rounding, the logits are those of the same core without them."""
+    from flare.prepare.kernels import rownorm as R
+
+    core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
+    plain, switched = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
+    layers = list(switched.model.model.layers)
+    R.make_norms_row_invariant(switched.model, steps=True)
+    calls = []
+    real = R.rms_norm
+    monkeypatch.setattr(R, "rms_norm", lambda *a, **kw: calls.append("residual" in kw) or real(*a, **kw))
+    decode_alike(plain, switched, [1, 2], steps=2)
+    assert calls.count(True) == 2 * len(layers)  # two steps
+    attention = sum(1 for layer in layers if hasattr(layer, "self_attn"))
+    assert 0 < attention < len(layers)
+    assert calls.count(False) == 2 * (len(layers) + 1 + 2 * attention)

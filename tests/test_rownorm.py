@@ -72,15 +72,18 @@ def test_a_switched_norm_computes_transformers_formula(cls, monkeypatch):
 
 @pytest.mark.parametrize("cls", _classes(), ids=lambda c: c.__name__)
 def test_step_norms_take_the_row_invariant_mean_where_asked(cls, monkeypatch):
-    """``steps=True`` (``--step-norms invariant``): a switched norm takes its mean of squares from
-    ``mean_square`` outside prompt programs too (decode and verify steps), each row the same bits
-    alone and among others; a norm switched before for prompt programs only is given the steps
-    as well; without it, steps keep the compiled formula."""
+    """``steps=True`` (``--step-norms invariant``): outside prompt programs too (decode and verify
+    steps) a switched norm is one ``rms_norm`` launch (the gated one: its mean of squares from
+    ``mean_square``), each row the same bits alone and among others; a norm switched before
+    for prompt programs only is given the steps as well; without it, steps keep the compiled
+    formula."""
     calls = []
-    real = R.mean_square
-    monkeypatch.setattr(R, "mean_square", lambda t: calls.append(t.shape[0]) or real(t))
+    real, real_norm = R.mean_square, R.rms_norm
+    monkeypatch.setattr(R, "mean_square", lambda t: calls.append(("mean", t.shape[0])) or real(t))
+    monkeypatch.setattr(R, "rms_norm", lambda t, *a, **kw: calls.append(("norm", t.shape[0])) or real_norm(t, *a, **kw))
     x = torch.randn(4, 64).to(DEVICE)
     gate = torch.randn(4, 64).to(DEVICE) if "Gated" in cls.__name__ else None
+    kind = "mean" if gate is not None else "norm"
 
     def run(norm, rows):
         return norm(x[rows]) if gate is None else norm(x[rows], gate[rows])
@@ -96,7 +99,70 @@ def test_step_norms_take_the_row_invariant_mean_where_asked(cls, monkeypatch):
         assert R.make_norms_row_invariant(holder, steps=True)[0] == ({} if first_prompts_only else {cls.__name__: 1})
         calls.clear()
         every, alone = run(norm, slice(None)), run(norm, slice(2, 3))
-        assert calls == [4, 1] and torch.equal(alone[0], every[2])
+        assert calls == [(kind, 4), (kind, 1)] and torch.equal(alone[0], every[2])
+        with prompt_rows.marked(True):  # prompt programs: the mean of squares, the rest compiled
+            calls.clear()
+            run(norm, slice(None))
+            assert calls == [("mean", 4)]
+
+
+@pytest.mark.parametrize("zero_centred", [True, False])
+@pytest.mark.parametrize("n", [64, 576, 4096])
+def test_one_launch_norm_and_its_residual_add(n, zero_centred):
+    """``rms_norm``: each row the same bits alone and among others, with and without the
+    residual add; the sum is ``residual + x`` bit for bit and the norm of it is the norm
+    ``rms_norm`` gives that sum alone; against the class's own formula (Qwen3.5's zero-centred,
+    Llama's) within the output's rounding."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    g = torch.Generator().manual_seed(n)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, residual = ((torch.randn(6, n, generator=g) * 2).to(dtype).to(DEVICE) for _ in range(2))
+    norm = (Qwen3_5RMSNorm if zero_centred else LlamaRMSNorm)(n, eps=1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g).to(dtype))
+    out, none = R.rms_norm(x, norm.weight, 1e-6, zero_centred)
+    assert none is None and out.dtype == dtype and out.shape == x.shape
+    for rows in (slice(0, 1), slice(3, 5)):
+        assert torch.equal(R.rms_norm(x[rows], norm.weight, 1e-6, zero_centred)[0], out[rows])
+    tol = dict(rtol=2**-7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, norm(x), **tol)
+    normed, total = R.rms_norm(x.reshape(2, 3, n), norm.weight, 1e-6, zero_centred, residual=residual.reshape(2, 3, n))
+    assert torch.equal(total.reshape(6, n), residual + x)
+    assert torch.equal(normed.reshape(6, n), R.rms_norm(residual + x, norm.weight, 1e-6, zero_centred)[0])
+    with pytest.raises(ValueError):
+        R.rms_norm(x, norm.weight, 1e-6, zero_centred, residual=residual[:, :-1])
+
+
+def test_add_norm_is_one_launch_in_steps_only(monkeypatch):
+    """``fused.add_norm``: a step-switched norm adds and normalises in one ``rms_norm`` launch
+    outside prompt programs, giving what the add and the norm give apart (the same kernel's
+    norm of the sum); in prompt programs, unswitched or hooked, the add and the norm as
+    written."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from flare.prepare.recipes.fused import add_norm
+
+    calls = []
+    real = R.rms_norm
+    monkeypatch.setattr(R, "rms_norm", lambda *a, **kw: calls.append("residual" in kw) or real(*a, **kw))
+    x, residual = torch.randn(3, 64).to(DEVICE), torch.randn(3, 64).to(DEVICE)
+    norm = Qwen3_5RMSNorm(64).to(DEVICE)
+    want = norm(residual + x)
+    normed, total = add_norm(norm, residual, x)  # not switched
+    assert calls == [] and torch.equal(total, residual + x) and torch.equal(normed, want)
+    R.make_norms_row_invariant(nn.ModuleList([norm]), steps=True)
+    normed, total = add_norm(norm, residual, x)
+    assert calls == [True] and torch.equal(total, residual + x) and torch.equal(normed, norm(residual + x))
+    torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-6)
+    calls.clear()
+    with prompt_rows.marked(True):
+        add_norm(norm, residual, x)
+    hook = norm.register_forward_hook(lambda _m, _a, out: out)
+    add_norm(norm, residual, x)
+    hook.remove()
+    assert calls == [False]  # only the hooked call's own norm, as a step's single launch
 
 
 def test_a_norm_of_other_code_is_left_and_reported():
@@ -194,3 +260,41 @@ def test_norms_match_by_syntax_tree_not_by_text():
     holder = nn.ModuleList([LlamaRMSNormReworded(8), LlamaRMSNormOtherEps(8)])
     switched, left = R.make_norms_row_invariant(holder)
     assert switched == {"LlamaRMSNormReworded": 1} and left == ["LlamaRMSNormOtherEps"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor's reduction choices are the GPU's")
+def test_compiled_step_norms_are_one_launch_and_the_same_bits_at_every_row_count_on_the_gpu():
+    """On the GPU, compiled as a decode step is (one graph, no break) with ``--step-norms
+    invariant``: the residual add and Qwen3.5's post-attention norm (``fused.add_norm``), then
+    Llama's norm, give every row the same bits in steps of 1, 2, 4 and 16 rows, the sum bit for
+    bit the eager add, within bfloat16 rounding of the eager block."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from flare.prepare.recipes.fused import add_norm
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Qwen3_5RMSNorm(4096), LlamaRMSNorm(4096)
+
+        def forward(self, x, residual):
+            normed, total = add_norm(self.a, residual, x)
+            return self.b(normed), total
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x, residual = (torch.randn(16, 4096, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    block = Block().to(dev, torch.bfloat16)
+    with torch.no_grad():
+        block.a.weight.normal_()
+        block.b.weight.normal_()
+    eager = block(x, residual)
+    assert R.make_norms_row_invariant(block, steps=True)[0] == {"LlamaRMSNorm": 1, "Qwen3_5RMSNorm": 1}
+    with torch.inference_mode(), torch._dynamo.config.patch(cache_size_limit=64):
+        compiled = torch.compile(block, dynamic=False, fullgraph=True)
+        outs = {c: compiled(x[:c], residual[:c]) for c in (1, 2, 4, 16)}
+    for c, (normed, total) in outs.items():
+        assert torch.equal(normed, outs[16][0][:c]) and torch.equal(total, outs[16][1][:c]), c
+    assert torch.equal(outs[16][1], eager[1])
+    torch.testing.assert_close(outs[16][0].float(), eager[0].float(), rtol=2**-6, atol=2**-6)

@@ -130,8 +130,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step-norms", choices=("compiled", "invariant"), default="compiled",
                    help="CUDA: decode and verify steps' RMS norms as Inductor compiles them (its reduction's blocks "
                         "and warps picked per program, by the row count and by timing, so a row's bits may depend on "
-                        "its batch), or with the row-invariant mean of squares of prompt programs (one launch more a "
-                        "norm); with --step-gemms measure or gemv, the norms' share of a decode row's dependence on "
+                        "its batch), or row-invariant: each norm one launch, one program a row, with the residual add "
+                        "before a layer's post-attention norm in it where the layer's forward has Transformers' shape; with --step-gemms measure or gemv, the norms' share of a decode row's dependence on "
                         "its batch removed (lm_head and the decode attention's even split remain)")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "

@@ -15,8 +15,12 @@ rest of each norm is elementwise and stays in the compiled graph, where Inductor
 as before. Decode and verify steps keep Inductor's reduction (their rows need not equal a
 prefill's), unless ``steps`` (``--step-norms invariant``): Inductor compiles a reduction per
 step program too, so at rows over 1,024 values (timed candidates) a decode row's bits could
-depend on how many rows its step has; with ``steps`` those programs take ``mean_square`` too
-(a module's ``flare_step_rows``).
+depend on how many rows its step has (the qwen3-next core's batch-invariance failure on the
+H200, gone with this); with ``steps`` (a module's ``flare_step_rows``) those programs take the
+whole norm from ``rms_norm``, one launch (the mean of squares as a kernel of its own, the rest
+compiled, was two launches and a float32 copy of the input), and a decoder layer's residual add
+before its post-attention norm goes into that launch (``flare_add_norm``, called by
+``fused.add_norm``); the gated norm takes ``mean_square``.
 
 Norm classes are switched by what their code is (its syntax tree, so comments, layout and
 annotations do not count), not their name: a class whose ``_norm``
@@ -77,11 +81,108 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
     return _mean_square_op(x.reshape(-1, n).contiguous()).reshape(*x.shape[:-1], 1)
 
 
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, stride_x, stride_r, stride_o, stride_s, eps,
+                     BLOCK: tl.constexpr, ADD: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """One row a program: (ADD) ``x = residual + x`` rounded to x's dtype and stored, then the
+    RMS norm of x with its mean of squares summed as ``_mean_square_kernel`` sums it; scaled
+    by ``1 + weight`` in float32 (ZERO_CENTRED) or, as Llama's, rounded to x's dtype first and
+    then scaled by the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK)
+    keep = n < N
+    x = tl.load(x_ptr + row * stride_x + n, mask=keep, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + row * stride_r + n, mask=keep, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + n, x, mask=keep)
+    xf = x.to(tl.float32)
+    y = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + n, mask=keep, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        y = y * (1.0 + w)
+    else:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def _launch_norm(x, residual, weight, eps, zero_centred, out, total):
+    rows, n = x.shape
+    if rows:
+        block = triton.next_power_of_2(n)
+        r = x if residual is None else residual
+        s = out if total is None else total
+        wrap_triton(_rms_norm_kernel)[(rows,)](x, r, weight, out, s, n, x.stride(0), r.stride(0), out.stride(0),
+                                               s.stride(0), eps, BLOCK=block, ADD=residual is not None,
+                                               ZERO_CENTRED=zero_centred, num_warps=_warps(block))
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, zero_centred: bool) -> torch.dtype:
+    return x.dtype if zero_centred else torch.promote_types(x.dtype, weight.dtype)
+
+
+@triton_op("flare::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, zero_centred), device=x.device)
+    _launch_norm(x, None, weight, eps, zero_centred, out, None)
+    return out
+
+
+@triton_op("flare::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, zero_centred), device=x.device)
+    total = torch.empty_like(x)
+    _launch_norm(x, residual, weight, eps, zero_centred, out, total)
+    return out, total
+
+
+def _rows2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A whole RMS norm in one launch, each row in one program whatever the number of rows
+    (a custom op): (normalised x, None), or with ``residual`` (of x's shape and dtype) the norm
+    of ``residual + x`` and that sum, as a decoder layer's add before its norm (one launch where
+    the add, the mean of squares and the scaling were three). ``zero_centred``: Qwen3.5's
+    ``(x * rsqrt) * (1 + weight)`` in float32; otherwise Llama's ``weight * (x * rsqrt)`` with
+    the normalised x rounded to x's dtype first. Rows up to ``MAX_ROW`` long."""
+    n = x.shape[-1]
+    if n > MAX_ROW or weight.shape != (n,):
+        raise ValueError(f"rms_norm: rows of {n} (at most {MAX_ROW}) with a weight of {tuple(weight.shape)}")
+    if residual is None:
+        return _rms_norm_op(_rows2d(x), weight, eps, zero_centred).reshape(x.shape), None
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} for x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    out, total = _add_rms_norm_op(_rows2d(residual), _rows2d(x), weight, eps, zero_centred)
+    return out.reshape(x.shape), total.reshape(x.shape)
+
+
 class _Rows:
     flare_step_rows = False  # decode and verify steps too (``make_norms_row_invariant(steps=True)``)
+    _ZERO_CENTRED: bool | None = None  # how ``rms_norm`` computes this class's norm; None: it does not
 
     def _invariant(self) -> bool:
         return self.flare_step_rows or prompt_rows.active()
+
+    def _one_launch(self) -> bool:
+        """Whether this call is a decode or verify step's (``flare_step_rows``) and the norm is
+        one ``rms_norm`` launch (where it would be two: the mean of squares, then the rest
+        compiled)."""
+        return self._ZERO_CENTRED is not None and self.flare_step_rows and not prompt_rows.active()
+
+    def _eps(self) -> float:
+        return self.eps if self._ZERO_CENTRED else self.variance_epsilon
+
+    def flare_add_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this norm of ``residual + x``, the sum) in one launch in a step (``_one_launch``);
+        None elsewhere (``fused.add_norm`` then adds and calls the norm)."""
+        if not self._one_launch() or residual.shape != x.shape or residual.dtype != x.dtype:
+            return None
+        return rms_norm(x, self.weight, self._eps(), self._ZERO_CENTRED, residual=residual)
 
 
 class _ZeroCentred(_Rows):
@@ -93,6 +194,11 @@ class _ZeroCentred(_Rows):
             return super()._norm(x)
         return x * torch.rsqrt(mean_square(x) + self.eps)
 
+    def forward(self, x):
+        if self._one_launch():  # (a class whose forward is ``_ZERO_CENTRED_FORWARD``: ``_mixin``)
+            return rms_norm(x, self.weight, self.eps, True)[0]
+        return super().forward(x)
+
 
 class _Scaled(_Rows):
     """Llama's RMS norm with the mean of squares from ``mean_square`` in prompt programs."""
@@ -100,6 +206,8 @@ class _Scaled(_Rows):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not self._invariant():
             return super().forward(hidden_states)
+        if self._one_launch():
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon, False)[0]
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         hidden_states = hidden_states * torch.rsqrt(mean_square(hidden_states) + self.variance_epsilon)
@@ -125,6 +233,12 @@ class _Gated(_Rows):
 _ZERO_CENTRED_NORM = '''
 def _norm(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+'''
+_ZERO_CENTRED_FORWARD = '''
+def forward(self, x):
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
 '''
 _SCALED_FORWARD = '''
 def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -217,7 +331,10 @@ def make_norms_row_invariant(model: nn.Module, steps: bool = False) -> tuple[dic
             left.add(cls.__name__)
             continue
         if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"RowInvariant{cls.__name__}", (mixin, cls), {})
+            # One launch for the whole norm in steps where ``rms_norm`` computes what the class does.
+            one = mixin is _Scaled or mixin is _ZeroCentred and _code(cls.forward) == _shape(_ZERO_CENTRED_FORWARD)
+            members = {"_ZERO_CENTRED": mixin is _ZeroCentred} if one else {}
+            _CLASSES[cls] = type(f"RowInvariant{cls.__name__}", (mixin, cls), members)
         module.__class__ = _CLASSES[cls]
         if steps:
             module.flare_step_rows = True

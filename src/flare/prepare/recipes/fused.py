@@ -214,14 +214,15 @@ def _folds(mlp: nn.Module) -> bool:
 
 def residual_down_projections(layers) -> list[nn.Module]:
     """The down projections under ``layers`` that add their decoder layer's residual in a step
-    where they take the GEMV (a layer whose forward ``_residual_forward`` rewrote, over a fused
-    gated MLP): elsewhere the add is a kernel of its own. ``--step-gemms measure`` counts that
-    kernel against the products that leave it (``gemm.step_choice``'s ``residual_fold``)."""
+    where they take the GEMV (a layer whose forward ``_rewritten_forward`` rewrote with
+    ``mlp_residual``, over a fused gated MLP): elsewhere the add is a kernel of its own.
+    ``--step-gemms measure`` counts that kernel against the products that leave it
+    (``gemm.step_choice``'s ``residual_fold``)."""
     import inspect
 
     def rewritten(layer) -> bool:  # (under the wrappers Transformers' classes put around a forward)
-        code = getattr(inspect.unwrap(type(layer).forward), "__code__", None)
-        return code is not None and code.co_filename.startswith(_REWRITTEN)
+        forward = inspect.unwrap(type(layer).forward)
+        return "mlp_residual" in getattr(forward, "flare_rewrites", ())
 
     # (a forward hook on the MLP or its down projection, a tensor-parallel all-reduce, keeps the
     # add apart: ``mlp_residual`` and ``_mlp_forward``)
@@ -239,17 +240,39 @@ def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     return residual + mlp(x)
 
 
-# The two statements of a Transformers decoder layer's forward that ``mlp_residual`` replaces.
-_MLP_THEN_ADD = ("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states")
+def add_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``norm(residual + x)``, ``residual + x``): a decoder layer's residual add after its
+    attention and the norm before its MLP. A row-invariant norm in a decode or verify step
+    (``rownorm``'s ``flare_add_norm``, ``--step-norms invariant``) does both in one launch;
+    anything else (a hooked norm too) runs as written."""
+    fused = getattr(norm, "flare_add_norm", None)
+    if fused is not None and not hooked(norm):
+        out = fused(residual, x)
+        if out is not None:
+            return out
+    total = residual + x
+    return norm(total), total
+
+
+# Statements of a Transformers decoder layer's forward (consecutive, at the top level of its
+# body) and the call each rewrite puts in their place.
+_REWRITES = {
+    "mlp_residual": (("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
+                     "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"),
+    "add_norm": (("hidden_states = residual + hidden_states", "residual = hidden_states",
+                  "hidden_states = self.post_attention_layernorm(hidden_states)"),
+                 "hidden_states, residual = _flare_add_norm(self.post_attention_layernorm, residual, hidden_states)"),
+}
 _LAYER_FORWARDS: dict[type, object] = {}
-_REWRITTEN = "<flare residual"  # the file name a rewritten forward's code carries
+_REWRITTEN = "<flare rewritten"  # the file name a rewritten forward's code carries
 
 
-def _residual_forward(cls: type):
-    """``cls.forward`` with its MLP call and the residual add right after it (``_MLP_THEN_ADD``,
-    once, at the top level of the body) as one ``mlp_residual`` call: the same code otherwise,
-    compiled from its syntax tree in its module's namespace. None where the forward does not
-    have that shape (a mixture-of-experts layer unpacks a tuple between the two), calls
+def _rewritten_forward(cls: type):
+    """``cls.forward`` with each of ``_REWRITES`` that it has (once, at the top level of its
+    body) replaced by its call (``mlp_residual``, ``add_norm``): the same code otherwise,
+    compiled from its syntax tree in its module's namespace, with the names of the rewrites
+    made in its ``flare_rewrites``. None where the forward has none of them (a
+    mixture-of-experts layer unpacks a tuple between its MLP call and the add), calls
     ``super()`` or closes over names (no class cell or closure here) or its source is
     unavailable. Its decorators apply again; line numbers are the source's."""
     if cls in _LAYER_FORWARDS:
@@ -268,19 +291,26 @@ def _residual_forward(cls: type):
     fn = tree.body[0] if tree is not None and tree.body else None
     if isinstance(fn, ast.FunctionDef) and not original.__code__.co_freevars and not any(
             isinstance(n, ast.Name) and n.id in ("super", "__class__") for n in ast.walk(fn)):
-        want = [ast.dump(ast.parse(line).body[0]) for line in _MLP_THEN_ADD]
         body = [ast.dump(stmt) for stmt in fn.body]
-        at = [i for i in range(len(body) - 1) if body[i:i + 2] == want]
-        if len(at) == 1:
-            call = ast.parse("hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)").body[0]
-            ast.increment_lineno(call, fn.body[at[0]].lineno - 1)  # the line of the MLP call it replaces
-            fn.body[at[0]:at[0] + 2] = [call]
-            # The namespace of the module that defines the forward (a copy, with the call's name).
-            namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual)
+        found = []  # (index, statements replaced, call, name), on the original body
+        for name, (statements, replacement) in _REWRITES.items():
+            want = [ast.dump(ast.parse(line).body[0]) for line in statements]
+            at = [i for i in range(len(body) - len(want) + 1) if body[i:i + len(want)] == want]
+            if len(at) == 1:
+                call = ast.parse(replacement).body[0]
+                ast.increment_lineno(call, fn.body[at[0]].lineno - 1)  # the line of the first it replaces
+                found.append((at[0], len(want), call, name))
+        spans = sorted((i, i + n) for i, n, _, _ in found)
+        if found and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])):  # none overlapping
+            for i, n, call, _ in sorted(found, key=lambda f: -f[0]):
+                fn.body[i:i + n] = [call]
+            # The namespace of the module that defines the forward (a copy, with the calls' names).
+            namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual, _flare_add_norm=add_norm)
             module = ast.increment_lineno(ast.Module(body=[fn], type_ignores=[]), first - 1)
             try:  # the decorators run again here; any that fails leaves the forward as it is
                 exec(compile(module, f"{_REWRITTEN} {cls.__qualname__}.forward>", "exec"), namespace)
                 forward = namespace[fn.name]
+                inspect.unwrap(forward).flare_rewrites = frozenset(f[3] for f in found)
             except Exception:
                 forward = None
     _LAYER_FORWARDS[cls] = forward
@@ -320,9 +350,9 @@ def fuse_projections(layers: list[nn.Module]) -> int:
             n += 1
         if mlp is not None and fuse_mlp(mlp):
             n += 1
-            forward = _residual_forward(type(layer))
-            if forward is not None:
-                _with_forward(layer, forward)
+        forward = _rewritten_forward(type(layer))
+        if forward is not None:
+            _with_forward(layer, forward)
     return n
 
 
