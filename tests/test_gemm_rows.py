@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from flare.prepare import prompt_rows  # noqa: E402
 from flare.prepare.kernels import gemm  # noqa: E402
+from flare.prepare.kernels.gemv import ticket_counters  # noqa: E402
 from flare.prepare.recipes.fused import FusedLinear, Part  # noqa: E402
 
 # The interpreter on the CPU (conftest.py sets TRITON_INTERPRET=1 without CUDA), the GPU on the device.
@@ -191,16 +192,17 @@ def test_a_layer_without_bias_can_take_the_gemv_at_step_rows(monkeypatch):
     k, v = len(gemm.STEP_TILINGS), len(gemvs)
     times = iter([10] + [9] * k + [8] * (v - 1) + [3])  # cuBLAS, the GEMMs, the GEMVs: the last wins
     layers = [nn.ModuleDict({"o": nn.Linear(96, 32, bias=False)}).to(DEVICE)]
-    found = gemm.choose_step_gemms(layers, [2], timer=lambda fn: next(times))
+    counters = ticket_counters(DEVICE)  # the core's, which its steps' split GEMVs take
+    found = gemm.choose_step_gemms(layers, [2], timer=lambda fn: next(times), tickets=counters)
     assert found == {"0.o": {2: gemvs[-1]}} and isinstance(found["0.o"][2], GemvTiling)
     assert next(times, None) is None
     o = layers[0]["o"]
     x = torch.randn(2, 96, device=DEVICE)
     calls = []
     real = gemm.gemv_linear
-    monkeypatch.setattr(gemm, "gemv_linear", lambda x, w, t: calls.append((x.shape[0], t)) or real(x, w, t))
+    monkeypatch.setattr(gemm, "gemv_linear", lambda x, w, t, **kw: calls.append((x.shape[0], t, kw)) or real(x, w, t, **kw))
     eager = o(x)
-    assert calls == [(2, gemvs[-1])]
+    assert calls == [(2, gemvs[-1], {"tickets": counters})] and not counters.any()
     torch.testing.assert_close(eager, F.linear(x, o.weight), atol=1e-4, rtol=1e-5)
     if torch.cuda.is_available():  # compiled as the programs are (in inference mode: the custom op
         # has no autograd formula): one graph, the same bits (the CPU interpreter cannot run a
@@ -301,20 +303,31 @@ def test_every_step_gemv_tiling_is_a_linear_layer(tiling):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles and captures a CUDA graph")
-def test_a_split_step_gemv_compiles_and_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("tickets", [False, True])
+def test_a_split_step_gemv_compiles_and_replays_in_a_cuda_graph(tickets, monkeypatch):
     """A layer on a split tensor-core GEMV (its partial sums allocated inside the op, a second
-    launch adding them) compiled as the programs are and captured in a CUDA graph: each replay
-    the eager bits, for the captured input and for new values written into it."""
+    launch adding them, or its last programs with the core's ticket counters) compiled as the
+    programs are and captured in a CUDA graph: each replay the eager bits, for the captured
+    input and for new values written into it, the counters back at zero after each."""
     from flare.prepare.kernels.gemv import GemvTiling
 
+    torch.manual_seed(0)
     layer = nn.Linear(4096, 512, bias=False).to("cuda", torch.bfloat16)
     gemm._switch(layer)
     layer.flare_step_tiling = {2: GemvTiling(32, 128, 4, dot=1, stages=4, split=4)}
+    counters = ticket_counters("cuda")
     x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
     other = torch.randn_like(x)
+    calls = []
+    real = gemm.gemv_linear
+    monkeypatch.setattr(gemm, "gemv_linear", lambda *a, **kw: calls.append(kw["tickets"]) or real(*a, **kw))
     with torch.inference_mode():
+        apart = layer(x)  # the slices added by a second launch
+        layer.flare_tickets = counters if tickets else None
         eager, eager_other = layer(x), layer(other)
-        assert not torch.equal(eager, F.linear(x, layer.weight))  # (the GEMV, not cuBLAS: other sums)
+        assert len(calls) == 3 and calls[0] is None and all(c is layer.flare_tickets for c in calls[1:])
+        assert torch.equal(eager, apart)
+        torch.testing.assert_close(eager, F.linear(x, layer.weight), atol=0.05, rtol=0.02)
         compiled = torch.compile(layer, dynamic=False, fullgraph=True)
         static = x.clone()
         side = torch.cuda.Stream()
@@ -329,7 +342,7 @@ def test_a_split_step_gemv_compiles_and_replays_in_a_cuda_graph():
             static.copy_(src)
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, want)
+            assert torch.equal(out, want) and not counters.any()
 
 
 def test_a_deferred_step_gemv_tiling_reaches_the_kernel():
@@ -379,7 +392,7 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
     with torch.no_grad():
         want = plain(x)
         torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
-        assert calls == [((2, 192), {"swiglu": True, "residual": None})]
+        assert calls == [((2, 192), {"swiglu": True, "residual": None, "tickets": None})]
         calls.clear()
         with prompt_rows.marked(True):
             torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
@@ -387,13 +400,13 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
         assert calls == []
         hook = mlp.down_proj.register_forward_hook(lambda _m, _a, out: out)
         mlp(x)
-        assert calls == [((2, 96), {})]  # the down projection's own GEMV, after the activation
+        assert calls == [((2, 96), {"tickets": None})]  # the down projection's own GEMV, after the activation
         hook.remove()
         calls.clear()
         # A GEMV of fewer columns a program would compute the activation too many times.
         mlp.down_proj.flare_step_tiling = {2: GemvTiling(gemm.FOLD_MIN_BN // 2, 64, 4)}
         torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
-        assert calls == [((2, 96), {})]
+        assert calls == [((2, 96), {"tickets": None})]
         calls.clear()
         # The tensor-core tile takes the activation computed apart (each of its 16 rows would
         # compute it), the residual still in its epilogue.

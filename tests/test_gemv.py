@@ -170,7 +170,8 @@ def test_slices_added_by_a_second_launch_are_the_tickets_sums(dot):
     """``tickets=False`` (what a captured program runs: no counters): the slices' partial sums
     added in order by ``sum_slices_kernel`` are the same bits as the last ticket's sums, with
     and without the residual; the same through ``gemv_linear`` with a split ``GemvTiling`` (the
-    partial sums allocated by the op), and each row the same bits alone (``dot``)."""
+    partial sums allocated by the op, its last programs adding them where given the core's ticket
+    counters), and each row the same bits alone (``dot``)."""
     g = torch.Generator().manual_seed(29)
     rows, n, k, split = 3, 40, 384, 3
     dt = torch.float32 if dot and DEVICE == "cpu" else torch.bfloat16
@@ -187,6 +188,19 @@ def test_slices_added_by_a_second_launch_are_the_tickets_sums(dot):
         assert torch.equal(got, want)
         op = G.gemv_linear(x, w, G.GemvTiling(16, 32, 4, dot=dot, stages=2, split=split), residual=residual)
         assert torch.equal(op, want)
+        # With a core's ticket counters: one launch, the same bits, the counters back at zero.
+        counters = G.ticket_counters(DEVICE)
+        for _ in range(2):
+            op = G.gemv_linear(x, w, G.GemvTiling(16, 32, 4, dot=dot, stages=2, split=split), residual=residual,
+                               tickets=counters)
+            assert torch.equal(op, want) and not counters.any()
     if dot:
         alone = G.gemv_linear(x[1:2].clone(), w, G.GemvTiling(16, 32, 4, dot=1, stages=2, split=split))
         assert torch.equal(alone[0], G.gemv_linear(x, w, G.GemvTiling(16, 32, 4, dot=1, stages=2, split=split))[1])
+
+
+def test_ticket_counters_too_few_for_the_column_tiles_are_refused():
+    w = torch.zeros(64, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="column tiles"):
+        G.gemv_linear(torch.zeros(1, 32, device=DEVICE), w, G.GemvTiling(16, 16, 4, split=2),
+                      tickets=torch.zeros(3, dtype=torch.int32, device=DEVICE))

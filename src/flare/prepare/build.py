@@ -30,7 +30,7 @@ from flare.core.sampling_params import NEUTRAL
 from flare.prepare import recipes
 from flare.prepare.layout import align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
-from flare.prepare.plan import (GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
+from flare.prepare.plan import (GEMV_TICKETS, GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
                                 buffer_requests, continuation_rows, partial_manifest, plan_capacities,
                                 prefill_only_state, program_table, sampling_defaults, scratch_gib)
 from flare.prepare.programs import PROMPT_PROGRAMS, TORCH_DTYPES, ProgramSet, arena_views
@@ -211,6 +211,7 @@ class _CudaArena:
             from flare.prepare.parallel import CudaTransport
 
             self.tp.attach_cuda(CudaTransport(views[TP_EXCHANGE], views[TP_FLAGS], views[TP_PEERS]))
+        self.tickets = views.get(GEMV_TICKETS)
         return views
 
     def pool(self):
@@ -266,7 +267,8 @@ class _CudaArena:
                 if p.kind in (mf.ProgramKind.decode, mf.ProgramKind.verify)}
         layers = recipe.decoder_layers(model.module)
         by_name: dict[str, set] = {}
-        chosen_gemms = force_step_gemv(layers, rows) if forced else choose_step_gemms(layers, rows, log=progress)
+        chosen_gemms = (force_step_gemv(layers, rows) if forced
+                        else choose_step_gemms(layers, rows, log=progress, tickets=self.tickets))
         for name, chosen in chosen_gemms.items():
             by_name.setdefault(name.split(".", 1)[1], set()).update(chosen.items())
         for name, chosen in sorted(by_name.items()):

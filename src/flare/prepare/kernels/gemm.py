@@ -35,7 +35,7 @@ from torch.library import triton_op, wrap_triton
 from torch.nn import functional as F
 
 from flare.prepare import prompt_rows
-from flare.prepare.kernels.gemv import GemvTiling, gemv_linear
+from flare.prepare.kernels.gemv import GemvTiling, gemv_linear, ticket_counters
 
 
 @triton.jit
@@ -149,6 +149,7 @@ class _RowInvariant:
 
     flare_split_rows: frozenset[int] = frozenset()
     flare_step_tiling: dict[int, tuple[int, ...]] = {}
+    flare_tickets: torch.Tensor | None = None  # the core's GEMV ticket counters (``gemv_linear``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -158,7 +159,7 @@ class _RowInvariant:
         elif rows in self.flare_step_tiling:
             tiling = self.flare_step_tiling[rows]
             if isinstance(tiling, GemvTiling):
-                return gemv_linear(x, self.weight, tiling)
+                return gemv_linear(x, self.weight, tiling, tickets=self.flare_tickets)
             return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
 
@@ -180,9 +181,9 @@ class _RowInvariant:
         otherwise computed apart, as the MLP computes it) and ``residual`` added in its
         epilogue, when given."""
         if folds_swiglu(tiling):
-            return gemv_linear(gate_up, self.weight, tiling, swiglu=True, residual=residual)
+            return gemv_linear(gate_up, self.weight, tiling, swiglu=True, residual=residual, tickets=self.flare_tickets)
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return gemv_linear(F.silu(gate) * up, self.weight, tiling, residual=residual)
+        return gemv_linear(F.silu(gate) * up, self.weight, tiling, residual=residual, tickets=self.flare_tickets)
 
 
 _CLASSES: dict[type, type] = {}
@@ -323,9 +324,10 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     times = {"cublas": timer(rotating(lambda w: F.linear(x, w, b)))}
     for t in STEP_TILINGS:
         times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
+    tickets = ticket_counters(weight.device)  # split GEMVs as a core's steps run them
     for t in STEP_GEMV_TILINGS if bias is None else ():
         if rows <= t.max_rows and t.fits(weight.shape[1]):
-            times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t)))
+            times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t, tickets=tickets)))
     best = min((t for t in times if t != "cublas"), key=times.get)
     return (best if times[best] <= margin * times["cublas"] else None), times
 
@@ -376,15 +378,16 @@ def _gemv_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts
     """Whether the GEMV with ``tiling`` gives each row the same bits at every count, as it is and,
     where the folds may take it (``FOLD_MIN_BN``), with the activation in its loads and the
     residual in its epilogue (random rows ``x`` standing for both halves of [gate | up])."""
-    if not _same_rows(lambda rows: gemv_linear(rows, w, tiling), x, counts):
+    tickets = ticket_counters(w.device)
+    if not _same_rows(lambda rows: gemv_linear(rows, w, tiling, tickets=tickets), x, counts):
         return False
     if tiling.bn < FOLD_MIN_BN:
         return True
     gate_up = torch.cat([x, x.flip(0)], dim=1)
     residual = torch.full((x.shape[0], w.shape[0]), 0.5, device=x.device, dtype=x.dtype)
     return _same_rows(lambda rows: gemv_linear(gate_up[: rows.shape[0]] if folds_swiglu(tiling) else rows, w, tiling,
-                                               swiglu=folds_swiglu(tiling),
-                                               residual=residual[: rows.shape[0]].contiguous()), x, counts)
+                                               swiglu=folds_swiglu(tiling), residual=residual[: rows.shape[0]].contiguous(),
+                                               tickets=tickets), x, counts)
 
 
 def _cublas_same_rows(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, counts: list[int]) -> bool:
@@ -457,12 +460,14 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     return best, times
 
 
-def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], log=None, **kw) -> dict[str, dict]:
+def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], log=None,
+                      tickets: torch.Tensor | None = None, **kw) -> dict[str, dict]:
     """For each plain linear layer under ``layers``, the product of its decode and verify steps
     (``step_choice``: one family for all their row counts, where it beats cuBLAS, which splits
     K for few rows and adds a reduce kernel). Returns {module name: {rows: tiling}} for the
     layers switched, measuring each (shape, dtype, residual fold) once; ``log``: a callable given a
-    line of the summed times for each."""
+    line of the summed times for each; ``tickets``: the core's GEMV ticket counters, which the
+    switched layers' split GEMVs take (``gemv_linear``; timed with counters of their own)."""
     from flare.prepare.recipes.fused import residual_down_projections
 
     counts = sorted(set(row_counts))
@@ -484,5 +489,6 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
         if measured[key]:
             _switch(module)
             module.flare_step_tiling = dict(measured[key])
+            module.flare_tickets = tickets
             found[name] = dict(measured[key])
     return found

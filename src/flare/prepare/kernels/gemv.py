@@ -16,7 +16,9 @@ across K at every step, was 1.18-1.49x slower than cuBLAS at one row, docs/gpu.m
   ticket from its column tile's counter; the program that takes the last ticket sums the
   SPLIT partials in order 0, 1, ... (the same order whoever arrives last: the result is
   deterministic run to run), writes the output and resets the counter to zero for the
-  next call. The counters must be zero before the first call.
+  next call. The counters must be zero before the first call: a prepared core keeps them in
+  its arena (``TICKET_COUNTERS``, a state buffer the runtime zeroes at start); without
+  counters a second launch (``sum_slices_kernel``) adds the slices in the same order.
 
 A row's sums involve no other row; whether its bits are also the same at every M (the row
 block BM changes the register layout of the reduction) is what tests/test_gemv.py checks,
@@ -276,30 +278,53 @@ class GemvTiling(NamedTuple):
         return fills_slices(k, self.split, self.bk)
 
 
+# Ticket counters a prepared core keeps for the split GEMVs of its steps (an int32 state buffer
+# of the arena, zeroed by the runtime at start; every call leaves its counters at zero again):
+# enough for N / BN column tiles of any decoder weight.
+TICKET_COUNTERS = 16384
+
+
+def ticket_counters(device) -> torch.Tensor:
+    """Zeroed counters for ``gemv_linear(..., tickets=)`` outside a prepared core (timings, tests)."""
+    return torch.zeros(TICKET_COUNTERS, dtype=torch.int32, device=device)
+
+
+# The op says it mutates nothing: with ``tickets`` it increments counters that the call's last
+# programs set back to zero, so a call leaves every tensor it was given as it found it (calls run
+# one after another on the program's stream; none runs beside another with the same counters).
 @triton_op("flare::gemv_linear", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: bool = False,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     t = GemvTiling(*tiling)
-    # No counters (a captured program cannot keep them at zero between replays): without a split
-    # ``out`` stands in for the partial sums, never read; with one the partial sums are memory
-    # of the program (every element read is written first) and a second launch adds them.
+    # Without a split ``out`` stands in for the partial sums, never read; with one the partial
+    # sums are memory of the program (every element read is written first), added in order by
+    # the last program of each column tile to take a ticket (``tickets``: counters that stay in
+    # the arena between replays) or, without counters, by a second launch.
     part = out if t.split == 1 else partials(x.shape[0], weight.shape[0], t.split, x.device, bool(t.dot))
-    gemv(x, weight, out, (t.bn, t.bk, t.split, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=(part, out),
-         kernel=wrap_triton(gemv_kernel), swiglu=swiglu, residual=residual, tickets=False,
-         sum_kernel=wrap_triton(sum_slices_kernel))
+    gemv(x, weight, out, (t.bn, t.bk, t.split, t.warps, t.stages, t.defer, t.rowloop, t.dot),
+         space=(part, out if tickets is None else tickets), kernel=wrap_triton(gemv_kernel), swiglu=swiglu,
+         residual=residual, tickets=tickets is not None and t.split > 1, sum_kernel=wrap_triton(sum_slices_kernel))
     return out
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swiglu: bool = False,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) by ``gemv`` with ``tiling``, as a custom op (a compiled
     layer calls it without a graph break), for at most ``tiling.max_rows`` rows. ``swiglu``: ``x``
     is a gated MLP's [gate | up] projection and the product is its down projection of
-    ``silu(gate) * up``; ``residual`` (the output's shape): added to the product (``gemv``)."""
+    ``silu(gate) * up``; ``residual`` (the output's shape): added to the product (``gemv``).
+    ``tickets``: zeroed int32 counters (``TICKET_COUNTERS``; ``ticket_counters`` or the core's
+    state buffer) for a split tiling's last programs to add the slices, in one launch; without
+    them a second launch adds them (the same bits)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[0] > tiling.max_rows:
         raise ValueError(f"gemv_linear with {tiling} takes at most {tiling.max_rows} rows, not {rows.shape[0]}")
     if residual is not None:
         residual = residual.reshape(-1, residual.shape[-1]).contiguous()
-    return _gemv_op(rows, weight, list(tiling), swiglu, residual).reshape(*x.shape[:-1], weight.shape[0])
+    if tiling.split == 1:
+        tickets = None  # (no slices to add)
+    if tickets is not None and (tickets.dtype != torch.int32 or tickets.numel() < triton.cdiv(weight.shape[0], tiling.bn)):
+        raise ValueError(f"gemv_linear's tickets: {tickets.numel()} {tickets.dtype} counters for "
+                         f"{triton.cdiv(weight.shape[0], tiling.bn)} column tiles")
+    return _gemv_op(rows, weight, list(tiling), swiglu, residual, tickets).reshape(*x.shape[:-1], weight.shape[0])
