@@ -337,6 +337,19 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     docs/gpu.md). Since b3b9446 each layer takes one family at every count; the 9B has
     not been timed that way (the GEMV loses 1.13-1.69x at four rows, so the one-row gain
     may go). The exact default core's step is 5.08 ms (0.74).
+  * **Exact steps, evening of 2026-12-04**
+    (`decode-floor-qwen3_5-9b-shape-2026-12-04-exact.json`, `-norms.json`): one
+    family a layer at every step row count, the `dot` GEMV (one 16-row tensor-core
+    tile) offered: 4.890 ms (0.771) with the norms still Inductor's; with
+    `--step-norms invariant` and the split `dot` GEMV for out_proj, o_proj and down
+    (K in 2-4 slices) 5.036 ms (0.744, 612 kernels: the norms' mean of squares, a
+    float32 copy and the residual add each a launch, the slices' sums a launch);
+    with each step norm one launch, the residual add in the post-attention norm's
+    launch and the slices added by the ticket path's last program (counters in the
+    core's arena) **4.911 ms, 0.763** (410 kernels; c = 2 / 4: 5.013 / 5.123 ms),
+    every linear layer and norm of the step row-invariant. The GPU suite's hybrid
+    cores with these norms (the two-launch version) pass all ten generation tests,
+    batch invariance included (`qualification-2026-12-04-step-norms.json`).
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
   `generate` with a static cache and its compiled forward; the mode is recorded
   per batch): 1.72 / 1.64 / 1.58x at c = 1 / 2 / 4 (ITL 5.02 against 8.69 ms).
