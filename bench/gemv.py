@@ -17,6 +17,10 @@ times, for the down projections (``FOLD_SHAPES``), the product as a decoder laye
 and the add as two elementwise kernels (a multiply stands in for the compiled activation
 kernel: the same bytes, one launch), by each tiling with both folded, and by each ``dot``
 tiling with the residual folded and the activation apart (the recipe's choice for it).
+``--glu`` also times, for the [gate; up] projections (``GLU_SHAPES``), the activation as the
+down projection of a ``dot`` GEMV needs it: cuBLAS's product then the activation (a multiply of
+the halves standing in for it, as above), against each ``dot`` tiling without a split with the
+activation in its epilogue (``gemv(..., glu=True)``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 40
           "35b-gdn-in": (12352, 2048), "35b-attn-qkv": (9216, 2048), "30b-qkv": (5120, 2048),
           "a3b-o": (2048, 4096)}
 FOLD_SHAPES = ("8b-down", "9b-down")
+GLU_SHAPES = ("8b-gate_up", "9b-gate_up")
 VARIANTS = {"defer": 5, "rowloop": 6, "dot": 7}
 # (BN, BK, SPLIT, warps, stages[, defer[, rowloop[, dot]]]): the first version's best (reduced at every step),
 # then lanes kept through the loop (defer), narrow and long, then whole-K steps
@@ -104,6 +109,25 @@ def _folded(w, ws, rows: int, k: int, n: int, tilings, dev, g) -> dict:
     return res
 
 
+def _glu(w, ws, x, n: int, tilings, dev) -> dict:
+    """ms of ``silu(x @ gate.T) * (x @ up.T)`` over [gate; up] rows ``w`` (``--glu``)."""
+    rows, half = x.shape[0], n // 2
+    gu = torch.empty((rows, n), device=dev, dtype=torch.bfloat16)
+    act = torch.empty((rows, half), device=dev, dtype=torch.bfloat16)
+    out = torch.empty((rows, half), device=dev, dtype=torch.bfloat16)
+    res = {"cublas+act": graph_ms([lambda i=i: torch.mul(F.linear(x, ws[i % len(ws)], out=gu)[:, :half], gu[:, half:],
+                                                         out=act) for i in range(CALLS)])}
+    for t in tilings:
+        if not (len(t) > 7 and t[7]) or t[2] != 1:
+            continue
+        key = "x".join(map(str, t)) + "-glu"
+        try:
+            res[key] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], out, t, glu=True) for i in range(CALLS)])
+        except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
+            res[key] = f"{type(e).__name__}: {str(e)[:200]}"
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -111,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--only", choices=sorted(VARIANTS))
     p.add_argument("--folds", action="store_true")
+    p.add_argument("--glu", action="store_true")
     a = p.parse_args(argv)
     tilings = [t for t in TILINGS if a.only is None or (len(t) > VARIANTS[a.only] and t[VARIANTS[a.only]])]
     dev = torch.device("cuda")
@@ -154,6 +179,8 @@ def main(argv=None) -> int:
                     entry["errors"][key] = f"{type(e).__name__}: {str(e)[:200]}"
             if a.folds and name in FOLD_SHAPES:
                 entry["folded_ms"] = _folded(w, ws, rows, k, n, tilings, dev, g)
+            if a.glu and name in GLU_SHAPES:
+                entry["glu_ms"] = _glu(w, ws, x, n, tilings, dev)
             entry["tb_per_s"] = {t: mb / 1e6 / (v / 1e3) for t, v in entry["ms"].items()}
             best = min((t for t in entry["ms"] if t != "cublas"), key=entry["ms"].get, default=None)
             entry["best"] = best

@@ -360,20 +360,12 @@ def test_a_deferred_step_gemv_tiling_reaches_the_kernel():
     assert torch.equal(got, deferred) and not torch.equal(got, stepwise)
 
 
-def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(monkeypatch):
-    """A fused gated MLP (recipes/fused.py) at a step row count where ``down_proj`` takes the
-    GEMV runs the down projection with silu(gate) * up computed in the GEMV's loads (one
-    launch fewer), within float32 rounding of the MLP as written; not in a prompt program,
-    at another row count, under a forward hook (a tensor-parallel all-reduce), or with a
-    GEMV of fewer than ``FOLD_MIN_BN`` columns a program; the tensor-core tile (``dot``) takes
-    the activation computed apart."""
+def _gated_mlp_pair():
+    """A Llama MLP and its fused twin ([gate; up] in one weight), the same weights."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from flare.prepare import prompt_rows
-    from flare.prepare.kernels.gemv import GemvTiling
     from flare.prepare.recipes.fused import fuse_mlp
-    from flare.prepare.recipes.fused import mlp_residual as fused_mlp_residual
 
     cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=96)
     torch.manual_seed(0)
@@ -382,6 +374,21 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
     mlp.load_state_dict(plain.state_dict())
     assert fuse_mlp(mlp)
     mlp.gate_up_proj.weight.data = torch.cat([plain.gate_proj.weight, plain.up_proj.weight]).to(DEVICE)
+    return plain, mlp
+
+
+def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(monkeypatch):
+    """A fused gated MLP (recipes/fused.py) at a step row count where ``down_proj`` takes the
+    GEMV runs the down projection with silu(gate) * up computed in the GEMV's loads (one
+    launch fewer), within float32 rounding of the MLP as written; not in a prompt program,
+    at another row count, under a forward hook (a tensor-parallel all-reduce), or with a
+    GEMV of fewer than ``FOLD_MIN_BN`` columns a program; the tensor-core tile (``dot``) takes
+    the activation computed apart."""
+    from flare.prepare import prompt_rows
+    from flare.prepare.kernels.gemv import GemvTiling
+    from flare.prepare.recipes.fused import mlp_residual as fused_mlp_residual
+
+    plain, mlp = _gated_mlp_pair()
     gemm._switch(mlp.down_proj)
     tiling = GemvTiling(8, 64, 4, 1)
     mlp.down_proj.flare_step_tiling = {2: tiling}
@@ -415,3 +422,58 @@ def test_a_gated_mlp_whose_down_projection_takes_the_gemv_folds_its_activation(m
         torch.testing.assert_close(fused_mlp_residual(mlp, x, r), r + want, atol=1e-4, rtol=1e-5)
         assert len(calls) == 1 and calls[0][0] == (2, 96) and calls[0][1]["residual"] is r
 
+
+
+@pytest.mark.parametrize("down_loads_act", [False, True])
+def test_a_gate_up_projection_takes_the_activation_where_its_down_projection_leaves_it(monkeypatch, down_loads_act):
+    """``choose_step_gemms`` decides the down projections first; a fused gated MLP whose down
+    projection leaves the activation to a kernel of its own (a tensor-core GEMV, ``dot``) is
+    offered the ``GLU_TILINGS`` for its [gate; up] projection, every other family charged the
+    activation's kernel: where the GLU GEMV is fastest the step computes the activation in that
+    GEMV's epilogue (``flare_glu``) and gives the MLP's output within float32 rounding; where the
+    down projection takes the activation in its loads (a GEMV of 8+ columns a program without
+    ``dot``), the GLU tilings are not offered."""
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    plain, mlp = _gated_mlp_pair()
+    down_pick = GemvTiling(8, 512, 4, 0, 1) if down_loads_act else GemvTiling(32, 128, 4, dot=1, stages=4)
+    glu_pick = GemvTiling(32, 128, 4, dot=1, stages=4, glu=1)
+    offered = []
+
+    def step_tiling(weight, bias, rows, *, timer=None, margin=0.97, glu=False):
+        offered.append((tuple(weight.shape), glu))
+        times = {"cublas": 10.0, **{t: 9.5 for t in gemm.STEP_TILINGS}}
+        for t in (*gemm.STEP_GEMV_TILINGS, *(gemm.GLU_TILINGS if glu else ())):
+            if rows <= t.max_rows and t.fits(weight.shape[1]):
+                times[t] = 1.0 if t in (down_pick, glu_pick) else 9.0
+        return None, times
+
+    monkeypatch.setattr(gemm, "step_tiling", step_tiling)
+    monkeypatch.setattr(gemm, "_add_ms", lambda *a, **kw: 0.5)
+    # (each tiling's rows across counts: tests/test_gemv.py; under the interpreter 20 s a layer here)
+    monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)
+    found = gemm.choose_step_gemms([nn.ModuleDict({"mlp": mlp})], [1, 2])
+    assert found["0.mlp.down_proj"] == {1: down_pick, 2: down_pick}
+    # The down projection first, then the gate/up projection, offered the GLU tilings only where
+    # the down projection leaves the activation.
+    assert offered == [((64, 96), False)] * 2 + [((192, 64), not down_loads_act)] * 2
+    gate_up = found["0.mlp.gate_up_proj"]
+    if down_loads_act:
+        assert not any(t.glu for t in gate_up.values())
+        return
+    assert gate_up == {1: glu_pick, 2: glu_pick}
+    calls = []
+    real = gemm.gemv_linear
+    monkeypatch.setattr(gemm, "gemv_linear", lambda x, w, t, **kw: calls.append((tuple(w.shape), t.glu)) or real(x, w, t, **kw))
+    x = torch.randn(2, 64, device=DEVICE)
+    with torch.no_grad():
+        want = plain(x)
+        torch.testing.assert_close(mlp(x), want, atol=1e-4, rtol=1e-5)
+        assert calls == [((192, 64), 1), ((64, 96), 0)]  # the activation in gate/up's epilogue, then down
+        calls.clear()
+        torch.testing.assert_close(mlp.gate_up_proj(x), F.linear(x, mlp.gate_up_proj.weight), atol=1e-4, rtol=1e-5)
+        assert calls == [((192, 64), 0)]  # called as a linear layer: the projection itself
+        calls.clear()
+        with prompt_rows.marked(True):
+            torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+        assert calls == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
@@ -204,3 +205,31 @@ def test_ticket_counters_too_few_for_the_column_tiles_are_refused():
     with pytest.raises(ValueError, match="column tiles"):
         G.gemv_linear(torch.zeros(1, 32, device=DEVICE), w, G.GemvTiling(16, 16, 4, split=2),
                       tickets=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
+def test_the_gated_activation_in_the_epilogue():
+    """``glu``: over a gated MLP's [gate; up] weight the dot GEMV gives ``silu(gate) * up`` of the
+    two products as the projection stores them (rounded to the output's dtype), within the
+    activation's float32 rounding, each row the same bits alone and among others; refused
+    without ``dot``, with a split, a residual or an odd row count."""
+    g = torch.Generator().manual_seed(31)
+    n, k = 48, 160
+    dt = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    w = torch.randn(2 * n, k, generator=g).to(DEVICE, dt)
+    x = torch.randn(5, k, generator=g).to(DEVICE, dt)
+    tiling = (16, 32, 1, 4, 2, 0, 0, 1)
+    act = G.gemv(x, w, torch.empty(5, n, device=DEVICE, dtype=dt), tiling, glu=True)
+    gate = G.gemv(x, w[:n], torch.empty(5, n, device=DEVICE, dtype=dt), tiling).float()
+    up = G.gemv(x, w[n:], torch.empty(5, n, device=DEVICE, dtype=dt), tiling).float()
+    torch.testing.assert_close(act.float(), (F.silu(gate) * up).to(dt).float(), rtol=2**-7 if dt != torch.float32
+                               else 1e-6, atol=1e-5)
+    alone = G.gemv(x[3:4].clone(), w, torch.empty(1, n, device=DEVICE, dtype=dt), tiling, glu=True)
+    assert torch.equal(alone[0], act[3])
+    op = G.gemv_linear(x, w, G.GemvTiling(16, 32, 4, dot=1, stages=2, glu=1))
+    assert torch.equal(op, act)
+    for bad, kw in (((16, 32, 1, 4, 2), {}), ((16, 32, 2, 4, 2, 0, 0, 1), {}),
+                    (tiling, {"residual": torch.zeros(5, n, device=DEVICE, dtype=dt)})):
+        with pytest.raises(ValueError, match="glu"):
+            G.gemv(x, w, torch.empty(5, n, device=DEVICE, dtype=dt), bad, glu=True, **kw)
+    with pytest.raises(ValueError, match="glu"):
+        G.gemv(x, w[:-1], torch.empty(5, n, device=DEVICE, dtype=dt), tiling, glu=True)

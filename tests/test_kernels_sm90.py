@@ -152,6 +152,21 @@ SCRIPT = textwrap.dedent('''
                                       SWIGLU=swiglu, RESIDUAL=residual, ROWLOOP=bool(t.rowloop), DOT=bool(t.dot),
                                       PRECISION="tf32", TICKETS=False),
                                  num_warps=t.warps, num_stages=t.stages)
+    # A core's split steps: the slices added by the last ticket's program (counters in the arena).
+    for t in G.STEP_GEMV_TILINGS:
+        for residual in (False, True) if t.split > 1 else ():
+            compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr"), **f32("part_ptr"),
+                                              "count_ptr": "*i32"},
+                             dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=t.split, DEFER=False, SWIGLU=False,
+                                  RESIDUAL=residual, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=True),
+                             num_warps=t.warps, num_stages=t.stages)
+    # A gated MLP's [gate; up] projection with the activation in the epilogue.
+    for t in G.GLU_TILINGS:
+        compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr"), **f32("part_ptr"),
+                                          "count_ptr": "*i32"},
+                         dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
+                              RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False, GLU=True),
+                         num_warps=t.warps, num_stages=t.stages)
     # A split's slices added by a second launch, with and without the residual.
     for residual in (False, True):
         compile_for_sm90(GV.sum_slices_kernel, {**bf16("out_ptr", "r_ptr"), **f32("part_ptr")},
@@ -182,4 +197,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 99, proc.stdout
+    assert proc.stdout.count("compiled") == 112, proc.stdout

@@ -275,3 +275,28 @@ def test_step_norms_in_one_launch_with_the_residual_add(stream, monkeypatch):
     attention = sum(1 for layer in layers if hasattr(layer, "self_attn"))
     assert 0 < attention < len(layers)
     assert calls.count(False) == 2 * (len(layers) + 1 + 2 * attention)
+
+
+def test_steps_with_the_activation_in_the_gate_up_gemv(stream, monkeypatch):
+    """A gated MLP's [gate; up] projection on a tensor-core GEMV with the activation in its
+    epilogue (``gemm.GLU_TILINGS``) and its down projection on the tensor-core GEMV with the
+    residual in its epilogue, at every step row count, on the CUDA path under Triton's
+    interpreter: every layer's MLP is those two launches in decode steps, and the tokens and,
+    within float32 rounding, the logits are those of the same core without them."""
+    from flare.prepare.kernels import gemm
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
+    plain, glu = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
+    layers = list(glu.model.model.layers)
+    for layer in layers:
+        for proj, tiling in ((layer.mlp.gate_up_proj, GemvTiling(16, 32, 4, dot=1, stages=2, glu=1)),
+                             (layer.mlp.down_proj, GemvTiling(16, 32, 4, dot=1, stages=2))):
+            gemm._switch(proj)
+            proj.flare_step_tiling = {c: tiling for c in (1, 2, 4)}
+    calls = []
+    real = gemm.gemv_linear
+    monkeypatch.setattr(gemm, "gemv_linear", lambda x, w, t, **kw: calls.append((t.glu, kw.get("residual") is not None))
+                        or real(x, w, t, **kw))
+    decode_alike(plain, glu, [1, 2], steps=2)
+    assert calls == [(1, False), (0, True)] * (2 * len(layers))  # two steps

@@ -158,8 +158,8 @@ class _RowInvariant:
                 return nonsplit_linear(x, self.weight, self.bias)
         elif rows in self.flare_step_tiling:
             tiling = self.flare_step_tiling[rows]
-            if isinstance(tiling, GemvTiling):
-                return gemv_linear(x, self.weight, tiling, tickets=self.flare_tickets)
+            if isinstance(tiling, GemvTiling):  # (called as a linear layer, a GLU tiling's plain product)
+                return gemv_linear(x, self.weight, tiling._replace(glu=0), tickets=self.flare_tickets)
             return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
 
@@ -173,6 +173,31 @@ class _RowInvariant:
             return None
         tiling = self.flare_step_tiling.get(rows)
         return tiling if isinstance(tiling, GemvTiling) and tiling.bn >= FOLD_MIN_BN else None
+
+    def flare_glu_tiling(self, rows: int) -> GemvTiling | None:
+        """The GEMV tiling with the gated activation in its epilogue (``glu``) this layer, a gated
+        MLP's [gate; up] projection, takes in a step of ``rows`` rows (``flare_glu``); None
+        elsewhere."""
+        if prompt_rows.active():
+            return None
+        tiling = self.flare_step_tiling.get(rows)
+        return tiling if isinstance(tiling, GemvTiling) and tiling.glu else None
+
+    def flare_glu(self, x: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
+        """``silu(gate) * up`` of this [gate; up] projection of ``x``, in one launch."""
+        return gemv_linear(x, self.weight, tiling, tickets=self.flare_tickets)
+
+    @staticmethod
+    def flare_loads_act(tiling: GemvTiling) -> bool:
+        """Whether this layer's GEMV on ``tiling`` computes a gated activation in its loads (as a
+        down projection: ``folds_swiglu``)."""
+        return folds_swiglu(tiling)
+
+    def flare_act_down(self, act: torch.Tensor, tiling: GemvTiling,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This layer, a gated MLP's down projection, of the activation computed before (its
+        gate/up projection's ``flare_glu``), by the GEMV with ``residual`` in its epilogue."""
+        return gemv_linear(act, self.weight, tiling, residual=residual, tickets=self.flare_tickets)
 
     def flare_swiglu_down(self, gate_up: torch.Tensor, tiling: GemvTiling,
                           residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,6 +291,11 @@ STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(
                      GemvTiling(64, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 256, 4, dot=1, stages=3, split=4))
 
 
+# The tensor-core GEMVs without a split, with a gated MLP's activation in their epilogue: offered
+# to its [gate; up] projection where its down projection does not take the activation in its loads.
+GLU_TILINGS = tuple(t._replace(glu=1) for t in STEP_GEMV_TILINGS if t.dot and t.split == 1)
+
+
 # Each program of the GEMV with the gated activation in its loads computes it for every row's
 # K inputs again: rows x K x N / BN sigmoids a step. At 8 columns a program the 9B
 # down projection (N 4,096, K 12,288) costs about 6M a row, beside its 100 MB weight stream; at
@@ -302,14 +332,16 @@ ROTATE_BYTES = 256 << 20
 
 
 def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=None,
-                margin: float = 0.97) -> tuple[tuple[int, ...] | None, dict]:
+                margin: float = 0.97, glu: bool = False) -> tuple[tuple[int, ...] | None, dict]:
     """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias and at most
     its ``max_rows``, ``STEP_GEMV_TILINGS``) for ``rows`` rows over a weight of this
     shape, where it takes at most ``margin`` x cuBLAS's time (``F.linear``), else None; and
     the times measured (ms, by tiling and for cuBLAS). Random data: the times do not depend on values.
     On a GPU each call reads the next of several copies of the weight (``ROTATE_BYTES``); the
     default ``timer`` captures a call for every copy (at least ``TIMED_CALLS``), so a small
-    weight's copies are not all read from L2 the replays after the first."""
+    weight's copies are not all read from L2 the replays after the first. ``glu``: the weight is
+    a gated MLP's [gate; up] projection; ``GLU_TILINGS`` are timed too (their product is the
+    activation, never the best here)."""
     w, b, x = _random_operands(weight, bias, rows)
     copies = 1 if weight.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
     ws = [w] + [w.clone() for _ in range(copies - 1)]
@@ -325,10 +357,10 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     for t in STEP_TILINGS:
         times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
     tickets = ticket_counters(weight.device)  # split GEMVs as a core's steps run them
-    for t in STEP_GEMV_TILINGS if bias is None else ():
+    for t in (*STEP_GEMV_TILINGS, *(GLU_TILINGS if glu else ())) if bias is None else ():
         if rows <= t.max_rows and t.fits(weight.shape[1]):
             times[t] = timer(rotating(lambda w, t=t: gemv_linear(x, w, t, tickets=tickets)))
-    best = min((t for t in times if t != "cublas"), key=times.get)
+    best = min((t for t in times if t != "cublas" and not getattr(t, "glu", 0)), key=times.get)
     return (best if times[best] <= margin * times["cublas"] else None), times
 
 
@@ -381,7 +413,7 @@ def _gemv_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts
     tickets = ticket_counters(w.device)
     if not _same_rows(lambda rows: gemv_linear(rows, w, tiling, tickets=tickets), x, counts):
         return False
-    if tiling.bn < FOLD_MIN_BN:
+    if tiling.bn < FOLD_MIN_BN or tiling.glu:  # (a GLU tiling's product is the activation: no folds)
         return True
     gate_up = torch.cat([x, x.flip(0)], dim=1)
     residual = torch.full((x.shape[0], w.shape[0]), 0.5, device=x.device, dtype=x.dtype)
@@ -395,16 +427,18 @@ def _cublas_same_rows(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, 
     return _same_rows(lambda rows: F.linear(rows, w, b), x, counts)
 
 
-def _add_ms(weight: torch.Tensor, rows: int, timer=None) -> float:
-    """The time of a residual add of ``rows`` rows of this layer's outputs, a kernel of its own."""
-    a = torch.randn((rows, weight.shape[0]), device=weight.device, dtype=weight.dtype)
+def _add_ms(weight: torch.Tensor, rows: int, timer=None, columns: int | None = None) -> float:
+    """The time of a residual add of ``rows`` rows of this layer's outputs (or of ``columns``
+    values a row), a kernel of its own."""
+    a = torch.randn((rows, columns or weight.shape[0]), device=weight.device, dtype=weight.dtype)
     b = torch.randn_like(a)
     out = torch.empty_like(a)
     return (timer or _time_ms)(lambda: torch.add(a, b, out=out))
 
 
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
-                margin: float = 0.97, residual_fold: bool = False) -> tuple[dict[int, tuple[int, ...]], dict]:
+                margin: float = 0.97, residual_fold: bool = False,
+                act_fold: bool = False) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
     in: cache on and off, a request resumed alone, give the same tokens only then). Families
@@ -422,12 +456,20 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     decoded alone differed from the same row batched (GPU suite, 2026-12-04).
     ``residual_fold``: the layer is a down projection whose GEMV adds the decoder layer's residual
     in its epilogue (``fused.residual_down_projections``): cuBLAS and the unsplit GEMM are charged
-    the add's own kernel as well, timed at each count (``times[count]["add"]``)."""
-    times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0)[1] for c in counts}
-    if residual_fold:
-        for c in counts:
+    the add's own kernel as well, timed at each count (``times[count]["add"]``).
+    ``act_fold``: the layer is a gated MLP's [gate; up] projection whose down projection leaves
+    the activation to a kernel of its own (``fused.glu_projections``): the ``GLU_TILINGS``, one
+    launch with the activation in the epilogue, are offered too, and every other family is
+    charged that kernel, timed at each count as an elementwise kernel of its bytes (an add of two
+    [rows, N / 2] halves: ``times[count]["act"]``)."""
+    times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
+    for c in counts:
+        if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)
-    add = {c: times[c].get("add", 0.0) for c in counts}
+        if act_fold:
+            times[c]["act"] = _add_ms(weight, c, timer, columns=weight.shape[0] // 2)
+    # (the activation's kernel is charged as the add is: to every family that leaves it apart)
+    add = {c: times[c].get("add", 0.0) + times[c].get("act", 0.0) for c in counts}
     w, b, x = _random_operands(weight, bias, counts[-1], seed=1)
     cublas = sum(times[c]["cublas"] + add[c] for c in counts)
     cublas_same = _cublas_same_rows(w, b, x, counts)
@@ -446,9 +488,13 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     families = [(unsplit_ms, unsplit)]
     for t in STEP_GEMV_TILINGS:  # those step_tiling offered at every count (no bias, rows and K they take)
         if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
-            # (a GEMV too narrow for the folds leaves the add to its own kernel too)
-            families.append((sum(times[c][t] + (add[c] if t.bn < FOLD_MIN_BN else 0.0) for c in counts),
-                             {c: t for c in counts}))
+            # (a GEMV too narrow for the folds leaves the add to its own kernel too; none takes the
+            # activation of an act_fold projection)
+            families.append((sum(times[c][t] + (times[c].get("add", 0.0) if t.bn < FOLD_MIN_BN else 0.0)
+                                 + times[c].get("act", 0.0) for c in counts), {c: t for c in counts}))
+    for t in GLU_TILINGS if act_fold else ():
+        if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
+            families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
     best_ms, best = min(families, key=lambda f: f[0])
     if not cublas_same:
         if best_ms == float("inf"):
@@ -456,7 +502,7 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
                                f"({tuple(weight.shape)}): use --step-gemms cublas")
     elif not (best and best_ms <= margin * cublas):
         best, best_ms = {}, cublas
-    times["sums"] = {"cublas_ms": cublas, "chosen_ms": best_ms}  # over the counts, the adds included
+    times["sums"] = {"cublas_ms": cublas, "chosen_ms": best_ms}  # over the counts, the adds (activations) included
     return best, times
 
 
@@ -468,22 +514,34 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     layers switched, measuring each (shape, dtype, residual fold) once; ``log``: a callable given a
     line of the summed times for each; ``tickets``: the core's GEMV ticket counters, which the
     switched layers' split GEMVs take (``gemv_linear``; timed with counters of their own)."""
-    from flare.prepare.recipes.fused import residual_down_projections
+    from flare.prepare.recipes.fused import glu_projections, hooked, residual_down_projections
 
     counts = sorted(set(row_counts))
     if not counts:
         return {}
     layers = list(layers)
     folds = {id(m) for m in residual_down_projections(layers)}
+    glus = {id(up): down for up, down in glu_projections(layers)}
+
+    def loads_act(down: nn.Module) -> bool:  # the down projection takes the activation in its loads
+        t = getattr(down, "flare_step_tiling", {})
+        return not hooked(down) and all(isinstance(t.get(c), GemvTiling) and t[c].bn >= FOLD_MIN_BN
+                                        and folds_swiglu(t[c]) for c in counts)
+
     measured: dict[tuple, dict] = {}
     found = {}
-    for name, module in _plain_linears(layers):
-        key = (*_key(module), id(module) in folds)
+    # The gate/up projections last: whether their down projection takes the activation decides theirs.
+    linears = list(_plain_linears(layers))
+    for name, module in [m for m in linears if id(m[1]) not in glus] + [m for m in linears if id(m[1]) in glus]:
+        act = id(module) in glus and not loads_act(glus[id(module)])
+        key = (*_key(module), id(module) in folds, act)
         if key not in measured:
-            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-1], **kw)
+            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-2],
+                                               act_fold=act, **kw)
             if log is not None:
                 sums = times["sums"]
-                log(f"step GEMM times for {tuple(module.weight.shape)}{' with the residual add' if key[-1] else ''} "
+                what = " with the residual add" if key[-2] else " with the activation" if act else ""
+                log(f"step GEMM times for {tuple(module.weight.shape)}{what} "
                     f"(µs summed over {counts} rows): cuBLAS {sums['cublas_ms'] * 1e3:.1f}, chosen "
                     f"{sums['chosen_ms'] * 1e3:.1f}")
         if measured[key]:

@@ -72,13 +72,14 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
                 stride_rm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
                 RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False, DOT: tl.constexpr = False,
-                PRECISION: tl.constexpr = "ieee", TICKETS: tl.constexpr = True):
+                PRECISION: tl.constexpr = "ieee", TICKETS: tl.constexpr = True, GLU: tl.constexpr = False):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     n_in, m_in = n < N, m < M
     acc = tl.zeros([BM, BN], tl.float32)
+    up = tl.zeros([BM, BN], tl.float32)  # GLU: the up projection's sums (weight rows N + n)
     lanes = tl.zeros([BM, BN, BK], tl.float32)  # DEFER: a sum per K lane, reduced after the loop
     for k0 in range(s * KS, s * KS + KS, BK):
         kk = k0 + tl.arange(0, BK)
@@ -89,6 +90,10 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
             x = _rows(x_ptr + m[:, None] * stride_xm + kk[None, :], m_in[:, None] & k_in[None, :], K, SWIGLU,
                       x_ptr.dtype.element_ty)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if GLU:
+                w_up = tl.load(w_ptr + (n[:, None] + N).to(tl.int64) * stride_wn + kk[None, :],
+                               mask=n_in[:, None] & k_in[None, :], other=0.0)
+                up = tl.dot(x, tl.trans(w_up), up, input_precision=PRECISION)
         elif ROWLOOP:  # a row at a time against the weight tile: [BN, BK] products whatever BM
             wf = w.to(tl.float32)
             for r in tl.static_range(BM):
@@ -109,10 +114,14 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
         acc = tl.sum(lanes, axis=2)
     out_at = out_ptr + m[:, None] * stride_om + n[None, :]
     keep = m_in[:, None] & n_in[None, :]
-    if SPLIT == 1:
+    rows = part_ptr + (m[:, None].to(tl.int64) * N + n[None, :])  # (a split's partial sums)
+    if GLU:  # silu(gate) * up from the two products as the projection stores them, rounded once
+        g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_at, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=keep)
+    elif SPLIT == 1:
         tl.store(out_at, _epilogue(acc, r_ptr, m, n, keep, stride_rm, out_ptr.dtype.element_ty, RESIDUAL), mask=keep)
     else:
-        rows = part_ptr + (m[:, None].to(tl.int64) * N + n[None, :])
         tl.store(rows + s.to(tl.int64) * BM * N, acc, mask=keep)
     if (SPLIT > 1) & TICKETS:  # (without tickets ``sum_slices_kernel`` adds the slices after)
         tl.debug_barrier()  # every thread's partial sums are stored before the ticket
@@ -176,7 +185,7 @@ def workspace(rows: int, n: int, split: int, bn: int, device, dot: bool = False)
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
          space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel,
          swiglu: bool = False, residual: torch.Tensor | None = None, tickets: bool = True,
-         sum_kernel=sum_slices_kernel) -> torch.Tensor:
+         sum_kernel=sum_slices_kernel, glu: bool = False) -> torch.Tensor:
     """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K); with
     ``swiglu``, ``x [M, 2 K]`` holds a gated MLP's gate and up halves and the product is
     ``(silu(gate) * up) @ w.T``, the activation computed in float32 and rounded to x's dtype
@@ -198,6 +207,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     ticket's program, so no counters (``space``'s second tensor is never read): what a captured
     program can hold, which cannot keep counters at zero between replays without a buffer of
     its own.
+    ``glu``: ``w [2 N, K]`` is a gated MLP's [gate; up] projection and ``out [M, N]`` its activation
+    ``silu(x @ gate.T) * (x @ up.T)``: each program multiplies its gate and up columns (two
+    tensor-core products a K step; ``dot`` only, no split, no residual), rounds each product to
+    the output's dtype as the projection stores it, and computes the activation in float32,
+    rounded once (the activation's launch, and the projection's store and load, fewer).
     ``space``: ``workspace(M, N, SPLIT, BN, dot=dot)`` (made here when None). ``kernel``, ``sum_kernel``: the
     plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -209,12 +223,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
             raise ValueError(f"gemv with swiglu takes [gate | up] rows of 2 x {w.shape[1]} columns, got {K}")
         K = w.shape[1]
     bn, bk, split, warps, stages = tiling[:5]
-    r = x if residual is None else residual
-    if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(-1) != 1):
-        raise ValueError(f"gemv's residual must be [M, N] = {(M, N)} with unit stride, got {tuple(residual.shape)}")
     defer = bool(tiling[5]) if len(tiling) > 5 else False
     rowloop = bool(tiling[6]) if len(tiling) > 6 else False
     dot = bool(tiling[7]) if len(tiling) > 7 else False
+    if glu:
+        if not dot or split != 1 or swiglu or residual is not None or N % 2:
+            raise ValueError("gemv's glu epilogue takes the dot variant without a split, the activation in the loads "
+                             f"or a residual, over [gate; up] rows of even count (got {N} rows)")
+        N //= 2
+    r = x if residual is None else residual
+    if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(-1) != 1):
+        raise ValueError(f"gemv's residual must be [M, N] = {(M, N)} with unit stride, got {tuple(residual.shape)}")
     if defer + rowloop + dot > 1:
         raise ValueError("gemv's defer, rowloop and dot are variants of the product: one at most")
     if dot and (M > DOT_ROWS or bn < 16 or bk < 16):
@@ -233,7 +252,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
         x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0),
         BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
         ROWLOOP=rowloop, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", TICKETS=tickets,
-        num_warps=warps, num_stages=stages)
+        GLU=glu, num_warps=warps, num_stages=stages)
     if split > 1 and not tickets:
         block = min(SUM_BLOCK, triton.next_power_of_2(N))
         sum_kernel[(M, triton.cdiv(N, block))](part, out, r, N, out.stride(0), r.stride(0), BM=bm, SPLIT=split,
@@ -251,13 +270,14 @@ GEMV_MAX_ROWS = 8
 
 
 class GemvTiling(NamedTuple):
-    """A tiling of ``gemv`` for a decode step's linear layer: no counters in the captured program
-    (and without ``split`` no workspace either); lanes reduced at every step, or with ``defer``
-    1 once after the loop; with ``rowloop`` 1 a row at a time against the weight tile; with
-    ``dot`` 1 one tensor-core tile of ``DOT_ROWS`` rows; ``stages``: Triton's software
+    """A tiling of ``gemv`` for a decode step's linear layer: lanes reduced at every step, or with
+    ``defer`` 1 once after the loop; with ``rowloop`` 1 a row at a time against the weight tile;
+    with ``dot`` 1 one tensor-core tile of ``DOT_ROWS`` rows; ``stages``: Triton's software
     pipelining of the K loop (1: none); ``split``: K in that many slices, their partial sums
-    (float32, in memory the captured program allocates) added in order by a second launch that
-    also adds the residual (``gemv(..., tickets=False)``)."""
+    (float32, in memory the captured program allocates) added in order by the last program of
+    each column tile (with the core's ticket counters) or a second launch, which also add the
+    residual (``gemv_linear``); ``glu`` 1 (``dot`` without a split): the weight is a gated MLP's
+    [gate; up] projection and the product its activation (``gemv(..., glu=True)``)."""
 
     bn: int
     bk: int
@@ -267,6 +287,7 @@ class GemvTiling(NamedTuple):
     dot: int = 0
     stages: int = 1
     split: int = 1
+    glu: int = 0
 
     @property
     def max_rows(self) -> int:
@@ -295,8 +316,8 @@ def ticket_counters(device) -> torch.Tensor:
 @triton_op("flare::gemv_linear", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: bool = False,
              residual: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     t = GemvTiling(*tiling)
+    out = torch.empty((x.shape[0], weight.shape[0] // (2 if t.glu else 1)), dtype=x.dtype, device=x.device)
     # Without a split ``out`` stands in for the partial sums, never read; with one the partial
     # sums are memory of the program (every element read is written first), added in order by
     # the last program of each column tile to take a ticket (``tickets``: counters that stay in
@@ -304,7 +325,8 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: b
     part = out if t.split == 1 else partials(x.shape[0], weight.shape[0], t.split, x.device, bool(t.dot))
     gemv(x, weight, out, (t.bn, t.bk, t.split, t.warps, t.stages, t.defer, t.rowloop, t.dot),
          space=(part, out if tickets is None else tickets), kernel=wrap_triton(gemv_kernel), swiglu=swiglu,
-         residual=residual, tickets=tickets is not None and t.split > 1, sum_kernel=wrap_triton(sum_slices_kernel))
+         residual=residual, tickets=tickets is not None and t.split > 1, sum_kernel=wrap_triton(sum_slices_kernel),
+         glu=bool(t.glu))
     return out
 
 
@@ -316,7 +338,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swigl
     ``silu(gate) * up``; ``residual`` (the output's shape): added to the product (``gemv``).
     ``tickets``: zeroed int32 counters (``TICKET_COUNTERS``; ``ticket_counters`` or the core's
     state buffer) for a split tiling's last programs to add the slices, in one launch; without
-    them a second launch adds them (the same bits)."""
+    them a second launch adds them (the same bits). A tiling with ``glu`` 1: ``weight`` is a gated
+    MLP's [gate; up] projection and the output its activation ``silu(gate) * up`` (``gemv``)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[0] > tiling.max_rows:
         raise ValueError(f"gemv_linear with {tiling} takes at most {tiling.max_rows} rows, not {rows.shape[0]}")
@@ -327,4 +350,5 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swigl
     if tickets is not None and (tickets.dtype != torch.int32 or tickets.numel() < triton.cdiv(weight.shape[0], tiling.bn)):
         raise ValueError(f"gemv_linear's tickets: {tickets.numel()} {tickets.dtype} counters for "
                          f"{triton.cdiv(weight.shape[0], tiling.bn)} column tiles")
-    return _gemv_op(rows, weight, list(tiling), swiglu, residual, tickets).reshape(*x.shape[:-1], weight.shape[0])
+    out = _gemv_op(rows, weight, list(tiling), swiglu, residual, tickets)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -190,17 +190,28 @@ def hooked(module: nn.Module) -> bool:
 
 def _mlp_forward(self, x, residual=None):
     """gate/up -> act(gate) * up -> down (``+ residual`` when given: ``mlp_residual``)."""
-    gate_up = self.gate_up_proj(x)
-    down = self.down_proj
+    down, rows = self.down_proj, x.numel() // x.shape[-1]
     # A decode step whose down projection takes the few-row GEMV (``--step-gemms measure``)
     # computes silu(gate) * up in that GEMV's loads (not the tensor-core tile's: ``folds_swiglu``),
     # and the residual add after it: a launch fewer each. Not under a forward hook (a
     # tensor-parallel all-reduce), the module's own or a global one, which the GEMV would bypass.
     fold_tiling = getattr(down, "flare_fold_tiling", None)
-    if fold_tiling is not None and _folds(self) and not hooked(down):
-        tiling = fold_tiling(gate_up.numel() // gate_up.shape[-1])
-        if tiling is not None:
-            return down.flare_swiglu_down(gate_up, tiling, residual)
+    tiling = fold_tiling(rows) if fold_tiling is not None and _folds(self) and not hooked(down) else None
+    # Where the down projection does not take the activation in its loads, the gate/up projection's
+    # tensor-core GEMV may compute it in its epilogue (``gemm.GLU_TILINGS``): a launch fewer.
+    glu = getattr(self.gate_up_proj, "flare_glu_tiling", None)
+    if glu is not None and (tiling is None or not down.flare_loads_act(tiling)) and _folds(self) \
+            and not hooked(self.gate_up_proj):
+        glu_tiling = glu(rows)
+        if glu_tiling is not None:
+            act = self.gate_up_proj.flare_glu(x, glu_tiling)
+            if tiling is not None:
+                return down.flare_act_down(act, tiling, residual)
+            out = down(act)
+            return out if residual is None else residual + out
+    gate_up = self.gate_up_proj(x)
+    if tiling is not None:
+        return down.flare_swiglu_down(gate_up, tiling, residual)
     gate, up = gate_up.split(self.gate_up_proj.sizes, dim=-1)
     out = down(self.act_fn(gate) * up)
     return out if residual is None else residual + out
@@ -229,6 +240,15 @@ def residual_down_projections(layers) -> list[nn.Module]:
     mlps = [(layer, getattr(layer, "mlp", None)) for layer in layers]
     return [mlp.down_proj for layer, mlp in mlps
             if mlp is not None and rewritten(layer) and _folds(mlp) and not hooked(mlp) and not hooked(mlp.down_proj)]
+
+
+def glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
+    """(gate/up projection, down projection) of each fused gated SiLU MLP under ``layers`` whose
+    gate/up projection may take the activation in a step's GEMV epilogue (``_mlp_forward``: not
+    under a forward hook, the MLP's or the projection's)."""
+    mlps = [getattr(layer, "mlp", None) for layer in layers]
+    return [(mlp.gate_up_proj, mlp.down_proj) for mlp in mlps
+            if mlp is not None and _folds(mlp) and not hooked(mlp) and not hooked(mlp.gate_up_proj)]
 
 
 def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
