@@ -346,8 +346,11 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     float32 copy and the residual add each a launch, the slices' sums a launch);
     with each step norm one launch, the residual add in the post-attention norm's
     launch and the slices added by the ticket path's last program (counters in the
-    core's arena) **4.911 ms, 0.763** (410 kernels; c = 2 / 4: 5.013 / 5.123 ms),
-    every linear layer and norm of the step row-invariant. The GPU suite's hybrid
+    core's arena) **4.911 ms, 0.763** (410 kernels; c = 2 / 4: 5.013 / 5.123 ms;
+    gate/up went from the unsplit GEMM to cuBLAS between the two preparations, the
+    matmuls' serialized sum 4.357 -> 4.503 ms), every decoder linear layer on one
+    family at all step row counts (checked on random data at preparation) and every
+    norm row-invariant; lm_head and the attention's even split as before. The GPU suite's hybrid
     cores with these norms (the two-launch version) pass all ten generation tests,
     batch invariance included (`qualification-2026-12-04-step-norms.json`).
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,

@@ -133,6 +133,10 @@ def test_one_launch_norm_and_its_residual_add(n, zero_centred):
     assert torch.equal(normed.reshape(6, n), R.rms_norm(residual + x, norm.weight, 1e-6, zero_centred)[0])
     with pytest.raises(ValueError):
         R.rms_norm(x, norm.weight, 1e-6, zero_centred, residual=residual[:, :-1])
+    # Rows that are a strided view (a per-head q norm over a projection holding each head's query
+    # and gate side by side): read in place, the same bits.
+    wide = torch.cat([x, residual], dim=1)
+    assert torch.equal(R.rms_norm(wide[:, :n], norm.weight, 1e-6, zero_centred)[0], out)
 
 
 def test_add_norm_is_one_launch_in_steps_only(monkeypatch):

@@ -313,6 +313,10 @@ def ticket_counters(device) -> torch.Tensor:
 # The op says it mutates nothing: with ``tickets`` it increments counters that the call's last
 # programs set back to zero, so a call leaves every tensor it was given as it found it (calls run
 # one after another on the program's stream; none runs beside another with the same counters).
+# Inductor splits a triton_op into its kernels and sees the atomics on the counters anyway; a
+# tracer that kept the op whole (torch.export) would have only the stream's order to keep two
+# calls apart. (Declaring the mutation may make Inductor copy the counters around each call:
+# not measured yet.)
 @triton_op("flare::gemv_linear", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: bool = False,
              residual: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:

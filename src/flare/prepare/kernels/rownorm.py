@@ -138,7 +138,11 @@ def _add_rms_norm_op(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tens
 
 
 def _rows2d(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
+    """``x``'s rows as [rows, n]: a view where one exists (the kernel takes a row stride; the
+    per-head q norm's rows are a strided view of the projection), copied only where the rows'
+    values are not contiguous."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
