@@ -429,13 +429,17 @@ def test_a_gate_up_projection_takes_the_activation_where_its_down_projection_lea
     """``choose_step_gemms`` decides the down projections first; a fused gated MLP whose down
     projection leaves the activation to a kernel of its own (a tensor-core GEMV, ``dot``) is
     offered the ``GLU_TILINGS`` for its [gate; up] projection, every other family charged the
-    activation's kernel: where the GLU GEMV is fastest the step computes the activation in that
-    GEMV's epilogue (``flare_glu``) and gives the MLP's output within float32 rounding; where the
-    down projection takes the activation in its loads (a GEMV of 8+ columns a program without
-    ``dot``), the GLU tilings are not offered."""
+    activation's kernel (here the plain tensor-core GEMV, faster than the GLU one by itself,
+    loses once charged): the step computes the activation in that GEMV's epilogue
+    (``flare_glu``) and gives the MLP's output within float32 rounding; where the down
+    projection takes the activation in its loads (a GEMV of 8+ columns a program without
+    ``dot``), the GLU tilings are not offered. The gate/up projection comes first among the
+    MLP's modules here: the choice still decides its down projection first."""
     from flare.prepare.kernels.gemv import GemvTiling
 
     plain, mlp = _gated_mlp_pair()
+    mlp._modules["down_proj"] = mlp._modules.pop("down_proj")  # (fusing put gate_up_proj last)
+    assert list(mlp._modules)[-2:] == ["gate_up_proj", "down_proj"]
     down_pick = GemvTiling(8, 512, 4, 0, 1) if down_loads_act else GemvTiling(32, 128, 4, dot=1, stages=4)
     glu_pick = GemvTiling(32, 128, 4, dot=1, stages=4, glu=1)
     offered = []
@@ -445,7 +449,7 @@ def test_a_gate_up_projection_takes_the_activation_where_its_down_projection_lea
         times = {"cublas": 10.0, **{t: 9.5 for t in gemm.STEP_TILINGS}}
         for t in (*gemm.STEP_GEMV_TILINGS, *(gemm.GLU_TILINGS if glu else ())):
             if rows <= t.max_rows and t.fits(weight.shape[1]):
-                times[t] = 1.0 if t in (down_pick, glu_pick) else 9.0
+                times[t] = {down_pick: 1.0, glu_pick: 1.2}.get(t, 9.0)
         return None, times
 
     monkeypatch.setattr(gemm, "step_tiling", step_tiling)
@@ -477,3 +481,23 @@ def test_a_gate_up_projection_takes_the_activation_where_its_down_projection_lea
         with prompt_rows.marked(True):
             torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
         assert calls == []
+
+
+def test_step_choice_offers_the_glu_tilings_with_the_activation_charged(monkeypatch):
+    """``step_choice(act_fold=True)`` on a [gate; up] weight: ``step_tiling`` times the GLU tilings
+    too (never its own best), the activation's kernel is timed at each count and charged to every
+    other family, and the GLU tiling, whose rows are checked across the counts with the real
+    kernel, wins at equal product times; without ``act_fold`` it is not offered."""
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    plain_dot, glu = GemvTiling(16, 32, 4, dot=1, stages=2), GemvTiling(16, 32, 4, dot=1, stages=2, glu=1)
+    monkeypatch.setattr(gemm, "STEP_GEMV_TILINGS", (plain_dot,))
+    monkeypatch.setattr(gemm, "GLU_TILINGS", (glu,))
+    w = torch.randn(80, 64, device=DEVICE)
+    best, times = gemm.step_choice(w, None, [1, 2], timer=lambda fn: 1.0, act_fold=True)
+    assert best == {1: glu, 2: glu}
+    assert all(times[c]["act"] == 1.0 and glu in times[c] and plain_dot in times[c] for c in (1, 2))
+    assert times["sums"] == {"cublas_ms": 4.0, "chosen_ms": 2.0}
+    assert gemm.step_tiling(w, None, 1, timer=lambda fn: 1.0, glu=True)[0] != glu
+    best, times = gemm.step_choice(w, None, [1, 2], timer=lambda fn: 1.0)
+    assert glu not in times[1] and "act" not in times[1] and not any(getattr(t, "glu", 0) for t in best.values())

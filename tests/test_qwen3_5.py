@@ -282,7 +282,8 @@ def test_steps_with_the_activation_in_the_gate_up_gemv(stream, monkeypatch):
     epilogue (``gemm.GLU_TILINGS``) and its down projection on the tensor-core GEMV with the
     residual in its epilogue, at every step row count, on the CUDA path under Triton's
     interpreter: every layer's MLP is those two launches in decode steps, and the tokens and,
-    within float32 rounding, the logits are those of the same core without them."""
+    within float32 rounding, the logits are those of the same core without them (a float32 core:
+    in bfloat16 the GEMV rounds the activation once where the compiled MLP may differ by an ulp)."""
     from flare.prepare.kernels import gemm
     from flare.prepare.kernels.gemv import GemvTiling
 

@@ -513,7 +513,11 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     K for few rows and adds a reduce kernel). Returns {module name: {rows: tiling}} for the
     layers switched, measuring each (shape, dtype, residual fold) once; ``log``: a callable given a
     line of the summed times for each; ``tickets``: the core's GEMV ticket counters, which the
-    switched layers' split GEMVs take (``gemv_linear``; timed with counters of their own)."""
+    switched layers' split GEMVs take (``gemv_linear``; timed with counters of their own). The
+    down projections are decided before the gate/up projections, which are offered the GLU
+    tilings where their down projection leaves the activation apart (``step_choice``'s
+    ``act_fold``): greedily, a down projection is not credited with the activation kernel a
+    folding GEMV would save."""
     from flare.prepare.recipes.fused import glu_projections, hooked, residual_down_projections
 
     counts = sorted(set(row_counts))
@@ -549,4 +553,6 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
             module.flare_step_tiling = dict(measured[key])
             module.flare_tickets = tickets
             found[name] = dict(measured[key])
+        elif isinstance(module, _RowInvariant):  # (a choice of an earlier call does not stand)
+            module.flare_step_tiling = {}
     return found
