@@ -41,6 +41,7 @@ from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES, check_row
 
 READY_TIMEOUT_S = 300.0
 PEER_DEATH_GRACE_S = 1.0  # how long a rank's error waits to be explained by a peer's death
+PEER_DEATH_POLL_S = 4.0  # and then how long it looks for a peer's process gone (CI: 1 s was not always enough)
 
 
 def _arena_dir(nbytes: int) -> str:
@@ -284,9 +285,17 @@ class ReferenceExecutor:
             r = pending.pop(task)
             if not task.result():
                 return ExecutionError(f"reference worker exited (rank {r})", code="worker_died")
-        for r in pending.values():
-            if _exited(self._ranks[r].proc):
-                return ExecutionError(f"reference worker exited (rank {r})", code="worker_died")
+        # A killed peer can take longer to be seen gone on a loaded machine (its memory torn down
+        # before it becomes a zombie): look again for a few seconds before blaming the rank.
+        loop = asyncio.get_running_loop()
+        until = loop.time() + PEER_DEATH_POLL_S
+        while pending:
+            for task, r in pending.items():
+                if (task.done() and not task.result()) or _exited(self._ranks[r].proc):
+                    return ExecutionError(f"reference worker exited (rank {r})", code="worker_died")
+            if loop.time() >= until:
+                break
+            await asyncio.sleep(0.05)
         return None
 
     def _kill_all(self) -> None:
