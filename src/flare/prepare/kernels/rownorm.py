@@ -181,6 +181,10 @@ class _Rows:
     def _eps(self) -> float:
         return self.eps if self._ZERO_CENTRED else self.variance_epsilon
 
+    def _step_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """This norm of ``x`` in one ``rms_norm`` launch (a step's: ``_one_launch``)."""
+        return rms_norm(x, self.weight, self._eps(), self._ZERO_CENTRED)[0]
+
     def flare_add_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(this norm of ``residual + x``, the sum) in one launch in a step (``_one_launch``);
         None elsewhere (``fused.add_norm`` then adds and calls the norm)."""
@@ -200,7 +204,7 @@ class _ZeroCentred(_Rows):
 
     def forward(self, x):
         if self._one_launch():  # (a class whose forward is ``_ZERO_CENTRED_FORWARD``: ``_mixin``)
-            return rms_norm(x, self.weight, self.eps, True)[0]
+            return self._step_norm(x)
         return super().forward(x)
 
 
@@ -211,7 +215,7 @@ class _Scaled(_Rows):
         if not self._invariant():
             return super().forward(hidden_states)
         if self._one_launch():
-            return rms_norm(hidden_states, self.weight, self.variance_epsilon, False)[0]
+            return self._step_norm(hidden_states)
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         hidden_states = hidden_states * torch.rsqrt(mean_square(hidden_states) + self.variance_epsilon)
