@@ -9,7 +9,7 @@ reduce kernels are inside its time. Each tiling's output is checked against cuBL
 (bfloat16 rounding) before it is timed. The JSON is rewritten after every shape, so a run
 cut short keeps what it measured.
 
-    python -m bench.gemv OUT.json [--rows 1,4] [--shapes 8b-o,8b-down,...] [--only dot] [--folds]
+    python -m bench.gemv OUT.json [--rows 1,4] [--shapes 8b-o,8b-down,...] [--only dot] [--folds] [--glu] [--conv]
 
 ``--only dot`` (or ``rowloop``, ``defer``) times that variant's tilings alone; ``--folds`` also
 times, for the down projections (``FOLD_SHAPES``), the product as a decoder layer needs it:
@@ -21,6 +21,11 @@ tiling with the residual folded and the activation apart (the recipe's choice fo
 down projection of a ``dot`` GEMV needs it: cuBLAS's product then the activation (a multiply of
 the halves standing in for it, as above), against each ``dot`` tiling without a split with the
 activation in its epilogue (``gemv(..., glu=True)``).
+``--conv`` also times, for the Gated DeltaNet input projections (``CONV_SHAPES``: q|k|v, the
+convolution's channels, first), what a decode step needs of it: the projection, then the
+convolution step over its q|k|v (``gdn.conv1d_decode_step``, 4 taps, each row its own history
+row), by cuBLAS and by each ``dot`` tiling without a split, against each such tiling with the
+convolution in its epilogue (``gemv(..., conv=)``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 40
           "a3b-o": (2048, 4096)}
 FOLD_SHAPES = ("8b-down", "9b-down")
 GLU_SHAPES = ("8b-gate_up", "9b-gate_up")
+CONV_SHAPES = {"9b-gdn-in": 8192, "35b-gdn-in": 8192}  # (the convolution's channels: q|k|v)
+CONV_WIDTH = 4
 VARIANTS = {"defer": 5, "rowloop": 6, "dot": 7}
 # (BN, BK, SPLIT, warps, stages[, defer[, rowloop[, dot]]]): the first version's best (reduced at every step),
 # then lanes kept through the loop (defer), narrow and long, then whole-K steps
@@ -128,6 +135,38 @@ def _glu(w, ws, x, n: int, tilings, dev) -> dict:
     return res
 
 
+def _conv(ws, x, n: int, channels: int, tilings, dev, g) -> dict:
+    """ms of a decode step's projection and convolution over its first ``channels`` outputs
+    (``--conv``), apart and with the convolution in the GEMV's epilogue."""
+    from flare.prepare.kernels.gdn import conv1d_decode_step
+
+    rows = x.shape[0]
+    state = torch.randn((rows, channels, CONV_WIDTH - 1), generator=g, device=dev, dtype=torch.bfloat16)
+    weight = torch.randn((channels, CONV_WIDTH), generator=g, device=dev, dtype=torch.bfloat16)
+    slots = torch.arange(rows, device=dev)
+    live = torch.ones(rows, dtype=torch.bool, device=dev)
+    proj = torch.empty((rows, n), device=dev, dtype=torch.bfloat16)
+    conv_out = torch.empty((rows, channels), device=dev, dtype=torch.bfloat16)
+
+    def conv():
+        conv1d_decode_step(proj[:, :channels], state, weight, None, slots, live, out=conv_out)
+
+    res = {"cublas+conv": graph_ms([lambda i=i: (F.linear(x, ws[i % len(ws)], out=proj), conv()) for i in range(CALLS)])}
+    for t in tilings:
+        if not (len(t) > 7 and t[7]) or t[2] != 1:
+            continue
+        key = "x".join(map(str, t))
+        try:
+            res[key + "+conv"] = graph_ms([lambda i=i, t=t: (G.gemv(x, ws[i % len(ws)], proj, t), conv())
+                                           for i in range(CALLS)])
+            fold = G.Conv(state, weight, None, slots, live)
+            res[key + "-conv"] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], proj, t, conv=fold)
+                                           for i in range(CALLS)])
+        except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
+            res[key] = f"{type(e).__name__}: {str(e)[:200]}"
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -136,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=sorted(VARIANTS))
     p.add_argument("--folds", action="store_true")
     p.add_argument("--glu", action="store_true")
+    p.add_argument("--conv", action="store_true")
     a = p.parse_args(argv)
     tilings = [t for t in TILINGS if a.only is None or (len(t) > VARIANTS[a.only] and t[VARIANTS[a.only]])]
     dev = torch.device("cuda")
@@ -181,6 +221,8 @@ def main(argv=None) -> int:
                 entry["folded_ms"] = _folded(w, ws, rows, k, n, tilings, dev, g)
             if a.glu and name in GLU_SHAPES:
                 entry["glu_ms"] = _glu(w, ws, x, n, tilings, dev)
+            if a.conv and name in CONV_SHAPES:
+                entry["conv_ms"] = _conv(ws, x, n, CONV_SHAPES[name], tilings, dev, g)
             entry["tb_per_s"] = {t: mb / 1e6 / (v / 1e3) for t, v in entry["ms"].items()}
             best = min((t for t in entry["ms"] if t != "cublas"), key=entry["ms"].get, default=None)
             entry["best"] = best

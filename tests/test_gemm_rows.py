@@ -501,3 +501,42 @@ def test_step_choice_offers_the_glu_tilings_with_the_activation_charged(monkeypa
     assert gemm.step_tiling(w, None, 1, timer=lambda fn: 1.0, glu=True)[0] != glu
     best, times = gemm.step_choice(w, None, [1, 2], timer=lambda fn: 1.0)
     assert glu not in times[1] and "act" not in times[1] and not any(getattr(t, "glu", 0) for t in best.values())
+
+
+def test_a_gdn_input_projection_charges_the_other_families_its_convolution(monkeypatch):
+    """``conv_fold``: a Gated DeltaNet's input projection, whose GEMV without a split takes the decode
+    step's convolution in its epilogue, charges every other family (cuBLAS, the unsplit GEMM, a split
+    GEMV) the convolution's kernel, timed at each count by ``_conv_ms`` (the real kernel): at equal
+    product times the unsplit GEMV wins. ``choose_step_gemms`` finds such projections by their
+    module's ``flare_conv_fold`` and passes (channels, width) for them alone."""
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    unsplit, split = GemvTiling(16, 32, 4, dot=1, stages=2), GemvTiling(16, 32, 4, dot=1, stages=2, split=2)
+    monkeypatch.setattr(gemm, "STEP_GEMV_TILINGS", (split, unsplit))
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset())
+    monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: True)
+    w = torch.randn(80, 64, device=DEVICE)
+    best, times = gemm.step_choice(w, None, [1, 2], timer=lambda fn: 1.0, conv_fold=(48, 4))
+    assert best == {1: unsplit, 2: unsplit}
+    assert all(times[c]["conv"] == 1.0 for c in (1, 2)) and times["sums"] == {"cublas_ms": 4.0, "chosen_ms": 2.0}
+    best, times = gemm.step_choice(w, None, [1, 2], timer=lambda fn: 1.0)
+    assert best == {} and "conv" not in times[1]  # a tie with cuBLAS without the charge
+    assert gemm._conv_ms(w, 2, 48, 4, timer=lambda fn: (fn(), 0.5)[1]) == 0.5  # the kernel runs at these sizes
+
+    class Gdn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.in_proj, self.out_proj = nn.Linear(64, 80, bias=False), nn.Linear(64, 64, bias=False)
+
+        def flare_conv_fold(self):
+            return self.in_proj, 48, 4
+
+    seen = {}
+
+    def step_choice(weight, bias, counts, **kw):
+        seen[tuple(weight.shape)] = kw["conv_fold"]
+        return {}, {"sums": {"cublas_ms": 1.0, "chosen_ms": 1.0}}
+
+    monkeypatch.setattr(gemm, "step_choice", step_choice)
+    gemm.choose_step_gemms([nn.ModuleDict({"linear_attn": Gdn()})], [1, 2])
+    assert seen == {(80, 64): (48, 4), (64, 64): None}

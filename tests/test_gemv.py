@@ -233,3 +233,54 @@ def test_the_gated_activation_in_the_epilogue():
             G.gemv(x, w, torch.empty(5, n, device=DEVICE, dtype=dt), bad, glu=True, **kw)
     with pytest.raises(ValueError, match="glu"):
         G.gemv(x, w[:-1], torch.empty(5, n, device=DEVICE, dtype=dt), tiling, glu=True)
+
+
+@pytest.mark.parametrize("variant,width,bias", [((0, 0, 0), 4, False), ((0, 0, 1), 4, True), ((0, 1, 0), 3, False),
+                                                ((0, 0, 1), 2, False)])
+def test_the_convolution_in_the_epilogue(variant, width, bias):
+    """``conv``: the first D outputs go through a decode step's causal convolution in the GEMV's
+    epilogue with the bits of ``gdn.conv1d_decode_step`` run on the product after it, and leave the
+    same history rows (shifted in place); the other columns are the product as it is; a row that
+    is not live gets zeros there and leaves every history as it was, as do slots of no row; the
+    same through ``gemv_conv_linear``; refused with a split, ``glu``, a residual, a history of
+    other shape or a kernel wider than 4."""
+    from flare.prepare.kernels import gdn as K
+
+    g = torch.Generator().manual_seed(41 + width)
+    n, k, d = 70, 96, 40  # the third tile of 16 columns holds channels and other columns
+    dt = torch.float32 if variant[2] and DEVICE == "cpu" else torch.bfloat16
+    w = torch.randn(n, k, generator=g).to(DEVICE, dt)
+    x = torch.randn(4, k, generator=g).to(DEVICE, dt)
+    cw = torch.randn(d, width, generator=g).to(DEVICE, dt)
+    cb = torch.randn(d, generator=g).to(DEVICE, dt) if bias else None
+    state = torch.randn(6, d, width - 1, generator=g).to(DEVICE, dt)
+    slots = torch.tensor([4, 1, 0, 5], device=DEVICE)
+    live = torch.tensor([True, True, False, True], device=DEVICE)
+    tiling = (16, 32, 1, 4, 2, *variant)
+
+    product = G.gemv(x, w, torch.empty(4, n, device=DEVICE, dtype=dt), tiling)
+    want, want_state = product.clone(), state.clone()
+    want[:, :d] = K.conv1d_decode_step(product[:, :d], want_state, cw, cb, slots, live)
+    got_state = state.clone()
+    got = G.gemv(x, w, torch.empty(4, n, device=DEVICE, dtype=dt), tiling,
+                 conv=G.Conv(got_state, cw, cb, slots, live))
+    assert torch.equal(got, want)
+    assert torch.equal(got_state, want_state)
+    assert not got[2, :d].any() and torch.equal(got[2, d:], product[2, d:])  # the row that is not live
+    assert torch.equal(got_state[[0, 2, 3]], state[[0, 2, 3]])  # its slot's history, and slots of no row
+    assert not torch.equal(got_state[[1, 4, 5]], state[[1, 4, 5]])  # the live rows' histories moved
+    linear = G.gemv_conv_linear(x, w, G.GemvTiling(16, 32, 4, *variant, stages=2), G.Conv(state, cw, cb, slots, live))
+    assert torch.equal(linear, want) and torch.equal(state, want_state)
+
+    conv = G.Conv(state, cw, cb, slots, live)
+    out = torch.empty(4, n, device=DEVICE, dtype=dt)
+    for bad, kw in (((16, 32, 2, 4, 2, *variant), {}), (tiling, {"residual": torch.zeros(4, n, device=DEVICE, dtype=dt)}),
+                    ((16, 32, 1, 4, 2, 0, 0, 1), {"glu": True})):
+        with pytest.raises(ValueError, match="convolution"):
+            G.gemv(x, w if not kw.get("glu") else torch.cat([w, w]), out, bad, conv=conv, **kw)
+    for bad_conv in (conv._replace(state=state[:, :-1]), conv._replace(weight=torch.zeros(d, 5, device=DEVICE, dtype=dt)),
+                     conv._replace(live=live[:3])):
+        with pytest.raises(ValueError, match="convolution"):
+            G.gemv(x, w, out, tiling, conv=bad_conv)
+    with pytest.raises(ValueError, match="split"):
+        G.gemv_conv_linear(x, w, G.GemvTiling(16, 32, 4, split=2), conv)

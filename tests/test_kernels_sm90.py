@@ -38,6 +38,8 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import sampler as SK
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4, num_stages=3):
+        # (a constexpr left out takes its default, as at a launch: not a runtime argument)
+        constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
@@ -167,6 +169,14 @@ SCRIPT = textwrap.dedent('''
                          dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
                               RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False, GLU=True),
                          num_warps=t.warps, num_stages=t.stages)
+    # A Gated DeltaNet's input projection with the decode step's convolution (4 taps) in the epilogue.
+    for t in (t for t in G.STEP_GEMV_TILINGS if t.dot and t.split == 1):
+        compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr", "c_ptr", "cw_ptr", "cb_ptr"),
+                                          **f32("part_ptr"), "count_ptr": "*i32", "slots_ptr": "*i64",
+                                          "live_ptr": "*i1"},
+                         dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
+                              RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False, CONV_W=4),
+                         num_warps=t.warps, num_stages=t.stages)
     # A split's slices added by a second launch, with and without the residual.
     for residual in (False, True):
         compile_for_sm90(GV.sum_slices_kernel, {**bf16("out_ptr", "r_ptr"), **f32("part_ptr")},
@@ -197,4 +207,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 112, proc.stdout
+    assert proc.stdout.count("compiled") == 117, proc.stdout

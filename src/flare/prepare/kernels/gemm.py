@@ -183,6 +183,15 @@ class _RowInvariant:
         tiling = self.flare_step_tiling.get(rows)
         return tiling if isinstance(tiling, GemvTiling) and tiling.glu else None
 
+    def flare_conv_tiling(self, rows: int) -> GemvTiling | None:
+        """The GEMV tiling this layer takes in a step of ``rows`` rows where, as a Gated DeltaNet's
+        input projection, it may take the decode step's convolution in its epilogue
+        (``gemv.gemv_conv_linear``: no split, no ``glu``); None elsewhere."""
+        if prompt_rows.active():
+            return None
+        tiling = self.flare_step_tiling.get(rows)
+        return tiling if isinstance(tiling, GemvTiling) and tiling.split == 1 and not tiling.glu else None
+
     def flare_glu(self, x: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
         """``silu(gate) * up`` of this [gate; up] projection of ``x``, in one launch."""
         return gemv_linear(x, self.weight, tiling, tickets=self.flare_tickets)
@@ -436,9 +445,24 @@ def _add_ms(weight: torch.Tensor, rows: int, timer=None, columns: int | None = N
     return (timer or _time_ms)(lambda: torch.add(a, b, out=out))
 
 
+def _conv_ms(weight: torch.Tensor, rows: int, channels: int, width: int, timer=None) -> float:
+    """The time of a decode step's convolution kernel (``gdn.conv1d_decode_step``) over ``rows``
+    rows of ``channels`` channels, ``width`` taps."""
+    from flare.prepare.kernels.gdn import conv1d_decode_step
+
+    dev, dt = weight.device, weight.dtype
+    x = torch.randn((rows, channels), device=dev, dtype=dt)
+    state = torch.randn((rows, channels, width - 1), device=dev, dtype=dt)
+    w = torch.randn((channels, width), device=dev, dtype=dt)
+    slots = torch.arange(rows, device=dev)
+    live = torch.ones(rows, dtype=torch.bool, device=dev)
+    out = torch.empty_like(x)
+    return (timer or _time_ms)(lambda: conv1d_decode_step(x, state, w, None, slots, live, out=out))
+
+
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
-                margin: float = 0.97, residual_fold: bool = False,
-                act_fold: bool = False) -> tuple[dict[int, tuple[int, ...]], dict]:
+                margin: float = 0.97, residual_fold: bool = False, act_fold: bool = False,
+                conv_fold: tuple[int, int] | None = None) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
     in: cache on and off, a request resumed alone, give the same tokens only then). Families
@@ -461,15 +485,23 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     the activation to a kernel of its own (``fused.glu_projections``): the ``GLU_TILINGS``, one
     launch with the activation in the epilogue, are offered too, and every other family is
     charged that kernel, timed at each count as an elementwise kernel of its bytes (an add of two
-    [rows, N / 2] halves: ``times[count]["act"]``)."""
+    [rows, N / 2] halves: ``times[count]["act"]``).
+    ``conv_fold`` (channels, width): the layer is a Gated DeltaNet's input projection whose GEMV
+    without a split takes the decode step's convolution in its epilogue (its ``flare_conv_fold``):
+    every other family is charged the convolution's kernel, timed at each count
+    (``times[count]["conv"]``; at a verify step's count too, where the kernel stays: the counts
+    are not told apart)."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
     for c in counts:
         if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)
         if act_fold:
             times[c]["act"] = _add_ms(weight, c, timer, columns=weight.shape[0] // 2)
-    # (the activation's kernel is charged as the add is: to every family that leaves it apart)
-    add = {c: times[c].get("add", 0.0) + times[c].get("act", 0.0) for c in counts}
+        if conv_fold:
+            times[c]["conv"] = _conv_ms(weight, c, *conv_fold, timer)
+    # (the activation's and the convolution's kernels are charged as the add is: to every family
+    # that leaves them apart)
+    add = {c: times[c].get("add", 0.0) + times[c].get("act", 0.0) + times[c].get("conv", 0.0) for c in counts}
     w, b, x = _random_operands(weight, bias, counts[-1], seed=1)
     cublas = sum(times[c]["cublas"] + add[c] for c in counts)
     cublas_same = _cublas_same_rows(w, b, x, counts)
@@ -491,7 +523,8 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
             # (a GEMV too narrow for the folds leaves the add to its own kernel too; none takes the
             # activation of an act_fold projection)
             families.append((sum(times[c][t] + (times[c].get("add", 0.0) if t.bn < FOLD_MIN_BN else 0.0)
-                                 + times[c].get("act", 0.0) for c in counts), {c: t for c in counts}))
+                                 + times[c].get("act", 0.0) + (times[c].get("conv", 0.0) if t.split > 1 else 0.0)
+                                 for c in counts), {c: t for c in counts}))
     for t in GLU_TILINGS if act_fold else ():
         if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
             families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
@@ -517,7 +550,9 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     down projections are decided before the gate/up projections, which are offered the GLU
     tilings where their down projection leaves the activation apart (``step_choice``'s
     ``act_fold``): greedily, a down projection is not credited with the activation kernel a
-    folding GEMV would save."""
+    folding GEMV would save. A Gated DeltaNet's input projection whose module offers the decode
+    step's convolution to its GEMV (``flare_conv_fold``) charges the families that leave the
+    convolution apart its kernel (``step_choice``'s ``conv_fold``)."""
     from flare.prepare.recipes.fused import glu_projections, hooked, residual_down_projections
 
     counts = sorted(set(row_counts))
@@ -526,6 +561,13 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     layers = list(layers)
     folds = {id(m) for m in residual_down_projections(layers)}
     glus = {id(up): down for up, down in glu_projections(layers)}
+    convs = {}  # Gated DeltaNet input projections whose GEMV may take the convolution: (channels, width)
+    for layer in layers:
+        for m in layer.modules():
+            fold = getattr(m, "flare_conv_fold", None)
+            got = fold() if callable(fold) else None
+            if got is not None and not hooked(got[0]):
+                convs[id(got[0])] = got[1:]
 
     def loads_act(down: nn.Module) -> bool:  # the down projection takes the activation in its loads
         t = getattr(down, "flare_step_tiling", {})
@@ -538,13 +580,15 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     linears = list(_plain_linears(layers))
     for name, module in [m for m in linears if id(m[1]) not in glus] + [m for m in linears if id(m[1]) in glus]:
         act = id(module) in glus and not loads_act(glus[id(module)])
-        key = (*_key(module), id(module) in folds, act)
+        conv = convs.get(id(module))
+        key = (*_key(module), id(module) in folds, act, conv)
         if key not in measured:
-            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-2],
-                                               act_fold=act, **kw)
+            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-3],
+                                               act_fold=act, conv_fold=conv, **kw)
             if log is not None:
                 sums = times["sums"]
-                what = " with the residual add" if key[-2] else " with the activation" if act else ""
+                what = " with the residual add" if key[-3] else " with the activation" if act else \
+                    " with the convolution" if conv else ""
                 log(f"step GEMM times for {tuple(module.weight.shape)}{what} "
                     f"(µs summed over {counts} rows): cuBLAS {sums['cublas_ms'] * 1e3:.1f}, chosen "
                     f"{sums['chosen_ms'] * 1e3:.1f}")

@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from flare.prepare.kernels.gdn import _silu_rounded
+
 
 @triton.jit
 def _epilogue(acc, r_ptr, m, n, keep, stride_rm, dtype: tl.constexpr, RESIDUAL: tl.constexpr):
@@ -64,20 +66,78 @@ def _rows(x_at, mask, K, SWIGLU: tl.constexpr, dtype: tl.constexpr):
     return x
 
 
+@triton.jit
+def _conv_history(c_ptr, slots_ptr, live_ptr, m, n, m_in, CD, stride_cs, stride_cd, stride_cw, stride_slot,
+                  stride_live, CONV_W: tl.constexpr):
+    """CONV: each row's slot (where live) and the W - 1 inputs of its causal convolution's history
+    for this program's channels (columns under CD), loaded before the K loop so that their latency
+    hides behind the weight stream."""
+    live = tl.load(live_ptr + m * stride_live, mask=m_in, other=0) != 0
+    slot = tl.where(live, tl.load(slots_ptr + m * stride_slot, mask=m_in, other=0), 0).to(tl.int64)
+    own = live[:, None] & (n < CD)[None, :]
+    at = c_ptr + slot[:, None] * stride_cs + n[None, :].to(tl.int64) * stride_cd
+    h0 = tl.load(at, mask=own, other=0.0)
+    h1 = tl.load(at + stride_cw, mask=own & (CONV_W > 2), other=0.0)
+    h2 = tl.load(at + 2 * stride_cw, mask=own & (CONV_W > 3), other=0.0)
+    return live, own, at, h0, h1, h2
+
+
+@triton.jit
+def _conv_epilogue(y, live, own, at, h0, h1, h2, cw_ptr, cb_ptr, n, CD, stride_cw, stride_cwd, stride_cww,
+                   CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr):
+    """CONV: the product ``y`` (as the projection stores it) of the channels under CD through a
+    decode step's causal depthwise convolution and SiLU, their histories shifted in place: the
+    arithmetic of ``gdn._conv_step_kernel`` (the taps summed in the same order, the sum rounded to
+    the weight's dtype before the SiLU, zeros on rows that are not live), so the same bits; the
+    other columns as they are."""
+    c_in = n < CD
+    x = y.to(at.dtype.element_ty)
+    acc = tl.zeros(y.shape, tl.float32)
+    if CONV_BIAS:
+        acc += tl.load(cb_ptr + n, mask=c_in, other=0.0).to(tl.float32)[None, :]
+    acc += tl.load(cw_ptr + n * stride_cwd, mask=c_in, other=0.0).to(tl.float32)[None, :] * h0.to(tl.float32)
+    if CONV_W > 2:
+        acc += tl.load(cw_ptr + n * stride_cwd + stride_cww, mask=c_in, other=0.0).to(tl.float32)[None, :] \
+            * h1.to(tl.float32)
+    if CONV_W > 3:
+        acc += tl.load(cw_ptr + n * stride_cwd + 2 * stride_cww, mask=c_in, other=0.0).to(tl.float32)[None, :] \
+            * h2.to(tl.float32)
+    acc += tl.load(cw_ptr + n * stride_cwd + (CONV_W - 1) * stride_cww, mask=c_in,
+                   other=0.0).to(tl.float32)[None, :] * x.to(tl.float32)
+    tl.debug_barrier()  # every thread's history loads are done before any shift lands
+    if CONV_W == 2:
+        tl.store(at, x, mask=own)
+    elif CONV_W == 3:
+        tl.store(at, h1, mask=own)
+        tl.store(at + stride_cw, x, mask=own)
+    else:
+        tl.store(at, h1, mask=own)
+        tl.store(at + stride_cw, h2, mask=own)
+        tl.store(at + 2 * stride_cw, x, mask=own)
+    conv = tl.where(live[:, None], _silu_rounded(acc, cw_ptr.dtype.element_ty), 0.0)
+    return tl.where(c_in[None, :], conv.to(y.dtype), y)
+
+
 # M is never specialised (Triton compiles an integer argument of 1, or one divisible by 16,
 # into a binary of its own): one binary for every row count, so the dot variant's "the same
 # program at every M" holds for the machine code too.
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                stride_rm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                stride_rm, c_ptr, cw_ptr, cb_ptr, slots_ptr, live_ptr, CD, stride_cs, stride_cd, stride_cw,
+                stride_cwd, stride_cww, stride_slot, stride_live,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
                 RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False, DOT: tl.constexpr = False,
-                PRECISION: tl.constexpr = "ieee", TICKETS: tl.constexpr = True, GLU: tl.constexpr = False):
+                PRECISION: tl.constexpr = "ieee", TICKETS: tl.constexpr = True, GLU: tl.constexpr = False,
+                CONV_W: tl.constexpr = 0, CONV_BIAS: tl.constexpr = False):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     n_in, m_in = n < N, m < M
+    if CONV_W > 0:  # (SPLIT 1 only: ``gemv`` checks)
+        live, own, at, h0, h1, h2 = _conv_history(c_ptr, slots_ptr, live_ptr, m, n, m_in, CD, stride_cs, stride_cd,
+                                                  stride_cw, stride_slot, stride_live, CONV_W)
     acc = tl.zeros([BM, BN], tl.float32)
     up = tl.zeros([BM, BN], tl.float32)  # GLU: the up projection's sums (weight rows N + n)
     lanes = tl.zeros([BM, BN, BK], tl.float32)  # DEFER: a sum per K lane, reduced after the loop
@@ -120,7 +180,11 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
         u = up.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_at, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=keep)
     elif SPLIT == 1:
-        tl.store(out_at, _epilogue(acc, r_ptr, m, n, keep, stride_rm, out_ptr.dtype.element_ty, RESIDUAL), mask=keep)
+        y = _epilogue(acc, r_ptr, m, n, keep, stride_rm, out_ptr.dtype.element_ty, RESIDUAL)
+        if CONV_W > 0:
+            y = _conv_epilogue(y, live, own, at, h0, h1, h2, cw_ptr, cb_ptr, n, CD, stride_cw, stride_cwd, stride_cww,
+                               CONV_W, CONV_BIAS)
+        tl.store(out_at, y, mask=keep)
     else:
         tl.store(rows + s.to(tl.int64) * BM * N, acc, mask=keep)
     if (SPLIT > 1) & TICKETS:  # (without tickets ``sum_slices_kernel`` adds the slices after)
@@ -182,10 +246,40 @@ def workspace(rows: int, n: int, split: int, bn: int, device, dot: bool = False)
     return partials(rows, n, split, device, dot), torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device)
 
 
+class Conv(NamedTuple):
+    """A decode step's causal depthwise convolution over the first D outputs of a projection
+    (a Gated DeltaNet's q|k|v, then z, b, a): ``state [rows, D, W - 1]`` (this layer's history
+    rows, updated in place), ``weight [D, W]``, ``bias [D]`` or None, and each output row's
+    ``slots [M]`` and ``live [M]`` (``gdn.conv1d_decode_step``'s arguments). Kernels up to 4 wide."""
+
+    state: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    slots: torch.Tensor
+    live: torch.Tensor
+
+
+def _conv_args(conv: Conv | None, M: int, N: int, x: torch.Tensor) -> tuple:
+    """``gemv_kernel``'s convolution arguments after checking them (placeholders without one)."""
+    if conv is None:
+        return (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), {}
+    state, w, bias, slots, live = conv
+    D, W = w.shape if w.dim() == 2 else (-1, -1)
+    if not (2 <= W <= 4 and D <= N and state.dim() == 3 and tuple(state.shape[1:]) == (D, W - 1)
+            and (bias is None or tuple(bias.shape) == (D,)) and slots.shape == (M,) and live.shape == (M,)
+            and state.dtype == x.dtype):
+        raise ValueError(f"gemv's convolution: state {tuple(state.shape)} {state.dtype}, weight {tuple(w.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)}, slots {tuple(slots.shape)}, live "
+                         f"{tuple(live.shape)} for {M} rows of {N} outputs in {x.dtype} (want [rows, D, W - 1] in the "
+                         f"rows' dtype, [D, W] with 2 <= W <= 4 and D <= {N}, [D], [{M}], [{M}])")
+    return ((state, w, w if bias is None else bias, slots, live, D, *state.stride()[:2], state.stride(2), *w.stride(),
+             slots.stride(0), live.stride(0)), {"CONV_W": W, "CONV_BIAS": bias is not None})
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
          space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel,
          swiglu: bool = False, residual: torch.Tensor | None = None, tickets: bool = True,
-         sum_kernel=sum_slices_kernel, glu: bool = False) -> torch.Tensor:
+         sum_kernel=sum_slices_kernel, glu: bool = False, conv: Conv | None = None) -> torch.Tensor:
     """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K); with
     ``swiglu``, ``x [M, 2 K]`` holds a gated MLP's gate and up halves and the product is
     ``(silu(gate) * up) @ w.T``, the activation computed in float32 and rounded to x's dtype
@@ -212,6 +306,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     tensor-core products a K step; ``dot`` only, no split, no residual), rounds each product to
     the output's dtype as the projection stores it, and computes the activation in float32,
     rounded once (the activation's launch, and the projection's store and load, fewer).
+    ``conv``: the first D outputs go through a decode step's causal convolution and SiLU in the
+    epilogue, their rows' histories updated in place (``Conv``; no split, glu, activation or
+    residual): ``gdn.conv1d_decode_step`` on the product, the same bits, in the same launch.
     ``space``: ``workspace(M, N, SPLIT, BN, dot=dot)`` (made here when None). ``kernel``, ``sum_kernel``: the
     plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -234,6 +331,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     r = x if residual is None else residual
     if residual is not None and (tuple(residual.shape) != (M, N) or residual.stride(-1) != 1):
         raise ValueError(f"gemv's residual must be [M, N] = {(M, N)} with unit stride, got {tuple(residual.shape)}")
+    if conv is not None and (split != 1 or glu or swiglu or residual is not None):
+        raise ValueError("gemv's convolution epilogue takes no split, glu, activation in the loads or residual")
+    conv_args, conv_flags = _conv_args(conv, M, N, x)
     if defer + rowloop + dot > 1:
         raise ValueError("gemv's defer, rowloop and dot are variants of the product: one at most")
     if dot and (M > DOT_ROWS or bn < 16 or bk < 16):
@@ -249,10 +349,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if split > 1 and (tuple(part.shape) != (split, bm, N) or (tickets and count.numel() < triton.cdiv(N, bn))):
         raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
     kernel[(triton.cdiv(N, bn), split)](
-        x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0),
+        x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0), *conv_args,
         BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
         ROWLOOP=rowloop, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", TICKETS=tickets,
-        GLU=glu, num_warps=warps, num_stages=stages)
+        GLU=glu, **conv_flags, num_warps=warps, num_stages=stages)
     if split > 1 and not tickets:
         block = min(SUM_BLOCK, triton.next_power_of_2(N))
         sum_kernel[(M, triton.cdiv(N, block))](part, out, r, N, out.stride(0), r.stride(0), BM=bm, SPLIT=split,
@@ -356,3 +456,19 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swigl
                          f"{triton.cdiv(weight.shape[0], tiling.bn)} column tiles")
     out = _gemv_op(rows, weight, list(tiling), swiglu, residual, tickets)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def gemv_conv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, conv: Conv) -> torch.Tensor:
+    """``F.linear(x, weight)`` by ``gemv`` with ``tiling`` (no split, no ``glu``) with a decode
+    step's causal convolution over its first D outputs in the epilogue (``Conv``; its history rows
+    updated in place): one launch where the projection and ``gdn.conv1d_decode_step`` were two,
+    the same bits. Called eagerly (it writes state rows: a compiled graph must not trace it)."""
+    if tiling.split != 1 or tiling.glu:
+        raise ValueError(f"gemv_conv_linear takes a tiling without a split or glu, not {tiling}")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.shape[0] > tiling.max_rows:
+        raise ValueError(f"gemv_conv_linear with {tiling} takes at most {tiling.max_rows} rows, not {rows.shape[0]}")
+    out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return gemv(rows, weight, out, (tiling.bn, tiling.bk, 1, tiling.warps, tiling.stages, tiling.defer,
+                                    tiling.rowloop, tiling.dot), space=(out, out), conv=conv)
+

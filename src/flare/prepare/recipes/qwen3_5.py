@@ -35,6 +35,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from flare.core.manifest import DType
 from flare.prepare.attention import PagedBatch
@@ -67,14 +68,28 @@ def _qwen3_next_inputs(mod, x: torch.Tensor):
     return torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1), z[0], b[0], a[0]
 
 
-def _prepared_gdn_with(inputs):
+def _prepared_gdn_with(inputs, conv_first: bool):
     def prepared(base: type) -> type:
         class PagedGatedDeltaNet(base):
             """A Gated DeltaNet (Qwen3.5, Qwen3-Next) over packed tokens and per-slot state
             rows. ``state_index`` (set by the recipe base) is this layer's index among GDN
-            layers."""
+            layers. ``flare_conv_first``: its fused input projection's first outputs are the
+            convolution's channels (Qwen3.5's q|k|v, z, b, a; not Qwen3-Next's, grouped per key
+            head), so a decode step may take the convolution in that projection's GEMV
+            (``_conv_fold_tiling``)."""
 
             state_index: int
+            flare_conv_first = conv_first
+
+            def flare_conv_fold(self) -> tuple[nn.Module, int, int] | None:
+                """(the input projection, the convolution's channels, its width) where a decode
+                step's GEMV of that projection may take the convolution (``gemv.Conv``: kernels up
+                to 4 wide); None where it may not. ``--step-gemms measure`` charges the products
+                that leave it apart its kernel."""
+                width = self.conv1d.weight.shape[-1]
+                if not self.flare_conv_first or not 2 <= width <= 4 or self.in_proj.sizes[0] != self.conv1d.weight.shape[0]:
+                    return None
+                return self.in_proj, self.conv1d.weight.shape[0], width
 
             def forward(self, hidden_states, cache=None, attention_mask=None, paged: PagedBatch | None = None,
                         **kwargs):
@@ -82,12 +97,17 @@ def _prepared_gdn_with(inputs):
                     raise RuntimeError("PagedGatedDeltaNet needs the 'paged' batch with state buffers")
                 x = hidden_states[0]  # [T, H]
                 T = x.shape[0]
-                mixed, z, b, a = inputs(self, x)  # q|k|v, z, b, a
+                fold = _conv_fold_tiling(self, paged, T)
+                if fold is not None:  # the convolution in the projection's GEMV: q|k|v come convolved
+                    mixed, z, b, a = _convolved_inputs(self, paged, x, fold)
+                else:
+                    mixed, z, b, a = inputs(self, x)  # q|k|v, z, b, a
                 mix = _mix_triton if paged.impl == "triton" else _mix_torch
                 if mix is _mix_triton and _norms_in_step(self, paged, mixed):
-                    core = _step_triton_normed(self, paged, mixed, b, a, z)  # normed and gated
+                    core = _step_triton_normed(self, paged, mixed, b, a, z, fold is not None)  # normed and gated
                 else:
-                    core = mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
+                    core = _mix_triton(self, paged, mixed, b, a, True) if fold is not None else \
+                        mix(self, paged, mixed, b, a)  # [T, Hv, Dv]
                     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
                 return self.out_proj(core.reshape(1, T, -1))
 
@@ -96,8 +116,34 @@ def _prepared_gdn_with(inputs):
     return prepared
 
 
-_prepared_gdn = _prepared_gdn_with(_qwen3_5_inputs)
-_prepared_next_gdn = _prepared_gdn_with(_qwen3_next_inputs)
+_prepared_gdn = _prepared_gdn_with(_qwen3_5_inputs, conv_first=True)
+_prepared_next_gdn = _prepared_gdn_with(_qwen3_next_inputs, conv_first=False)
+
+
+def _conv_fold_tiling(mod, paged: PagedBatch, rows: int):
+    """The GEMV tiling with which a decode step (CUDA path, one token a row, not a verify step's
+    several) computes this layer's input projection and its convolution in one launch
+    (``gemv.gemv_conv_linear``): where ``--step-gemms`` put the projection on a GEMV without a split
+    at this row count (``flare_conv_tiling``), its first outputs are the convolution's channels
+    (``flare_conv_fold``) and no forward hook would see the projection's call; else None."""
+    if paged.impl != "triton" or paged.single_slot or paged.verify_width or hooked(mod.in_proj):
+        return None
+    conv_tiling = getattr(mod.in_proj, "flare_conv_tiling", None)
+    if conv_tiling is None or mod.flare_conv_fold() is None:
+        return None
+    return conv_tiling(rows)
+
+
+@torch.compiler.disable
+def _convolved_inputs(mod, paged: PagedBatch, x: torch.Tensor, tiling):
+    """A decode step's input projection with the convolution step of each live row in its GEMV's
+    epilogue (its history updated in place): q|k|v convolved, z, b, a (``_conv_fold_tiling``)."""
+    from flare.prepare.kernels.gemv import Conv, gemv_conv_linear
+
+    conv_rows, _ = _state_rows(mod, paged)
+    weight = mod.conv1d.weight
+    conv = Conv(conv_rows, weight.reshape(weight.shape[0], -1), mod.conv1d.bias, paged.token_slot, paged.valid)
+    return gemv_conv_linear(x, mod.in_proj.weight, tiling, conv).split(mod.in_proj.sizes, dim=-1)
 
 
 def _state_rows(mod, paged: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,9 +350,10 @@ def _torch_delta_rules():
 
 
 @torch.compiler.disable
-def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
-    """The CUDA path (kernels/gdn.py, docs/gpu.md). Decode: the convolution step and the
-    delta-rule step update each live row's state in place. Prefill: the chunk's
+def _mix_triton(mod, paged: PagedBatch, mixed, b, a, convolved: bool = False) -> torch.Tensor:
+    """The CUDA path (kernels/gdn.py, docs/gpu.md). Decode: the convolution step (unless
+    ``convolved``: the input projection's GEMV took it) and the delta-rule step update each live
+    row's state in place. Prefill: the chunk's
     convolution (zero past the count, the history cut at it) and gates, then
     flash-linear-attention's chunked delta rule from the slot's state (Transformers'
     torch rule under Triton's CPU interpreter, where the Triton pieces are tested)."""
@@ -317,7 +364,7 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a) -> torch.Tensor:
     conv_rows, rec_rows = _state_rows(mod, paged)
     weight, bias = mod.conv1d.weight, mod.conv1d.bias
     if not paged.single_slot:
-        return _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a)
+        return _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a, convolved)
     slot = paged.token_slot[:1]
     count = paged.valid.sum(dtype=torch.int32).reshape(1)
     mixed = K.conv1d_prefill_chunk(mixed, conv_rows, weight, bias, slot, count)  # zero past the count
@@ -366,22 +413,25 @@ def _norms_in_step(mod, paged: PagedBatch, mixed: torch.Tensor) -> bool:
 
 
 @torch.compiler.disable
-def _step_triton_normed(mod, paged: PagedBatch, mixed, b, a, z) -> torch.Tensor:
-    """A decode or verify step's convolution and delta rule (``_mix_triton``), then the gated
-    norm of its output heads (``gdn.gated_rms_norm``): ``[T, Hv * Dv]``."""
+def _step_triton_normed(mod, paged: PagedBatch, mixed, b, a, z, convolved: bool = False) -> torch.Tensor:
+    """A decode or verify step's convolution (unless ``convolved``) and delta rule
+    (``_mix_triton``), then the gated norm of its output heads (``gdn.gated_rms_norm``):
+    ``[T, Hv * Dv]``."""
     from flare.prepare.kernels import gdn as K
 
-    core = _mix_triton(mod, paged, mixed, b, a)  # [T, Hv, Dv]
+    core = _mix_triton(mod, paged, mixed, b, a, convolved)  # [T, Hv, Dv]
     gate = z.reshape(core.shape) if z.dim() == 3 else z.unflatten(-1, core.shape[1:])  # a view
     out = K.gated_rms_norm(core, gate, mod.norm.weight, mod.norm.variance_epsilon)
     return out.reshape(core.shape[0], -1)
 
 
-def _decode_triton(mod, conv_rows, rec_rows, slots, live, mixed, b, a) -> torch.Tensor:
-    """The convolution step and the delta-rule step of each live row, its state updated in place."""
+def _decode_triton(mod, conv_rows, rec_rows, slots, live, mixed, b, a, convolved: bool = False) -> torch.Tensor:
+    """The convolution step (unless ``convolved``: ``mixed`` is its output) and the delta-rule
+    step of each live row, its state updated in place."""
     from flare.prepare.kernels import gdn as K
 
-    mixed = K.conv1d_decode_step(mixed, conv_rows, mod.conv1d.weight, mod.conv1d.bias, slots, live)
+    if not convolved:
+        mixed = K.conv1d_decode_step(mixed, conv_rows, mod.conv1d.weight, mod.conv1d.bias, slots, live)
     query, key, value = _split_heads(mod, mixed)
     return K.gdn_decode_step(query, key, value, a, b, mod.A_log, mod.dt_bias, rec_rows, slots, live)
 
