@@ -303,22 +303,26 @@ def _combine_kernel(
         if SEG > 0:
             # The row's own segments, in order, folded as the attend kernel folds them
             # (segments of the tile this row sees nothing of would leave the state as it is).
-            pos = tl.load(positions + t * stride_pos).to(tl.int32)
-            n_blocks = (tl.minimum(pos + 1, key_limit) + BLOCK_N - 1) // BLOCK_N
-            win = tl.where(window > 0, window, key_limit + 1)
-            s_lo = tl.maximum(pos - win + 1, 0) // BLOCK_N // SEG
-            s_hi = tl.where(ok, (n_blocks + SEG - 1) // SEG, s_lo)  # an invalid row reads no partial
-            rank = _tile_rank(valid, T, stride_val, t // BLOCK_T, BLOCK_T, TILES_PAD)
-            prow0 = ((rank * BLOCK_T + t % BLOCK_T) * H + h) * NSEG
-            one = tl.arange(0, 1)
-            M = tl.full([1], -1.0e30, tl.float32)
-            L = tl.zeros([1], tl.float32)
-            O = tl.zeros([1, D_PAD], tl.float32)
-            for sg in range(s_lo, s_hi):
-                prow = prow0 + sg + one
-                M, L, O = _fold(M, L, O, tl.load(part_m + prow), tl.load(part_l + prow),
-                                tl.load(part_acc + prow[:, None] * D_PAD + d[None, :]))
-            o = tl.reshape(O / tl.where(L > 0, L, 1.0)[:, None], [D_PAD])  # an invalid row: zeros
+            # An invalid row (a prompt program's padding, most of a short chunk's rows) reads no
+            # partial and writes zeros without ranking its tile.
+            o = tl.zeros([D_PAD], tl.float32)
+            if ok:
+                pos = tl.load(positions + t * stride_pos).to(tl.int32)
+                n_blocks = (tl.minimum(pos + 1, key_limit) + BLOCK_N - 1) // BLOCK_N
+                win = tl.where(window > 0, window, key_limit + 1)
+                s_lo = tl.maximum(pos - win + 1, 0) // BLOCK_N // SEG
+                s_hi = (n_blocks + SEG - 1) // SEG
+                rank = _tile_rank(valid, T, stride_val, t // BLOCK_T, BLOCK_T, TILES_PAD)
+                prow0 = ((rank * BLOCK_T + t % BLOCK_T) * H + h) * NSEG
+                one = tl.arange(0, 1)
+                M = tl.full([1], -1.0e30, tl.float32)
+                L = tl.zeros([1], tl.float32)
+                O = tl.zeros([1, D_PAD], tl.float32)
+                for sg in range(s_lo, s_hi):
+                    prow = prow0 + sg + one
+                    M, L, O = _fold(M, L, O, tl.load(part_m + prow), tl.load(part_l + prow),
+                                    tl.load(part_acc + prow[:, None] * D_PAD + d[None, :]))
+                o = tl.reshape(O / tl.where(L > 0, L, 1.0)[:, None], [D_PAD])
         else:
             sp = tl.arange(0, SPLITS_PAD)
             sp_in = sp < tl.where(ok, eff, 0)  # an invalid row reads no partial
