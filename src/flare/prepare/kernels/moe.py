@@ -150,21 +150,11 @@ def fits_route_plan(tokens: int, top_k: int) -> bool:
 
 
 @triton.jit
-def _route_plan_kernel(
-    logits_ptr, valid_ptr, w_ptr, ids_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-    T, E, stride_lt, stride_le,
-    K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-    BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr, PLAN: tl.constexpr,
-):
-    """``route`` then ``plan`` for a small batch in one program: softmax, top-k by repeated
-    maxima (ties to the lower index), renormalisation, and the pairs' order and row tiles
-    from comparisons between every two pairs (no sort, no scatter of shared addresses)."""
-    # One program for a planned batch; one per token when routing alone (BT = 1), so that a
-    # token's softmax reduces over the same register layout whatever its batch.
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+def _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K: tl.constexpr, RENORM: tl.constexpr,
+           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """Rows ``t``'s softmax over E experts, then (weights [BT, BK] float32, ids [BT, BK] int32) of
+    the top K by repeated maxima (ties to the lower index), renormalised with RENORM."""
     e = tl.arange(0, BE)
-    t_in = t < T
-    live = t_in & (tl.load(valid_ptr + t, mask=t_in, other=0) != 0)
     x = tl.load(logits_ptr + t[:, None] * stride_lt + e[None, :] * stride_le,
                 mask=t_in[:, None] & (e[None, :] < E), other=0.0).to(tl.float32)
     x = tl.where(e[None, :] < E, x, float("-inf"))  # rows past T stay finite (their results are not stored)
@@ -183,6 +173,34 @@ def _route_plan_kernel(
         prob = tl.where(e[None, :] == idx[:, None], -1.0, prob)
     if RENORM:
         top = top / tl.sum(tl.where(j[None, :] < K, top, 0.0), 1)[:, None]
+    return top, sel
+
+
+@triton.jit
+def _route_plan_kernel(
+    logits_ptr, valid_ptr, w_ptr, ids_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    T, E, stride_lt, stride_le,
+    K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+    BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr, PLAN: tl.constexpr,
+):
+    """``route`` then ``plan`` for a small batch in one program: softmax, top-k by repeated
+    maxima (ties to the lower index), renormalisation, and the pairs' order and row tiles
+    from comparisons between every two pairs (no sort, no scatter of shared addresses)."""
+    # One program for a planned batch; one per token when routing alone (BT = 1), so that a
+    # token's softmax reduces over the same register layout whatever its batch.
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_in = t < T
+    live = t_in & (tl.load(valid_ptr + t, mask=t_in, other=0) != 0)
+    j = tl.arange(0, BK)
+    if PLAN:
+        top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK)
+    else:
+        # One token: a padded row (most rows of a short prefill chunk) routes nowhere without
+        # computing the softmax it would discard.
+        top = tl.zeros([BT, BK], tl.float32)
+        sel = tl.zeros([BT, BK], tl.int32)
+        if tl.max(live.to(tl.int32), 0) > 0:
+            top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK)
     sel = tl.where(live[:, None], sel, E)
     top = tl.where(live[:, None], top, 0.0)
     out_mask = t_in[:, None] & (j[None, :] < K)
