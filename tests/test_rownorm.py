@@ -21,8 +21,8 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [100, 576, 2048, 4096])
 def test_a_rows_mean_square_is_the_same_bits_for_any_number_of_rows(n, dtype):
-    """Rows 0..k of 300 rows alone (k = 1, 16, 37) and among all 300, and as rows of a 3-D
-    input, get the same bits; against torch's mean of squares within float32 rounding."""
+    """Rows 0..k of 300 rows alone (k = 1, 16, 37) and among all 300, as rows of a 3-D input and
+    as a strided view (read in place), get the same bits; against torch's mean of squares within float32 rounding."""
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(300, n, generator=g) * 3).to(dtype).to(DEVICE)
     whole = R.mean_square(x)
@@ -30,6 +30,7 @@ def test_a_rows_mean_square_is_the_same_bits_for_any_number_of_rows(n, dtype):
     for k in (1, 16, 37):
         assert torch.equal(R.mean_square(x[:k]), whole[:k])
     assert torch.equal(R.mean_square(x.reshape(3, 100, n)).reshape(300, 1), whole)
+    assert torch.equal(R.mean_square(torch.cat([x, x], dim=1)[:, :n]), whole)  # a strided view, read in place
     torch.testing.assert_close(whole, x.float().pow(2).mean(-1, keepdim=True), rtol=2e-6, atol=0)
 
 

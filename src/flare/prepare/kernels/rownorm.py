@@ -78,7 +78,7 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     if n > MAX_ROW:
         raise ValueError(f"mean_square: rows of {n} exceed {MAX_ROW}")
-    return _mean_square_op(x.reshape(-1, n).contiguous()).reshape(*x.shape[:-1], 1)
+    return _mean_square_op(_rows2d(x)).reshape(*x.shape[:-1], 1)
 
 
 @triton.jit
