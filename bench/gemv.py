@@ -25,7 +25,8 @@ activation in its epilogue (``gemv(..., glu=True)``).
 convolution's channels, first), what a decode step needs of it: the projection, then the
 convolution step over its q|k|v (``gdn.conv1d_decode_step``, 4 taps, each row its own history
 row), by cuBLAS and by each ``dot`` tiling without a split, against each such tiling with the
-convolution in its epilogue (``gemv(..., conv=)``).
+convolution in its epilogue (``gemv(..., conv=)``), after checking that the fold gives the outputs
+and histories of the two launches bit for bit (``...-conv-same-bits``).
 """
 
 from __future__ import annotations
@@ -152,15 +153,24 @@ def _conv(ws, x, n: int, channels: int, tilings, dev, g) -> dict:
         conv1d_decode_step(proj[:, :channels], state, weight, None, slots, live, out=conv_out)
 
     res = {"cublas+conv": graph_ms([lambda i=i: (F.linear(x, ws[i % len(ws)], out=proj), conv()) for i in range(CALLS)])}
+    space = (proj, proj)  # (no split: no partial sums, no counters)
+    fold = G.Conv(state, weight, None, slots, live)
     for t in tilings:
         if not (len(t) > 7 and t[7]) or t[2] != 1:
             continue
         key = "x".join(map(str, t))
         try:
-            res[key + "+conv"] = graph_ms([lambda i=i, t=t: (G.gemv(x, ws[i % len(ws)], proj, t), conv())
+            # The fold's bits first: its outputs and histories against the GEMV, then the kernel.
+            before = state.clone()
+            G.gemv(x, ws[0], proj, t, space)
+            conv()
+            want, want_state = torch.cat([conv_out, proj[:, channels:]], dim=1), state.clone()
+            state.copy_(before)
+            got = G.gemv(x, ws[0], proj, t, space, conv=fold).clone()
+            res[key + "-conv-same-bits"] = bool(torch.equal(got, want) and torch.equal(state, want_state))
+            res[key + "+conv"] = graph_ms([lambda i=i, t=t: (G.gemv(x, ws[i % len(ws)], proj, t, space), conv())
                                            for i in range(CALLS)])
-            fold = G.Conv(state, weight, None, slots, live)
-            res[key + "-conv"] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], proj, t, conv=fold)
+            res[key + "-conv"] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], proj, t, space, conv=fold)
                                            for i in range(CALLS)])
         except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
             res[key] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -505,10 +505,12 @@ def test_step_choice_offers_the_glu_tilings_with_the_activation_charged(monkeypa
 
 def test_a_gdn_input_projection_charges_the_other_families_its_convolution(monkeypatch):
     """``conv_fold``: a Gated DeltaNet's input projection, whose GEMV without a split takes the decode
-    step's convolution in its epilogue, charges every other family (cuBLAS, the unsplit GEMM, a split
-    GEMV) the convolution's kernel, timed at each count by ``_conv_ms`` (the real kernel): at equal
-    product times the unsplit GEMV wins. ``choose_step_gemms`` finds such projections by their
-    module's ``flare_conv_fold`` and passes (channels, width) for them alone."""
+    step's convolution in its epilogue, is timed with the convolution in that GEMV at the decode
+    counts and charges every other family (cuBLAS, the unsplit GEMM, a split GEMV) the convolution's
+    kernel there (``_conv_ms``, ``_conv_gemv_ms``: the real kernels), not at a verify count: at equal
+    times the unsplit GEMV wins. ``choose_step_gemms`` finds such projections by their module's
+    ``flare_conv_fold`` and passes the fold for them alone, only with decode counts to fold;
+    ``check_conv_folds`` takes the fold at those counts where ``conv_fold_same`` holds."""
     from flare.prepare.kernels.gemv import GemvTiling
 
     unsplit, split = GemvTiling(16, 32, 4, dot=1, stages=2), GemvTiling(16, 32, 4, dot=1, stages=2, split=2)
@@ -516,12 +518,22 @@ def test_a_gdn_input_projection_charges_the_other_families_its_convolution(monke
     monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset())
     monkeypatch.setattr(gemm, "_cublas_same_rows", lambda *a: True)
     w = torch.randn(80, 64, device=DEVICE)
-    best, times = gemm.step_choice(w, None, [1, 2], timer=lambda fn: 1.0, conv_fold=(48, 4))
-    assert best == {1: unsplit, 2: unsplit}
-    assert all(times[c]["conv"] == 1.0 for c in (1, 2)) and times["sums"] == {"cublas_ms": 4.0, "chosen_ms": 2.0}
+    fold = gemm.ConvFold(48, 4, frozenset({1, 2}))
+    timed = []
+    monkeypatch.setattr(gemm, "_conv_gemv_ms", lambda w, rows, t, f, timer: timed.append((rows, t)) or 1.0)
+    best, times = gemm.step_choice(w, None, [1, 2, 8], timer=lambda fn: 1.0, conv_fold=fold)
+    assert best == {1: unsplit, 2: unsplit, 8: unsplit}
+    # at the decode counts the unsplit GEMV is timed with the convolution in it; not at a verify count
+    assert sorted(timed) == [(1, unsplit), (2, unsplit)]
+    assert all(times[c]["conv"] == 1.0 for c in (1, 2)) and "conv" not in times[8]
+    assert times["sums"] == {"cublas_ms": 5.0, "chosen_ms": 3.0}
     best, times = gemm.step_choice(w, None, [1, 2], timer=lambda fn: 1.0)
     assert best == {} and "conv" not in times[1]  # a tie with cuBLAS without the charge
-    assert gemm._conv_ms(w, 2, 48, 4, timer=lambda fn: (fn(), 0.5)[1]) == 0.5  # the kernel runs at these sizes
+    monkeypatch.undo()
+    assert gemm._conv_ms(w, 2, fold, timer=lambda fn: (fn(), 0.5)[1]) == 0.5  # the kernel runs at these sizes
+    assert gemm._conv_gemv_ms(w, 2, unsplit, fold, timer=lambda fn: (fn(), 0.5)[1]) == 0.5  # and the fold
+    assert gemm.conv_fold_same(w, unsplit, fold)  # the fold's bits here (the interpreter, float32)
+    monkeypatch.setattr(gemm, "STEP_GEMV_TILINGS", (split, unsplit))
 
     class Gdn(nn.Module):
         def __init__(self):
@@ -535,8 +547,21 @@ def test_a_gdn_input_projection_charges_the_other_families_its_convolution(monke
 
     def step_choice(weight, bias, counts, **kw):
         seen[tuple(weight.shape)] = kw["conv_fold"]
-        return {}, {"sums": {"cublas_ms": 1.0, "chosen_ms": 1.0}}
+        return {c: unsplit for c in counts}, {"sums": {"cublas_ms": 1.0, "chosen_ms": 1.0}}
 
     monkeypatch.setattr(gemm, "step_choice", step_choice)
-    gemm.choose_step_gemms([nn.ModuleDict({"linear_attn": Gdn()})], [1, 2])
-    assert seen == {(80, 64): (48, 4), (64, 64): None}
+    layers = [nn.ModuleDict({"linear_attn": Gdn()})]
+    gemm.choose_step_gemms(layers, [1, 2, 8], conv_counts=[1, 2])
+    assert seen == {(80, 64): gemm.ConvFold(48, 4, frozenset({1, 2})), (64, 64): None}
+    seen.clear()
+    gemm.choose_step_gemms(layers, [1, 2, 8])  # no decode counts to fold (not the CUDA path): no charge
+    assert seen == {(80, 64): None, (64, 64): None}
+    # The fold is taken at the decode counts where the device gives the kernel's bits, else kept apart.
+    proj = layers[0]["linear_attn"].in_proj
+    monkeypatch.setattr(gemm, "conv_fold_same", lambda *a: True)
+    assert gemm.check_conv_folds(layers, [1, 2]) == {"0.linear_attn.in_proj": [1, 2]}
+    assert proj.flare_conv_tiling(1) == unsplit and proj.flare_conv_tiling(8) is None
+    lines = []
+    monkeypatch.setattr(gemm, "conv_fold_same", lambda *a: False)
+    assert gemm.check_conv_folds(layers, [1, 2], log=lines.append) == {} and len(lines) == 1
+    assert proj.flare_conv_tiling(1) is None

@@ -169,13 +169,19 @@ SCRIPT = textwrap.dedent('''
                          dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
                               RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False, GLU=True),
                          num_warps=t.warps, num_stages=t.stages)
-    # A Gated DeltaNet's input projection with the decode step's convolution (4 taps) in the epilogue.
-    for t in (t for t in G.STEP_GEMV_TILINGS if t.dot and t.split == 1):
-        compile_for_sm90(GV.gemv_kernel, {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr", "c_ptr", "cw_ptr", "cb_ptr"),
-                                          **f32("part_ptr"), "count_ptr": "*i32", "slots_ptr": "*i64",
-                                          "live_ptr": "*i1"},
-                         dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
-                              RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False, CONV_W=4),
+    # A Gated DeltaNet's input projection with the decode step's convolution in the epilogue: every
+    # tiling without a split (4 taps, no bias; the tensor-core tile at its 16 rows, the others at one
+    # row), and --step-gemms gemv's tiling at eight rows and with other widths and a bias at four.
+    conv_types = {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr", "c_ptr", "cw_ptr", "cb_ptr"), **f32("part_ptr"),
+                  "count_ptr": "*i32", "slots_ptr": "*i64", "live_ptr": "*i1"}
+    conv_cases = [(t, GV.DOT_ROWS if t.dot else 1, 4, False) for t in G.STEP_GEMV_TILINGS if t.split == 1]
+    conv_cases += [(G.FORCED_GEMV, 8, 4, False)]
+    conv_cases += [(G.FORCED_GEMV, 4, w, bias) for w, bias in ((2, True), (3, False), (4, True))]
+    for t, bm, width, bias in conv_cases:
+        compile_for_sm90(GV.gemv_kernel, conv_types,
+                         dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=bool(t.defer), SWIGLU=False,
+                              RESIDUAL=False, ROWLOOP=bool(t.rowloop), DOT=bool(t.dot), PRECISION="tf32",
+                              TICKETS=False, CONV_W=width, CONV_BIAS=bias),
                          num_warps=t.warps, num_stages=t.stages)
     # A split's slices added by a second launch, with and without the residual.
     for residual in (False, True):
@@ -207,4 +213,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 117, proc.stdout
+    assert proc.stdout.count("compiled") == 130, proc.stdout

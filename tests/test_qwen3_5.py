@@ -228,9 +228,9 @@ def test_triton_path_matches_the_reference_path(stream):
 def test_decode_steps_take_the_convolution_in_the_input_projections_gemv(stream, monkeypatch):
     """With each Gated DeltaNet's input projection on a GEMV without a split (``--step-gemms``), a
     decode step computes the layer's convolution in that GEMV's epilogue (``gemv_conv_linear``, no
-    ``conv1d_decode_step`` launch) and gives the logits, the tokens and every state row bit for bit
-    as the same GEMVs with the convolution apart, at two rows and at one (one rig, its arena put
-    back between the two runs)."""
+    ``conv1d_decode_step`` launch; ``check_conv_folds`` takes it at the decode counts) and gives the
+    logits, the tokens and every state row bit for bit as the same GEMVs with the convolution apart,
+    at two rows and at one (one rig, its arena put back between the two runs)."""
     from flare.prepare.kernels import gdn as K
     from flare.prepare.kernels import gemm, gemv
     from flare.prepare.recipes import qwen3_5 as Q
@@ -239,14 +239,16 @@ def test_decode_steps_take_the_convolution_in_the_input_projections_gemv(stream,
     (r,) = prefilled_rigs(core, {1: stream[:21], 2: stream[30:47]}, 1, attention="triton")
     # (the GEMV's rows across counts: tests/test_gemv.py; under the interpreter 12 s here)
     monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)
-    gemm.force_step_gemv(list(r.model.model.layers), [1, 2, 4])
+    layers = list(r.model.model.layers)
+    gemm.force_step_gemv(layers, [1, 2, 4])
+    gdn = sum(1 for layer in layers if hasattr(layer, "linear_attn"))
+    assert len(gemm.check_conv_folds(layers, [1, 2])) == gdn  # (its bits checked here, the interpreter's)
     calls = {"fold": 0, "conv": 0}
     real_fold, real_conv = gemv.gemv_conv_linear, K.conv1d_decode_step
     monkeypatch.setattr(gemv, "gemv_conv_linear", lambda *a, **kw: calls.__setitem__("fold", calls["fold"] + 1)
                         or real_fold(*a, **kw))
     monkeypatch.setattr(K, "conv1d_decode_step", lambda *a, **kw: calls.__setitem__("conv", calls["conv"] + 1)
                         or real_conv(*a, **kw))
-    gdn = sum(1 for layer in r.model.model.layers if hasattr(layer, "linear_attn"))
     steps = ([1, 2], [2])
     start = r.arena.clone()
     start_rows = {n: r.v[n].clone() for n in (Q.CONV_STATE, Q.RECURRENT_STATE)}

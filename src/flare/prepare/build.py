@@ -235,7 +235,8 @@ class _CudaArena:
         if opts.step_norms not in ("compiled", "invariant"):
             raise ValueError(f"step_norms {opts.step_norms!r}: expected compiled or invariant")
         if opts.step_gemms != "cublas":
-            self._step_gemms(recipe, model, caps, continuation, progress, forced=opts.step_gemms == "gemv")
+            self._step_gemms(recipe, model, caps, continuation, progress, forced=opts.step_gemms == "gemv",
+                             fold_convs=(opts.attention or "triton") == "triton")
         if opts.split_prompt_gemms:
             return
         from flare.prepare.kernels.gemm import make_row_invariant
@@ -256,23 +257,33 @@ class _CudaArena:
         if left:
             progress(f"norms left to the compiler (their code is not one rownorm knows): {', '.join(left)}")
 
-    def _step_gemms(self, recipe, model, caps, continuation, progress, forced: bool = False) -> None:
+    def _step_gemms(self, recipe, model, caps, continuation, progress, forced: bool = False,
+                    fold_convs: bool = True) -> None:
         """Decode and verify steps: each linear layer takes one product at all their row counts,
         the unsplit Triton GEMM or a GEMV where it measured faster than cuBLAS
-        (kernels/gemm.choose_step_gemms), or (``forced``) the GEMV (kernels/gemm.force_step_gemv)."""
-        from flare.prepare.kernels.gemm import choose_step_gemms, force_step_gemv
+        (kernels/gemm.choose_step_gemms), or (``forced``) the GEMV (kernels/gemm.force_step_gemv).
+        ``fold_convs`` (the CUDA path): a Gated DeltaNet's input projection on a GEMV without a split
+        takes the decode steps' convolution in it, where that gives the kernel's bits on this device
+        (kernels/gemm.check_conv_folds)."""
+        from flare.prepare.kernels.gemm import check_conv_folds, choose_step_gemms, force_step_gemv
 
-        rows = {p.capacity * (caps.draft_tokens + 1 if p.kind == mf.ProgramKind.verify else 1)
-                for p in program_table(caps, None, continuation)
-                if p.kind in (mf.ProgramKind.decode, mf.ProgramKind.verify)}
+        steps = [p for p in program_table(caps, None, continuation)
+                 if p.kind in (mf.ProgramKind.decode, mf.ProgramKind.verify)]
+        rows = {p.capacity * (caps.draft_tokens + 1 if p.kind == mf.ProgramKind.verify else 1) for p in steps}
+        decode_rows = {p.capacity for p in steps if p.kind == mf.ProgramKind.decode} if fold_convs else set()
         layers = recipe.decoder_layers(model.module)
         by_name: dict[str, set] = {}
         chosen_gemms = (force_step_gemv(layers, rows) if forced
-                        else choose_step_gemms(layers, rows, log=progress, tickets=self.tickets))
+                        else choose_step_gemms(layers, rows, log=progress, tickets=self.tickets,
+                                               conv_counts=decode_rows))
         for name, chosen in chosen_gemms.items():
             by_name.setdefault(name.split(".", 1)[1], set()).update(chosen.items())
         for name, chosen in sorted(by_name.items()):
             progress(f"step GEMM for {name}: " + ", ".join(f"{r} rows {t}" for r, t in sorted(chosen)))
+        folds = check_conv_folds(layers, decode_rows, log=progress)
+        for name in sorted({n.split(".", 1)[1] for n in folds}):
+            progress(f"the decode steps' convolution in the GEMV of {name} at "
+                     f"{', '.join(map(str, sorted(decode_rows)))} rows ({len(folds)} layers)")
 
     def programs(self, recipe, model, views, caps, opts: Options, continuation) -> ProgramSet:
         if opts.compile:

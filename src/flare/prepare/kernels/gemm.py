@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import triton
@@ -35,7 +35,7 @@ from torch.library import triton_op, wrap_triton
 from torch.nn import functional as F
 
 from flare.prepare import prompt_rows
-from flare.prepare.kernels.gemv import GemvTiling, gemv_linear, ticket_counters
+from flare.prepare.kernels.gemv import Conv, GemvTiling, gemv_conv_linear, gemv_linear, ticket_counters
 
 
 @triton.jit
@@ -150,6 +150,7 @@ class _RowInvariant:
     flare_split_rows: frozenset[int] = frozenset()
     flare_step_tiling: dict[int, tuple[int, ...]] = {}
     flare_tickets: torch.Tensor | None = None  # the core's GEMV ticket counters (``gemv_linear``)
+    flare_conv_rows: frozenset[int] = frozenset()  # decode counts whose convolution this GEMV takes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -184,10 +185,11 @@ class _RowInvariant:
         return tiling if isinstance(tiling, GemvTiling) and tiling.glu else None
 
     def flare_conv_tiling(self, rows: int) -> GemvTiling | None:
-        """The GEMV tiling this layer takes in a step of ``rows`` rows where, as a Gated DeltaNet's
-        input projection, it may take the decode step's convolution in its epilogue
-        (``gemv.gemv_conv_linear``: no split, no ``glu``); None elsewhere."""
-        if prompt_rows.active():
+        """The GEMV tiling with which this layer, a Gated DeltaNet's input projection, takes a decode
+        step's convolution in its epilogue at ``rows`` rows (``gemv.gemv_conv_linear``): where
+        ``flare_conv_rows`` holds the count (the fold checked on the device, ``check_conv_folds``);
+        None elsewhere."""
+        if prompt_rows.active() or rows not in self.flare_conv_rows:
             return None
         tiling = self.flare_step_tiling.get(rows)
         return tiling if isinstance(tiling, GemvTiling) and tiling.split == 1 and not tiling.glu else None
@@ -445,24 +447,107 @@ def _add_ms(weight: torch.Tensor, rows: int, timer=None, columns: int | None = N
     return (timer or _time_ms)(lambda: torch.add(a, b, out=out))
 
 
-def _conv_ms(weight: torch.Tensor, rows: int, channels: int, width: int, timer=None) -> float:
+class ConvFold(NamedTuple):
+    """A Gated DeltaNet's input projection whose GEMV may take the decode step's convolution in its
+    epilogue: the convolution's ``channels`` (the projection's first outputs) and ``width``, and
+    the decode steps' row ``counts`` (verify steps keep the convolution's kernel)."""
+
+    channels: int
+    width: int
+    counts: frozenset[int]
+
+
+def _conv_operands(weight: torch.Tensor, rows: int, fold: ConvFold, seed: int = 2):
+    """Random histories for ``rows`` rows (and one slot no row takes), a convolution weight, and
+    the rows' slots (in reverse) and live flags (the last of several rows not live, as a padded
+    row of a step)."""
+    g = torch.Generator(device=weight.device).manual_seed(seed)
+    dev, dt = weight.device, weight.dtype
+    state = torch.randn((rows + 1, fold.channels, fold.width - 1), generator=g, device=dev, dtype=dt)
+    w = torch.randn((fold.channels, fold.width), generator=g, device=dev, dtype=dt)
+    slots = torch.arange(rows, 0, -1, device=dev)
+    live = torch.arange(rows, device=dev) < max(1, rows - 1)
+    return state, w, slots, live
+
+
+def _conv_ms(weight: torch.Tensor, rows: int, fold: ConvFold, timer=None) -> float:
     """The time of a decode step's convolution kernel (``gdn.conv1d_decode_step``) over ``rows``
-    rows of ``channels`` channels, ``width`` taps."""
+    rows of the fold's channels."""
     from flare.prepare.kernels.gdn import conv1d_decode_step
 
-    dev, dt = weight.device, weight.dtype
-    x = torch.randn((rows, channels), device=dev, dtype=dt)
-    state = torch.randn((rows, channels, width - 1), device=dev, dtype=dt)
-    w = torch.randn((channels, width), device=dev, dtype=dt)
-    slots = torch.arange(rows, device=dev)
-    live = torch.ones(rows, dtype=torch.bool, device=dev)
+    state, w, slots, live = _conv_operands(weight, rows, fold)
+    x = torch.randn((rows, fold.channels), device=weight.device, dtype=weight.dtype)
     out = torch.empty_like(x)
     return (timer or _time_ms)(lambda: conv1d_decode_step(x, state, w, None, slots, live, out=out))
 
 
+def _conv_gemv_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, fold: ConvFold, timer=None) -> float:
+    """The time of the GEMV on ``tiling`` with the convolution in its epilogue, each call reading
+    the next of several weight copies (``ROTATE_BYTES``), as ``step_tiling`` times the products."""
+    w, _, x = _random_operands(weight, None, rows)
+    copies = 1 if weight.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
+    ws = [w] + [w.clone() for _ in range(copies - 1)]
+    state, cw, slots, live = _conv_operands(weight, rows, fold)
+    conv = Conv(state, cw, None, slots, live)
+    turn = itertools.count()
+    if timer is None:
+        timer = functools.partial(_time_ms, calls=max(TIMED_CALLS, len(ws)))
+    return timer(lambda: gemv_conv_linear(x, ws[next(turn) % len(ws)], tiling, conv))
+
+
+def conv_fold_same(weight: torch.Tensor, tiling: GemvTiling, fold: ConvFold) -> bool:
+    """Whether, on this device at each of the fold's counts, the GEMV on ``tiling`` with the
+    convolution in its epilogue gives the outputs and leaves the histories of the same GEMV followed
+    by the convolution kernel, bit for bit (random data, a padded row among several)."""
+    from flare.prepare.kernels.gdn import conv1d_decode_step
+
+    for c in sorted(fold.counts):
+        w, _, x = _random_operands(weight, None, c, seed=3)
+        state, cw, slots, live = _conv_operands(weight, c, fold)
+        want, want_state = gemv_linear(x, w, tiling), state.clone()
+        want[:, :fold.channels] = conv1d_decode_step(want[:, :fold.channels], want_state, cw, None, slots, live)
+        got = gemv_conv_linear(x, w, tiling, Conv(state, cw, None, slots, live))
+        if not (torch.equal(got, want) and torch.equal(state, want_state)):
+            return False
+    return True
+
+
+def check_conv_folds(layers: Iterable[nn.Module], decode_counts: Iterable[int], log=None) -> dict[str, list[int]]:
+    """Each Gated DeltaNet input projection under ``layers`` whose module offers the convolution
+    (``flare_conv_fold``) and whose step product is a GEMV without a split at every decode count
+    takes the convolution in that GEMV at those counts (``flare_conv_rows``), where
+    ``conv_fold_same`` holds on this device (checked once a shape and tiling); elsewhere the kernel
+    stays. Returns {projection name: counts}; ``log``: a line for a fold refused by the check."""
+    from flare.prepare.recipes.fused import hooked
+
+    counts = frozenset(decode_counts)
+    found, checked = {}, {}
+    for i, layer in enumerate(layers):
+        for name, m in layer.named_modules():
+            fold = getattr(m, "flare_conv_fold", None)
+            got = fold() if callable(fold) else None
+            if got is None or hooked(got[0]) or not counts:
+                continue
+            proj = got[0]
+            tilings = {getattr(proj, "flare_step_tiling", {}).get(c) for c in counts}
+            tiling = tilings.pop() if len(tilings) == 1 else None
+            if not (isinstance(tiling, GemvTiling) and tiling.split == 1 and not tiling.glu):
+                continue
+            key = (tuple(proj.weight.shape), proj.weight.dtype, tiling, *got[1:])
+            if key not in checked:
+                checked[key] = conv_fold_same(proj.weight, tiling, ConvFold(*got[1:], counts))
+                if not checked[key] and log is not None:
+                    log(f"the convolution in the GEMV {tiling} of {tuple(proj.weight.shape)} differs from its kernel "
+                        f"on this device: kept apart")
+            proj.flare_conv_rows = counts if checked[key] else frozenset()
+            if checked[key]:
+                found[f"{i}.{name}.in_proj" if name else f"{i}.in_proj"] = sorted(counts)
+    return found
+
+
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
                 margin: float = 0.97, residual_fold: bool = False, act_fold: bool = False,
-                conv_fold: tuple[int, int] | None = None) -> tuple[dict[int, tuple[int, ...]], dict]:
+                conv_fold: ConvFold | None = None) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
     in: cache on and off, a request resumed alone, give the same tokens only then). Families
@@ -486,19 +571,22 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     launch with the activation in the epilogue, are offered too, and every other family is
     charged that kernel, timed at each count as an elementwise kernel of its bytes (an add of two
     [rows, N / 2] halves: ``times[count]["act"]``).
-    ``conv_fold`` (channels, width): the layer is a Gated DeltaNet's input projection whose GEMV
-    without a split takes the decode step's convolution in its epilogue (its ``flare_conv_fold``):
-    every other family is charged the convolution's kernel, timed at each count
-    (``times[count]["conv"]``; at a verify step's count too, where the kernel stays: the counts
-    are not told apart)."""
+    ``conv_fold``: the layer is a Gated DeltaNet's input projection whose GEMV without a split may
+    take the decode step's convolution in its epilogue (``ConvFold``; its module's
+    ``flare_conv_fold``): at the fold's counts (decode steps) such a GEMV is timed with the
+    convolution in it and every other family is charged the convolution's kernel
+    (``times[count]["conv"]``)."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
     for c in counts:
         if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)
         if act_fold:
             times[c]["act"] = _add_ms(weight, c, timer, columns=weight.shape[0] // 2)
-        if conv_fold:
-            times[c]["conv"] = _conv_ms(weight, c, *conv_fold, timer)
+        if conv_fold and c in conv_fold.counts:
+            times[c]["conv"] = _conv_ms(weight, c, conv_fold, timer)
+            for t in STEP_GEMV_TILINGS:
+                if t in times[c] and t.split == 1:
+                    times[c][t] = _conv_gemv_ms(weight, c, t, conv_fold, timer)
     # (the activation's and the convolution's kernels are charged as the add is: to every family
     # that leaves them apart)
     add = {c: times[c].get("add", 0.0) + times[c].get("act", 0.0) + times[c].get("conv", 0.0) for c in counts}
@@ -540,7 +628,7 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
 
 
 def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], log=None,
-                      tickets: torch.Tensor | None = None, **kw) -> dict[str, dict]:
+                      tickets: torch.Tensor | None = None, conv_counts: Iterable[int] = (), **kw) -> dict[str, dict]:
     """For each plain linear layer under ``layers``, the product of its decode and verify steps
     (``step_choice``: one family for all their row counts, where it beats cuBLAS, which splits
     K for few rows and adds a reduce kernel). Returns {module name: {rows: tiling}} for the
@@ -550,9 +638,11 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     down projections are decided before the gate/up projections, which are offered the GLU
     tilings where their down projection leaves the activation apart (``step_choice``'s
     ``act_fold``): greedily, a down projection is not credited with the activation kernel a
-    folding GEMV would save. A Gated DeltaNet's input projection whose module offers the decode
-    step's convolution to its GEMV (``flare_conv_fold``) charges the families that leave the
-    convolution apart its kernel (``step_choice``'s ``conv_fold``)."""
+    folding GEMV would save. ``conv_counts``: the decode steps' row counts where a Gated DeltaNet's
+    input projection, whose module offers the convolution to its GEMV (``flare_conv_fold``), may take
+    it (the CUDA path's; none elsewhere): its GEMVs without a split are timed with it there and the
+    other families charged its kernel (``step_choice``'s ``conv_fold``); ``check_conv_folds`` then
+    decides where it is taken."""
     from flare.prepare.recipes.fused import glu_projections, hooked, residual_down_projections
 
     counts = sorted(set(row_counts))
@@ -561,13 +651,13 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     layers = list(layers)
     folds = {id(m) for m in residual_down_projections(layers)}
     glus = {id(up): down for up, down in glu_projections(layers)}
-    convs = {}  # Gated DeltaNet input projections whose GEMV may take the convolution: (channels, width)
-    for layer in layers:
+    convs = {}  # Gated DeltaNet input projections whose GEMV may take the convolution
+    for layer in layers if conv_counts else ():
         for m in layer.modules():
             fold = getattr(m, "flare_conv_fold", None)
             got = fold() if callable(fold) else None
             if got is not None and not hooked(got[0]):
-                convs[id(got[0])] = got[1:]
+                convs[id(got[0])] = ConvFold(*got[1:], frozenset(conv_counts) & frozenset(counts))
 
     def loads_act(down: nn.Module) -> bool:  # the down projection takes the activation in its loads
         t = getattr(down, "flare_step_tiling", {})

@@ -259,19 +259,21 @@ class Conv(NamedTuple):
     live: torch.Tensor
 
 
-def _conv_args(conv: Conv | None, M: int, N: int, x: torch.Tensor) -> tuple:
+def _conv_args(conv: Conv | None, M: int, N: int, out: torch.Tensor) -> tuple:
     """``gemv_kernel``'s convolution arguments after checking them (placeholders without one)."""
     if conv is None:
-        return (x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), {}
+        return (out, out, out, out, out, 0, 0, 0, 0, 0, 0, 0, 0), {}
     state, w, bias, slots, live = conv
     D, W = w.shape if w.dim() == 2 else (-1, -1)
     if not (2 <= W <= 4 and D <= N and state.dim() == 3 and tuple(state.shape[1:]) == (D, W - 1)
-            and (bias is None or tuple(bias.shape) == (D,)) and slots.shape == (M,) and live.shape == (M,)
-            and state.dtype == x.dtype):
+            and (bias is None or (tuple(bias.shape) == (D,) and bias.stride(0) == 1)) and slots.shape == (M,)
+            and live.shape == (M,) and state.dtype == out.dtype and not slots.is_floating_point()
+            and live.dtype == torch.bool):
         raise ValueError(f"gemv's convolution: state {tuple(state.shape)} {state.dtype}, weight {tuple(w.shape)}, "
-                         f"bias {None if bias is None else tuple(bias.shape)}, slots {tuple(slots.shape)}, live "
-                         f"{tuple(live.shape)} for {M} rows of {N} outputs in {x.dtype} (want [rows, D, W - 1] in the "
-                         f"rows' dtype, [D, W] with 2 <= W <= 4 and D <= {N}, [D], [{M}], [{M}])")
+                         f"bias {None if bias is None else tuple(bias.shape)}, slots {tuple(slots.shape)} "
+                         f"{slots.dtype}, live {tuple(live.shape)} {live.dtype} for {M} rows of {N} outputs in "
+                         f"{out.dtype} (want [rows, D, W - 1] in the outputs' dtype, [D, W] with 2 <= W <= 4 and "
+                         f"D <= {N}, [D] contiguous, [{M}] integers, [{M}] bool)")
     return ((state, w, w if bias is None else bias, slots, live, D, *state.stride()[:2], state.stride(2), *w.stride(),
              slots.stride(0), live.stride(0)), {"CONV_W": W, "CONV_BIAS": bias is not None})
 
@@ -333,7 +335,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
         raise ValueError(f"gemv's residual must be [M, N] = {(M, N)} with unit stride, got {tuple(residual.shape)}")
     if conv is not None and (split != 1 or glu or swiglu or residual is not None):
         raise ValueError("gemv's convolution epilogue takes no split, glu, activation in the loads or residual")
-    conv_args, conv_flags = _conv_args(conv, M, N, x)
+    conv_args, conv_flags = _conv_args(conv, M, N, out)
     if defer + rowloop + dot > 1:
         raise ValueError("gemv's defer, rowloop and dot are variants of the product: one at most")
     if dot and (M > DOT_ROWS or bn < 16 or bk < 16):

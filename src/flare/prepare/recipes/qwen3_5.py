@@ -359,12 +359,15 @@ def _mix_triton(mod, paged: PagedBatch, mixed, b, a, convolved: bool = False) ->
     torch rule under Triton's CPU interpreter, where the Triton pieces are tested)."""
     from flare.prepare.kernels import gdn as K
 
+    if not paged.single_slot and not paged.verify_width:
+        conv_rows, rec_rows = _state_rows(mod, paged)
+        return _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a, convolved)
+    if convolved:  # (``_conv_fold_tiling`` folds decode steps only)
+        raise RuntimeError("a verify step or prefill chunk came convolved")
     if paged.verify_width:
         return _verify_triton(mod, paged, mixed, b, a)
     conv_rows, rec_rows = _state_rows(mod, paged)
     weight, bias = mod.conv1d.weight, mod.conv1d.bias
-    if not paged.single_slot:
-        return _decode_triton(mod, conv_rows, rec_rows, paged.token_slot, paged.valid, mixed, b, a, convolved)
     slot = paged.token_slot[:1]
     count = paged.valid.sum(dtype=torch.int32).reshape(1)
     mixed = K.conv1d_prefill_chunk(mixed, conv_rows, weight, bias, slot, count)  # zero past the count
