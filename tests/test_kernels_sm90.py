@@ -6,8 +6,9 @@ kernel source as Python and accepts code the real compiler rejects: a name
 whose type differs between an ``if`` block and the code before it compiled in
 the interpreter and failed on the H200. This test runs the real front end and
 ptxas (Triton ships ptxas) for every kernel of ``kernels/gdn.py``, ``gdn_grid.py``,
-``gemm.py``, ``rownorm.py``, ``moe.py`` and ``paged_attention.py`` at the dtypes and block
-shapes the recipe launches, so such an error fails CI instead of a device call. It runs
+``gemm.py``, ``gemv.py``, ``rownorm.py``, ``moe.py``, ``paged_attention.py``,
+``kv_write.py`` and ``sampler.py`` at the dtypes and block shapes the recipe launches,
+so such an error fails CI instead of a device call. It runs
 in a subprocess: the interpreter switch of the test session would otherwise stand in for
 the compiler.
 """
@@ -195,6 +196,10 @@ SCRIPT = textwrap.dedent('''
                          dict(BM=bm, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=bool(t.defer), SWIGLU=True,
                               RESIDUAL=True, ROWLOOP=bool(t.rowloop), DOT=False, PRECISION="tf32", TICKETS=False),
                          num_warps=t.warps)
+    # The KV write of a program's rows (int64 slot mapping; 8 KV heads of 128, 16-token pages).
+    from flare.prepare.kernels import kv_write as KW
+    compile_for_sm90(KW._write_kv_kernel, {**bf16("k_ptr", "v_ptr", "k_cache", "v_cache"), "slot_mapping": "*i64",
+                                           "pool_rows": "i64"}, dict(KVH=8, KVH_PAD=8, D=128, D_PAD=128, PAGE=16))
     # The sampler: the draw after the sort, and the log-probability block (float32 logits,
     # 64-bit candidate keys; 20 values, a 248,320-token vocabulary's 61 blocks).
     for verify in (False, True):
@@ -213,4 +218,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 130, proc.stdout
+    assert proc.stdout.count("compiled") == 131, proc.stdout

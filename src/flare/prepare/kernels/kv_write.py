@@ -25,16 +25,16 @@ def _write_kv_kernel(
     t = tl.program_id(0)
     dst = tl.load(slot_mapping + t * stride_sm).to(tl.int64)
     ok = (dst >= 0) & (dst < pool_rows)
-    base = (dst // PAGE) * stride_cp + (dst % PAGE) * stride_co
-    hh = tl.arange(0, KVH_PAD)[:, None]
-    dd = tl.arange(0, D_PAD)[None, :]
-    # `ok` folded into a bound: Triton's interpreter mis-types scalar & tensor masks.
-    mask = (hh < tl.where(ok, KVH, 0)) & (dd < D)
-    dst_off = base + hh * stride_ch + dd * stride_cd
-    k = tl.load(k_ptr + t * stride_kt + hh * stride_kh + dd * stride_kd, mask=mask)
-    tl.store(k_cache + dst_off, k.to(k_cache.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + hh * stride_vh + dd * stride_vd, mask=mask)
-    tl.store(v_cache + dst_off, v.to(v_cache.dtype.element_ty), mask=mask)
+    if ok:  # a padded row (most rows of a short prompt chunk) writes nothing
+        base = (dst // PAGE) * stride_cp + (dst % PAGE) * stride_co
+        hh = tl.arange(0, KVH_PAD)[:, None]
+        dd = tl.arange(0, D_PAD)[None, :]
+        mask = (hh < KVH) & (dd < D)
+        dst_off = base + hh * stride_ch + dd * stride_cd
+        k = tl.load(k_ptr + t * stride_kt + hh * stride_kh + dd * stride_kd, mask=mask)
+        tl.store(k_cache + dst_off, k.to(k_cache.dtype.element_ty), mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + hh * stride_vh + dd * stride_vd, mask=mask)
+        tl.store(v_cache + dst_off, v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 def write_kv_triton(batch: PagedBatch, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
