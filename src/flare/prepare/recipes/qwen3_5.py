@@ -86,10 +86,10 @@ def _prepared_gdn_with(inputs, conv_first: bool):
                 step's GEMV of that projection may take the convolution (``gemv.Conv``: kernels up
                 to 4 wide); None where it may not. ``--step-gemms measure`` charges the products
                 that leave it apart its kernel."""
-                width = self.conv1d.weight.shape[-1]
-                if not self.flare_conv_first or not 2 <= width <= 4 or self.in_proj.sizes[0] != self.conv1d.weight.shape[0]:
+                channels, width = self.conv1d.weight.shape[0], self.conv1d.weight.shape[-1]
+                if not self.flare_conv_first or not 2 <= width <= 4 or self.in_proj.sizes[0] != channels:
                     return None
-                return self.in_proj, self.conv1d.weight.shape[0], width
+                return self.in_proj, channels, width
 
             def forward(self, hidden_states, cache=None, attention_mask=None, paged: PagedBatch | None = None,
                         **kwargs):
