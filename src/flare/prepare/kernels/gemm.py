@@ -342,6 +342,20 @@ def _time_ms(fn, calls: int = TIMED_CALLS) -> float:
 ROTATE_BYTES = 256 << 20
 
 
+def _rotation(w: torch.Tensor, timer=None):
+    """(``rotating``, the timer) for products over weight ``w``: ``rotating(call)`` gives a callable
+    that calls ``call`` on the next of several copies of ``w`` (on a GPU, ``ROTATE_BYTES`` of them
+    together), and the default timer captures a call for every copy (at least ``TIMED_CALLS``)."""
+    copies = 1 if w.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
+    ws = [w] + [w.clone() for _ in range(copies - 1)]
+
+    def rotating(call):
+        turn = itertools.count()
+        return lambda: call(ws[next(turn) % len(ws)])
+
+    return rotating, timer or functools.partial(_time_ms, calls=max(TIMED_CALLS, len(ws)))
+
+
 def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, timer=None,
                 margin: float = 0.97, glu: bool = False) -> tuple[tuple[int, ...] | None, dict]:
     """The fastest of ``STEP_TILINGS`` (and, for a weight without a bias and at most
@@ -354,16 +368,7 @@ def step_tiling(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, *, t
     a gated MLP's [gate; up] projection; ``GLU_TILINGS`` are timed too (their product is the
     activation, never the best here)."""
     w, b, x = _random_operands(weight, bias, rows)
-    copies = 1 if weight.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
-    ws = [w] + [w.clone() for _ in range(copies - 1)]
-
-    def rotating(call):
-        turn = itertools.count()
-        return lambda: call(ws[next(turn) % len(ws)])
-
-    if timer is None:
-        timer = functools.partial(_time_ms, calls=max(TIMED_CALLS, len(ws)))
-
+    rotating, timer = _rotation(w, timer)
     times = {"cublas": timer(rotating(lambda w: F.linear(x, w, b)))}
     for t in STEP_TILINGS:
         times[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x, w, b, t)))
@@ -485,14 +490,10 @@ def _conv_gemv_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, fold: Con
     """The time of the GEMV on ``tiling`` with the convolution in its epilogue, each call reading
     the next of several weight copies (``ROTATE_BYTES``), as ``step_tiling`` times the products."""
     w, _, x = _random_operands(weight, None, rows)
-    copies = 1 if weight.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
-    ws = [w] + [w.clone() for _ in range(copies - 1)]
+    rotating, timer = _rotation(w, timer)
     state, cw, slots, live = _conv_operands(weight, rows, fold)
     conv = Conv(state, cw, None, slots, live)
-    turn = itertools.count()
-    if timer is None:
-        timer = functools.partial(_time_ms, calls=max(TIMED_CALLS, len(ws)))
-    return timer(lambda: gemv_conv_linear(x, ws[next(turn) % len(ws)], tiling, conv))
+    return timer(rotating(lambda w: gemv_conv_linear(x, w, tiling, conv)))
 
 
 def conv_fold_same(weight: torch.Tensor, tiling: GemvTiling, fold: ConvFold) -> bool:
@@ -512,36 +513,42 @@ def conv_fold_same(weight: torch.Tensor, tiling: GemvTiling, fold: ConvFold) -> 
     return True
 
 
+def _conv_folds(layers: Iterable[nn.Module]):
+    """(layer index, module name, input projection, channels, width) of each Gated DeltaNet under
+    ``layers`` whose module offers its decode convolution to the projection's GEMV
+    (``flare_conv_fold``) and whose projection no forward hook watches."""
+    from flare.prepare.recipes.fused import hooked
+
+    for i, layer in enumerate(layers):
+        for name, m in layer.named_modules():
+            fold = getattr(m, "flare_conv_fold", None)
+            got = fold() if callable(fold) else None
+            if got is not None and not hooked(got[0]):
+                yield (i, name, *got)
+
+
 def check_conv_folds(layers: Iterable[nn.Module], decode_counts: Iterable[int], log=None) -> dict[str, list[int]]:
     """Each Gated DeltaNet input projection under ``layers`` whose module offers the convolution
     (``flare_conv_fold``) and whose step product is a GEMV without a split at every decode count
     takes the convolution in that GEMV at those counts (``flare_conv_rows``), where
     ``conv_fold_same`` holds on this device (checked once a shape and tiling); elsewhere the kernel
     stays. Returns {projection name: counts}; ``log``: a line for a fold refused by the check."""
-    from flare.prepare.recipes.fused import hooked
-
     counts = frozenset(decode_counts)
     found, checked = {}, {}
-    for i, layer in enumerate(layers):
-        for name, m in layer.named_modules():
-            fold = getattr(m, "flare_conv_fold", None)
-            got = fold() if callable(fold) else None
-            if got is None or hooked(got[0]) or not counts:
-                continue
-            proj = got[0]
-            tilings = {getattr(proj, "flare_step_tiling", {}).get(c) for c in counts}
-            tiling = tilings.pop() if len(tilings) == 1 else None
-            if not (isinstance(tiling, GemvTiling) and tiling.split == 1 and not tiling.glu):
-                continue
-            key = (tuple(proj.weight.shape), proj.weight.dtype, tiling, *got[1:])
-            if key not in checked:
-                checked[key] = conv_fold_same(proj.weight, tiling, ConvFold(*got[1:], counts))
-                if not checked[key] and log is not None:
-                    log(f"the convolution in the GEMV {tiling} of {tuple(proj.weight.shape)} differs from its kernel "
-                        f"on this device: kept apart")
-            proj.flare_conv_rows = counts if checked[key] else frozenset()
-            if checked[key]:
-                found[f"{i}.{name}.in_proj" if name else f"{i}.in_proj"] = sorted(counts)
+    for i, name, proj, channels, width in _conv_folds(layers) if counts else ():
+        tilings = {getattr(proj, "flare_step_tiling", {}).get(c) for c in counts}
+        tiling = tilings.pop() if len(tilings) == 1 else None
+        if not (isinstance(tiling, GemvTiling) and tiling.split == 1 and not tiling.glu):
+            continue
+        key = (tuple(proj.weight.shape), proj.weight.dtype, tiling, channels, width)
+        if key not in checked:
+            checked[key] = conv_fold_same(proj.weight, tiling, ConvFold(channels, width, counts))
+            if not checked[key] and log is not None:
+                log(f"the convolution in the GEMV {tiling} of {tuple(proj.weight.shape)} differs from its kernel "
+                    f"on this device: kept apart")
+        proj.flare_conv_rows = counts if checked[key] else frozenset()
+        if checked[key]:
+            found[f"{i}.{name}.in_proj" if name else f"{i}.in_proj"] = sorted(counts)
     return found
 
 
@@ -651,13 +658,9 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     layers = list(layers)
     folds = {id(m) for m in residual_down_projections(layers)}
     glus = {id(up): down for up, down in glu_projections(layers)}
-    convs = {}  # Gated DeltaNet input projections whose GEMV may take the convolution
-    for layer in layers if conv_counts else ():
-        for m in layer.modules():
-            fold = getattr(m, "flare_conv_fold", None)
-            got = fold() if callable(fold) else None
-            if got is not None and not hooked(got[0]):
-                convs[id(got[0])] = ConvFold(*got[1:], frozenset(conv_counts) & frozenset(counts))
+    # Gated DeltaNet input projections whose GEMV may take the convolution
+    convs = {id(proj): ConvFold(channels, width, frozenset(conv_counts) & frozenset(counts))
+             for _, _, proj, channels, width in (_conv_folds(layers) if conv_counts else ())}
 
     def loads_act(down: nn.Module) -> bool:  # the down projection takes the activation in its loads
         t = getattr(down, "flare_step_tiling", {})

@@ -128,10 +128,9 @@ def _conv_fold_tiling(mod, paged: PagedBatch, rows: int):
     (``flare_conv_fold``) and no forward hook would see the projection's call; else None."""
     if paged.impl != "triton" or paged.single_slot or paged.verify_width or hooked(mod.in_proj):
         return None
+    # (the projection's fold counts are set only where ``flare_conv_fold`` offered it: check_conv_folds)
     conv_tiling = getattr(mod.in_proj, "flare_conv_tiling", None)
-    if conv_tiling is None or mod.flare_conv_fold() is None:
-        return None
-    return conv_tiling(rows)
+    return None if conv_tiling is None else conv_tiling(rows)
 
 
 @torch.compiler.disable
