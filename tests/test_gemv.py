@@ -284,3 +284,31 @@ def test_the_convolution_in_the_epilogue(variant, width, bias):
             G.gemv(x, w, out, tiling, conv=bad_conv)
     with pytest.raises(ValueError, match="split"):
         G.gemv_conv_linear(x, w, G.GemvTiling(16, 32, 4, split=2), conv)
+
+
+@pytest.mark.parametrize("split,conv", [(1, False), (2, False), (1, True)])
+def test_every_kernel_parameter_is_passed(split, conv):
+    """``gemv`` names every parameter of its kernels, defaults included: Inductor's wrapper of a
+    user Triton kernel (``wrap_triton`` under torch.compile, how a captured step calls it) refuses
+    a call that leaves a constexpr out ("Incorrect number of arguments", seen on the H200 when
+    the convolution's two constexprs were left to their defaults)."""
+    import inspect
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.names = list(inspect.signature(fn.fn).parameters)
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((self.names, len(args), set(kw) - {"num_warps", "num_stages"}))
+
+    n, k, d = 32, 64, 16
+    x, w = torch.randn(2, k), torch.randn(n, k)
+    c = G.Conv(torch.zeros(3, d, 3), torch.zeros(d, 4), None, torch.tensor([0, 1]),
+               torch.tensor([True, True])) if conv else None
+    G.gemv(x, w, torch.empty(2, n), (16, 32, split, 4, 1), kernel=Recorder(G.gemv_kernel), tickets=False,
+           sum_kernel=Recorder(G.sum_slices_kernel), conv=c)
+    assert len(calls) == (2 if split > 1 else 1)
+    for names, positional, keywords in calls:
+        assert set(names[:positional]) | keywords == set(names), set(names) - set(names[:positional]) - keywords

@@ -262,7 +262,9 @@ class Conv(NamedTuple):
 def _conv_args(conv: Conv | None, M: int, N: int, out: torch.Tensor) -> tuple:
     """``gemv_kernel``'s convolution arguments after checking them (placeholders without one)."""
     if conv is None:
-        return (out, out, out, out, out, 0, 0, 0, 0, 0, 0, 0, 0), {}
+        # Every constexpr passed, defaults too: Inductor's wrapper of a user Triton kernel
+        # (``wrap_triton`` under torch.compile) refuses a call that leaves one out.
+        return (out, out, out, out, out, 0, 0, 0, 0, 0, 0, 0, 0), {"CONV_W": 0, "CONV_BIAS": False}
     state, w, bias, slots, live = conv
     D, W = w.shape if w.dim() == 2 else (-1, -1)
     if not (2 <= W <= 4 and D <= N and state.dim() == 3 and tuple(state.shape[1:]) == (D, W - 1)
