@@ -353,6 +353,16 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     norm row-invariant; lm_head and the attention's even split as before. The GPU suite's hybrid
     cores with these norms (the two-launch version) pass all ten generation tests,
     batch invariance included (`qualification-2026-12-04-step-norms.json`).
+  * **With the GLU and convolution folds, 2026-12-05**
+    (`decode-floor-qwen3_5-9b-shape-2026-12-05-folds.json`,
+    `timeline-qwen3_5-9b-shape-2026-12-05.json`): gate/up on the GEMV with the
+    activation in its epilogue, the Gated DeltaNet convolution in in_proj's GEMV
+    epilogue (its bits checked on the device at preparation): **4.799 ms, 0.781**
+    (208 tok/s; 346 kernels; c = 2 / 4: 4.903 / 5.016 ms), still exact (one family
+    a layer at every count, row-invariant norms; the suite's qwen3_5 core with both
+    folds passes all five generation tests, `qualification-2026-12-05.json`).
+    115 µs from 0.80: the 4,096 x 4,096 products at 2.8 TB/s, down at 3.6, the
+    attention q/k/v on cuBLAS at 3.3, and 81 norm launches (docs/gpu.md).
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
   `generate` with a static cache and its compiled forward; the mode is recorded
   per batch): 1.72 / 1.64 / 1.58x at c = 1 / 2 / 4 (ITL 5.02 against 8.69 ms).
