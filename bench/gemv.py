@@ -9,7 +9,7 @@ reduce kernels are inside its time. Each tiling's output is checked against cuBL
 (bfloat16 rounding) before it is timed. The JSON is rewritten after every shape, so a run
 cut short keeps what it measured.
 
-    python -m bench.gemv OUT.json [--rows 1,4] [--shapes 8b-o,8b-down,...] [--only dot] [--folds] [--glu] [--conv]
+    python -m bench.gemv OUT.json [--rows 1,4] [--shapes 8b-o,8b-down,...] [--only dot] [--folds] [--glu] [--conv] [--norm]
 
 ``--only dot`` (or ``rowloop``, ``defer``) times that variant's tilings alone; ``--folds`` also
 times, for the down projections (``FOLD_SHAPES``), the product as a decoder layer needs it:
@@ -27,6 +27,9 @@ convolution step over its q|k|v (``gdn.conv1d_decode_step``, 4 taps, each row it
 row), by cuBLAS and by each ``dot`` tiling without a split, against each such tiling with the
 convolution in its epilogue (``gemv(..., conv=)``), after checking that the fold gives the outputs
 and histories of the two launches bit for bit (``...-conv-same-bits``).
+``--norm`` also times, for the [gate; up] projections, the decoder layer's add and norm before
+them with the activation after: the add-and-norm kernel then each ``dot`` GLU tiling, against the
+tiling with the add and the norm in its loads (``gemv(..., norm=)``).
 """
 
 from __future__ import annotations
@@ -136,6 +139,41 @@ def _glu(w, ws, x, n: int, tilings, dev) -> dict:
     return res
 
 
+def _norm_glu(ws, x, n: int, tilings, dev, g) -> dict:
+    """ms of a decoder layer's add and post-attention norm and its MLP's [gate; up] GEMV with the
+    activation in its epilogue (``--norm``): the add-and-norm kernel (``rownorm.rms_norm``, Qwen3.5's
+    zero-centred form, one launch) then each ``dot`` tiling without a split, against each such
+    tiling with the add and the norm in its loads (``gemv(..., norm=)``); the largest difference of
+    the two orders' outputs, and whether the sums they write are the same bits, are recorded."""
+    from flare.prepare.kernels.rownorm import rms_norm
+
+    rows, k, half = x.shape[0], x.shape[1], n // 2
+    nw = torch.randn(k, generator=g, device=dev, dtype=torch.bfloat16)
+    r = torch.randn(x.shape, generator=g, device=dev, dtype=torch.bfloat16)
+    out = torch.empty((rows, half), device=dev, dtype=torch.bfloat16)
+    total = torch.empty_like(x)
+    res = {}
+    for t in tilings:
+        if not (len(t) > 7 and t[7]) or t[2] != 1:
+            continue
+        key = "x".join(map(str, t))
+        try:
+            normed, want_total = rms_norm(x, nw, 1e-6, True, residual=r)
+            want = G.gemv(normed, ws[0], out, t, glu=True).clone()
+            got = G.gemv(x, ws[0], out, t, glu=True, norm=G.Norm(nw, 1e-6, True, r, total)).clone()
+            res[key + "-norm-max-diff"] = (got.float() - want.float()).abs().max().item()
+            res[key + "-norm-same-total"] = bool(torch.equal(total, want_total))
+            res[key + "+norm"] = graph_ms([lambda i=i, t=t: G.gemv(rms_norm(x, nw, 1e-6, True, residual=r)[0],
+                                                                   ws[i % len(ws)], out, t, glu=True)
+                                          for i in range(CALLS)])
+            res[key + "-norm"] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], out, t, glu=True,
+                                                                   norm=G.Norm(nw, 1e-6, True, r, total))
+                                          for i in range(CALLS)])
+        except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
+            res[key] = f"{type(e).__name__}: {str(e)[:200]}"
+    return res
+
+
 def _conv(ws, x, n: int, channels: int, tilings, dev, g) -> dict:
     """ms of a decode step's projection and convolution over its first ``channels`` outputs
     (``--conv``), apart and with the convolution in the GEMV's epilogue."""
@@ -186,6 +224,7 @@ def main(argv=None) -> int:
     p.add_argument("--folds", action="store_true")
     p.add_argument("--glu", action="store_true")
     p.add_argument("--conv", action="store_true")
+    p.add_argument("--norm", action="store_true")
     a = p.parse_args(argv)
     tilings = [t for t in TILINGS if a.only is None or (len(t) > VARIANTS[a.only] and t[VARIANTS[a.only]])]
     dev = torch.device("cuda")
@@ -231,6 +270,8 @@ def main(argv=None) -> int:
                 entry["folded_ms"] = _folded(w, ws, rows, k, n, tilings, dev, g)
             if a.glu and name in GLU_SHAPES:
                 entry["glu_ms"] = _glu(w, ws, x, n, tilings, dev)
+            if a.norm and name in GLU_SHAPES:
+                entry["norm_glu_ms"] = _norm_glu(ws, x, n, tilings, dev, g)
             if a.conv and name in CONV_SHAPES:
                 entry["conv_ms"] = _conv(ws, x, n, CONV_SHAPES[name], tilings, dev, g)
             entry["tb_per_s"] = {t: mb / 1e6 / (v / 1e3) for t, v in entry["ms"].items()}

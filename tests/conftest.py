@@ -245,6 +245,17 @@ def tiny_server(tiny_core):
         yield srv
 
 
+def count_calls(monkeypatch, owner, name: str, calls: dict, key: str) -> None:
+    """``owner.name`` replaced (for the test) by itself counting its calls in ``calls[key]``."""
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls[key] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
     """The server's /metrics as {name (with labels): value}."""
     out = {}

@@ -21,6 +21,7 @@ from flare.prepare import prompt_rows  # noqa: E402
 from flare.prepare.kernels import gemm  # noqa: E402
 from flare.prepare.kernels.gemv import ticket_counters  # noqa: E402
 from flare.prepare.recipes.fused import FusedLinear, Part  # noqa: E402
+from tests.conftest import count_calls  # noqa: E402
 
 # The interpreter on the CPU (conftest.py sets TRITON_INTERPRET=1 without CUDA), the GPU on the device.
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
@@ -565,3 +566,86 @@ def test_a_gdn_input_projection_charges_the_other_families_its_convolution(monke
     monkeypatch.setattr(gemm, "conv_fold_same", lambda *a: False)
     assert gemm.check_conv_folds(layers, [1, 2], log=lines.append) == {} and len(lines) == 1
     assert proj.flare_conv_tiling(1) is None
+
+
+class _PostAttention(nn.Module):
+    """The statements of a Transformers decoder layer's forward after its attention (Llama's, Qwen3.5's)."""
+
+    def forward(self, hidden_states, residual):
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+@pytest.mark.parametrize("norm_wins", [True, False])
+def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm_wins):
+    """A decoder layer's residual add, post-attention norm, MLP and add (one rewrite,
+    ``add_norm_mlp``) with a step's row-invariant norm: ``choose_step_gemms`` offers its gate/up
+    projection the GLU tilings timed with the add and norm in their loads, every other family
+    charged the add-and-norm kernel; where a GLU tiling wins the step computes the add and norm in
+    that launch (``gemv_norm_linear``: no ``rms_norm`` launch), the down projection adding the sum
+    it wrote, and gives the layer's output within float32 rounding; where it loses (the norm's
+    kernel cheap, the fold dear) the norm stays its own launch. Prompt programs keep the norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from flare.prepare.kernels import rownorm
+    from flare.prepare.kernels.gemv import GemvTiling
+    from flare.prepare.recipes import fused
+
+    plain, mlp = _gated_mlp_pair()
+    layer = _PostAttention()
+    layer.mlp, layer.post_attention_layernorm = mlp, LlamaRMSNorm(64, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        layer.post_attention_layernorm.weight.normal_()
+    reference = LlamaRMSNorm(64, eps=1e-6).to(DEVICE)
+    reference.load_state_dict(layer.post_attention_layernorm.state_dict())
+    forward = fused._rewritten_forward(_PostAttention)
+    assert inspect_rewrites(forward) == {"add_norm_mlp"}
+    fused._with_forward(layer, forward)
+    rownorm.make_norms_row_invariant(layer, steps=True)
+    assert fused.norm_glu_projections([layer]) == [mlp.gate_up_proj]
+    down_pick, glu_pick = GemvTiling(32, 128, 4, dot=1, stages=4), GemvTiling(32, 128, 4, dot=1, stages=4, glu=1)
+
+    def step_tiling(weight, bias, rows, *, timer=None, margin=0.97, glu=False):
+        times = {"cublas": 10.0, **{t: 9.5 for t in gemm.STEP_TILINGS}}
+        for t in (*gemm.STEP_GEMV_TILINGS, *(gemm.GLU_TILINGS if glu else ())):
+            if rows <= t.max_rows and t.fits(weight.shape[1]):
+                times[t] = {down_pick: 1.0, glu_pick: 1.2}.get(t, 9.0)
+        return None, times
+
+    timed = []
+    monkeypatch.setattr(gemm, "step_tiling", step_tiling)
+    monkeypatch.setattr(gemm, "_add_ms", lambda *a, **kw: 0.5)
+    monkeypatch.setattr(gemm, "_norm_ms", lambda *a, **kw: 0.5 if norm_wins else 0.01)
+    monkeypatch.setattr(gemm, "_norm_glu_ms", lambda w, rows, t, timer=None: timed.append((rows, t))
+                        or (1.3 if norm_wins and t == glu_pick else 9.9))
+    monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)
+    found = gemm.choose_step_gemms([layer], [1, 2])
+    assert found["0.mlp.down_proj"] == {1: down_pick, 2: down_pick}
+    assert sorted(t for _, t in timed) == sorted([glu_pick] * 2 + [t for t in gemm.GLU_TILINGS if t != glu_pick] * 2)
+    if norm_wins:
+        assert found["0.mlp.gate_up_proj"] == {1: glu_pick, 2: glu_pick}
+        assert mlp.gate_up_proj.flare_norm_rows == {1, 2}
+    else:
+        assert mlp.gate_up_proj.flare_norm_rows == frozenset()
+    calls = {"norm_glu": 0, "rms_norm": 0}
+    count_calls(monkeypatch, gemm, "gemv_norm_linear", calls, "norm_glu")
+    count_calls(monkeypatch, rownorm, "rms_norm", calls, "rms_norm")
+    x, r = torch.randn(2, 64, device=DEVICE), torch.randn(2, 64, device=DEVICE)
+    with torch.no_grad():
+        want = (r + x) + plain(reference(r + x))
+        torch.testing.assert_close(layer(x, r), want, atol=1e-4, rtol=1e-5)
+        assert calls == ({"norm_glu": 1, "rms_norm": 0} if norm_wins else {"norm_glu": 0, "rms_norm": 1})
+        calls.update(norm_glu=0, rms_norm=0)
+        with prompt_rows.marked(True):
+            torch.testing.assert_close(layer(x, r), want, atol=1e-4, rtol=1e-5)
+        assert calls["norm_glu"] == 0
+
+
+def inspect_rewrites(forward) -> set[str]:
+    import inspect
+
+    return set(inspect.unwrap(forward).flare_rewrites)

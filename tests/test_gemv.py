@@ -286,8 +286,8 @@ def test_the_convolution_in_the_epilogue(variant, width, bias):
         G.gemv_conv_linear(x, w, G.GemvTiling(16, 32, 4, split=2), conv)
 
 
-@pytest.mark.parametrize("split,conv", [(1, False), (2, False), (1, True)])
-def test_every_kernel_parameter_is_passed(split, conv):
+@pytest.mark.parametrize("split,conv,norm", [(1, False, False), (2, False, False), (1, True, False), (1, False, True)])
+def test_every_kernel_parameter_is_passed(split, conv, norm):
     """``gemv`` names every parameter of its kernels, defaults included: Inductor's wrapper of a
     user Triton kernel (``wrap_triton`` under torch.compile, how a captured step calls it) refuses
     a call that leaves a constexpr out ("Incorrect number of arguments", seen on the H200 when
@@ -307,8 +307,59 @@ def test_every_kernel_parameter_is_passed(split, conv):
     x, w = torch.randn(2, k), torch.randn(n, k)
     c = G.Conv(torch.zeros(3, d, 3), torch.zeros(d, 4), None, torch.tensor([0, 1]),
                torch.tensor([True, True])) if conv else None
-    G.gemv(x, w, torch.empty(2, n), (16, 32, split, 4, 1), kernel=Recorder(G.gemv_kernel), tickets=False,
-           sum_kernel=Recorder(G.sum_slices_kernel), conv=c)
+    nm = G.Norm(torch.ones(k), 1e-6, True, torch.zeros(2, k), torch.empty(2, k)) if norm else None
+    G.gemv(x, w, torch.empty(2, n), (16, 32, split, 4, 1) + ((0, 0, 1) if norm else ()), kernel=Recorder(G.gemv_kernel),
+           tickets=False, sum_kernel=Recorder(G.sum_slices_kernel), conv=c, norm=nm)
     assert len(calls) == (2 if split > 1 else 1)
     for names, positional, keywords in calls:
         assert set(names[:positional]) | keywords == set(names), set(names) - set(names[:positional]) - keywords
+
+
+@pytest.mark.parametrize("zero_centred,add,glu", [(True, True, True), (False, True, True), (True, False, False)])
+def test_the_norm_in_the_loads(zero_centred, add, glu):
+    """``norm``: the dot GEMV of rows put through an RMS norm in its loads (with a residual, of
+    ``residual + x``, that sum written bit for bit) gives the product of the norm's output within
+    the rounding of the two orders, each row the same bits alone and among others, through
+    ``gemv`` and ``gemv_norm_linear``; refused with a split, without ``dot``, with the activation
+    in the loads, or with a weight of another length."""
+    g = torch.Generator().manual_seed(57)
+    n, k, rows, eps = 40, 160, 5, 1e-6
+    dt = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    w = torch.randn(2 * n if glu else n, k, generator=g).to(DEVICE, dt)
+    x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE, dt)
+    r = torch.randn(rows, k, generator=g).to(DEVICE, dt) if add else None
+    nw = (0.5 * torch.randn(k, generator=g)).to(DEVICE, dt)
+    tiling = (16, 32, 1, 4, 2, 0, 0, 1)
+
+    h = ((r.float() + x.float()).to(dt) if add else x).float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = (y * (1 + nw.float()) if zero_centred else y.to(dt).float() * nw.float()).to(dt)
+    want = G.gemv(y, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling, glu=glu).float()
+
+    def run(xs, rs):
+        total = torch.empty_like(xs) if add else None
+        out = G.gemv(xs, w, torch.empty(xs.shape[0], n, device=DEVICE, dtype=dt), tiling, glu=glu,
+                     norm=G.Norm(nw, eps, zero_centred, rs, total))
+        return out, total
+
+    got, total = run(x, r)
+    tol = {"rtol": 2**-6, "atol": 2**-6} if dt != torch.float32 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(got.float(), want, **tol)
+    assert not torch.equal(got.float(), G.gemv(x, w, torch.empty(rows, n, device=DEVICE, dtype=dt), tiling,
+                                               glu=glu).float())  # (the norm is applied)
+    if add:
+        assert torch.equal(total, (r.float() + x.float()).to(dt))
+    alone, _ = run(x[3:4].clone(), None if r is None else r[3:4].clone())
+    assert torch.equal(alone[0], got[3])
+    op, op_total = G.gemv_norm_linear(x, w, G.GemvTiling(16, 32, 4, dot=1, stages=2, glu=int(glu)),
+                                      G.Norm(nw, eps, zero_centred, r))
+    assert torch.equal(op, got) and (op_total is None if not add else torch.equal(op_total, total))
+
+    out = torch.empty(rows, n, device=DEVICE, dtype=dt)
+    for bad, kw in (((16, 32, 2, 4, 2, 0, 0, 1), {}), ((16, 32, 1, 4, 2), {})):
+        with pytest.raises(ValueError, match="norm"):
+            G.gemv(x, w, out, bad, glu=glu and bad[2] == 1 and len(bad) > 5, norm=G.Norm(nw, eps, zero_centred), **kw)
+    with pytest.raises(ValueError, match="norm"):
+        G.gemv(torch.cat([x, x], -1), w, out, tiling[:5] + (0, 0, 1), swiglu=True, norm=G.Norm(nw, eps, zero_centred))
+    with pytest.raises(ValueError, match="norm"):
+        G.gemv(x, w, out, tiling, glu=glu, norm=G.Norm(nw[:-1], eps, zero_centred))

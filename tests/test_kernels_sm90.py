@@ -170,6 +170,18 @@ SCRIPT = textwrap.dedent('''
                          dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
                               RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False, GLU=True),
                          num_warps=t.warps, num_stages=t.stages)
+    # The norm before it (with the residual add, or without) in its loads: Qwen3.5's zero-centred
+    # and Llama's forms, and a plain tensor-core tiling with the norm alone.
+    norm_types = {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr", "nr_ptr", "nw_ptr", "nt_ptr"), **f32("part_ptr"),
+                  "count_ptr": "*i32", "eps": "fp32"}
+    norm_cases = [(t, form, True) for t in G.GLU_TILINGS for form in (1, 2)]
+    norm_cases += [(t._replace(glu=0), 1, False) for t in G.GLU_TILINGS[:1]]
+    for t, form, add in norm_cases:
+        compile_for_sm90(GV.gemv_kernel, norm_types,
+                         dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
+                              RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False,
+                              GLU=bool(t.glu), NORM=form, NORM_ADD=add),
+                         num_warps=t.warps, num_stages=t.stages)
     # A Gated DeltaNet's input projection with the decode step's convolution in the epilogue: every
     # tiling without a split (4 taps, no bias; the tensor-core tile at its 16 rows, the others at one
     # row), and --step-gemms gemv's tiling at eight rows and with other widths and a bias at four.
@@ -218,4 +230,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 131, proc.stdout
+    assert proc.stdout.count("compiled") == 142, proc.stdout

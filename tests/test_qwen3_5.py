@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import HYBRID_OPTS, INTERPRETER_CHUNK, prepare_core
+from tests.conftest import HYBRID_OPTS, INTERPRETER_CHUNK, count_calls, prepare_core
 from tests.rig import admit, decode, decode_alike, load_rig, prefill, prefilled_rigs
 
 LENGTHS = (15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 290)  # pages of 16, delta-rule chunks of 64, prefill 128
@@ -244,11 +244,8 @@ def test_decode_steps_take_the_convolution_in_the_input_projections_gemv(stream,
     gdn = sum(1 for layer in layers if hasattr(layer, "linear_attn"))
     assert len(gemm.check_conv_folds(layers, [1, 2])) == gdn  # (its bits checked here, the interpreter's)
     calls = {"fold": 0, "conv": 0}
-    real_fold, real_conv = gemv.gemv_conv_linear, K.conv1d_decode_step
-    monkeypatch.setattr(gemv, "gemv_conv_linear", lambda *a, **kw: calls.__setitem__("fold", calls["fold"] + 1)
-                        or real_fold(*a, **kw))
-    monkeypatch.setattr(K, "conv1d_decode_step", lambda *a, **kw: calls.__setitem__("conv", calls["conv"] + 1)
-                        or real_conv(*a, **kw))
+    count_calls(monkeypatch, gemv, "gemv_conv_linear", calls, "fold")
+    count_calls(monkeypatch, K, "conv1d_decode_step", calls, "conv")
     steps = ([1, 2], [2])
     start = r.arena.clone()
     start_rows = {n: r.v[n].clone() for n in (Q.CONV_STATE, Q.RECURRENT_STATE)}
@@ -346,3 +343,35 @@ def test_steps_with_the_activation_in_the_gate_up_gemv(stream, monkeypatch):
                         or real(x, w, t, **kw))
     decode_alike(plain, glu, [1, 2], steps=2)
     assert calls == [(1, False), (0, True)] * (2 * len(layers))  # two steps
+
+
+def test_steps_with_the_add_and_norm_in_the_gate_up_gemv(stream, monkeypatch):
+    """The GLU steps above with the step norms switched (``--step-norms invariant``) and each gate/up
+    projection taking the add and the post-attention norm before it in its loads
+    (``flare_norm_rows``, ``fused.add_norm_mlp``): every layer's add, norm and MLP are those two
+    launches in decode steps (no add-and-norm ``rms_norm`` launch; the input norms keep theirs),
+    and the tokens and, within float32 rounding, the logits are those of the same core without
+    them."""
+    from flare.prepare.kernels import gemm
+    from flare.prepare.kernels import rownorm as R
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
+    plain, folded = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
+    layers = list(folded.model.model.layers)
+    R.make_norms_row_invariant(folded.model, steps=True)
+    for layer in layers:
+        for proj, tiling in ((layer.mlp.gate_up_proj, GemvTiling(16, 32, 4, dot=1, stages=2, glu=1)),
+                             (layer.mlp.down_proj, GemvTiling(16, 32, 4, dot=1, stages=2))):
+            gemm._switch(proj)
+            proj.flare_step_tiling = {c: tiling for c in (1, 2, 4)}
+        layer.mlp.gate_up_proj.flare_norm_rows = frozenset({1, 2, 4})
+    calls, norms = [], []
+    real, real_norm = gemm.gemv_norm_linear, R.rms_norm
+    monkeypatch.setattr(gemm, "gemv_norm_linear", lambda x, w, t, n: calls.append((t.glu, n.residual is not None))
+                        or real(x, w, t, n))
+    monkeypatch.setattr(R, "rms_norm", lambda *a, **kw: norms.append("residual" in kw) or real_norm(*a, **kw))
+    decode_alike(plain, folded, [1, 2], steps=2)
+    assert calls == [(1, True)] * (2 * len(layers))  # two steps
+    attention = sum(1 for layer in layers if hasattr(layer, "self_attn"))
+    assert not any(norms) and len(norms) == 2 * (len(layers) + 1 + 2 * attention)

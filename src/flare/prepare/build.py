@@ -234,6 +234,17 @@ class _CudaArena:
             raise ValueError(f"step_gemms {opts.step_gemms!r}: expected cublas, measure or gemv")
         if opts.step_norms not in ("compiled", "invariant"):
             raise ValueError(f"step_norms {opts.step_norms!r}: expected compiled or invariant")
+        if not opts.split_prompt_gemms:
+            # (before the step GEMMs: a step's row-invariant norm may go into the next GEMV's loads)
+            from flare.prepare.kernels.rownorm import make_norms_row_invariant
+
+            switched, left = make_norms_row_invariant(model.module, steps=opts.step_norms == "invariant")
+            if switched:
+                progress(f"row-invariant mean of squares in prompt programs"
+                         f"{' and decode/verify steps' if opts.step_norms == 'invariant' else ''} for " +
+                         ", ".join(f"{n} ({k})" for n, k in sorted(switched.items())))
+            if left:
+                progress(f"norms left to the compiler (their code is not one rownorm knows): {', '.join(left)}")
         if opts.step_gemms != "cublas":
             self._step_gemms(recipe, model, caps, continuation, progress, forced=opts.step_gemms == "gemv",
                              fold_convs=(opts.attention or "triton") == "triton")
@@ -247,15 +258,6 @@ class _CudaArena:
             by_name.setdefault(name.split(".", 1)[1], set()).update(counts)  # over the layers
         for name, counts in sorted(by_name.items()):
             progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
-        from flare.prepare.kernels.rownorm import make_norms_row_invariant
-
-        switched, left = make_norms_row_invariant(model.module, steps=opts.step_norms == "invariant")
-        if switched:
-            progress(f"row-invariant mean of squares in prompt programs"
-                     f"{' and decode/verify steps' if opts.step_norms == 'invariant' else ''} for " +
-                     ", ".join(f"{n} ({k})" for n, k in sorted(switched.items())))
-        if left:
-            progress(f"norms left to the compiler (their code is not one rownorm knows): {', '.join(left)}")
 
     def _step_gemms(self, recipe, model, caps, continuation, progress, forced: bool = False,
                     fold_convs: bool = True) -> None:

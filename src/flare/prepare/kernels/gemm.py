@@ -35,7 +35,8 @@ from torch.library import triton_op, wrap_triton
 from torch.nn import functional as F
 
 from flare.prepare import prompt_rows
-from flare.prepare.kernels.gemv import Conv, GemvTiling, gemv_conv_linear, gemv_linear, ticket_counters
+from flare.prepare.kernels.gemv import (Conv, GemvTiling, Norm, gemv_conv_linear, gemv_linear, gemv_norm_linear,
+                                        ticket_counters)
 
 
 @triton.jit
@@ -151,6 +152,7 @@ class _RowInvariant:
     flare_step_tiling: dict[int, tuple[int, ...]] = {}
     flare_tickets: torch.Tensor | None = None  # the core's GEMV ticket counters (``gemv_linear``)
     flare_conv_rows: frozenset[int] = frozenset()  # decode counts whose convolution this GEMV takes
+    flare_norm_rows: frozenset[int] = frozenset()  # step counts whose norm (and add) this GLU GEMV takes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -194,9 +196,20 @@ class _RowInvariant:
         tiling = self.flare_step_tiling.get(rows)
         return tiling if isinstance(tiling, GemvTiling) and tiling.split == 1 and not tiling.glu else None
 
+    def flare_norm_glu_tiling(self, rows: int) -> GemvTiling | None:
+        """The GLU tiling (``flare_glu_tiling``) with which this layer, a gated MLP's [gate; up]
+        projection, takes the norm before it in its loads at ``rows`` rows (``flare_norm_glu``):
+        where ``flare_norm_rows`` holds the count (``choose_step_gemms``); None elsewhere."""
+        return self.flare_glu_tiling(rows) if rows in self.flare_norm_rows else None
+
     def flare_glu(self, x: torch.Tensor, tiling: GemvTiling) -> torch.Tensor:
         """``silu(gate) * up`` of this [gate; up] projection of ``x``, in one launch."""
         return gemv_linear(x, self.weight, tiling, tickets=self.flare_tickets)
+
+    def flare_norm_glu(self, x: torch.Tensor, tiling: GemvTiling, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``silu(gate) * up`` of this [gate; up] projection of ``norm``'s output, the norm's
+        ``residual + x``) in one launch (``gemv.gemv_norm_linear``)."""
+        return gemv_norm_linear(x, self.weight, tiling, norm)
 
     @staticmethod
     def flare_loads_act(tiling: GemvTiling) -> bool:
@@ -438,6 +451,42 @@ def _gemv_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts
                                                tickets=tickets), x, counts)
 
 
+def _norm_operands(weight: torch.Tensor, rows: int, seed: int = 4):
+    """A gated MLP's [gate; up] projection's norm for ``rows`` rows: a norm weight of its K, rows
+    and a residual (the add before the norm)."""
+    g = torch.Generator(device=weight.device).manual_seed(seed)
+    k, dev, dt = weight.shape[1], weight.device, weight.dtype
+    return (torch.randn(k, generator=g, device=dev, dtype=dt), torch.randn((rows, k), generator=g, device=dev, dtype=dt),
+            torch.randn((rows, k), generator=g, device=dev, dtype=dt))
+
+
+def _norm_ms(weight: torch.Tensor, rows: int, timer=None) -> float:
+    """The time of a step's add and norm before the projection (``rownorm.rms_norm`` with its
+    residual, one launch) over ``rows`` rows of its K inputs."""
+    from flare.prepare.kernels.rownorm import rms_norm
+
+    nw, x, r = _norm_operands(weight, rows)
+    return (timer or _time_ms)(lambda: rms_norm(x, nw, 1e-6, True, residual=r))
+
+
+def _norm_glu_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, timer=None) -> float:
+    """The time of the GLU GEMV on ``tiling`` with the add and the norm in its loads, each call
+    reading the next of several weight copies, as ``step_tiling`` times the products."""
+    rotating, timer = _rotation(weight, timer)
+    nw, x, r = _norm_operands(weight, rows)
+    return timer(rotating(lambda w: gemv_norm_linear(x, w, tiling, Norm(nw, 1e-6, True, r))))
+
+
+def _norm_glu_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts: list[int]) -> bool:
+    """Whether the GLU GEMV with the add and the norm in its loads gives each row (its activation
+    and its sum) the same bits at every count (random rows ``x``)."""
+    nw, _, r = _norm_operands(w, x.shape[0])
+    def both(rows):
+        return torch.cat(gemv_norm_linear(rows, w, tiling, Norm(nw, 1e-6, True, r[: rows.shape[0]])), dim=-1)
+
+    return _same_rows(both, x, counts)
+
+
 def _cublas_same_rows(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor, counts: list[int]) -> bool:
     """Whether cuBLAS gives each row the same bits at every one of ``counts`` on this device."""
     return _same_rows(lambda rows: F.linear(rows, w, b), x, counts)
@@ -554,7 +603,7 @@ def check_conv_folds(layers: Iterable[nn.Module], decode_counts: Iterable[int], 
 
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
                 margin: float = 0.97, residual_fold: bool = False, act_fold: bool = False,
-                conv_fold: ConvFold | None = None) -> tuple[dict[int, tuple[int, ...]], dict]:
+                conv_fold: ConvFold | None = None, norm_fold: bool = False) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
     in: cache on and off, a request resumed alone, give the same tokens only then). Families
@@ -582,13 +631,22 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     take the decode step's convolution in its epilogue (``ConvFold``; its module's
     ``flare_conv_fold``): at the fold's counts (decode steps) such a GEMV is timed with the
     convolution in it and every other family is charged the convolution's kernel
-    (``times[count]["conv"]``)."""
+    (``times[count]["conv"]``).
+    ``norm_fold`` (with ``act_fold``): the layer's GLU GEMVs may also take the decoder layer's
+    residual add and norm before it in their loads (``fused.norm_glu_projections``): they are timed
+    with both, and every other family is charged the add-and-norm kernel (``times[count]["norm"]``)."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
+    norm_fold = norm_fold and act_fold
     for c in counts:
         if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)
         if act_fold:
             times[c]["act"] = _add_ms(weight, c, timer, columns=weight.shape[0] // 2)
+        if norm_fold:
+            times[c]["norm"] = _norm_ms(weight, c, timer)
+            for t in GLU_TILINGS:
+                if t in times[c]:
+                    times[c][t] = _norm_glu_ms(weight, c, t, timer)
         if conv_fold and c in conv_fold.counts:
             times[c]["conv"] = _conv_ms(weight, c, conv_fold, timer)
             for t in STEP_GEMV_TILINGS:
@@ -596,7 +654,8 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
                     times[c][t] = _conv_gemv_ms(weight, c, t, conv_fold, timer)
     # (the activation's and the convolution's kernels are charged as the add is: to every family
     # that leaves them apart)
-    add = {c: times[c].get("add", 0.0) + times[c].get("act", 0.0) + times[c].get("conv", 0.0) for c in counts}
+    add = {c: times[c].get("add", 0.0) + times[c].get("act", 0.0) + times[c].get("conv", 0.0) + times[c].get("norm", 0.0)
+           for c in counts}
     w, b, x = _random_operands(weight, bias, counts[-1], seed=1)
     cublas = sum(times[c]["cublas"] + add[c] for c in counts)
     cublas_same = _cublas_same_rows(w, b, x, counts)
@@ -619,9 +678,10 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
             # activation of an act_fold projection)
             families.append((sum(times[c][t] + (times[c].get("add", 0.0) if t.bn < FOLD_MIN_BN else 0.0)
                                  + times[c].get("act", 0.0) + (times[c].get("conv", 0.0) if t.split > 1 else 0.0)
-                                 for c in counts), {c: t for c in counts}))
+                                 + times[c].get("norm", 0.0) for c in counts), {c: t for c in counts}))
     for t in GLU_TILINGS if act_fold else ():
-        if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
+        if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts) \
+                and (not norm_fold or _norm_glu_same_rows(w, x, t, counts)):
             families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
     best_ms, best = min(families, key=lambda f: f[0])
     if not cublas_same:
@@ -649,8 +709,11 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     input projection, whose module offers the convolution to its GEMV (``flare_conv_fold``), may take
     it (the CUDA path's; none elsewhere): its GEMVs without a split are timed with it there and the
     other families charged its kernel (``step_choice``'s ``conv_fold``); ``check_conv_folds`` then
-    decides where it is taken."""
-    from flare.prepare.recipes.fused import glu_projections, hooked, residual_down_projections
+    decides where it is taken. A gate/up projection offered the GLU tilings whose layer's add and
+    post-attention norm may go into its loads (``fused.norm_glu_projections``: the norms switched
+    for steps before this) is timed with them (``step_choice``'s ``norm_fold``) and, where a GLU
+    tiling wins, takes them (``flare_norm_rows``)."""
+    from flare.prepare.recipes.fused import glu_projections, hooked, norm_glu_projections, residual_down_projections
 
     counts = sorted(set(row_counts))
     if not counts:
@@ -658,6 +721,7 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     layers = list(layers)
     folds = {id(m) for m in residual_down_projections(layers)}
     glus = {id(up): down for up, down in glu_projections(layers)}
+    norms = {id(up) for up in norm_glu_projections(layers)}  # (those that may take the norm too)
     # Gated DeltaNet input projections whose GEMV may take the convolution
     convs = {id(proj): ConvFold(channels, width, frozenset(conv_counts) & frozenset(counts))
              for _, _, proj, channels, width in (_conv_folds(layers) if conv_counts else ())}
@@ -674,14 +738,15 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     for name, module in [m for m in linears if id(m[1]) not in glus] + [m for m in linears if id(m[1]) in glus]:
         act = id(module) in glus and not loads_act(glus[id(module)])
         conv = convs.get(id(module))
-        key = (*_key(module), id(module) in folds, act, conv)
+        norm = act and id(module) in norms
+        key = (*_key(module), id(module) in folds, act, conv, norm)
         if key not in measured:
-            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-3],
-                                               act_fold=act, conv_fold=conv, **kw)
+            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-4],
+                                               act_fold=act, conv_fold=conv, norm_fold=norm, **kw)
             if log is not None:
                 sums = times["sums"]
-                what = " with the residual add" if key[-3] else " with the activation" if act else \
-                    " with the convolution" if conv else ""
+                what = " with the residual add" if key[-4] else " with the activation and the norm" if norm else \
+                    " with the activation" if act else " with the convolution" if conv else ""
                 log(f"step GEMM times for {tuple(module.weight.shape)}{what} "
                     f"(µs summed over {counts} rows): cuBLAS {sums['cublas_ms'] * 1e3:.1f}, chosen "
                     f"{sums['chosen_ms'] * 1e3:.1f}")
@@ -689,7 +754,11 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
             _switch(module)
             module.flare_step_tiling = dict(measured[key])
             module.flare_tickets = tickets
+            # (a GLU tiling chosen where the norm was offered was timed with it: it takes the norm)
+            module.flare_norm_rows = frozenset(c for c, t in measured[key].items()
+                                               if norm and isinstance(t, GemvTiling) and t.glu)
             found[name] = dict(measured[key])
         elif isinstance(module, _RowInvariant):  # (a choice of an earlier call does not stand)
             module.flare_step_tiling = {}
+            module.flare_norm_rows = frozenset()
     return found

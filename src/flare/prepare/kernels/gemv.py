@@ -118,18 +118,49 @@ def _conv_epilogue(y, live, own, at, h0, h1, h2, cw_ptr, cb_ptr, n, CD, stride_c
     return tl.where(c_in[None, :], conv.to(y.dtype), y)
 
 
+@triton.jit
+def _norm_loads(x, nr_ptr, nw_ptr, nt_ptr, m, kk, mask, ss, stride_nr, stride_nt, store, K,
+                NORM: tl.constexpr, NORM_ADD: tl.constexpr):
+    """NORM: a row tile ``x`` of the norm's input as the product takes it, ``x * weight`` (Llama's
+    form) or ``x * (1 + weight)`` (zero-centred) rounded to x's dtype, the rows' reciprocal RMS
+    left to the epilogue (``_norm_scale``), and ``ss`` with the tile's sums of squares added. With
+    NORM_ADD the input is ``residual + x`` rounded to x's dtype first (a decoder layer's add before
+    its norm), stored by the programs that ``store`` (one column tile's)."""
+    if NORM_ADD:
+        r = tl.load(nr_ptr + m[:, None] * stride_nr + kk[None, :], mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        if store:
+            tl.store(nt_ptr + m[:, None] * stride_nt + kk[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    ss += tl.sum(xf * xf, axis=1)
+    w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+    if NORM == 1:
+        xf = xf * (1.0 + w)
+    else:
+        xf = xf * w
+    return xf.to(x.dtype), ss
+
+
+@triton.jit
+def _norm_scale(acc, ss, K, eps):
+    """NORM: the products of ``_norm_loads``' scaled rows times each row's reciprocal RMS,
+    ``rsqrt(sum of squares / K + eps)`` (rows past M: zeros stay zeros)."""
+    return acc * tl.math.rsqrt(ss / K + eps)[:, None]
+
+
 # M is never specialised (Triton compiles an integer argument of 1, or one divisible by 16,
 # into a binary of its own): one binary for every row count, so the dot variant's "the same
 # program at every M" holds for the machine code too.
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                 stride_rm, c_ptr, cw_ptr, cb_ptr, slots_ptr, live_ptr, CD, stride_cs, stride_cd, stride_cw,
-                stride_cwd, stride_cww, stride_slot, stride_live,
+                stride_cwd, stride_cww, stride_slot, stride_live, nr_ptr, nw_ptr, nt_ptr, stride_nr, stride_nt, eps,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
                 RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False, DOT: tl.constexpr = False,
                 PRECISION: tl.constexpr = "ieee", TICKETS: tl.constexpr = True, GLU: tl.constexpr = False,
-                CONV_W: tl.constexpr = 0, CONV_BIAS: tl.constexpr = False):
+                CONV_W: tl.constexpr = 0, CONV_BIAS: tl.constexpr = False, NORM: tl.constexpr = 0,
+                NORM_ADD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -141,6 +172,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
     acc = tl.zeros([BM, BN], tl.float32)
     up = tl.zeros([BM, BN], tl.float32)  # GLU: the up projection's sums (weight rows N + n)
     lanes = tl.zeros([BM, BN, BK], tl.float32)  # DEFER: a sum per K lane, reduced after the loop
+    ss = tl.zeros([BM], tl.float32)  # NORM: each row's sum of squares
     for k0 in range(s * KS, s * KS + KS, BK):
         kk = k0 + tl.arange(0, BK)
         k_in = kk < K
@@ -149,6 +181,9 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
         if DOT:  # one tensor-core tile of DOT_ROWS rows whatever M (rows past M load zeros)
             x = _rows(x_ptr + m[:, None] * stride_xm + kk[None, :], m_in[:, None] & k_in[None, :], K, SWIGLU,
                       x_ptr.dtype.element_ty)
+            if NORM > 0:  # (SPLIT 1 only, no SWIGLU: ``gemv`` checks)
+                x, ss = _norm_loads(x, nr_ptr, nw_ptr, nt_ptr, m, kk, m_in[:, None] & k_in[None, :], ss, stride_nr,
+                                    stride_nt, pid_n == 0, K, NORM, NORM_ADD)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if GLU:
                 w_up = tl.load(w_ptr + (n[:, None] + N).to(tl.int64) * stride_wn + kk[None, :],
@@ -172,6 +207,10 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
                 acc += tl.sum(products, axis=2)
     if DEFER:
         acc = tl.sum(lanes, axis=2)
+    if NORM > 0:
+        acc = _norm_scale(acc, ss, K, eps)
+        if GLU:
+            up = _norm_scale(up, ss, K, eps)
     out_at = out_ptr + m[:, None] * stride_om + n[None, :]
     keep = m_in[:, None] & n_in[None, :]
     rows = part_ptr + (m[:, None].to(tl.int64) * N + n[None, :])  # (a split's partial sums)
@@ -280,10 +319,49 @@ def _conv_args(conv: Conv | None, M: int, N: int, out: torch.Tensor) -> tuple:
              slots.stride(0), live.stride(0)), {"CONV_W": W, "CONV_BIAS": bias is not None})
 
 
+class Norm(NamedTuple):
+    """An RMS norm of the product's input rows, computed in the GEMV's loads (``dot`` without a
+    split): ``weight [K]`` (in x's dtype), ``eps``; ``zero_centred``: scaled by ``1 + weight``
+    (Qwen3.5, Qwen3-Next), otherwise by ``weight`` (Llama). With ``residual`` (x's shape) the
+    norm is of ``residual + x`` rounded to x's dtype, a decoder layer's add before its norm, and
+    that sum is written to ``total`` (x's shape), the layer's next residual."""
+
+    weight: torch.Tensor
+    eps: float
+    zero_centred: bool
+    residual: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+
+
+def _norm_args(norm: Norm | None, x: torch.Tensor) -> tuple:
+    """``gemv_kernel``'s norm arguments after checking them (placeholders without one)."""
+    if norm is None:
+        return (x, x, x, 0, 0, 0.0), {"NORM": 0, "NORM_ADD": False}
+    w, eps, zero_centred, r, total = norm
+    M, K = x.shape
+    if not (tuple(w.shape) == (K,) and w.stride(0) == 1 and w.dtype == x.dtype and K <= NORM_MAX_K
+            and (r is None) == (total is None)
+            and all(t is None or (tuple(t.shape) == (M, K) and t.stride(1) == 1 and t.dtype == x.dtype)
+                    for t in (r, total))):
+        raise ValueError(f"gemv's norm: weight {tuple(w.shape)} {w.dtype}, residual "
+                         f"{None if r is None else tuple(r.shape)}, total {None if total is None else tuple(total.shape)} "
+                         f"for rows {tuple(x.shape)} {x.dtype} (want a contiguous [K] weight in x's dtype, K at most "
+                         f"{NORM_MAX_K}, and residual and total both or neither, [M, K] in x's dtype, unit stride)")
+    r = x if r is None else r
+    total = x if total is None else total
+    return (r, w, total, r.stride(0), total.stride(0), float(eps)), {"NORM": 1 if zero_centred else 2,
+                                                                     "NORM_ADD": norm.residual is not None}
+
+
+# The longest rows ``Norm`` takes (a decoder's hidden size; rownorm.MAX_ROW's bound).
+NORM_MAX_K = 16384
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
          space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel,
          swiglu: bool = False, residual: torch.Tensor | None = None, tickets: bool = True,
-         sum_kernel=sum_slices_kernel, glu: bool = False, conv: Conv | None = None) -> torch.Tensor:
+         sum_kernel=sum_slices_kernel, glu: bool = False, conv: Conv | None = None,
+         norm: Norm | None = None) -> torch.Tensor:
     """``out[:M] = x @ w.T`` for ``x [M, K]``, ``w [N, K]`` (unit stride along K); with
     ``swiglu``, ``x [M, 2 K]`` holds a gated MLP's gate and up halves and the product is
     ``(silu(gate) * up) @ w.T``, the activation computed in float32 and rounded to x's dtype
@@ -313,6 +391,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     ``conv``: the first D outputs go through a decode step's causal convolution and SiLU in the
     epilogue, their rows' histories updated in place (``Conv``; no split, glu, activation or
     residual): ``gdn.conv1d_decode_step`` on the product, the same bits, in the same launch.
+    ``norm`` (``dot`` without a split, no activation in the loads): the rows are first put through
+    an RMS norm (``Norm``; with its residual, of ``residual + x``, that sum written to its
+    ``total``), computed in the loads: each K step's row tile is scaled by the norm's weight and
+    rounded, its squares summed, and the product scaled by each row's reciprocal RMS at the end,
+    the same value as the norm's kernel before the GEMV in another rounding order (the normalised
+    row is never rounded; the scaled one is). A row's bits do not depend on the other rows. The
+    norm's launch, and its output's store and load, go.
     ``space``: ``workspace(M, N, SPLIT, BN, dot=dot)`` (made here when None). ``kernel``, ``sum_kernel``: the
     plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -338,6 +423,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if conv is not None and (split != 1 or glu or swiglu or residual is not None):
         raise ValueError("gemv's convolution epilogue takes no split, glu, activation in the loads or residual")
     conv_args, conv_flags = _conv_args(conv, M, N, out)
+    if norm is not None and not (dot and split == 1 and not swiglu):
+        raise ValueError("gemv's norm in the loads takes the dot variant without a split or the activation in the loads")
+    norm_args, norm_flags = _norm_args(norm, x)
     if defer + rowloop + dot > 1:
         raise ValueError("gemv's defer, rowloop and dot are variants of the product: one at most")
     if dot and (M > DOT_ROWS or bn < 16 or bk < 16):
@@ -353,10 +441,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if split > 1 and (tuple(part.shape) != (split, bm, N) or (tickets and count.numel() < triton.cdiv(N, bn))):
         raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
     kernel[(triton.cdiv(N, bn), split)](
-        x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0), *conv_args,
+        x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0), *conv_args, *norm_args,
         BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
         ROWLOOP=rowloop, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", TICKETS=tickets,
-        GLU=glu, **conv_flags, num_warps=warps, num_stages=stages)
+        GLU=glu, **conv_flags, **norm_flags, num_warps=warps, num_stages=stages)
     if split > 1 and not tickets:
         block = min(SUM_BLOCK, triton.next_power_of_2(N))
         sum_kernel[(M, triton.cdiv(N, block))](part, out, r, N, out.stride(0), r.stride(0), BM=bm, SPLIT=split,
@@ -460,6 +548,34 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swigl
                          f"{triton.cdiv(weight.shape[0], tiling.bn)} column tiles")
     out = _gemv_op(rows, weight, list(tiling), swiglu, residual, tickets)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@triton_op("flare::gemv_norm_linear", mutates_args=())
+def _gemv_norm_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], norm_weight: torch.Tensor, eps: float,
+                  zero_centred: bool, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    t = GemvTiling(*tiling)
+    out = torch.empty((x.shape[0], weight.shape[0] // (2 if t.glu else 1)), dtype=x.dtype, device=x.device)
+    total = torch.empty_like(x) if residual is not None else x.new_empty((0,))
+    gemv(x, weight, out, (t.bn, t.bk, 1, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=(out, out),
+         kernel=wrap_triton(gemv_kernel), glu=bool(t.glu),
+         norm=Norm(norm_weight, eps, zero_centred, residual, total if residual is not None else None))
+    return out, total
+
+
+def gemv_norm_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
+                     norm: Norm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``F.linear(norm(x), weight)`` (``glu`` 1: its gated activation) by ``gemv`` on ``tiling``
+    (``dot`` without a split) with the RMS norm computed in its loads (``Norm``, its ``total``
+    left out: allocated here), as a custom op; returns (output, ``residual + x`` where the norm has
+    a residual, else None): one launch where the norm (with the add) and the GEMV were two."""
+    if not tiling.dot or tiling.split != 1:
+        raise ValueError(f"gemv_norm_linear takes a dot tiling without a split, not {tiling}")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.shape[0] > tiling.max_rows:
+        raise ValueError(f"gemv_norm_linear with {tiling} takes at most {tiling.max_rows} rows, not {rows.shape[0]}")
+    residual = None if norm.residual is None else norm.residual.reshape(rows.shape).contiguous()
+    out, total = _gemv_norm_op(rows, weight, list(tiling), norm.weight, norm.eps, norm.zero_centred, residual)
+    return out.reshape(*x.shape[:-1], out.shape[-1]), None if residual is None else total.reshape(x.shape)
 
 
 def gemv_conv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, conv: Conv) -> torch.Tensor:

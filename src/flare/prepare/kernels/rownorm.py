@@ -185,6 +185,17 @@ class _Rows:
         """This norm of ``x`` in one ``rms_norm`` launch (a step's: ``_one_launch``)."""
         return rms_norm(x, self.weight, self._eps(), self._ZERO_CENTRED)[0]
 
+    def flare_gemv_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """This norm (of ``residual + x`` with ``residual``) as a ``gemv.Norm`` for the next GEMV's
+        loads in a step (``_one_launch``; ``fused.add_norm_mlp``), where the GEMV can take it (the
+        weight in x's dtype, the residual of x's shape and dtype); None elsewhere."""
+        from flare.prepare.kernels.gemv import NORM_MAX_K, Norm
+
+        if (not self._one_launch() or self.weight.dtype != x.dtype or x.shape[-1] > NORM_MAX_K
+                or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
+            return None
+        return Norm(self.weight, self._eps(), self._ZERO_CENTRED, residual)
+
     def flare_add_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(this norm of ``residual + x``, the sum) in one launch in a step (``_one_launch``);
         None elsewhere (``fused.add_norm`` then adds and calls the norm)."""

@@ -204,11 +204,7 @@ def _mlp_forward(self, x, residual=None):
             and not hooked(self.gate_up_proj):
         glu_tiling = glu(rows)
         if glu_tiling is not None:
-            act = self.gate_up_proj.flare_glu(x, glu_tiling)
-            if tiling is not None:
-                return down.flare_act_down(act, tiling, residual)
-            out = down(act)
-            return out if residual is None else residual + out
+            return _act_down(self, self.gate_up_proj.flare_glu(x, glu_tiling), tiling, residual)
     gate_up = self.gate_up_proj(x)
     if tiling is not None:
         return down.flare_swiglu_down(gate_up, tiling, residual)
@@ -217,10 +213,64 @@ def _mlp_forward(self, x, residual=None):
     return out if residual is None else residual + out
 
 
+def _act_down(mlp: nn.Module, act: torch.Tensor, tiling, residual: torch.Tensor | None) -> torch.Tensor:
+    """The down projection of the activation its gate/up GEMV computed (``_mlp_forward``): on its
+    own GEMV ``tiling`` with ``residual`` in the epilogue, or as the layer is (the add apart)."""
+    if tiling is not None:
+        return mlp.down_proj.flare_act_down(act, tiling, residual)
+    out = mlp.down_proj(act)
+    return out if residual is None else residual + out
+
+
+def _norm_glu(norm: nn.Module, mlp: nn.Module, residual: torch.Tensor, x: torch.Tensor):
+    """(gate/up GLU tiling, ``gemv.Norm``, down projection's fold tiling) where a step's
+    ``norm(residual + x)`` goes into the loads of the MLP's gate/up GEMV (``add_norm_mlp``): a
+    fused gated SiLU MLP whose gate/up projection takes the norm at this row count
+    (``flare_norm_glu_tiling``) and whose down projection leaves it the activation, a norm that
+    offers itself (``flare_gemv_norm``, a step's row-invariant norm), no forward hook on either;
+    None elsewhere."""
+    if type(mlp).forward is not _mlp_forward or getattr(norm, "flare_gemv_norm", None) is None:
+        return None
+    up = mlp.gate_up_proj
+    norm_tiling = getattr(up, "flare_norm_glu_tiling", None)
+    if norm_tiling is None or not _folds(mlp) or hooked(mlp) or hooked(up) or hooked(mlp.down_proj) or hooked(norm):
+        return None
+    rows = x.numel() // x.shape[-1]
+    fold_tiling = getattr(mlp.down_proj, "flare_fold_tiling", None)
+    down = fold_tiling(rows) if fold_tiling is not None else None
+    tiling = norm_tiling(rows)
+    if tiling is None or (down is not None and mlp.down_proj.flare_loads_act(down)):
+        return None
+    spec = norm.flare_gemv_norm(x, residual)
+    return None if spec is None else (tiling, spec, down)
+
+
+def add_norm_mlp(norm: nn.Module, mlp: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's residual add after its attention, the norm before its MLP, the MLP and
+    the residual add after it (``add_norm`` then ``mlp_residual``). In a step where the MLP's
+    gate/up GEMV takes the norm in its loads (``_norm_glu``) the add and the norm go into that
+    launch, which also writes the sum, the down projection's residual: a launch fewer."""
+    fold = _norm_glu(norm, mlp, residual, x)
+    if fold is not None:
+        tiling, spec, down = fold
+        act, total = mlp.gate_up_proj.flare_norm_glu(x, tiling, spec)
+        return _act_down(mlp, act, down, total)
+    h, total = add_norm(norm, residual, x)
+    return mlp_residual(mlp, h, total)
+
+
 def _folds(mlp: nn.Module) -> bool:
     """Whether a fused gated MLP's down projection may take the GEMV's folds (``_mlp_forward``)."""
     return (type(mlp).forward is _mlp_forward and type(mlp.act_fn).__name__ in SILU_ACTS
             and mlp.gate_up_proj.sizes[0] == mlp.gate_up_proj.sizes[1])
+
+
+def _rewrites(layer: nn.Module) -> frozenset[str]:
+    """The names of the rewrites ``_rewritten_forward`` made in the layer's forward (under the
+    wrappers Transformers' classes put around a forward)."""
+    import inspect
+
+    return getattr(inspect.unwrap(type(layer).forward), "flare_rewrites", frozenset())
 
 
 def residual_down_projections(layers) -> list[nn.Module]:
@@ -229,17 +279,29 @@ def residual_down_projections(layers) -> list[nn.Module]:
     ``mlp_residual``, over a fused gated MLP): elsewhere the add is a kernel of its own.
     ``--step-gemms measure`` counts that kernel against the products that leave it
     (``gemm.step_choice``'s ``residual_fold``)."""
-    import inspect
-
-    def rewritten(layer) -> bool:  # (under the wrappers Transformers' classes put around a forward)
-        forward = inspect.unwrap(type(layer).forward)
-        return "mlp_residual" in getattr(forward, "flare_rewrites", ())
+    def rewritten(layer) -> bool:
+        return bool({"mlp_residual", "add_norm_mlp"} & _rewrites(layer))
 
     # (a forward hook on the MLP or its down projection, a tensor-parallel all-reduce, keeps the
     # add apart: ``mlp_residual`` and ``_mlp_forward``)
     mlps = [(layer, getattr(layer, "mlp", None)) for layer in layers]
     return [mlp.down_proj for layer, mlp in mlps
             if mlp is not None and rewritten(layer) and _folds(mlp) and not hooked(mlp) and not hooked(mlp.down_proj)]
+
+
+def norm_glu_projections(layers) -> list[nn.Module]:
+    """The gate/up projections (of ``glu_projections``) under ``layers`` that may take the norm
+    before them, with the residual add before it, in a step's GLU GEMV: their layer's forward was
+    rewritten with ``add_norm_mlp`` and its post-attention norm offers itself to a GEMV
+    (``flare_gemv_norm``: a step's row-invariant norm) with no forward hook."""
+    out = []
+    for layer in layers:
+        mlp, norm = getattr(layer, "mlp", None), getattr(layer, "post_attention_layernorm", None)
+        if (mlp is not None and norm is not None and "add_norm_mlp" in _rewrites(layer)
+                and getattr(norm, "flare_gemv_norm", None) is not None and norm._one_launch() and not hooked(norm)
+                and (mlp.gate_up_proj, mlp.down_proj) in [(u, d) for u, d in glu_projections([layer])]):
+            out.append(mlp.gate_up_proj)
+    return out
 
 
 def glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
@@ -277,6 +339,12 @@ def add_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> tuple[
 # Statements of a Transformers decoder layer's forward (consecutive, at the top level of its
 # body) and the call each rewrite puts in their place.
 _REWRITES = {
+    # (the two below together, where a layer has both one after the other: tried first)
+    "add_norm_mlp": (("hidden_states = residual + hidden_states", "residual = hidden_states",
+                      "hidden_states = self.post_attention_layernorm(hidden_states)",
+                      "hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
+                     "hidden_states = _flare_add_norm_mlp(self.post_attention_layernorm, self.mlp, residual, "
+                     "hidden_states)"),
     "mlp_residual": (("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
                      "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"),
     "add_norm": (("hidden_states = residual + hidden_states", "residual = hidden_states",
@@ -289,7 +357,8 @@ _REWRITTEN = "<flare rewritten"  # the file name a rewritten forward's code carr
 
 def _rewritten_forward(cls: type):
     """``cls.forward`` with each of ``_REWRITES`` that it has (once, at the top level of its
-    body) replaced by its call (``mlp_residual``, ``add_norm``): the same code otherwise,
+    body, and not within one found before) replaced by its call (``add_norm_mlp``, or
+    ``mlp_residual`` and ``add_norm`` apart): the same code otherwise,
     compiled from its syntax tree in its module's namespace, with the names of the rewrites
     made in its ``flare_rewrites``. None where the forward has none of them (a
     mixture-of-experts layer unpacks a tuple between its MLP call and the add), calls
@@ -316,7 +385,8 @@ def _rewritten_forward(cls: type):
         for name, (statements, replacement) in _REWRITES.items():
             want = [ast.dump(ast.parse(line).body[0]) for line in statements]
             at = [i for i in range(len(body) - len(want) + 1) if body[i:i + len(want)] == want]
-            if len(at) == 1:
+            taken = any(i < at[0] + len(want) and at[0] < i + n for i, n, _, _ in found) if len(at) == 1 else False
+            if len(at) == 1 and not taken:  # (not within one found before)
                 call = ast.parse(replacement).body[0]
                 ast.increment_lineno(call, fn.body[at[0]].lineno - 1)  # the line of the first it replaces
                 found.append((at[0], len(want), call, name))
@@ -325,7 +395,8 @@ def _rewritten_forward(cls: type):
             for i, n, call, _ in sorted(found, key=lambda f: -f[0]):
                 fn.body[i:i + n] = [call]
             # The namespace of the module that defines the forward (a copy, with the calls' names).
-            namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual, _flare_add_norm=add_norm)
+            namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual, _flare_add_norm=add_norm,
+                             _flare_add_norm_mlp=add_norm_mlp)
             module = ast.increment_lineno(ast.Module(body=[fn], type_ignores=[]), first - 1)
             try:  # the decorators run again here; any that fails leaves the forward as it is
                 exec(compile(module, f"{_REWRITTEN} {cls.__qualname__}.forward>", "exec"), namespace)
