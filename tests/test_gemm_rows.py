@@ -588,7 +588,9 @@ def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm
     charged the add-and-norm kernel; where a GLU tiling wins the step computes the add and norm in
     that launch (``gemv_norm_linear``: no ``rms_norm`` launch), the down projection adding the sum
     it wrote, and gives the layer's output within float32 rounding; where it loses (the norm's
-    kernel cheap, the fold dear) the norm stays its own launch. Prompt programs keep the norm."""
+    kernel cheap, the fold dear) the GLU tiling without it still wins and the norm stays its own
+    launch. Timed in the norm's form (Llama's here). Prompt programs keep the norm; a hooked down
+    projection runs as its module."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from flare.prepare.kernels import rownorm
@@ -606,7 +608,7 @@ def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm
     assert inspect_rewrites(forward) == {"add_norm_mlp"}
     fused._with_forward(layer, forward)
     rownorm.make_norms_row_invariant(layer, steps=True)
-    assert fused.norm_glu_projections([layer]) == [mlp.gate_up_proj]
+    assert fused.norm_glu_projections([layer]) == [(mlp.gate_up_proj, layer.post_attention_layernorm)]
     down_pick, glu_pick = GemvTiling(32, 128, 4, dot=1, stages=4), GemvTiling(32, 128, 4, dot=1, stages=4, glu=1)
 
     def step_tiling(weight, bias, rows, *, timer=None, margin=0.97, glu=False):
@@ -620,17 +622,15 @@ def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm
     monkeypatch.setattr(gemm, "step_tiling", step_tiling)
     monkeypatch.setattr(gemm, "_add_ms", lambda *a, **kw: 0.5)
     monkeypatch.setattr(gemm, "_norm_ms", lambda *a, **kw: 0.5 if norm_wins else 0.01)
-    monkeypatch.setattr(gemm, "_norm_glu_ms", lambda w, rows, t, timer=None: timed.append((rows, t))
+    monkeypatch.setattr(gemm, "_norm_glu_ms", lambda w, rows, t, fold, timer=None: timed.append((rows, t, fold))
                         or (1.3 if norm_wins and t == glu_pick else 9.9))
     monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)
     found = gemm.choose_step_gemms([layer], [1, 2])
     assert found["0.mlp.down_proj"] == {1: down_pick, 2: down_pick}
-    assert sorted(t for _, t in timed) == sorted([glu_pick] * 2 + [t for t in gemm.GLU_TILINGS if t != glu_pick] * 2)
-    if norm_wins:
-        assert found["0.mlp.gate_up_proj"] == {1: glu_pick, 2: glu_pick}
-        assert mlp.gate_up_proj.flare_norm_rows == {1, 2}
-    else:
-        assert mlp.gate_up_proj.flare_norm_rows == frozenset()
+    assert sorted(t for _, t, _ in timed) == sorted([glu_pick] * 2 + [t for t in gemm.GLU_TILINGS if t != glu_pick] * 2)
+    assert {fold for _, _, fold in timed} == {gemm.NormFold(zero_centred=False)}
+    assert found["0.mlp.gate_up_proj"] == {1: glu_pick, 2: glu_pick}
+    assert mlp.gate_up_proj.flare_norm_rows == (frozenset({1, 2}) if norm_wins else frozenset())
     calls = {"norm_glu": 0, "rms_norm": 0}
     count_calls(monkeypatch, gemm, "gemv_norm_linear", calls, "norm_glu")
     count_calls(monkeypatch, rownorm, "rms_norm", calls, "rms_norm")
@@ -643,6 +643,14 @@ def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm
         with prompt_rows.marked(True):
             torch.testing.assert_close(layer(x, r), want, atol=1e-4, rtol=1e-5)
         assert calls["norm_glu"] == 0
+        # A hook on the down projection (a tensor-parallel all-reduce) runs; the norm stays in the GEMV.
+        handle = mlp.down_proj.register_forward_hook(lambda module, args, out: 2 * out)
+        try:
+            calls.update(norm_glu=0, rms_norm=0)
+            torch.testing.assert_close(layer(x, r), (r + x) + 2 * plain(reference(r + x)), atol=1e-4, rtol=1e-5)
+            assert calls == ({"norm_glu": 1, "rms_norm": 0} if norm_wins else {"norm_glu": 0, "rms_norm": 1})
+        finally:
+            handle.remove()
 
 
 def inspect_rewrites(forward) -> set[str]:

@@ -321,9 +321,10 @@ def test_the_norm_in_the_loads(zero_centred, add, glu):
     ``residual + x``, that sum written bit for bit) gives the product of the norm's output within
     the rounding of the two orders, each row the same bits alone and among others, through
     ``gemv`` and ``gemv_norm_linear``; refused with a split, without ``dot``, with the activation
-    in the loads, or with a weight of another length."""
+    in the loads, with a weight of another length, in float16 (whose range the scaled rows may
+    leave before the RMS scales them) or writing the sum over an input."""
     g = torch.Generator().manual_seed(57)
-    n, k, rows, eps = 40, 160, 5, 1e-6
+    n, k, rows, eps = 40, 150, 5, 1e-6  # (K not a multiple of the K step: its tail masked)
     dt = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     w = torch.randn(2 * n if glu else n, k, generator=g).to(DEVICE, dt)
     x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE, dt)
@@ -363,3 +364,8 @@ def test_the_norm_in_the_loads(zero_centred, add, glu):
         G.gemv(torch.cat([x, x], -1), w, out, tiling[:5] + (0, 0, 1), swiglu=True, norm=G.Norm(nw, eps, zero_centred))
     with pytest.raises(ValueError, match="norm"):
         G.gemv(x, w, out, tiling, glu=glu, norm=G.Norm(nw[:-1], eps, zero_centred))
+    with pytest.raises(ValueError, match="norm"):
+        G.gemv(x.half(), w.half(), out.half(), tiling, glu=glu, norm=G.Norm(nw.half(), eps, zero_centred))
+    if add:
+        with pytest.raises(ValueError, match="norm"):
+            G.gemv(x, w, out, tiling, glu=glu, norm=G.Norm(nw, eps, zero_centred, r, x))

@@ -460,29 +460,39 @@ def _norm_operands(weight: torch.Tensor, rows: int, seed: int = 4):
             torch.randn((rows, k), generator=g, device=dev, dtype=dt))
 
 
-def _norm_ms(weight: torch.Tensor, rows: int, timer=None) -> float:
+class NormFold(NamedTuple):
+    """A gated MLP's [gate; up] projection whose GLU GEMV may take the decoder layer's residual add
+    and the norm before it in its loads (``fused.norm_glu_projections``): the norm's form
+    (``zero_centred``: scaled by ``1 + weight``; otherwise by ``weight``, Llama's)."""
+
+    zero_centred: bool
+
+
+def _norm_ms(weight: torch.Tensor, rows: int, fold: NormFold, timer=None) -> float:
     """The time of a step's add and norm before the projection (``rownorm.rms_norm`` with its
     residual, one launch) over ``rows`` rows of its K inputs."""
     from flare.prepare.kernels.rownorm import rms_norm
 
     nw, x, r = _norm_operands(weight, rows)
-    return (timer or _time_ms)(lambda: rms_norm(x, nw, 1e-6, True, residual=r))
+    return (timer or _time_ms)(lambda: rms_norm(x, nw, 1e-6, fold.zero_centred, residual=r))
 
 
-def _norm_glu_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, timer=None) -> float:
+def _norm_glu_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, fold: NormFold, timer=None) -> float:
     """The time of the GLU GEMV on ``tiling`` with the add and the norm in its loads, each call
     reading the next of several weight copies, as ``step_tiling`` times the products."""
     rotating, timer = _rotation(weight, timer)
     nw, x, r = _norm_operands(weight, rows)
-    return timer(rotating(lambda w: gemv_norm_linear(x, w, tiling, Norm(nw, 1e-6, True, r))))
+    return timer(rotating(lambda w: gemv_norm_linear(x, w, tiling, Norm(nw, 1e-6, fold.zero_centred, r))))
 
 
-def _norm_glu_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts: list[int]) -> bool:
+def _norm_glu_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts: list[int],
+                        fold: NormFold) -> bool:
     """Whether the GLU GEMV with the add and the norm in its loads gives each row (its activation
     and its sum) the same bits at every count (random rows ``x``)."""
     nw, _, r = _norm_operands(w, x.shape[0])
     def both(rows):
-        return torch.cat(gemv_norm_linear(rows, w, tiling, Norm(nw, 1e-6, True, r[: rows.shape[0]])), dim=-1)
+        norm = Norm(nw, 1e-6, fold.zero_centred, r[: rows.shape[0]])
+        return torch.cat(gemv_norm_linear(rows, w, tiling, norm), dim=-1)
 
     return _same_rows(both, x, counts)
 
@@ -603,7 +613,8 @@ def check_conv_folds(layers: Iterable[nn.Module], decode_counts: Iterable[int], 
 
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
                 margin: float = 0.97, residual_fold: bool = False, act_fold: bool = False,
-                conv_fold: ConvFold | None = None, norm_fold: bool = False) -> tuple[dict[int, tuple[int, ...]], dict]:
+                conv_fold: ConvFold | None = None,
+                norm_fold: NormFold | None = None) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
     in: cache on and off, a request resumed alone, give the same tokens only then). Families
@@ -632,21 +643,22 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     ``flare_conv_fold``): at the fold's counts (decode steps) such a GEMV is timed with the
     convolution in it and every other family is charged the convolution's kernel
     (``times[count]["conv"]``).
-    ``norm_fold`` (with ``act_fold``): the layer's GLU GEMVs may also take the decoder layer's
-    residual add and norm before it in their loads (``fused.norm_glu_projections``): they are timed
-    with both, and every other family is charged the add-and-norm kernel (``times[count]["norm"]``)."""
+    ``norm_fold`` (with ``act_fold``; ``NormFold``): the layer's GLU GEMVs may also take the
+    decoder layer's residual add and norm before it in their loads (``fused.norm_glu_projections``):
+    a family of each GLU tiling timed with both (``times[count]["norm_glu"][tiling]``) is offered
+    too, and every family that leaves them apart, the GLU tilings without them included, is charged
+    the add-and-norm kernel (``times[count]["norm"]``); ``times["sums"]["norm"]`` then says whether
+    the chosen family takes them."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
-    norm_fold = norm_fold and act_fold
+    norm_fold = norm_fold if act_fold else None
     for c in counts:
         if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)
         if act_fold:
             times[c]["act"] = _add_ms(weight, c, timer, columns=weight.shape[0] // 2)
         if norm_fold:
-            times[c]["norm"] = _norm_ms(weight, c, timer)
-            for t in GLU_TILINGS:
-                if t in times[c]:
-                    times[c][t] = _norm_glu_ms(weight, c, t, timer)
+            times[c]["norm"] = _norm_ms(weight, c, norm_fold, timer)
+            times[c]["norm_glu"] = {t: _norm_glu_ms(weight, c, t, norm_fold, timer) for t in GLU_TILINGS if t in times[c]}
         if conv_fold and c in conv_fold.counts:
             times[c]["conv"] = _conv_ms(weight, c, conv_fold, timer)
             for t in STEP_GEMV_TILINGS:
@@ -671,26 +683,29 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
             unsplit[c], unsplit_ms = t, unsplit_ms + times[c][t] + add[c]
         else:  # a tiling whose bits are not its default's on this device: no unsplit family
             unsplit_ms = float("inf")
-    families = [(unsplit_ms, unsplit)]
+    families = [(unsplit_ms, unsplit, False)]  # (time summed over the counts, {count: tiling}, takes the norm)
     for t in STEP_GEMV_TILINGS:  # those step_tiling offered at every count (no bias, rows and K they take)
         if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
             # (a GEMV too narrow for the folds leaves the add to its own kernel too; none takes the
             # activation of an act_fold projection)
             families.append((sum(times[c][t] + (times[c].get("add", 0.0) if t.bn < FOLD_MIN_BN else 0.0)
                                  + times[c].get("act", 0.0) + (times[c].get("conv", 0.0) if t.split > 1 else 0.0)
-                                 + times[c].get("norm", 0.0) for c in counts), {c: t for c in counts}))
+                                 + times[c].get("norm", 0.0) for c in counts), {c: t for c in counts}, False))
     for t in GLU_TILINGS if act_fold else ():
-        if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts) \
-                and (not norm_fold or _norm_glu_same_rows(w, x, t, counts)):
-            families.append((sum(times[c][t] for c in counts), {c: t for c in counts}))
-    best_ms, best = min(families, key=lambda f: f[0])
+        if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
+            families.append((sum(times[c][t] + times[c].get("norm", 0.0) for c in counts), {c: t for c in counts}, False))
+            if norm_fold and _norm_glu_same_rows(w, x, t, counts, norm_fold):
+                families.append((sum(times[c]["norm_glu"][t] for c in counts), {c: t for c in counts}, True))
+    best_ms, best, takes_norm = min(families, key=lambda f: f[0])
     if not cublas_same:
         if best_ms == float("inf"):
             raise RuntimeError(f"no product gives a row the same bits at every step row count {counts} on this device "
                                f"({tuple(weight.shape)}): use --step-gemms cublas")
     elif not (best and best_ms <= margin * cublas):
-        best, best_ms = {}, cublas
+        best, best_ms, takes_norm = {}, cublas, False
     times["sums"] = {"cublas_ms": cublas, "chosen_ms": best_ms}  # over the counts, the adds (activations) included
+    if norm_fold:
+        times["sums"]["norm"] = takes_norm
     return best, times
 
 
@@ -711,8 +726,8 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     other families charged its kernel (``step_choice``'s ``conv_fold``); ``check_conv_folds`` then
     decides where it is taken. A gate/up projection offered the GLU tilings whose layer's add and
     post-attention norm may go into its loads (``fused.norm_glu_projections``: the norms switched
-    for steps before this) is timed with them (``step_choice``'s ``norm_fold``) and, where a GLU
-    tiling wins, takes them (``flare_norm_rows``)."""
+    for steps before this) is offered a GLU family timed with them (``step_choice``'s ``norm_fold``,
+    in the norm's form) and, where that family wins, takes them (``flare_norm_rows``)."""
     from flare.prepare.recipes.fused import glu_projections, hooked, norm_glu_projections, residual_down_projections
 
     counts = sorted(set(row_counts))
@@ -721,7 +736,8 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     layers = list(layers)
     folds = {id(m) for m in residual_down_projections(layers)}
     glus = {id(up): down for up, down in glu_projections(layers)}
-    norms = {id(up) for up in norm_glu_projections(layers)}  # (those that may take the norm too)
+    # (those that may take the norm too)
+    norms = {id(up): NormFold(bool(norm._ZERO_CENTRED)) for up, norm in norm_glu_projections(layers)}
     # Gated DeltaNet input projections whose GEMV may take the convolution
     convs = {id(proj): ConvFold(channels, width, frozenset(conv_counts) & frozenset(counts))
              for _, _, proj, channels, width in (_conv_folds(layers) if conv_counts else ())}
@@ -738,26 +754,26 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     for name, module in [m for m in linears if id(m[1]) not in glus] + [m for m in linears if id(m[1]) in glus]:
         act = id(module) in glus and not loads_act(glus[id(module)])
         conv = convs.get(id(module))
-        norm = act and id(module) in norms
+        norm = norms.get(id(module)) if act else None
         key = (*_key(module), id(module) in folds, act, conv, norm)
         if key not in measured:
-            measured[key], times = step_choice(module.weight, module.bias, counts, residual_fold=key[-4],
-                                               act_fold=act, conv_fold=conv, norm_fold=norm, **kw)
+            chosen, times = step_choice(module.weight, module.bias, counts, residual_fold=key[-4], act_fold=act,
+                                        conv_fold=conv, norm_fold=norm, **kw)
+            measured[key] = chosen, times["sums"].get("norm", False)
             if log is not None:
                 sums = times["sums"]
-                what = " with the residual add" if key[-4] else " with the activation and the norm" if norm else \
+                what = " with the residual add" if key[-4] else " with the activation, the norm offered" if norm else \
                     " with the activation" if act else " with the convolution" if conv else ""
                 log(f"step GEMM times for {tuple(module.weight.shape)}{what} "
                     f"(µs summed over {counts} rows): cuBLAS {sums['cublas_ms'] * 1e3:.1f}, chosen "
-                    f"{sums['chosen_ms'] * 1e3:.1f}")
-        if measured[key]:
+                    f"{sums['chosen_ms'] * 1e3:.1f}" + (", the norm taken" if sums.get("norm") else ""))
+        chosen, takes_norm = measured[key]
+        if chosen:
             _switch(module)
-            module.flare_step_tiling = dict(measured[key])
+            module.flare_step_tiling = dict(chosen)
             module.flare_tickets = tickets
-            # (a GLU tiling chosen where the norm was offered was timed with it: it takes the norm)
-            module.flare_norm_rows = frozenset(c for c, t in measured[key].items()
-                                               if norm and isinstance(t, GemvTiling) and t.glu)
-            found[name] = dict(measured[key])
+            module.flare_norm_rows = frozenset(chosen) if takes_norm else frozenset()
+            found[name] = dict(chosen)
         elif isinstance(module, _RowInvariant):  # (a choice of an earlier call does not stand)
             module.flare_step_tiling = {}
             module.flare_norm_rows = frozenset()

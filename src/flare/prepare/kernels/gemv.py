@@ -339,14 +339,16 @@ def _norm_args(norm: Norm | None, x: torch.Tensor) -> tuple:
         return (x, x, x, 0, 0, 0.0), {"NORM": 0, "NORM_ADD": False}
     w, eps, zero_centred, r, total = norm
     M, K = x.shape
-    if not (tuple(w.shape) == (K,) and w.stride(0) == 1 and w.dtype == x.dtype and K <= NORM_MAX_K
+    if not (tuple(w.shape) == (K,) and w.stride(0) == 1 and w.dtype == x.dtype and takes_norm(K, x.dtype)
             and (r is None) == (total is None)
             and all(t is None or (tuple(t.shape) == (M, K) and t.stride(1) == 1 and t.dtype == x.dtype)
-                    for t in (r, total))):
+                    for t in (r, total))
+            and (total is None or not any(_shares_memory(total, t) for t in (x, r, w)))):
         raise ValueError(f"gemv's norm: weight {tuple(w.shape)} {w.dtype}, residual "
                          f"{None if r is None else tuple(r.shape)}, total {None if total is None else tuple(total.shape)} "
-                         f"for rows {tuple(x.shape)} {x.dtype} (want a contiguous [K] weight in x's dtype, K at most "
-                         f"{NORM_MAX_K}, and residual and total both or neither, [M, K] in x's dtype, unit stride)")
+                         f"for rows {tuple(x.shape)} {x.dtype} (want a contiguous [K] weight in x's dtype, bfloat16 "
+                         f"or float32, K at most {NORM_MAX_K}, and residual and total both or neither, [M, K] in x's "
+                         f"dtype, unit stride, total apart from every input)")
     r = x if r is None else r
     total = x if total is None else total
     return (r, w, total, r.stride(0), total.stride(0), float(eps)), {"NORM": 1 if zero_centred else 2,
@@ -355,6 +357,23 @@ def _norm_args(norm: Norm | None, x: torch.Tensor) -> tuple:
 
 # The longest rows ``Norm`` takes (a decoder's hidden size; rownorm.MAX_ROW's bound).
 NORM_MAX_K = 16384
+# The dtypes ``Norm`` takes: the loads round ``x * weight`` before the rows' RMS scales it, a
+# value float16's range may not hold (bfloat16 has float32's exponent).
+NORM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def takes_norm(k: int, dtype: torch.dtype) -> bool:
+    """Whether ``Norm`` takes rows of ``k`` inputs in ``dtype`` (the weight's and the rows')."""
+    return k <= NORM_MAX_K and dtype in NORM_DTYPES
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors lie in one storage (while tracing, where a fake tensor has no address:
+    whether they are the same tensor)."""
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return a is b
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],

@@ -188,10 +188,11 @@ class _Rows:
     def flare_gemv_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """This norm (of ``residual + x`` with ``residual``) as a ``gemv.Norm`` for the next GEMV's
         loads in a step (``_one_launch``; ``fused.add_norm_mlp``), where the GEMV can take it (the
-        weight in x's dtype, the residual of x's shape and dtype); None elsewhere."""
-        from flare.prepare.kernels.gemv import NORM_MAX_K, Norm
+        weight in x's dtype, bfloat16 or float32, the residual of x's shape and dtype:
+        ``gemv.takes_norm``); None elsewhere."""
+        from flare.prepare.kernels.gemv import Norm, takes_norm
 
-        if (not self._one_launch() or self.weight.dtype != x.dtype or x.shape[-1] > NORM_MAX_K
+        if (not self._one_launch() or self.weight.dtype != x.dtype or not takes_norm(x.shape[-1], x.dtype)
                 or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
             return None
         return Norm(self.weight, self._eps(), self._ZERO_CENTRED, residual)

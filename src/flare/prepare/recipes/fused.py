@@ -227,17 +227,18 @@ def _norm_glu(norm: nn.Module, mlp: nn.Module, residual: torch.Tensor, x: torch.
     ``norm(residual + x)`` goes into the loads of the MLP's gate/up GEMV (``add_norm_mlp``): a
     fused gated SiLU MLP whose gate/up projection takes the norm at this row count
     (``flare_norm_glu_tiling``) and whose down projection leaves it the activation, a norm that
-    offers itself (``flare_gemv_norm``, a step's row-invariant norm), no forward hook on either;
-    None elsewhere."""
+    offers itself (``flare_gemv_norm``, a step's row-invariant norm), no forward hook on the norm,
+    the MLP or its gate/up projection; None elsewhere. A hooked down projection (a tensor-parallel
+    all-reduce) runs as its module, the add after it (as ``_mlp_forward`` has it)."""
     if type(mlp).forward is not _mlp_forward or getattr(norm, "flare_gemv_norm", None) is None:
         return None
     up = mlp.gate_up_proj
     norm_tiling = getattr(up, "flare_norm_glu_tiling", None)
-    if norm_tiling is None or not _folds(mlp) or hooked(mlp) or hooked(up) or hooked(mlp.down_proj) or hooked(norm):
+    if norm_tiling is None or not _folds(mlp) or hooked(mlp) or hooked(up) or hooked(norm):
         return None
     rows = x.numel() // x.shape[-1]
     fold_tiling = getattr(mlp.down_proj, "flare_fold_tiling", None)
-    down = fold_tiling(rows) if fold_tiling is not None else None
+    down = fold_tiling(rows) if fold_tiling is not None and not hooked(mlp.down_proj) else None
     tiling = norm_tiling(rows)
     if tiling is None or (down is not None and mlp.down_proj.flare_loads_act(down)):
         return None
@@ -289,18 +290,24 @@ def residual_down_projections(layers) -> list[nn.Module]:
             if mlp is not None and rewritten(layer) and _folds(mlp) and not hooked(mlp) and not hooked(mlp.down_proj)]
 
 
-def norm_glu_projections(layers) -> list[nn.Module]:
-    """The gate/up projections (of ``glu_projections``) under ``layers`` that may take the norm
+def norm_glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
+    """(gate/up projection, norm) of each gate/up projection (of ``glu_projections``) under
+    ``layers`` that may take the norm
     before them, with the residual add before it, in a step's GLU GEMV: their layer's forward was
     rewritten with ``add_norm_mlp`` and its post-attention norm offers itself to a GEMV
-    (``flare_gemv_norm``: a step's row-invariant norm) with no forward hook."""
+    (``flare_gemv_norm``: a step's row-invariant norm, its weight in the projection's dtype, one
+    ``gemv.takes_norm`` takes) with no forward hook: where ``_norm_glu`` takes it in a step."""
+    from flare.prepare.kernels.gemv import takes_norm
+
     out = []
     for layer in layers:
         mlp, norm = getattr(layer, "mlp", None), getattr(layer, "post_attention_layernorm", None)
         if (mlp is not None and norm is not None and "add_norm_mlp" in _rewrites(layer)
                 and getattr(norm, "flare_gemv_norm", None) is not None and norm._one_launch() and not hooked(norm)
-                and (mlp.gate_up_proj, mlp.down_proj) in [(u, d) for u, d in glu_projections([layer])]):
-            out.append(mlp.gate_up_proj)
+                and (mlp.gate_up_proj, mlp.down_proj) in glu_projections([layer])
+                and norm.weight.dtype == mlp.gate_up_proj.weight.dtype
+                and takes_norm(mlp.gate_up_proj.weight.shape[1], norm.weight.dtype)):
+            out.append((mlp.gate_up_proj, norm))
     return out
 
 
