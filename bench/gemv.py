@@ -29,7 +29,9 @@ convolution in its epilogue (``gemv(..., conv=)``), after checking that the fold
 and histories of the two launches bit for bit (``...-conv-same-bits``).
 ``--norm`` also times, for the [gate; up] projections, the decoder layer's add and norm before
 them with the activation after: the add-and-norm kernel then each ``dot`` GLU tiling, against the
-tiling with the add and the norm in its loads (``gemv(..., norm=)``).
+tiling with the add and the norm in its loads (``gemv(..., norm=)``); for the projections after a
+decoder layer's input norm (``NORM_SHAPES``), the norm's kernel then each ``dot`` tiling without a
+split against the tiling with the norm in its loads.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 40
 FOLD_SHAPES = ("8b-down", "9b-down")
 GLU_SHAPES = ("8b-gate_up", "9b-gate_up")
 CONV_SHAPES = {"9b-gdn-in": 8192, "35b-gdn-in": 8192}  # (the convolution's channels: q|k|v)
+# the projections after a decoder layer's input norm (``--norm``)
+NORM_SHAPES = ("8b-qkv", "9b-gdn-in", "9b-attn-qkv", "35b-gdn-in", "35b-attn-qkv", "30b-qkv")
 CONV_WIDTH = 4
 VARIANTS = {"defer": 5, "rowloop": 6, "dot": 7}
 # (BN, BK, SPLIT, warps, stages[, defer[, rowloop[, dot]]]): the first version's best (reduced at every step),
@@ -139,19 +143,21 @@ def _glu(w, ws, x, n: int, tilings, dev) -> dict:
     return res
 
 
-def _norm_glu(ws, x, n: int, tilings, dev, g) -> dict:
-    """ms of a decoder layer's add and post-attention norm and its MLP's [gate; up] GEMV with the
-    activation in its epilogue (``--norm``): the add-and-norm kernel (``rownorm.rms_norm``, Qwen3.5's
-    zero-centred form, one launch) then each ``dot`` tiling without a split, against each such
-    tiling with the add and the norm in its loads (``gemv(..., norm=)``); the largest difference of
-    the two orders' outputs, and whether the sums they write are the same bits, are recorded."""
+def _norm(ws, x, n: int, tilings, dev, g, glu: bool) -> dict:
+    """ms of the norm before a projection and the projection (``--norm``): with ``glu`` a decoder
+    layer's add and post-attention norm and its MLP's [gate; up] GEMV with the activation in its
+    epilogue, else a decoder layer's input norm and the q/k/v or input projection after it. The
+    norm's kernel (``rownorm.rms_norm``, Qwen3.5's zero-centred form, with the add: one launch) then
+    each ``dot`` tiling without a split, against each such tiling with the norm (and the add) in
+    its loads (``gemv(..., norm=)``); the largest difference of the two orders' outputs, and
+    whether the sums they write are the same bits, are recorded."""
     from flare.prepare.kernels.rownorm import rms_norm
 
-    rows, k, half = x.shape[0], x.shape[1], n // 2
+    rows, k = x.shape
     nw = torch.randn(k, generator=g, device=dev, dtype=torch.bfloat16)
-    r = torch.randn(x.shape, generator=g, device=dev, dtype=torch.bfloat16)
-    out = torch.empty((rows, half), device=dev, dtype=torch.bfloat16)
-    total = torch.empty_like(x)
+    r = torch.randn(x.shape, generator=g, device=dev, dtype=torch.bfloat16) if glu else None
+    out = torch.empty((rows, n // 2 if glu else n), device=dev, dtype=torch.bfloat16)
+    total = torch.empty_like(x) if glu else None
     res = {}
     for t in tilings:
         if not (len(t) > 7 and t[7]) or t[2] != 1:
@@ -159,14 +165,15 @@ def _norm_glu(ws, x, n: int, tilings, dev, g) -> dict:
         key = "x".join(map(str, t))
         try:
             normed, want_total = rms_norm(x, nw, 1e-6, True, residual=r)
-            want = G.gemv(normed, ws[0], out, t, glu=True).clone()
-            got = G.gemv(x, ws[0], out, t, glu=True, norm=G.Norm(nw, 1e-6, True, r, total)).clone()
+            want = G.gemv(normed, ws[0], out, t, glu=glu).clone()
+            got = G.gemv(x, ws[0], out, t, glu=glu, norm=G.Norm(nw, 1e-6, True, r, total)).clone()
             res[key + "-norm-max-diff"] = (got.float() - want.float()).abs().max().item()
-            res[key + "-norm-same-total"] = bool(torch.equal(total, want_total))
+            if glu:
+                res[key + "-norm-same-total"] = bool(torch.equal(total, want_total))
             res[key + "+norm"] = graph_ms([lambda i=i, t=t: G.gemv(rms_norm(x, nw, 1e-6, True, residual=r)[0],
-                                                                   ws[i % len(ws)], out, t, glu=True)
+                                                                   ws[i % len(ws)], out, t, glu=glu)
                                           for i in range(CALLS)])
-            res[key + "-norm"] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], out, t, glu=True,
+            res[key + "-norm"] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], out, t, glu=glu,
                                                                    norm=G.Norm(nw, 1e-6, True, r, total))
                                           for i in range(CALLS)])
         except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
@@ -271,7 +278,9 @@ def main(argv=None) -> int:
             if a.glu and name in GLU_SHAPES:
                 entry["glu_ms"] = _glu(w, ws, x, n, tilings, dev)
             if a.norm and name in GLU_SHAPES:
-                entry["norm_glu_ms"] = _norm_glu(ws, x, n, tilings, dev, g)
+                entry["norm_glu_ms"] = _norm(ws, x, n, tilings, dev, g, glu=True)
+            elif a.norm and name in NORM_SHAPES:
+                entry["input_norm_ms"] = _norm(ws, x, n, tilings, dev, g, glu=False)
             if a.conv and name in CONV_SHAPES:
                 entry["conv_ms"] = _conv(ws, x, n, CONV_SHAPES[name], tilings, dev, g)
             entry["tb_per_s"] = {t: mb / 1e6 / (v / 1e3) for t, v in entry["ms"].items()}

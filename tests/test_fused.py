@@ -306,8 +306,9 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
     attention, its post-attention norm, its MLP call and the residual add after it as one
     ``add_norm_mlp`` (which a step's gate/up GEMV may take the add and norm into), whose MLP and
     add are one ``mlp_residual`` call where it does not (which a one-row step's GEMV takes in its
-    epilogue): the layer's output is the canonical layer's, eagerly and compiled; the rewritten
-    forward is the class's own but for those five statements, one class for every layer."""
+    epilogue), and its input norm one ``input_norm`` call (which a step's q/k/v or input projection
+    may take into its loads): the layer's output is the canonical layer's, eagerly and compiled;
+    the rewritten forward is the class's own but for those six statements, one class for every layer."""
     from flare.prepare.recipes import fused
 
     cfg = _config(model_type)
@@ -315,7 +316,7 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
     assert type(twin).__name__ == f"Fused{type(canon).__name__}"
     forward = inspect.unwrap(type(twin).forward)  # under Transformers' decorators and checkpointing wrapper
     assert forward.__code__.co_filename.startswith("<flare rewritten")
-    assert forward.flare_rewrites == {"add_norm_mlp"}
+    assert forward.flare_rewrites == {"input_norm", "add_norm_mlp"}
     calls = []
     real = fused.mlp_residual
     x = torch.randn(1, 11, cfg.hidden_size, dtype=torch.float64)
@@ -341,14 +342,15 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
 
 def test_a_layer_whose_forward_has_another_shape_keeps_it():
     """Mixture-of-experts layers unpack a tuple between the MLP call and the add: their forward
-    takes only the add before the post-attention norm as ``add_norm``; a forward calling
+    takes only its input norm and the add before the post-attention norm (``input_norm``,
+    ``add_norm``); a forward calling
     ``super()`` is not rewritten (no class cell for it there)."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from flare.prepare.recipes.fused import _rewritten_forward
 
-    assert inspect.unwrap(_rewritten_forward(Qwen3_5MoeDecoderLayer)).flare_rewrites == {"add_norm"}
+    assert inspect.unwrap(_rewritten_forward(Qwen3_5MoeDecoderLayer)).flare_rewrites == {"input_norm", "add_norm"}
 
     class Wrapped(LlamaDecoderLayer):
         def forward(self, hidden_states, **kwargs):

@@ -303,6 +303,27 @@ def test_every_step_gemv_tiling_is_a_linear_layer(tiling):
         torch.testing.assert_close(gemv_linear(x, w, tiling), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
+def _replays_bitwise(layer: nn.Module, cases, check=lambda: True) -> None:
+    """``layer`` compiled as the step programs are (one graph, no break), run on a side stream,
+    captured in a CUDA graph on the first case's input, then replayed with each case's input
+    written into it: each gives that case's eager output bit for bit (and ``check()`` holds)."""
+    compiled = torch.compile(layer, dynamic=False, fullgraph=True)
+    static = cases[0][0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert torch.equal(compiled(static), cases[0][1])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(static)
+    for src, want in cases:
+        static.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and check()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles and captures a CUDA graph")
 @pytest.mark.parametrize("tickets", [False, True])
 def test_a_split_step_gemv_compiles_and_replays_in_a_cuda_graph(tickets, monkeypatch):
@@ -329,21 +350,7 @@ def test_a_split_step_gemv_compiles_and_replays_in_a_cuda_graph(tickets, monkeyp
         assert len(calls) == 3 and calls[0] is None and all(c is layer.flare_tickets for c in calls[1:])
         assert torch.equal(eager, apart)
         torch.testing.assert_close(eager, F.linear(x, layer.weight), atol=0.05, rtol=0.02)
-        compiled = torch.compile(layer, dynamic=False, fullgraph=True)
-        static = x.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            assert torch.equal(compiled(static), eager)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = compiled(static)
-        for src, want in ((x, eager), (other, eager_other), (x, eager)):
-            static.copy_(src)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want) and not counters.any()
+        _replays_bitwise(layer, [(x, eager), (other, eager_other), (x, eager)], lambda: not counters.any())
 
 
 def test_a_deferred_step_gemv_tiling_reaches_the_kernel():
@@ -622,7 +629,7 @@ def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm
     monkeypatch.setattr(gemm, "step_tiling", step_tiling)
     monkeypatch.setattr(gemm, "_add_ms", lambda *a, **kw: 0.5)
     monkeypatch.setattr(gemm, "_norm_ms", lambda *a, **kw: 0.5 if norm_wins else 0.01)
-    monkeypatch.setattr(gemm, "_norm_glu_ms", lambda w, rows, t, fold, timer=None: timed.append((rows, t, fold))
+    monkeypatch.setattr(gemm, "_norm_gemv_ms", lambda w, rows, t, fold, conv=None, timer=None: timed.append((rows, t, fold))
                         or (1.3 if norm_wins and t == glu_pick else 9.9))
     monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)
     found = gemm.choose_step_gemms([layer], [1, 2])
@@ -651,6 +658,163 @@ def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm
             assert calls == ({"norm_glu": 1, "rms_norm": 0} if norm_wins else {"norm_glu": 0, "rms_norm": 1})
         finally:
             handle.remove()
+
+
+class _Mixer(nn.Module):
+    """A mixer whose forward passes its input to one projection alone (as the fused attention and
+    Gated DeltaNet forwards do)."""
+
+    def __init__(self, proj):
+        super().__init__()
+        self.proj = proj
+
+    def forward(self, hidden_states):
+        return self.proj(hidden_states)
+
+    forward.flare_input_projection = "proj"
+
+
+class _PreMixer(nn.Module):
+    """The statements of a Transformers decoder layer's forward up to its mixer's residual add."""
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+@pytest.mark.parametrize("norm_wins", [True, False])
+def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_wins):
+    """A decoder layer's input norm (the ``input_norm`` rewrite) before a mixer whose input goes to
+    one projection: ``choose_step_gemms`` offers that projection its ``dot`` GEMVs without a split
+    timed with the norm in their loads (Llama's form here, no add), every other family charged the
+    norm's kernel; where such a family wins the two are linked and a step's norm is no launch of
+    its own (the layer passes ``x`` on, the projection's ``gemv_norm_linear`` applies it), the
+    layer's output within float32 rounding; where it loses, or under a hook on the mixer, the norm
+    is its own launch. Prompt programs keep the norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from flare.prepare.kernels import rownorm
+    from flare.prepare.kernels.gemv import GemvTiling
+    from flare.prepare.recipes import fused
+
+    torch.manual_seed(3)
+    plain = nn.Linear(64, 64, bias=False).to(DEVICE)
+    layer = _PreMixer()
+    layer.self_attn = _Mixer(nn.Linear(64, 64, bias=False).to(DEVICE))
+    layer.self_attn.proj.weight.data.copy_(plain.weight)
+    layer.input_layernorm = LlamaRMSNorm(64, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        layer.input_layernorm.weight.normal_()
+    reference = LlamaRMSNorm(64, eps=1e-6).to(DEVICE)
+    reference.load_state_dict(layer.input_layernorm.state_dict())
+    forward = fused._rewritten_forward(_PreMixer)
+    assert inspect_rewrites(forward) == {"input_norm"}
+    fused._with_forward(layer, forward)
+    rownorm.make_norms_row_invariant(layer, steps=True)
+    proj, norm = layer.self_attn.proj, layer.input_layernorm
+    assert fused.input_norm_projections([layer]) == [(proj, norm, layer.self_attn)]
+    pick = GemvTiling(32, 128, 4, dot=1, stages=4)
+
+    def step_tiling(weight, bias, rows, *, timer=None, margin=0.97, glu=False):
+        times = {"cublas": 10.0, **{t: 9.5 for t in gemm.STEP_TILINGS}}
+        for t in gemm.STEP_GEMV_TILINGS:
+            if rows <= t.max_rows and t.fits(weight.shape[1]):
+                times[t] = 1.0 if t == pick else 9.0
+        return None, times
+
+    timed = []
+    monkeypatch.setattr(gemm, "step_tiling", step_tiling)
+    monkeypatch.setattr(gemm, "_norm_ms", lambda *a, **kw: 0.5 if norm_wins else 0.01)
+    monkeypatch.setattr(gemm, "_norm_gemv_ms", lambda w, rows, t, fold, conv=None, timer=None:
+                        timed.append((rows, t, fold, conv)) or (1.1 if norm_wins and t == pick else 9.9))
+    monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)
+    found = gemm.choose_step_gemms([layer], [1, 2])
+    assert found["0.self_attn.proj"] == {1: pick, 2: pick}
+    assert {fold for _, _, fold, _ in timed} == {gemm.NormFold(zero_centred=False, add=False)}
+    assert {t for _, t, _, _ in timed} == {t for t in gemm.STEP_GEMV_TILINGS if t.dot and t.split == 1 and t.fits(64)}
+    assert proj.flare_norm_rows == (frozenset({1, 2}) if norm_wins else frozenset())
+    calls = {"norm_gemv": 0, "rms_norm": 0}
+    count_calls(monkeypatch, gemm, "gemv_norm_linear", calls, "norm_gemv")
+    count_calls(monkeypatch, rownorm, "rms_norm", calls, "rms_norm")
+    x = torch.randn(2, 64, device=DEVICE)
+    with torch.no_grad():
+        want = x + plain(reference(x))
+        torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
+        assert calls == ({"norm_gemv": 1, "rms_norm": 0} if norm_wins else {"norm_gemv": 0, "rms_norm": 1})
+        calls.update(norm_gemv=0, rms_norm=0)
+        with prompt_rows.marked(True):
+            torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
+        assert calls["norm_gemv"] == 0
+        handle = layer.self_attn.register_forward_pre_hook(lambda module, args: None)
+        try:
+            calls.update(norm_gemv=0, rms_norm=0)
+            torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
+            assert calls == {"norm_gemv": 0, "rms_norm": 1}
+        finally:
+            handle.remove()
+    # A later choice without the norm's family unlinks them.
+    monkeypatch.setattr(gemm, "_norm_gemv_ms", lambda *a, **kw: 99.0)
+    gemm.choose_step_gemms([layer], [1, 2])
+    assert proj.flare_norm_rows == frozenset() and norm._flare_consumer is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles and captures a CUDA graph")
+def test_the_norm_folds_compile_and_replay_in_a_cuda_graph(monkeypatch):
+    """A layer's input norm in its mixer projection's GEMV and its add and post-attention norm in
+    its gate/up GEMV (bfloat16, Qwen3.5's zero-centred norms) compiled as the step programs are
+    (one graph, no break) and captured in a CUDA graph: each replay the eager bits, without an
+    ``rms_norm`` launch, within bfloat16 rounding of the layer with its norms apart."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from flare.prepare.kernels import rownorm
+    from flare.prepare.kernels.gemv import GemvTiling
+    from flare.prepare.recipes import fused
+
+    class Layer(nn.Module):
+        def forward(self, hidden_states):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.self_attn(hidden_states)
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+    torch.manual_seed(0)
+    _, mlp = _gated_mlp_pair()
+    layer = Layer()
+    layer.self_attn = _Mixer(nn.Linear(64, 64, bias=False))
+    layer.mlp = mlp
+    layer.input_layernorm, layer.post_attention_layernorm = Qwen3_5RMSNorm(64, eps=1e-6), Qwen3_5RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        layer.input_layernorm.weight.normal_()
+        layer.post_attention_layernorm.weight.normal_()
+    layer.to("cuda", torch.bfloat16)
+    fused._with_forward(layer, fused._rewritten_forward(Layer))
+    assert inspect_rewrites(type(layer).forward) == {"input_norm", "add_norm_mlp"}
+    rownorm.make_norms_row_invariant(layer, steps=True)
+    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    other = torch.randn_like(x)
+    with torch.inference_mode():
+        apart = layer(x)
+        proj, up, down = layer.self_attn.proj, mlp.gate_up_proj, mlp.down_proj
+        for module, tiling in ((proj, GemvTiling(16, 64, 4, dot=1, stages=2)), (up, GemvTiling(16, 64, 4, dot=1, stages=2, glu=1)),
+                               (down, GemvTiling(32, 64, 4, dot=1, stages=2))):
+            gemm._switch(module)
+            module.flare_step_tiling = {2: tiling}
+        proj.flare_norm_rows = up.flare_norm_rows = frozenset({2})
+        fused.link_input_norm(proj, layer.input_layernorm, layer.self_attn)
+        calls = {"rms_norm": 0}
+        count_calls(monkeypatch, rownorm, "rms_norm", calls, "rms_norm")
+        eager, eager_other = layer(x), layer(other)
+        assert calls["rms_norm"] == 0
+        torch.testing.assert_close(eager, apart, atol=0.06, rtol=0.02)
+        _replays_bitwise(layer, [(x, eager), (other, eager_other)])
 
 
 def inspect_rewrites(forward) -> set[str]:

@@ -242,8 +242,9 @@ def test_the_convolution_in_the_epilogue(variant, width, bias):
     epilogue with the bits of ``gdn.conv1d_decode_step`` run on the product after it, and leave the
     same history rows (shifted in place); the other columns are the product as it is; a row that
     is not live gets zeros there and leaves every history as it was, as do slots of no row; the
-    same through ``gemv_conv_linear``; refused with a split, ``glu``, a residual, a history of
-    other shape or a kernel wider than 4."""
+    same through ``gemv_conv_linear`` (with the dot variant, also with an input norm in the loads:
+    the convolution of the normed product); refused with a split, ``glu``, a residual, a history
+    of other shape or a kernel wider than 4."""
     from flare.prepare.kernels import gdn as K
 
     g = torch.Generator().manual_seed(41 + width)
@@ -284,6 +285,19 @@ def test_the_convolution_in_the_epilogue(variant, width, bias):
             G.gemv(x, w, out, tiling, conv=bad_conv)
     with pytest.raises(ValueError, match="split"):
         G.gemv_conv_linear(x, w, G.GemvTiling(16, 32, 4, split=2), conv)
+    if variant[2]:  # the dot variant: a decoder layer's input norm in the loads too
+        nw = torch.randn(k, generator=g).to(DEVICE, dt)
+        norm = G.Norm(nw, 1e-6, True)
+        normed = G.gemv(x, w, torch.empty(4, n, device=DEVICE, dtype=dt), tiling, norm=norm)
+        want_state = state.clone()
+        want = normed.clone()
+        want[:, :d] = K.conv1d_decode_step(normed[:, :d], want_state, cw, cb, slots, live)
+        got = G.gemv_conv_linear(x, w, G.GemvTiling(16, 32, 4, *variant, stages=2), G.Conv(state, cw, cb, slots, live),
+                                 norm=norm)
+        assert torch.equal(got, want) and torch.equal(state, want_state) and not torch.equal(got, linear)
+        with pytest.raises(ValueError, match="residual"):
+            G.gemv_conv_linear(x, w, G.GemvTiling(16, 32, 4, *variant, stages=2), G.Conv(state, cw, cb, slots, live),
+                               norm=norm._replace(residual=x))
 
 
 @pytest.mark.parametrize("split,conv,norm", [(1, False, False), (2, False, False), (1, True, False), (1, False, True)])

@@ -171,16 +171,20 @@ SCRIPT = textwrap.dedent('''
                               RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False, GLU=True),
                          num_warps=t.warps, num_stages=t.stages)
     # The norm before it (with the residual add, or without) in its loads: Qwen3.5's zero-centred
-    # and Llama's forms, and a plain tensor-core tiling with the norm alone.
-    norm_types = {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr", "nr_ptr", "nw_ptr", "nt_ptr"), **f32("part_ptr"),
-                  "count_ptr": "*i32", "eps": "fp32"}
-    norm_cases = [(t, form, True) for t in G.GLU_TILINGS for form in (1, 2)]
-    norm_cases += [(t._replace(glu=0), 1, False) for t in G.GLU_TILINGS[:1]]
-    for t, form, add in norm_cases:
+    # and Llama's forms; the input norm (no add) in every tensor-core tiling without a split, in both
+    # forms, and with a Gated DeltaNet's convolution in the epilogue too.
+    norm_types = {**bf16("x_ptr", "w_ptr", "out_ptr", "r_ptr", "nr_ptr", "nw_ptr", "nt_ptr", "c_ptr", "cw_ptr",
+                         "cb_ptr"), **f32("part_ptr"), "count_ptr": "*i32", "eps": "fp32", "slots_ptr": "*i64",
+                  "live_ptr": "*i1"}
+    inputs = [t for t in G.STEP_GEMV_TILINGS if t.dot and t.split == 1]
+    norm_cases = [(t, form, True, 0) for t in G.GLU_TILINGS for form in (1, 2)]
+    norm_cases += [(t, form, False, 0) for t in inputs for form in (1, 2)]
+    norm_cases += [(t, 1, False, 4) for t in inputs]
+    for t, form, add, width in norm_cases:
         compile_for_sm90(GV.gemv_kernel, norm_types,
                          dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
                               RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False,
-                              GLU=bool(t.glu), NORM=form, NORM_ADD=add),
+                              GLU=bool(t.glu), NORM=form, NORM_ADD=add, CONV_W=width, CONV_BIAS=False),
                          num_warps=t.warps, num_stages=t.stages)
     # A Gated DeltaNet's input projection with the decode step's convolution in the epilogue: every
     # tiling without a split (4 taps, no bias; the tensor-core tile at its 16 rows, the others at one
@@ -230,4 +234,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 142, proc.stdout
+    assert proc.stdout.count("compiled") == 156, proc.stdout

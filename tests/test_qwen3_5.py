@@ -375,3 +375,56 @@ def test_steps_with_the_add_and_norm_in_the_gate_up_gemv(stream, monkeypatch):
     assert calls == [(1, True)] * (2 * len(layers))  # two steps
     attention = sum(1 for layer in layers if hasattr(layer, "self_attn"))
     assert not any(norms) and len(norms) == 2 * (len(layers) + 1 + 2 * attention)
+
+
+def test_steps_with_the_input_norms_in_the_mixers_gemvs(stream, monkeypatch):
+    """With the step norms switched (``--step-norms invariant``) and each decoder layer's q/k/v or
+    Gated DeltaNet input projection on a ``dot`` GEMV without a split taking the layer's input norm
+    in its loads (``fused.input_norm_projections``, linked by ``link_input_norm`` as
+    ``choose_step_gemms`` links them where that family wins): a decode step's input norms are no
+    launches of their own (the layer passes the norm's input on, ``fused.input_norm``), the Gated
+    DeltaNets' GEMVs take their convolution and the norm together (``gemv_conv_linear``), the
+    attention layers' GEMVs the norm (``gemv_norm_linear``), and the tokens and, within float32
+    rounding, the logits are those of the same core without them."""
+    from flare.prepare.kernels import gemm, gemv
+    from flare.prepare.kernels import rownorm as R
+    from flare.prepare.kernels.gemv import GemvTiling
+    from flare.prepare.recipes import fused
+
+    core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
+    plain, folded = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
+    layers = list(folded.model.model.layers)
+    R.make_norms_row_invariant(folded.model, steps=True)
+    monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)  # (tests/test_gemv.py checks the rows)
+    found = fused.input_norm_projections(layers)
+    assert [proj for proj, _, _ in found] == [layer.linear_attn.in_proj if hasattr(layer, "linear_attn")
+                                             else layer.self_attn.qkv_proj for layer in layers]
+    for proj, norm, mixer in found:
+        gemm._switch(proj)
+        proj.flare_step_tiling = {c: GemvTiling(16, 32, 4, dot=1, stages=2) for c in (1, 2, 4)}
+        proj.flare_norm_rows = frozenset({1, 2, 4})
+        fused.link_input_norm(proj, norm, mixer)
+    gdn = sum(1 for layer in layers if hasattr(layer, "linear_attn"))
+    assert len(gemm.check_conv_folds(layers, [1, 2])) == gdn
+    calls, norms = [], []
+    real_conv, real_norm, real_rms = gemv.gemv_conv_linear, gemm.gemv_norm_linear, R.rms_norm
+    monkeypatch.setattr(gemv, "gemv_conv_linear", lambda x, w, t, c, norm=None: calls.append(("conv", norm is not None))
+                        or real_conv(x, w, t, c, norm=norm))
+    monkeypatch.setattr(gemm, "gemv_norm_linear", lambda x, w, t, n: calls.append(("norm", n.residual is not None))
+                        or real_norm(x, w, t, n))
+    monkeypatch.setattr(R, "rms_norm", lambda x, w, *a, **kw: norms.append(x.shape[-1]) or real_rms(x, w, *a, **kw))
+    decode_alike(plain, folded, [1, 2], steps=2)
+    attention = len(layers) - gdn
+    assert sorted(calls) == sorted([("conv", True)] * (2 * gdn) + [("norm", False)] * (2 * attention))
+    hidden = folded.model.config.hidden_size
+    # (the post-attention norms and the final norm keep their launches; none of the input norms does)
+    assert norms.count(hidden) == 2 * (len(layers) + 1)
+    # A hook on a mixer (which would see its input) keeps the layer's input norm a launch of its own.
+    handle = layers[0].linear_attn.register_forward_pre_hook(lambda m, a: None)
+    try:
+        calls.clear()
+        norms.clear()
+        decode(folded, [1], [int(folded.v["state.pending"][1])])
+        assert ("conv", False) in calls and norms.count(hidden) == len(layers) + 2
+    finally:
+        handle.remove()

@@ -152,7 +152,10 @@ class _RowInvariant:
     flare_step_tiling: dict[int, tuple[int, ...]] = {}
     flare_tickets: torch.Tensor | None = None  # the core's GEMV ticket counters (``gemv_linear``)
     flare_conv_rows: frozenset[int] = frozenset()  # decode counts whose convolution this GEMV takes
-    flare_norm_rows: frozenset[int] = frozenset()  # step counts whose norm (and add) this GLU GEMV takes
+    # step counts whose norm before it this GEMV takes: a GLU's add and norm (``fused.add_norm_mlp``), or
+    # a decoder layer's input norm (``flare_input_norm``)
+    flare_norm_rows: frozenset[int] = frozenset()
+    _flare_input_norm: nn.Module | None = None  # that input norm: a plain attribute (``fused.link_input_norm``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -162,9 +165,19 @@ class _RowInvariant:
         elif rows in self.flare_step_tiling:
             tiling = self.flare_step_tiling[rows]
             if isinstance(tiling, GemvTiling):  # (called as a linear layer, a GLU tiling's plain product)
+                norm = self.flare_input_norm(x)
+                if norm is not None:  # (the decoder layer passed its input norm's input on)
+                    return gemv_norm_linear(x, self.weight, tiling, norm)[0]
                 return gemv_linear(x, self.weight, tiling._replace(glu=0), tickets=self.flare_tickets)
             return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
+
+    def flare_input_norm(self, x: torch.Tensor) -> Norm | None:
+        """The decoder layer's input norm as a ``gemv.Norm`` where this layer, the projection that
+        consumes its output, takes it in its step's GEMV (``rownorm``'s ``flare_deferred_norm``, which
+        the layer asks too, and which then passes ``x`` on unnormed); None elsewhere."""
+        norm = self._flare_input_norm
+        return None if norm is None else norm.flare_deferred_norm(x)
 
     def flare_fold_tiling(self, rows: int) -> GemvTiling | None:
         """The GEMV tiling this layer takes in a step of ``rows`` rows where, as a gated MLP's
@@ -451,48 +464,59 @@ def _gemv_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts
                                                tickets=tickets), x, counts)
 
 
-def _norm_operands(weight: torch.Tensor, rows: int, seed: int = 4):
-    """A gated MLP's [gate; up] projection's norm for ``rows`` rows: a norm weight of its K, rows
-    and a residual (the add before the norm)."""
-    g = torch.Generator(device=weight.device).manual_seed(seed)
-    k, dev, dt = weight.shape[1], weight.device, weight.dtype
-    return (torch.randn(k, generator=g, device=dev, dtype=dt), torch.randn((rows, k), generator=g, device=dev, dtype=dt),
-            torch.randn((rows, k), generator=g, device=dev, dtype=dt))
-
-
 class NormFold(NamedTuple):
-    """A gated MLP's [gate; up] projection whose GLU GEMV may take the decoder layer's residual add
-    and the norm before it in its loads (``fused.norm_glu_projections``): the norm's form
-    (``zero_centred``: scaled by ``1 + weight``; otherwise by ``weight``, Llama's)."""
+    """A projection whose step GEMV may take the RMS norm before it in its loads: a gated MLP's
+    [gate; up] projection, the decoder layer's residual add too (``add``;
+    ``fused.norm_glu_projections``), or the projection that reads a decoder layer's input norm
+    (``fused.input_norm_projections``); the norm's form (``zero_centred``: scaled by
+    ``1 + weight``; otherwise by ``weight``, Llama's)."""
 
     zero_centred: bool
+    add: bool = True
+
+
+def _norm_operands(weight: torch.Tensor, rows: int, fold: NormFold, seed: int = 4):
+    """A projection's norm for ``rows`` rows: a norm weight of its K, rows, and a residual (the add
+    before the norm) where the fold has one, else None."""
+    g = torch.Generator(device=weight.device).manual_seed(seed)
+    k, dev, dt = weight.shape[1], weight.device, weight.dtype
+    nw, x, r = (torch.randn(k, generator=g, device=dev, dtype=dt), torch.randn((rows, k), generator=g, device=dev, dtype=dt),
+                torch.randn((rows, k), generator=g, device=dev, dtype=dt))
+    return nw, x, r if fold.add else None
 
 
 def _norm_ms(weight: torch.Tensor, rows: int, fold: NormFold, timer=None) -> float:
-    """The time of a step's add and norm before the projection (``rownorm.rms_norm`` with its
-    residual, one launch) over ``rows`` rows of its K inputs."""
+    """The time of a step's norm before the projection (``rownorm.rms_norm``, with the add where
+    the fold has one: one launch) over ``rows`` rows of its K inputs."""
     from flare.prepare.kernels.rownorm import rms_norm
 
-    nw, x, r = _norm_operands(weight, rows)
+    nw, x, r = _norm_operands(weight, rows, fold)
     return (timer or _time_ms)(lambda: rms_norm(x, nw, 1e-6, fold.zero_centred, residual=r))
 
 
-def _norm_glu_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, fold: NormFold, timer=None) -> float:
-    """The time of the GLU GEMV on ``tiling`` with the add and the norm in its loads, each call
-    reading the next of several weight copies, as ``step_tiling`` times the products."""
+def _norm_gemv_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, fold: NormFold,
+                  conv: ConvFold | None = None, timer=None) -> float:
+    """The time of the GEMV on ``tiling`` (a GLU tiling's too) with the norm (and its add) in its
+    loads, and with ``conv`` the convolution in its epilogue, each call reading the next of
+    several weight copies, as ``step_tiling`` times the products."""
     rotating, timer = _rotation(weight, timer)
-    nw, x, r = _norm_operands(weight, rows)
-    return timer(rotating(lambda w: gemv_norm_linear(x, w, tiling, Norm(nw, 1e-6, fold.zero_centred, r))))
+    nw, x, r = _norm_operands(weight, rows, fold)
+    norm = Norm(nw, 1e-6, fold.zero_centred, r)
+    if conv is not None:
+        state, cw, slots, live = _conv_operands(weight, rows, conv)
+        c = Conv(state, cw, None, slots, live)
+        return timer(rotating(lambda w: gemv_conv_linear(x, w, tiling, c, norm=norm)))
+    return timer(rotating(lambda w: gemv_norm_linear(x, w, tiling, norm)))
 
 
-def _norm_glu_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts: list[int],
-                        fold: NormFold) -> bool:
-    """Whether the GLU GEMV with the add and the norm in its loads gives each row (its activation
-    and its sum) the same bits at every count (random rows ``x``)."""
-    nw, _, r = _norm_operands(w, x.shape[0])
+def _norm_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts: list[int], fold: NormFold) -> bool:
+    """Whether the GEMV on ``tiling`` with the norm (and its add) in its loads gives each row (its
+    output, and the sum with an add) the same bits at every count (random rows ``x``)."""
+    nw, _, r = _norm_operands(w, x.shape[0], fold)
+
     def both(rows):
-        norm = Norm(nw, 1e-6, fold.zero_centred, r[: rows.shape[0]])
-        return torch.cat(gemv_norm_linear(rows, w, tiling, norm), dim=-1)
+        out, total = gemv_norm_linear(rows, w, tiling, Norm(nw, 1e-6, fold.zero_centred, r[: rows.shape[0]] if fold.add else None))
+        return out if total is None else torch.cat([out, total], dim=-1)
 
     return _same_rows(both, x, counts)
 
@@ -643,14 +667,18 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     ``flare_conv_fold``): at the fold's counts (decode steps) such a GEMV is timed with the
     convolution in it and every other family is charged the convolution's kernel
     (``times[count]["conv"]``).
-    ``norm_fold`` (with ``act_fold``; ``NormFold``): the layer's GLU GEMVs may also take the
-    decoder layer's residual add and norm before it in their loads (``fused.norm_glu_projections``):
-    a family of each GLU tiling timed with both (``times[count]["norm_glu"][tiling]``) is offered
-    too, and every family that leaves them apart, the GLU tilings without them included, is charged
-    the add-and-norm kernel (``times[count]["norm"]``); ``times["sums"]["norm"]`` then says whether
-    the chosen family takes them."""
+    ``norm_fold`` (``NormFold``): the layer's GEMVs may also take the norm before it in their
+    loads: with ``act_fold`` its GLU tilings, the decoder layer's residual add too
+    (``fused.norm_glu_projections``); without, its ``dot`` tilings without a split, a decoder layer's
+    input norm (``fused.input_norm_projections``), with the convolution where ``conv_fold`` has
+    it. A family of each such tiling timed with the norm (``times[count]["norm_gemv"][tiling]``)
+    is offered too, and every family that leaves the norm apart, those tilings without it
+    included, is charged the norm's kernel (``times[count]["norm"]``); ``times["sums"]["norm"]``
+    then says whether the chosen family takes it."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
-    norm_fold = norm_fold if act_fold else None
+    # (the tilings that may take the norm: a [gate; up] projection's GLU tilings, another's dot
+    # GEMVs without a split, with the convolution where it has one)
+    norm_tilings = [t for t in (GLU_TILINGS if act_fold else STEP_GEMV_TILINGS) if t.dot and t.split == 1]
     for c in counts:
         if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)
@@ -658,7 +686,9 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
             times[c]["act"] = _add_ms(weight, c, timer, columns=weight.shape[0] // 2)
         if norm_fold:
             times[c]["norm"] = _norm_ms(weight, c, norm_fold, timer)
-            times[c]["norm_glu"] = {t: _norm_glu_ms(weight, c, t, norm_fold, timer) for t in GLU_TILINGS if t in times[c]}
+            conv = conv_fold if conv_fold and c in conv_fold.counts else None
+            times[c]["norm_gemv"] = {t: _norm_gemv_ms(weight, c, t, norm_fold, conv, timer)
+                                     for t in norm_tilings if t in times[c]}
         if conv_fold and c in conv_fold.counts:
             times[c]["conv"] = _conv_ms(weight, c, conv_fold, timer)
             for t in STEP_GEMV_TILINGS:
@@ -684,18 +714,26 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
         else:  # a tiling whose bits are not its default's on this device: no unsplit family
             unsplit_ms = float("inf")
     families = [(unsplit_ms, unsplit, False)]  # (time summed over the counts, {count: tiling}, takes the norm)
+    def charges(c: int, t: GemvTiling) -> float:  # the kernels a GEMV family leaves apart, but the norm
+        # (a GEMV too narrow for the folds leaves the add to its own kernel too; none takes the
+        # activation of an act_fold projection; a split one leaves the convolution)
+        return ((times[c].get("add", 0.0) if t.bn < FOLD_MIN_BN else 0.0) + times[c].get("act", 0.0)
+                + (times[c].get("conv", 0.0) if t.split > 1 else 0.0))
+
+    def with_norm(t: GemvTiling) -> None:  # the family of ``t`` with the norm in its loads, where offered
+        if norm_fold and t in norm_tilings and _norm_same_rows(w, x, t, counts, norm_fold):
+            families.append((sum(times[c]["norm_gemv"][t] + (0.0 if t.glu else charges(c, t)) for c in counts),
+                             {c: t for c in counts}, True))
+
     for t in STEP_GEMV_TILINGS:  # those step_tiling offered at every count (no bias, rows and K they take)
         if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
-            # (a GEMV too narrow for the folds leaves the add to its own kernel too; none takes the
-            # activation of an act_fold projection)
-            families.append((sum(times[c][t] + (times[c].get("add", 0.0) if t.bn < FOLD_MIN_BN else 0.0)
-                                 + times[c].get("act", 0.0) + (times[c].get("conv", 0.0) if t.split > 1 else 0.0)
-                                 + times[c].get("norm", 0.0) for c in counts), {c: t for c in counts}, False))
+            families.append((sum(times[c][t] + charges(c, t) + times[c].get("norm", 0.0) for c in counts),
+                             {c: t for c in counts}, False))
+            with_norm(t)
     for t in GLU_TILINGS if act_fold else ():
         if all(t in times[c] for c in counts) and _gemv_same_rows(w, x, t, counts):
             families.append((sum(times[c][t] + times[c].get("norm", 0.0) for c in counts), {c: t for c in counts}, False))
-            if norm_fold and _norm_glu_same_rows(w, x, t, counts, norm_fold):
-                families.append((sum(times[c]["norm_glu"][t] for c in counts), {c: t for c in counts}, True))
+            with_norm(t)
     best_ms, best, takes_norm = min(families, key=lambda f: f[0])
     if not cublas_same:
         if best_ms == float("inf"):
@@ -727,8 +765,14 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     decides where it is taken. A gate/up projection offered the GLU tilings whose layer's add and
     post-attention norm may go into its loads (``fused.norm_glu_projections``: the norms switched
     for steps before this) is offered a GLU family timed with them (``step_choice``'s ``norm_fold``,
-    in the norm's form) and, where that family wins, takes them (``flare_norm_rows``)."""
-    from flare.prepare.recipes.fused import glu_projections, hooked, norm_glu_projections, residual_down_projections
+    in the norm's form) and, where that family wins, takes them (``flare_norm_rows``). So is the
+    projection that reads a decoder layer's input norm (``fused.input_norm_projections``: the q/k/v
+    of its attention, its Gated DeltaNet's input projection), its ``dot`` GEMVs without a split
+    timed with the norm in their loads; where that family wins the two are linked
+    (``fused.link_input_norm``): in its steps the layer passes the norm's input on and the
+    projection applies the norm."""
+    from flare.prepare.recipes.fused import (glu_projections, hooked, input_norm_projections, link_input_norm,
+                                             norm_glu_projections, residual_down_projections)
 
     counts = sorted(set(row_counts))
     if not counts:
@@ -738,6 +782,8 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     glus = {id(up): down for up, down in glu_projections(layers)}
     # (those that may take the norm too)
     norms = {id(up): NormFold(bool(norm._ZERO_CENTRED)) for up, norm in norm_glu_projections(layers)}
+    # (the projections that may take their decoder layer's input norm, with the norm and the mixer)
+    inputs = {id(proj): (norm, mixer) for proj, norm, mixer in input_norm_projections(layers)}
     # Gated DeltaNet input projections whose GEMV may take the convolution
     convs = {id(proj): ConvFold(channels, width, frozenset(conv_counts) & frozenset(counts))
              for _, _, proj, channels, width in (_conv_folds(layers) if conv_counts else ())}
@@ -755,6 +801,8 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
         act = id(module) in glus and not loads_act(glus[id(module)])
         conv = convs.get(id(module))
         norm = norms.get(id(module)) if act else None
+        if id(module) in inputs:
+            norm = NormFold(bool(inputs[id(module)][0]._ZERO_CENTRED), add=False)
         key = (*_key(module), id(module) in folds, act, conv, norm)
         if key not in measured:
             chosen, times = step_choice(module.weight, module.bias, counts, residual_fold=key[-4], act_fold=act,
@@ -762,8 +810,9 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
             measured[key] = chosen, times["sums"].get("norm", False)
             if log is not None:
                 sums = times["sums"]
-                what = " with the residual add" if key[-4] else " with the activation, the norm offered" if norm else \
-                    " with the activation" if act else " with the convolution" if conv else ""
+                what = " with the residual add" if key[-4] else " with the activation, the norm offered" if norm and act \
+                    else " with the activation" if act else " with the convolution" if conv else ""
+                what += ", the input norm offered" if norm and not act else ""
                 log(f"step GEMM times for {tuple(module.weight.shape)}{what} "
                     f"(µs summed over {counts} rows): cuBLAS {sums['cublas_ms'] * 1e3:.1f}, chosen "
                     f"{sums['chosen_ms'] * 1e3:.1f}" + (", the norm taken" if sums.get("norm") else ""))
@@ -777,4 +826,7 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
         elif isinstance(module, _RowInvariant):  # (a choice of an earlier call does not stand)
             module.flare_step_tiling = {}
             module.flare_norm_rows = frozenset()
+        if id(module) in inputs:
+            norm_module, mixer = inputs[id(module)]
+            link_input_norm(module, norm_module, mixer if chosen and takes_norm else None)
     return found

@@ -597,17 +597,21 @@ def gemv_norm_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
     return out.reshape(*x.shape[:-1], out.shape[-1]), None if residual is None else total.reshape(x.shape)
 
 
-def gemv_conv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, conv: Conv) -> torch.Tensor:
+def gemv_conv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, conv: Conv,
+                     norm: Norm | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` by ``gemv`` with ``tiling`` (no split, no ``glu``) with a decode
     step's causal convolution over its first D outputs in the epilogue (``Conv``; its history rows
     updated in place): one launch where the projection and ``gdn.conv1d_decode_step`` were two,
-    the same bits. Called eagerly (it writes state rows: a compiled graph must not trace it)."""
+    the same bits. ``norm`` (without a residual; a ``dot`` tiling): of ``norm(x)``, the norm in the
+    loads (``gemv``). Called eagerly (it writes state rows: a compiled graph must not trace it)."""
     if tiling.split != 1 or tiling.glu:
         raise ValueError(f"gemv_conv_linear takes a tiling without a split or glu, not {tiling}")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[0] > tiling.max_rows:
         raise ValueError(f"gemv_conv_linear with {tiling} takes at most {tiling.max_rows} rows, not {rows.shape[0]}")
     out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if norm is not None and norm.residual is not None:
+        raise ValueError("gemv_conv_linear's norm takes no residual")
     return gemv(rows, weight, out, (tiling.bn, tiling.bk, 1, tiling.warps, tiling.stages, tiling.defer,
-                                    tiling.rowloop, tiling.dot), space=(out, out), conv=conv)
+                                    tiling.rowloop, tiling.dot), space=(out, out), conv=conv, norm=norm)
 

@@ -168,6 +168,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 class _Rows:
     flare_step_rows = False  # decode and verify steps too (``make_norms_row_invariant(steps=True)``)
     _ZERO_CENTRED: bool | None = None  # how ``rms_norm`` computes this class's norm; None: it does not
+    # (mixer, projection) that takes this norm in its loads (``flare_deferred_norm``): a plain
+    # attribute, out of the module tree (``fused.link_input_norm``)
+    _flare_consumer: tuple | None = None
 
     def _invariant(self) -> bool:
         return self.flare_step_rows or prompt_rows.active()
@@ -196,6 +199,29 @@ class _Rows:
                 or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
             return None
         return Norm(self.weight, self._eps(), self._ZERO_CENTRED, residual)
+
+    def flare_deferred_norm(self, x: torch.Tensor):
+        """This norm of ``x`` as a ``gemv.Norm`` where the one projection that consumes its output
+        in a step takes it in its loads (``fused.input_norm_projections``: a decoder layer's input
+        norm before its attention's q/k/v or its Gated DeltaNet's input projection, linked by
+        ``gemm.choose_step_gemms`` where that family won, the projection's ``flare_norm_rows``
+        holding the count), with no forward hook on the norm, the mixer or the projection; None
+        elsewhere. Both sides ask this with the same rows: the layer then passes ``x`` on as it
+        is (``fused.input_norm``) and the projection applies the norm
+        (``gemm._RowInvariant.flare_input_norm``)."""
+        from flare.prepare.kernels.gemv import GemvTiling
+        from flare.prepare.recipes.fused import hooked
+
+        consumer = self._flare_consumer
+        if consumer is None:
+            return None
+        mixer, proj = consumer
+        rows = x.numel() // x.shape[-1]
+        tiling = proj.flare_step_tiling.get(rows)
+        if (rows not in proj.flare_norm_rows or not isinstance(tiling, GemvTiling) or not tiling.dot
+                or tiling.split != 1 or tiling.glu or hooked(self) or hooked(mixer) or hooked(proj)):
+            return None
+        return self.flare_gemv_norm(x)
 
     def flare_add_norm(self, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(this norm of ``residual + x``, the sum) in one launch in a step (``_one_launch``);

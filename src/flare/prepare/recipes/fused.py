@@ -161,6 +161,12 @@ def _gated_attention_forward(self, hidden_states, position_embeddings=None, atte
     return self.o_proj(out), weights
 
 
+# The projection of a fused mixer forward that alone reads its input (a decoder layer's input
+# norm's output), which may take that norm in its loads (``input_norm_projections``).
+_attention_forward.flare_input_projection = "qkv_proj"
+_gated_attention_forward.flare_input_projection = "qkv_proj"
+
+
 # Transformers attention classes by the fused forward that mirrors theirs: q/k/v projections
 # (+ optional per-head q/k RMSNorm) -> rotary -> attention (-> output gate) -> o_proj.
 ATTENTION_FORWARDS = {
@@ -311,6 +317,51 @@ def norm_glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
     return out
 
 
+def input_norm_projections(layers) -> list[tuple[nn.Module, nn.Module, nn.Module]]:
+    """(projection, norm, mixer) for each decoder layer under ``layers`` whose input norm may go
+    into the loads of a step's GEMV of the one projection that reads its output: the layer's forward
+    was rewritten with ``input_norm``, it has one mixer (``self_attn`` or ``linear_attn``) whose
+    forward passes its input to that projection alone (``flare_input_projection``: the fused
+    attention forwards, the prepared Gated DeltaNet's), a plain linear layer without bias; the
+    norm offers itself to a GEMV (``flare_gemv_norm``: a step's row-invariant norm, its weight in
+    the projection's dtype, one ``gemv.takes_norm`` takes); no forward hook on any of the three."""
+    from flare.prepare.kernels.gemv import takes_norm
+
+    out = []
+    for layer in layers:
+        norm = getattr(layer, "input_layernorm", None)
+        mixers = [m for m in (getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None)) if m is not None]
+        if norm is None or len(mixers) != 1 or "input_norm" not in _rewrites(layer):
+            continue
+        mixer = mixers[0]
+        proj = getattr(mixer, getattr(type(mixer).forward, "flare_input_projection", ""), None)
+        if (isinstance(proj, (nn.Linear, FusedLinear)) and proj.bias is None
+                and getattr(norm, "flare_gemv_norm", None) is not None
+                and norm._one_launch() and norm.weight.dtype == proj.weight.dtype
+                and takes_norm(proj.weight.shape[1], proj.weight.dtype)
+                and not (hooked(norm) or hooked(mixer) or hooked(proj))):
+            out.append((proj, norm, mixer))
+    return out
+
+
+def link_input_norm(proj: nn.Module, norm: nn.Module, mixer: nn.Module | None) -> None:
+    """Link a decoder layer's input norm and the projection that may take it in its loads
+    (``input_norm_projections``; ``mixer`` None: unlink them): plain attributes outside the
+    module tree (a module attribute would register the norm a second time)."""
+    object.__setattr__(proj, "_flare_input_norm", None if mixer is None else norm)
+    object.__setattr__(norm, "_flare_consumer", None if mixer is None else (mixer, proj))
+
+
+def input_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's input norm before its mixer: ``norm(x)``, or ``x`` as it is in a step
+    where the one projection that reads the norm's output takes the norm in its loads
+    (``flare_deferred_norm``, which the projection asks too with the same rows)."""
+    deferred = getattr(norm, "flare_deferred_norm", None)
+    if deferred is not None and deferred(x) is not None:
+        return x
+    return norm(x)
+
+
 def glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
     """(gate/up projection, down projection) of each fused gated SiLU MLP under ``layers`` whose
     gate/up projection may take the activation in a step's GEMV epilogue (``_mlp_forward``: not
@@ -352,6 +403,8 @@ _REWRITES = {
                       "hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
                      "hidden_states = _flare_add_norm_mlp(self.post_attention_layernorm, self.mlp, residual, "
                      "hidden_states)"),
+    "input_norm": (("hidden_states = self.input_layernorm(hidden_states)",),
+                   "hidden_states = _flare_input_norm(self.input_layernorm, hidden_states)"),
     "mlp_residual": (("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
                      "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"),
     "add_norm": (("hidden_states = residual + hidden_states", "residual = hidden_states",
@@ -364,11 +417,11 @@ _REWRITTEN = "<flare rewritten"  # the file name a rewritten forward's code carr
 
 def _rewritten_forward(cls: type):
     """``cls.forward`` with each of ``_REWRITES`` that it has (once, at the top level of its
-    body, and not within one found before) replaced by its call (``add_norm_mlp``, or
-    ``mlp_residual`` and ``add_norm`` apart): the same code otherwise,
+    body, and not within one found before) replaced by its call (``input_norm``; ``add_norm_mlp``,
+    or ``mlp_residual`` and ``add_norm`` apart: a mixture-of-experts layer unpacks a tuple between
+    its MLP call and the add): the same code otherwise,
     compiled from its syntax tree in its module's namespace, with the names of the rewrites
-    made in its ``flare_rewrites``. None where the forward has none of them (a
-    mixture-of-experts layer unpacks a tuple between its MLP call and the add), calls
+    made in its ``flare_rewrites``. None where the forward has none of them, calls
     ``super()`` or closes over names (no class cell or closure here) or its source is
     unavailable. Its decorators apply again; line numbers are the source's."""
     if cls in _LAYER_FORWARDS:
@@ -403,7 +456,7 @@ def _rewritten_forward(cls: type):
                 fn.body[i:i + n] = [call]
             # The namespace of the module that defines the forward (a copy, with the calls' names).
             namespace = dict(original.__globals__, _flare_mlp_residual=mlp_residual, _flare_add_norm=add_norm,
-                             _flare_add_norm_mlp=add_norm_mlp)
+                             _flare_add_norm_mlp=add_norm_mlp, _flare_input_norm=input_norm)
             module = ast.increment_lineno(ast.Module(body=[fn], type_ignores=[]), first - 1)
             try:  # the decorators run again here; any that fails leaves the forward as it is
                 exec(compile(module, f"{_REWRITTEN} {cls.__qualname__}.forward>", "exec"), namespace)

@@ -111,6 +111,9 @@ def _prepared_gdn_with(inputs, conv_first: bool):
                     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
                 return self.out_proj(core.reshape(1, T, -1))
 
+            # (its input goes to the input projection alone, which may take the layer's input norm)
+            forward.flare_input_projection = "in_proj"
+
         return PagedGatedDeltaNet
 
     return prepared
@@ -136,13 +139,16 @@ def _conv_fold_tiling(mod, paged: PagedBatch, rows: int):
 @torch.compiler.disable
 def _convolved_inputs(mod, paged: PagedBatch, x: torch.Tensor, tiling):
     """A decode step's input projection with the convolution step of each live row in its GEMV's
-    epilogue (its history updated in place): q|k|v convolved, z, b, a (``_conv_fold_tiling``)."""
+    epilogue (its history updated in place), and the layer's input norm in its loads where it takes
+    it: q|k|v convolved, z, b, a (``_conv_fold_tiling``)."""
     from flare.prepare.kernels.gemv import Conv, gemv_conv_linear
 
     conv_rows, _ = _state_rows(mod, paged)
     weight = mod.conv1d.weight
     conv = Conv(conv_rows, weight.reshape(weight.shape[0], -1), mod.conv1d.bias, paged.token_slot, paged.valid)
-    return gemv_conv_linear(x, mod.in_proj.weight, tiling, conv).split(mod.in_proj.sizes, dim=-1)
+    # (the layer's input norm too, where the projection takes it: ``fused.input_norm``)
+    norm = mod.in_proj.flare_input_norm(x)
+    return gemv_conv_linear(x, mod.in_proj.weight, tiling, conv, norm=norm).split(mod.in_proj.sizes, dim=-1)
 
 
 def _state_rows(mod, paged: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
