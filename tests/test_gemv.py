@@ -340,7 +340,7 @@ def test_the_norm_in_the_loads(zero_centred, add, glu):
     g = torch.Generator().manual_seed(57)
     n, k, rows, eps = 40, 150, 5, 1e-6  # (K not a multiple of the K step: its tail masked)
     dt = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    w = torch.randn(2 * n if glu else n, k, generator=g).to(DEVICE, dt)
+    w = (torch.randn(2 * n if glu else n, k, generator=g) * k ** -0.5).to(DEVICE, dt)  # (outputs of order 1)
     x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE, dt)
     r = torch.randn(rows, k, generator=g).to(DEVICE, dt) if add else None
     nw = (0.5 * torch.randn(k, generator=g)).to(DEVICE, dt)

@@ -119,31 +119,67 @@ def _conv_epilogue(y, live, own, at, h0, h1, h2, cw_ptr, cb_ptr, n, CD, stride_c
 
 
 @triton.jit
-def _norm_loads(x, nr_ptr, nw_ptr, nt_ptr, m, kk, mask, ss, stride_nr, stride_nt, store, K,
-                NORM: tl.constexpr, NORM_ADD: tl.constexpr):
-    """NORM: a row tile ``x`` of the norm's input as the product takes it, ``x * weight`` (Llama's
-    form) or ``x * (1 + weight)`` (zero-centred) rounded to x's dtype, the rows' reciprocal RMS
-    left to the epilogue (``_norm_scale``), and ``ss`` with the tile's sums of squares added. With
-    NORM_ADD the input is ``residual + x`` rounded to x's dtype first (a decoder layer's add before
-    its norm), stored by the programs that ``store`` (one column tile's)."""
-    if NORM_ADD:
-        r = tl.load(nr_ptr + m[:, None] * stride_nr + kk[None, :], mask=mask, other=0.0)
-        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
-        if store:
-            tl.store(nt_ptr + m[:, None] * stride_nt + kk[None, :], x, mask=mask)
-    xf = x.to(tl.float32)
-    ss += tl.sum(xf * xf, axis=1)
-    w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-    if NORM == 1:
-        xf = xf * (1.0 + w)
-    else:
-        xf = xf * w
-    return xf.to(x.dtype), ss
+def _norm_dot_loop(x_ptr, w_ptr, nr_ptr, nw_ptr, nt_ptr, m, n, m_in, n_in, N, K, k_lo, k_hi, stride_xm, stride_wn,
+                   stride_nr, stride_nt, store, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PRECISION: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, NORM_ADD: tl.constexpr):
+    """NORM: the K loop of the ``dot`` variant with the rows put through an RMS norm in their loads.
+    Each step's row tile (with NORM_ADD ``residual + x`` rounded to x's dtype, stored by the
+    programs that ``store``: one column tile's) is scaled by the norm's weight, ``x * weight``
+    (Llama's form) or ``x * (1 + weight)`` (zero-centred), rounded to x's dtype and multiplied;
+    its squares are summed per lane and reduced once after the loop. The rows, residual and norm
+    weight of the next step are loaded before this step's arithmetic (they feed arithmetic, not the
+    tensor cores directly, so Triton's pipelining leaves them to the loop: loaded where they are
+    used, each step waited on its loads, twice the product's time on the H100). Returns (the
+    products, GLU's up products, each row's sum of squares); the rows' reciprocal RMS is left to
+    the epilogue (``_norm_scale``)."""
+    acc = tl.zeros([BM, BN], tl.float32)
+    up = tl.zeros([BM, BN], tl.float32)
+    sq = tl.zeros([BM, BK], tl.float32)
+    kk = k_lo + tl.arange(0, BK)
+    at = m[:, None] * stride_xm + kk[None, :]
+    mask = m_in[:, None] & (kk < K)[None, :]
+    x = tl.load(x_ptr + at, mask=mask, other=0.0)
+    r = tl.load(nr_ptr + m[:, None] * stride_nr + kk[None, :], mask=mask, other=0.0) if NORM_ADD else x
+    g = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
+    for k0 in range(k_lo, k_hi, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < K
+        mask = m_in[:, None] & k_in[None, :]
+        nk = kk + BK  # (the next step's columns: masked past K)
+        next_mask = m_in[:, None] & (nk < K)[None, :]
+        x_next = tl.load(x_ptr + m[:, None] * stride_xm + nk[None, :], mask=next_mask, other=0.0)
+        if NORM_ADD:
+            r_next = tl.load(nr_ptr + m[:, None] * stride_nr + nk[None, :], mask=next_mask, other=0.0)
+        else:
+            r_next = x_next
+        g_next = tl.load(nw_ptr + nk, mask=nk < K, other=0.0)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_in[:, None] & k_in[None, :],
+                    other=0.0)
+        h = x
+        if NORM_ADD:
+            h = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+            if store:
+                tl.store(nt_ptr + m[:, None] * stride_nt + kk[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+        sq += hf * hf
+        gf = g.to(tl.float32)[None, :]
+        if NORM == 1:
+            hf = hf * (1.0 + gf)
+        else:
+            hf = hf * gf
+        xs = hf.to(x.dtype)
+        acc = tl.dot(xs, tl.trans(w), acc, input_precision=PRECISION)
+        if GLU:
+            w_up = tl.load(w_ptr + (n[:, None] + N).to(tl.int64) * stride_wn + kk[None, :],
+                           mask=n_in[:, None] & k_in[None, :], other=0.0)
+            up = tl.dot(xs, tl.trans(w_up), up, input_precision=PRECISION)
+        x, r, g = x_next, r_next, g_next
+    return acc, up, tl.sum(sq, axis=1)
 
 
 @triton.jit
 def _norm_scale(acc, ss, K, eps):
-    """NORM: the products of ``_norm_loads``' scaled rows times each row's reciprocal RMS,
+    """NORM: the products of ``_norm_dot_loop``'s scaled rows times each row's reciprocal RMS,
     ``rsqrt(sum of squares / K + eps)`` (rows past M: zeros stay zeros)."""
     return acc * tl.math.rsqrt(ss / K + eps)[:, None]
 
@@ -173,7 +209,11 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
     up = tl.zeros([BM, BN], tl.float32)  # GLU: the up projection's sums (weight rows N + n)
     lanes = tl.zeros([BM, BN, BK], tl.float32)  # DEFER: a sum per K lane, reduced after the loop
     ss = tl.zeros([BM], tl.float32)  # NORM: each row's sum of squares
-    for k0 in range(s * KS, s * KS + KS, BK):
+    if NORM > 0:  # (DOT, SPLIT 1, no SWIGLU: ``gemv`` checks)
+        acc, up, ss = _norm_dot_loop(x_ptr, w_ptr, nr_ptr, nw_ptr, nt_ptr, m, n, m_in, n_in, N, K, 0, KS, stride_xm,
+                                     stride_wn, stride_nr, stride_nt, pid_n == 0, BM, BN, BK, PRECISION, GLU, NORM,
+                                     NORM_ADD)
+    for k0 in range(s * KS, s * KS + KS if NORM == 0 else s * KS, BK):
         kk = k0 + tl.arange(0, BK)
         k_in = kk < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :], mask=n_in[:, None] & k_in[None, :],
@@ -181,9 +221,6 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
         if DOT:  # one tensor-core tile of DOT_ROWS rows whatever M (rows past M load zeros)
             x = _rows(x_ptr + m[:, None] * stride_xm + kk[None, :], m_in[:, None] & k_in[None, :], K, SWIGLU,
                       x_ptr.dtype.element_ty)
-            if NORM > 0:  # (SPLIT 1 only, no SWIGLU: ``gemv`` checks)
-                x, ss = _norm_loads(x, nr_ptr, nw_ptr, nt_ptr, m, kk, m_in[:, None] & k_in[None, :], ss, stride_nr,
-                                    stride_nt, pid_n == 0, K, NORM, NORM_ADD)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if GLU:
                 w_up = tl.load(w_ptr + (n[:, None] + N).to(tl.int64) * stride_wn + kk[None, :],
