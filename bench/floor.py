@@ -177,7 +177,7 @@ async def main(core: str, out: str, steps: int, decode_only: bool = False) -> No
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
     await ex.start()
-    results = {"core": core, "steps": steps, "decode": {}}
+    results = {"core": core, "device": ex.device.name, "steps": steps, "decode": {}}
     if not decode_only:
         results["copy_bandwidth_Bps"] = copy_bandwidth(ex, m)
     for b in m.capacities.decode_capacities:

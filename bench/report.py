@@ -109,7 +109,8 @@ def _weight_kind(name: str) -> str:
 
 def timeline_section(t: dict, name: str) -> list[str]:
     """Per-operator and per-weight tables of bench/timeline.py's decode step profile."""
-    out = [f"## Decode step timeline: {t.get('model', name)} ({name})", "",
+    on = f", {t['device']}" if "device" in t else ""  # (runs before 2026-12-05 were all on the H200)
+    out = [f"## Decode step timeline: {t.get('model', name)} ({name}{on})", "",
            (f"Weights {t['weight_bytes'] / 1e9:.2f} GB per step over {t['copy_bandwidth_Bps'] / 1e12:.2f} TB/s copy "
             f"bandwidth: roofline {t['roofline_ms']:.2f} ms per step. Each kernel is timed in a serialized copy of the "
             "graph with an event after every node, so every node also pays the event's cost (the difference between "
@@ -363,6 +364,14 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     folds passes all five generation tests, `qualification-2026-12-05.json`).
     115 µs from 0.80: the 4,096 x 4,096 products at 2.8 TB/s, down at 3.6, the
     attention q/k/v on cuBLAS at 3.3, and 81 norm launches (docs/gpu.md).
+  * **With the norms in the GEMVs' loads too, on an H100, 2026-12-05** (no H200
+    could be started; `decode-floor-qwen3_5-9b-shape-2026-12-05-h100-norms.json`,
+    `timeline-qwen3_5-9b-shape-2026-12-05-run2.json`): the add and
+    post-attention norm in the gate/up GEMV, the input norm in the attention q/k/v
+    GEMV (moved off cuBLAS), in_proj's input norm left apart by `measure`:
+    **6.340 ms, 0.84 of the H100's bytes-moved roofline** (5.323 ms at 3.03 TB/s;
+    306 kernels; c = 2 / 4: 6.461 / 6.595 ms). Another card: not comparable with
+    the H200's 0.781 above; the H200 figure is still to be measured.
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
   `generate` with a static cache and its compiled forward; the mode is recorded
   per batch): 1.72 / 1.64 / 1.58x at c = 1 / 2 / 4 (ITL 5.02 against 8.69 ms).

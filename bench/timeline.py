@@ -231,8 +231,8 @@ async def main(core: str, batches: list[int], launches: int) -> dict:
     bw = copy_bandwidth(ex, m)
     weight_bytes = sum(b.nbytes for b in m.buffers if b.name.startswith("w."))
     roofline_ms = weight_bytes / bw * 1e3
-    results = {"core": core, "launches": launches, "copy_bandwidth_Bps": bw, "weight_bytes": weight_bytes,
-               "roofline_ms": roofline_ms, "batches": {}}
+    results = {"core": core, "device": ex.device.name, "launches": launches, "copy_bandwidth_Bps": bw,
+               "weight_bytes": weight_bytes, "roofline_ms": roofline_ms, "batches": {}}
     spans = _spans(m, ex.arena.base)
     for b in batches:
         if b not in m.capacities.decode_capacities:
