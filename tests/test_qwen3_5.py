@@ -384,12 +384,14 @@ def test_steps_with_the_input_norms_in_the_mixers_gemvs(stream, monkeypatch):
     ``choose_step_gemms`` links them where that family wins): a decode step's input norms are no
     launches of their own (the layer passes the norm's input on, ``fused.input_norm``), the Gated
     DeltaNets' GEMVs take their convolution and the norm together (``gemv_conv_linear``), the
-    attention layers' GEMVs the norm (``gemv_norm_linear``), and the tokens and, within float32
-    rounding, the logits are those of the same core without them."""
+    attention layers' GEMVs the norm (``gemv_norm_linear``; the Gated DeltaNets' too where the
+    convolution stays apart), and the tokens and, within float32 rounding, the logits are those of
+    the same core without them."""
     from flare.prepare.kernels import gemm, gemv
     from flare.prepare.kernels import rownorm as R
     from flare.prepare.kernels.gemv import GemvTiling
     from flare.prepare.recipes import fused
+    from flare.prepare.recipes import qwen3_5 as Q
 
     core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
     plain, folded = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
@@ -419,6 +421,13 @@ def test_steps_with_the_input_norms_in_the_mixers_gemvs(stream, monkeypatch):
     hidden = folded.model.config.hidden_size
     # (the post-attention norms and the final norm keep their launches; none of the input norms does)
     assert norms.count(hidden) == 2 * (len(layers) + 1)
+    # Steps where the input projections leave the convolution apart (verify steps, Qwen3-Next):
+    # every one takes the norm through its module.
+    with monkeypatch.context() as m:
+        m.setattr(Q, "_conv_fold_tiling", lambda *a: None)
+        calls.clear()
+        decode_alike(plain, folded, [1, 2], steps=1)
+        assert sorted(calls) == [("norm", False)] * len(layers)
     # A hook on a mixer (which would see its input) keeps the layer's input norm a launch of its own.
     handle = layers[0].linear_attn.register_forward_pre_hook(lambda m, a: None)
     try:

@@ -322,7 +322,9 @@ def input_norm_projections(layers) -> list[tuple[nn.Module, nn.Module, nn.Module
     into the loads of a step's GEMV of the one projection that reads its output: the layer's forward
     was rewritten with ``input_norm``, it has one mixer (``self_attn`` or ``linear_attn``) whose
     forward passes its input to that projection alone (``flare_input_projection``: the fused
-    attention forwards, the prepared Gated DeltaNet's), a plain linear layer without bias; the
+    attention forwards, the prepared Gated DeltaNet's; the layer's forward must give the norm's
+    output to the mixer alone, as every rewritten layer does: a parallel-block layer, whose MLP
+    reads it too, has no such mixer), a plain linear layer without bias; the
     norm offers itself to a GEMV (``flare_gemv_norm``: a step's row-invariant norm, its weight in
     the projection's dtype, one ``gemv.takes_norm`` takes); no forward hook on any of the three."""
     from flare.prepare.kernels.gemv import takes_norm

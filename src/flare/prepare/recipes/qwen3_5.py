@@ -99,7 +99,10 @@ def _prepared_gdn_with(inputs, conv_first: bool):
                 T = x.shape[0]
                 fold = _conv_fold_tiling(self, paged, T)
                 if fold is not None:  # the convolution in the projection's GEMV: q|k|v come convolved
-                    mixed, z, b, a = _convolved_inputs(self, paged, x, fold)
+                    # (whether in_proj takes the layer's input norm: decided here, in the traced code
+                    # where the layer decided to pass its input on, not again in the eager call)
+                    normed = self.in_proj.flare_input_norm(x) is not None
+                    mixed, z, b, a = _convolved_inputs(self, paged, x, fold, normed)
                 else:
                     mixed, z, b, a = inputs(self, x)  # q|k|v, z, b, a
                 mix = _mix_triton if paged.impl == "triton" else _mix_torch
@@ -137,17 +140,19 @@ def _conv_fold_tiling(mod, paged: PagedBatch, rows: int):
 
 
 @torch.compiler.disable
-def _convolved_inputs(mod, paged: PagedBatch, x: torch.Tensor, tiling):
+def _convolved_inputs(mod, paged: PagedBatch, x: torch.Tensor, tiling, normed: bool = False):
     """A decode step's input projection with the convolution step of each live row in its GEMV's
     epilogue (its history updated in place), and the layer's input norm in its loads where it takes
-    it: q|k|v convolved, z, b, a (``_conv_fold_tiling``)."""
+    it (``normed``, decided by the caller): q|k|v convolved, z, b, a (``_conv_fold_tiling``)."""
     from flare.prepare.kernels.gemv import Conv, gemv_conv_linear
 
     conv_rows, _ = _state_rows(mod, paged)
     weight = mod.conv1d.weight
     conv = Conv(conv_rows, weight.reshape(weight.shape[0], -1), mod.conv1d.bias, paged.token_slot, paged.valid)
-    # (the layer's input norm too, where the projection takes it: ``fused.input_norm``)
-    norm = mod.in_proj.flare_input_norm(x)
+    # (the layer's input norm too, where the projection takes it, ``normed``: ``fused.input_norm``)
+    norm = mod.in_proj._flare_input_norm.flare_gemv_norm(x) if normed else None
+    if normed and norm is None:
+        raise RuntimeError("the input projection was to take the layer's input norm but cannot")
     return gemv_conv_linear(x, mod.in_proj.weight, tiling, conv, norm=norm).split(mod.in_proj.sizes, dim=-1)
 
 
