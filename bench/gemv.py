@@ -60,8 +60,10 @@ SHAPES = {"8b-qkv": (6144, 4096), "8b-o": (4096, 4096), "8b-gate_up": (28672, 40
 FOLD_SHAPES = ("8b-down", "9b-down")
 GLU_SHAPES = ("8b-gate_up", "9b-gate_up")
 CONV_SHAPES = {"9b-gdn-in": 8192, "35b-gdn-in": 8192}  # (the convolution's channels: q|k|v)
-# the projections after a decoder layer's input norm (``--norm``)
-NORM_SHAPES = ("8b-qkv", "9b-gdn-in", "9b-attn-qkv", "35b-gdn-in", "35b-attn-qkv", "30b-qkv")
+# the projections after a decoder layer's input norm (``--norm``), with the norm's form (zero-centred:
+# Qwen3.5's; Llama's and Qwen3's scale by the weight itself)
+NORM_SHAPES = {"8b-qkv": False, "9b-gdn-in": True, "9b-attn-qkv": True, "35b-gdn-in": True, "35b-attn-qkv": True,
+               "30b-qkv": False}
 CONV_WIDTH = 4
 VARIANTS = {"defer": 5, "rowloop": 6, "dot": 7}
 # (BN, BK, SPLIT, warps, stages[, defer[, rowloop[, dot]]]): the first version's best (reduced at every step),
@@ -143,11 +145,11 @@ def _glu(w, ws, x, n: int, tilings, dev) -> dict:
     return res
 
 
-def _norm(ws, x, n: int, tilings, dev, g, glu: bool) -> dict:
+def _norm(ws, x, n: int, tilings, dev, g, glu: bool, zero_centred: bool = True) -> dict:
     """ms of the norm before a projection and the projection (``--norm``): with ``glu`` a decoder
     layer's add and post-attention norm and its MLP's [gate; up] GEMV with the activation in its
     epilogue, else a decoder layer's input norm and the q/k/v or input projection after it. The
-    norm's kernel (``rownorm.rms_norm``, Qwen3.5's zero-centred form, with the add: one launch) then
+    norm's kernel (``rownorm.rms_norm`` in ``zero_centred`` form or Llama's, with the add: one launch) then
     each ``dot`` tiling without a split, against each such tiling with the norm (and the add) in
     its loads (``gemv(..., norm=)``); the largest difference of the two orders' outputs, and
     whether the sums they write are the same bits, are recorded."""
@@ -164,17 +166,17 @@ def _norm(ws, x, n: int, tilings, dev, g, glu: bool) -> dict:
             continue
         key = "x".join(map(str, t))
         try:
-            normed, want_total = rms_norm(x, nw, 1e-6, True, residual=r)
+            normed, want_total = rms_norm(x, nw, 1e-6, zero_centred, residual=r)
             want = G.gemv(normed, ws[0], out, t, glu=glu).clone()
-            got = G.gemv(x, ws[0], out, t, glu=glu, norm=G.Norm(nw, 1e-6, True, r, total)).clone()
+            got = G.gemv(x, ws[0], out, t, glu=glu, norm=G.Norm(nw, 1e-6, zero_centred, r, total)).clone()
             res[key + "-norm-max-diff"] = (got.float() - want.float()).abs().max().item()
             if glu:
                 res[key + "-norm-same-total"] = bool(torch.equal(total, want_total))
-            res[key + "+norm"] = graph_ms([lambda i=i, t=t: G.gemv(rms_norm(x, nw, 1e-6, True, residual=r)[0],
+            res[key + "+norm"] = graph_ms([lambda i=i, t=t: G.gemv(rms_norm(x, nw, 1e-6, zero_centred, residual=r)[0],
                                                                    ws[i % len(ws)], out, t, glu=glu)
                                           for i in range(CALLS)])
             res[key + "-norm"] = graph_ms([lambda i=i, t=t: G.gemv(x, ws[i % len(ws)], out, t, glu=glu,
-                                                                   norm=G.Norm(nw, 1e-6, True, r, total))
+                                                                   norm=G.Norm(nw, 1e-6, zero_centred, r, total))
                                           for i in range(CALLS)])
         except Exception as e:  # noqa: BLE001 (a tiling that does not compile here)
             res[key] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
             if a.norm and name in GLU_SHAPES:
                 entry["norm_glu_ms"] = _norm(ws, x, n, tilings, dev, g, glu=True)
             elif a.norm and name in NORM_SHAPES:
-                entry["input_norm_ms"] = _norm(ws, x, n, tilings, dev, g, glu=False)
+                entry["input_norm_ms"] = _norm(ws, x, n, tilings, dev, g, glu=False, zero_centred=NORM_SHAPES[name])
             if a.conv and name in CONV_SHAPES:
                 entry["conv_ms"] = _conv(ws, x, n, CONV_SHAPES[name], tilings, dev, g)
             entry["tb_per_s"] = {t: mb / 1e6 / (v / 1e3) for t, v in entry["ms"].items()}

@@ -480,8 +480,8 @@ def _norm_operands(weight: torch.Tensor, rows: int, fold: NormFold, seed: int = 
     before the norm) where the fold has one, else None."""
     g = torch.Generator(device=weight.device).manual_seed(seed)
     k, dev, dt = weight.shape[1], weight.device, weight.dtype
-    nw, x, r = (torch.randn(k, generator=g, device=dev, dtype=dt), torch.randn((rows, k), generator=g, device=dev, dtype=dt),
-                torch.randn((rows, k), generator=g, device=dev, dtype=dt))
+    nw = torch.randn(k, generator=g, device=dev, dtype=dt)
+    x, r = (torch.randn((rows, k), generator=g, device=dev, dtype=dt) for _ in range(2))
     return nw, x, r if fold.add else None
 
 
@@ -515,7 +515,8 @@ def _norm_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts
     nw, _, r = _norm_operands(w, x.shape[0], fold)
 
     def both(rows):
-        out, total = gemv_norm_linear(rows, w, tiling, Norm(nw, 1e-6, fold.zero_centred, r[: rows.shape[0]] if fold.add else None))
+        residual = r[: rows.shape[0]] if fold.add else None
+        out, total = gemv_norm_linear(rows, w, tiling, Norm(nw, 1e-6, fold.zero_centred, residual))
         return out if total is None else torch.cat([out, total], dim=-1)
 
     return _same_rows(both, x, counts)
