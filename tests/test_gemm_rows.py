@@ -663,6 +663,28 @@ def test_a_gate_up_projection_takes_the_add_and_norm_before_it(monkeypatch, norm
             handle.remove()
 
 
+@pytest.mark.parametrize("add", [True, False])
+def test_the_norm_folds_timing_and_row_check_run(add):
+    """``measure``'s helpers for the norm folds, which the choice tests stand in for: the row check
+    of a ``dot`` tiling (and a GLU one with the add) with the norm in its loads holds (the same
+    program at every count), and the timing runs the GEMV with the norm, and with the convolution
+    too, each call with the norm (a timer that calls what it times)."""
+    from flare.prepare.kernels.gemv import GemvTiling
+
+    w = torch.randn(96, 64, device=DEVICE)
+    x = torch.randn(4, 64, device=DEVICE)
+    fold = gemm.NormFold(zero_centred=True, add=add)
+    tiling = GemvTiling(16, 32, 4, dot=1, stages=2, glu=int(add))
+    assert gemm._norm_same_rows(w, x, tiling, [1, 2, 4], fold)
+    calls = []
+    ms = gemm._norm_gemv_ms(w, 2, tiling, fold, timer=lambda fn: calls.append(fn()) or 1.5)
+    assert ms == 1.5 and calls[0][0].shape == (2, 48 if add else 96) and (calls[0][1] is not None) == add
+    if not add:  # (the input norm of a Gated DeltaNet's in_proj, with its convolution in the epilogue)
+        conv = gemm.ConvFold(channels=32, width=4, counts=frozenset({2}))
+        ms = gemm._norm_gemv_ms(w, 2, tiling, fold, conv, timer=lambda fn: calls.append(fn()) or 2.5)
+        assert ms == 2.5 and calls[-1].shape == (2, 96)
+
+
 class _Mixer(nn.Module):
     """A mixer whose forward passes its input to one projection alone (as the fused attention and
     Gated DeltaNet forwards do)."""
