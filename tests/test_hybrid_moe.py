@@ -66,16 +66,18 @@ def test_logits_match_transformers(family, stream):
 
 def test_triton_path_matches_the_reference_path(family, stream, monkeypatch):
     """... with the decode steps running the shared expert inside the routed decode kernels
-    (one more pair of every token) and the prefill chunks running it apart."""
+    (one more pair of every token), which add the decoder layer's residual too (the layer's
+    forward rewritten with ``moe_residual``), and the prefill chunks running it apart."""
     from flare.prepare.kernels import moe as K
 
     calls = []
     decode = K.experts_decode
     monkeypatch.setattr(K, "experts_decode",
-                        lambda x, *a, **kw: calls.append((x.shape[0], kw.get("shared") is not None))
+                        lambda x, *a, **kw: calls.append((x.shape[0], kw.get("shared") is not None,
+                                                          kw.get("residual") is not None))
                         or decode(x, *a, **kw))
     triton_matches_reference(family[0], HYBRID_OPTS, stream)
-    assert calls and all(folded for _, folded in calls), calls
+    assert calls and all(folded and added for _, folded, added in calls), calls
 
 
 def test_the_folded_shared_expert_compiles_through_the_graph_break(family):
@@ -101,6 +103,13 @@ def test_the_folded_shared_expert_compiles_through_the_graph_break(family):
                 eager = block(x)
                 assert torch.equal(compiled(x), eager)
                 out[prompt] = eager
+            # The decoder layer's residual: added by the decode kernels, by the compiled code in
+            # a prompt program; the bits of the add apart either way.
+            residual = torch.randn(x.shape, generator=g)
+            added = torch.compile(block.flare_residual_forward, backend="aot_eager", dynamic=False)
+            with prompt_rows.marked(prompt):
+                assert torch.equal(block.flare_residual_forward(x, residual), residual + out[prompt])
+                assert torch.equal(added(x, residual), residual + out[prompt])
     valid = block.flare_paged.valid
     torch.testing.assert_close(out[False][valid], out[True][valid], atol=1e-5, rtol=1e-5)
     assert not out[False][~valid].any()  # a padded decode row reads no expert, the shared one included

@@ -78,10 +78,12 @@ SCRIPT = textwrap.dedent('''
                      dict(BN=16, BK=512))
     compile_for_sm90(M._decode_down_kernel, {**bf16("h_ptr", "w_ptr", "out_ptr"), "ids_ptr": "*i64",
                                              "weights_ptr": "*fp32"}, dict(TOPK=8, BN=4, BK=512))
-    for topk, kp, shared in ((8, 8, True), (8, 8, False), (10, 16, True)):  # a gated shared expert or none
+    # a gated shared expert or none, the residual added or not
+    for topk, kp, shared, res in ((8, 8, True, False), (8, 8, False, True), (10, 16, True, True)):
         compile_for_sm90(M._decode_down_wide_kernel,
-                         {**bf16("h_ptr", "w_ptr", "s_ptr", "g_ptr", "out_ptr"), "ids_ptr": "*i64",
-                          "weights_ptr": "*fp32"}, dict(TOPK=topk, KP=kp, BN=8, BK=128, SHARED=shared), num_warps=8)
+                         {**bf16("h_ptr", "w_ptr", "s_ptr", "g_ptr", "r_ptr", "out_ptr"), "ids_ptr": "*i64",
+                          "weights_ptr": "*fp32"}, dict(TOPK=topk, KP=kp, BN=8, BK=128, SHARED=shared, RESIDUAL=res),
+                         num_warps=8)
     for bm, bn, bk, bias in ((16, 16, 128, False), (16, 64, 128, True), (64, 128, 64, False)):
         compile_for_sm90(G.nonsplit_kernel, bf16("x_ptr", "w_ptr", "b_ptr", "out_ptr"),
                          dict(BM=bm, BN=bn, BK=bk, PRECISION="tf32", HAS_BIAS=bias))

@@ -57,6 +57,15 @@ def _loop64(x, weights, ids, gate_up, down):
     return out
 
 
+def _added(got, residual, out):
+    """``got`` is ``residual + out`` in out's dtype: the same bits on the GPU; in the CPU
+    interpreter, whose float32 -> bfloat16 conversion truncates, within its rounding."""
+    if DEVICE == "cuda" or out.dtype == torch.float32:
+        assert torch.equal(got, residual + out)
+    else:
+        torch.testing.assert_close(got.float(), residual.float() + out.float(), rtol=2 ** -7, atol=0)
+
+
 def test_route_matches_transformers_router_and_breaks_ties_by_index():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -149,6 +158,15 @@ def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
     torch.testing.assert_close(wide.cpu().to(F64), ref, **tol)
     torch.testing.assert_close(wide, got, **tol)
     assert torch.equal(wide[~valid].cpu(), torch.zeros_like(wide[~valid].cpu()))
+    # The decoder layer's residual added in the down kernel: the bits of the add apart.
+    residual = torch.randn(T, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    added = experts_decode(x, w, ids, gate_up, down, gate_up_blocks=(8, 16, 4), down_blocks=(16, 16, 4),
+                           residual=residual)
+    _added(added, residual, wide)
+    with pytest.raises(ValueError, match="wide down"):
+        experts_decode(x, w, ids, gate_up, down, wide_down=False, residual=residual)
+    with pytest.raises(ValueError, match="residual"):
+        experts_decode(x, w, ids, gate_up, down, residual=residual[:, 1:])
 
 
 @pytest.mark.parametrize("E,H", [(8, 40), (128, 96), (300, 64)])
@@ -207,6 +225,10 @@ def test_decode_gemvs_fold_a_gated_shared_expert(T, k, I_s, dtype):
     sg, su = F.linear(x, s_gate_up).chunk(2, dim=-1)
     apart = experts_decode(x, w, ids, gate_up, down) + torch.sigmoid(gate) * F.linear(F.silu(sg) * su, s_down)
     torch.testing.assert_close(got[valid], apart[valid], **tol)
+    residual = torch.randn(T, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    added = experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gate), gate_up_blocks=(8, 16, 4),
+                           down_blocks=(16, 16, 4), residual=residual)
+    _added(added, residual, got)
     with pytest.raises(ValueError, match="wide down"):
         experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gate), wide_down=False)
     with pytest.raises(ValueError, match="expected"):

@@ -159,13 +159,17 @@ def test_triton_experts_match_the_reference_path(stream, monkeypatch):
     steps and prefill chunks alike, so a token's weights do not depend on the capacity."""
     from flare.prepare.kernels import moe as K
 
-    calls = []
-    rows = K.route_rows
+    calls, added = [], []
+    rows, experts = K.route_rows, K.experts_decode
     monkeypatch.setattr(K, "route_rows",
                         lambda logits, *a, **kw: calls.append(logits.shape[0]) or rows(logits, *a, **kw))
+    monkeypatch.setattr(K, "experts_decode",
+                        lambda *a, **kw: added.append(kw.get("residual") is not None) or experts(*a, **kw))
     triton_matches_reference("qwen3-moe-tiny", TINY_OPTS, stream)
     decodes = set(calls) - {64}  # prefill.64, and the decode capacities the stream ran
     assert 64 in calls and decodes and decodes <= {1, 2, 4, 8}, calls
+    # (the decode kernels add the decoder layer's residual: its forward rewritten with add_norm_mlp)
+    assert added and all(added), added
 
 
 def test_tp2_splits_the_experts_and_matches_tp1(moe_core, hf_models):

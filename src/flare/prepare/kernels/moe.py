@@ -523,16 +523,19 @@ def _decode_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, st
 
 
 @triton.jit
-def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, KS, KMAX, ROWS,
-                             stride_hp, stride_we, stride_wn, stride_sn, stride_g, stride_ot, TOPK: tl.constexpr,
-                             KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr):
+def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, r_ptr, out_ptr, E, N, K, KS, KMAX,
+                             ROWS, stride_hp, stride_we, stride_wn, stride_sn, stride_g, stride_rt, stride_ot,
+                             TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
     """``_decode_down_kernel`` with the token's k pairs loaded together: one [k, BN, BK] tile of
     their experts' rows per step of the reduction instead of k tiles one after another (a
     reduction only I wide leaves a program few loads in flight otherwise). Each pair's GEMV
     is reduced as there; the pairs are then summed in slot order (a masked sum picks row j
     exactly: it adds zeros). ``SHARED``: the token's shared-expert pair (h row
     ``t * ROWS + TOPK``, down rows ``s_ptr``, ``KS`` wide) is reduced beside them, rounded to
-    the model dtype as its down projection, and added last, weighted by sigmoid(gate logit)."""
+    the model dtype as its down projection, and added last, weighted by sigmoid(gate logit).
+    ``RESIDUAL``: the decoder layer's residual row is added to the output rounded to the model
+    dtype, in float32, rounded again: the bits of the add as a kernel of its own."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_in = n < N
@@ -568,13 +571,17 @@ def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, o
     if SHARED:
         gate = tl.load(g_ptr + t.to(tl.int64) * stride_g).to(tl.float32)
         total += tl.sum(acc_s, 1).to(dtype).to(tl.float32) * tl.where(s_live, tl.sigmoid(gate), 0.0)
+    if RESIDUAL:
+        r = tl.load(r_ptr + t.to(tl.int64) * stride_rt + n, mask=n_in, other=0.0)
+        total = total.to(dtype).to(tl.float32) + r.to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, total.to(dtype), mask=n_in)
 
 
 def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, *, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
-                   down_blocks: tuple[int, int, int] | None = None, wide_down: bool = True) -> torch.Tensor:
+                   down_blocks: tuple[int, int, int] | None = None, wide_down: bool = True,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
     slot order. The same roundings as ``experts_triton`` and ``experts_torch``; sentinel
@@ -599,7 +606,10 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     projections rounded to x's dtype as Transformers' MLP rounds them and added after the
     routed pairs in float32 (Transformers adds two model-dtype tensors). Run apart, the
     shared expert's GEMMs and elementwise kernels were some 6 launches a layer on the H200
-    (``docs/gpu.md``); wide down only."""
+    (``docs/gpu.md``); wide down only.
+
+    ``residual`` (``[T, H]``, x's dtype): the decoder layer's residual, added in the down kernel
+    (``residual + out`` to the same bits, a launch fewer a layer); wide down only."""
     T, k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -620,6 +630,12 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
         if not (s_gate_up.is_contiguous() and s_down.is_contiguous()) or s_gate_up.dtype != gate_up.dtype:
             raise ValueError("the shared expert's weights must be contiguous and of the experts' dtype")
         rows = k + 1
+    if residual is not None:
+        if not wide_down:
+            raise ValueError("a residual is added only by the wide down kernel")
+        if residual.shape != (T, H) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype}: expected [{T}, {H}] {x.dtype} rows "
+                             f"with unit stride")
     width = max(I, I_s)
     h = torch.empty((T * rows, width), dtype=x.dtype, device=x.device)
     bn, bk, warps = gate_up_blocks
@@ -629,11 +645,12 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_blocks or ((8, 128, 4) if shared is not None else (8, 128, 8))
     if wide_down:
+        r = residual if residual is not None else out  # (a stand-in, never read without RESIDUAL)
         _decode_down_wide_kernel[(T, triton.cdiv(H, bn))](
-            h, down, s_down, s_gate, ids, weights.contiguous(), out, E, H, I, I_s, width, rows, h.stride(0),
-            down.stride(0), down.stride(1), s_down.stride(0), s_gate.stride(0), out.stride(0), TOPK=k,
+            h, down, s_down, s_gate, ids, weights.contiguous(), r, out, E, H, I, I_s, width, rows, h.stride(0),
+            down.stride(0), down.stride(1), s_down.stride(0), s_gate.stride(0), r.stride(0), out.stride(0), TOPK=k,
             KP=triton.next_power_of_2(k), BN=bn, BK=min(bk, triton.next_power_of_2(width)), num_warps=warps,
-            SHARED=shared is not None)
+            SHARED=shared is not None, RESIDUAL=residual is not None)
     else:
         _decode_down_kernel[(T, triton.cdiv(H, bn))](
             h, down, ids, weights.contiguous(), out, E, H, I, h.stride(0), down.stride(0), down.stride(1),

@@ -376,10 +376,17 @@ def glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
 def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + mlp(x)``, a decoder layer's MLP and the residual add after it: a fused gated
     MLP (``_mlp_forward``) without hooks takes the residual into its down projection, whose GEMV
-    (in steps where it takes one) adds it in its epilogue; anything else runs as written."""
+    (in steps where it takes one) adds it in its epilogue; so does a prepared mixture-of-experts
+    block (``flare_residual_forward``: its decode kernels add it); anything else runs as written
+    (a block returning a tuple gives its first element, as the mixture-of-experts layers that
+    ``moe_residual`` rewrites unpack it)."""
     if type(mlp).forward is _mlp_forward and not hooked(mlp):
         return _mlp_forward(mlp, x, residual)
-    return residual + mlp(x)
+    with_residual = getattr(mlp, "flare_residual_forward", None)
+    if with_residual is not None and not hooked(mlp):
+        return with_residual(x, residual)
+    out = mlp(x)
+    return residual + (out[0] if isinstance(out, tuple) else out)
 
 
 def add_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,6 +415,11 @@ _REWRITES = {
     "input_norm": (("hidden_states = self.input_layernorm(hidden_states)",),
                    "hidden_states = _flare_input_norm(self.input_layernorm, hidden_states)"),
     "mlp_residual": (("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
+                     "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"),
+    # (Qwen3.5-MoE's and Qwen3-Next's layers, whose MLP may be a block returning a tuple)
+    "moe_residual": (("hidden_states = self.mlp(hidden_states)",
+                      "if isinstance(hidden_states, tuple):\n    hidden_states, _ = hidden_states",
+                      "hidden_states = residual + hidden_states"),
                      "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"),
     "add_norm": (("hidden_states = residual + hidden_states", "residual = hidden_states",
                   "hidden_states = self.post_attention_layernorm(hidden_states)"),

@@ -37,12 +37,14 @@ def _triton(x: torch.Tensor, paged: PagedBatch | None) -> bool:
     return x.is_cuda or (paged is not None and paged.impl == "triton")
 
 
-def _routed(block, x: torch.Tensor, paged: PagedBatch | None,
-            shared: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = False,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """The routed experts' output for hidden rows ``x [T, H]``, and, for a block with a gated
     shared expert (``shared``), the shared expert's gate logits ``[T, 1]``: or None where
     the output already includes the shared expert (a decode-sized step of a single rank runs
-    it inside the routed decode kernels, as one more pair of every token: ``_folds_shared``).
+    it inside the routed decode kernels, as one more pair of every token: ``_folds_shared``);
+    and whether the output includes ``residual`` (``[T, H]``, the decoder layer's: the decode
+    kernels add it where the shared expert is folded or there is none, a single rank).
     With tensor parallelism each rank holds a contiguous slice of the experts: the
     (replicated) router picks among all of them, a rank computes the pairs routed to its
     own, and the partial outputs are all-reduced."""
@@ -83,14 +85,20 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None,
         outside = (ids < 0) | (ids >= local)
         ids, weights = torch.where(outside, local, ids), torch.where(outside, 0.0, weights)
     args = (x, weights, ids, experts.gate_up_proj, experts.down_proj)
+    if residual is not None and (residual.stride(-1) != 1 or residual.dtype != x.dtype):
+        residual = None  # (the kernel reads rows of unit stride in x's dtype: the add stays apart)
     if decode and shared and not split and _folds_shared(block):
         s = block.shared_expert
-        return K.experts_decode(*args, shared=(s.gate_up_proj.weight, s.down_proj.weight, gate_logits)), None
-    if decode:  # GEMVs of the routed experts, no tiles
+        out = K.experts_decode(*args, shared=(s.gate_up_proj.weight, s.down_proj.weight, gate_logits),
+                               residual=residual)
+        return out, None, residual is not None
+    if decode and not shared and not split:  # GEMVs of the routed experts, no tiles
+        return K.experts_decode(*args, residual=residual), None, residual is not None
+    if decode:
         out = K.experts_decode(*args)
     else:
         out = K.experts_triton(*args) if triton else K.experts_torch(*args)
-    return block.flare_tp.all_reduce(out) if split else out, gate_logits
+    return block.flare_tp.all_reduce(out) if split else out, gate_logits, False
 
 
 def _folds_shared(block) -> bool:
@@ -112,30 +120,32 @@ def prepared_moe(base: type) -> type:
         flare_tp: TensorParallel = SINGLE  # set by the recipe base for a tensor-parallel rank
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return self.flare_residual_forward(hidden_states, None)
+
+        def flare_residual_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+            """``residual + self(hidden_states)`` (``fused.mlp_residual``: the decoder layer's
+            add after its MLP), or the block's output alone with ``residual`` None. A decode
+            step's down kernel adds the residual (``_routed``): a launch fewer a layer."""
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
-            shared = getattr(self, "shared_expert", None)
-            if shared is None:
-                return self._experts(x).reshape(hidden_states.shape)
-            out, gate = self._experts_and_gate(x)
-            if gate is None:  # decode steps: the shared expert ran inside the routed kernels
-                return out.reshape(hidden_states.shape)
-            # Otherwise inside the compiled layer, as a dense model's MLP runs (one gate/up GEMM,
-            # the activation fused, the down GEMM, then the gated sum fused): run eagerly beside
-            # the routed experts it took 9 kernels a layer on the H200, its gate/up GEMM at 0.3
-            # TB/s in a transposed cuBLAS layout.
-            return (out + F.sigmoid(gate) * shared(x)).reshape(hidden_states.shape)
+            r = None if residual is None else residual.reshape(-1, residual.shape[-1])
+            out, gate, added = self._experts(x, r)
+            if gate is not None:
+                # The shared expert inside the compiled layer, as a dense model's MLP runs (one
+                # gate/up GEMM, the activation fused, the down GEMM, then the gated sum fused): run
+                # eagerly beside the routed experts it took 9 kernels a layer on the H200, its
+                # gate/up GEMM at 0.3 TB/s in a transposed cuBLAS layout. (Decode steps run it
+                # inside the routed kernels: no gate then.)
+                out = out + F.sigmoid(gate) * self.shared_expert(x)
+            out = out.reshape(hidden_states.shape)
+            return out if residual is None or added else residual + out
 
         # Outside the compiled layer: the batch is a plain attribute (a compiled forward
         # would guard on it per program), and the plan and kernels run as written.
         @torch.compiler.disable
-        def _experts(self, x: torch.Tensor) -> torch.Tensor:
-            return _routed(self, x, self.flare_paged)[0]
-
-        @torch.compiler.disable
-        def _experts_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            """The routed output and the shared expert's gate logits, or (routed and shared
-            output, None) where the decode kernels ran the shared expert too."""
-            return _routed(self, x, self.flare_paged, shared=True)
+        def _experts(self, x: torch.Tensor, residual: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+            """``_routed``'s (output, shared expert's gate logits or None, residual added)."""
+            return _routed(self, x, self.flare_paged, getattr(self, "shared_expert", None) is not None, residual)
 
     return PreparedSparseMoe
 
