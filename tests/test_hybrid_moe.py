@@ -67,17 +67,21 @@ def test_logits_match_transformers(family, stream):
 def test_triton_path_matches_the_reference_path(family, stream, monkeypatch):
     """... with the decode steps running the shared expert inside the routed decode kernels
     (one more pair of every token), which add the decoder layer's residual too (the layer's
-    forward rewritten with ``moe_residual``), and the prefill chunks running it apart."""
+    forward rewritten with ``moe_residual``), and the prefill chunks running it apart; with
+    ticket counters (a CUDA core's), decode steps route in the router's launch."""
     from flare.prepare.kernels import moe as K
 
-    calls = []
-    decode = K.experts_decode
+    calls, routes = [], []
+    decode, rows = K.experts_decode, K.route_rows
     monkeypatch.setattr(K, "experts_decode",
                         lambda x, *a, **kw: calls.append((x.shape[0], kw.get("shared") is not None,
                                                           kw.get("residual") is not None))
                         or decode(x, *a, **kw))
-    triton_matches_reference(family[0], HYBRID_OPTS, stream)
+    monkeypatch.setattr(K, "route_rows", lambda logits, *a, **kw: routes.append(logits.shape[0])
+                        or rows(logits, *a, **kw))
+    triton_matches_reference(family[0], HYBRID_OPTS, stream, tickets=True)
     assert calls and all(folded and added for _, folded, added in calls), calls
+    assert routes and set(routes) == {64}, routes  # prefill chunks only
 
 
 def test_the_folded_shared_expert_compiles_through_the_graph_break(family):

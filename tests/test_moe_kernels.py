@@ -192,6 +192,17 @@ def test_router_gemv_rows_do_not_depend_on_the_batch(E, H, dtype):
     torch.testing.assert_close(plain, logits, **tol)
     with pytest.raises(ValueError, match="shared gate"):
         router_gemv(x, w, s[:, 1:].contiguous())
+    # Routed in the same launch (the token's last program, by tickets): route_rows' weights and
+    # ids on these logits to the bit, a padded row routed nowhere, the counters left at zero.
+    counts = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    valid = torch.tensor([True, True, False, True, True], device=DEVICE)
+    for k, shared in ((min(8, E), s), (2, None)):
+        got = router_gemv(x, w, shared, route=(k, True, valid, counts))
+        want_w, want_ids = route_rows(got[0], k, True, valid)
+        assert torch.equal(got[0], logits) and torch.equal(got[2], want_w) and torch.equal(got[3], want_ids)
+        assert (got[3][2] == E).all() and not got[2][2].any() and not counts.any()
+    with pytest.raises(ValueError, match="counters"):
+        router_gemv(x, w, route=(2, True, None, counts[:4]))
 
 
 @pytest.mark.parametrize("T,k,I_s", [(1, 3, 24), (3, 2, 40), (4, 8, 16)])

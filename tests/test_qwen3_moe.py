@@ -134,14 +134,21 @@ def test_logits_match_transformers_and_routing_gaps_exceed_rounding(rig, hf_mode
     assert worst["prefill"] <= bound and worst["decode"] <= bound, (worst, bound)
 
 
-def triton_matches_reference(model: str, opts: list[str], stream) -> None:
+def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool = False) -> None:
     """The CUDA path (Triton kernels, under the CPU interpreter here) against the reference
     path on one core of ``model`` (``opts`` with prefill programs of 64 rows,
     conftest.INTERPRETER_CHUNK): two prefills cut inside a chunk, then two decode steps of a
-    batch."""
+    batch. ``tickets``: the mixture-of-experts blocks get ticket counters, as a CUDA core's
+    (decode steps route in the router's launch), left zeroed."""
     core = prepare_core(model, [*opts, *INTERPRETER_CHUNK], name=f"{model}-prefill64")
     rigs = {impl: load_rig(core, seed=3, attention=impl) for impl in ("reference", "triton")}
     assert rigs["triton"].m.capacities.prefill_capacities == (64,)
+    counters = torch.zeros(64, dtype=torch.int32)
+    if tickets:
+        blocks = [m for m in rigs["triton"].model.modules() if hasattr(type(m), "flare_route_tickets")]
+        assert blocks
+        for block in blocks:
+            block.flare_route_tickets = counters
     out = {}
     for impl, r in rigs.items():
         logits = []
@@ -152,6 +159,7 @@ def triton_matches_reference(model: str, opts: list[str], stream) -> None:
             logits.append(decode(r, [1, 2], [stream[100 + step], stream[120 + step]])[0])
         out[impl] = torch.cat(logits)
     torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4)
+    assert not counters.any()
 
 
 def test_triton_experts_match_the_reference_path(stream, monkeypatch):

@@ -232,6 +232,13 @@ class _CudaArena:
         their mean of squares from a row-invariant kernel there (kernels/rownorm.py)."""
         if opts.step_gemms not in ("cublas", "measure", "gemv"):
             raise ValueError(f"step_gemms {opts.step_gemms!r}: expected cublas, measure or gemv")
+        # A mixture-of-experts block's decode steps route in the router's launch (its last
+        # program for each token, by the core's ticket counters; recipes/moe.py).
+        routers = [m for m in model.module.modules() if hasattr(type(m), "flare_route_tickets")]
+        for block in routers:
+            block.flare_route_tickets = self.tickets
+        if routers and self.tickets is not None:
+            progress(f"decode steps route in the router's launch ({len(routers)} layers)")
         if opts.step_norms not in ("compiled", "invariant"):
             raise ValueError(f"step_norms {opts.step_norms!r}: expected compiled or invariant")
         if not opts.split_prompt_gemms:

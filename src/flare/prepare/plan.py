@@ -236,9 +236,10 @@ def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: O
     )
     if opts.device == "cuda" and opts.tp_size > 1:
         reqs += collective_buffers(caps, opts.tp_size, TORCH_DTYPES[opts.resolved_dtype()].itemsize)
-    if opts.device == "cuda" and opts.step_gemms == "measure":
-        # The split GEMVs' ticket counters (kernels/gemv.py): zeroed by the runtime like every
-        # state buffer, back at zero after every call.
+    if opts.device == "cuda":
+        # The split GEMVs' ticket counters (kernels/gemv.py), which the routers of decode steps
+        # take too (kernels/moe.py's router_gemv): zeroed by the runtime like every state buffer,
+        # back at zero after every call.
         from flare.prepare.kernels.gemv import TICKET_COUNTERS
 
         reqs.append(BufferRequest(GEMV_TICKETS, BufferRole.state, DType.int32, (TICKET_COUNTERS,)))

@@ -425,11 +425,16 @@ def _gemv_rows(x_row_ptr, w_rows_ptr, n, n_in, K, stride_wn, BN: tl.constexpr, B
 
 
 @triton.jit
-def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, N, K, stride_xt, stride_wn, stride_ot, stride_gt,
-                        BN: tl.constexpr, BK: tl.constexpr, HAS_S: tl.constexpr):
+def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, ids_ptr, count_ptr, N, K, stride_xt,
+                        stride_wn, stride_ot, stride_gt, BN: tl.constexpr, BK: tl.constexpr, HAS_S: tl.constexpr,
+                        ROUTE: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr,
+                        BKK: tl.constexpr):
     """Program (token, block of BN router rows): the logits of those experts for the token, the
     whole of K in order (``_gemv_rows``), so a token's logits do not depend on its batch. With
-    ``HAS_S`` the program past the last block computes the shared expert's one-column gate."""
+    ``HAS_S`` the program past the last block computes the shared expert's one-column gate.
+    ``ROUTE``: each program then takes a ticket from the token's counter; the last one routes
+    the token as ``route_rows``' program does (``_top_k`` over the logits the others stored, the
+    same layout: one row, 4 warps), writes its weights and ids, and zeroes the counter."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
@@ -445,11 +450,30 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, N, K, stride_xt, st
             n_in = n < 1
             y = _gemv_rows(x_row, s_ptr, n, n_in, K, K, BN, BK)
             tl.store(g_ptr + t.to(tl.int64) * stride_gt + n, y.to(dtype), mask=n_in)
+    if ROUTE:
+        tl.debug_barrier()  # every thread's logits are stored before the ticket
+        ticket = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            tl.store(count_ptr + t, 0)
+            rows = t + tl.arange(0, 1)
+            live = tl.load(valid_ptr + rows) != 0
+            j = tl.arange(0, BKK)
+            top = tl.zeros([1, BKK], tl.float32)
+            sel = tl.zeros([1, BKK], tl.int32)
+            if tl.max(live.to(tl.int32), 0) > 0:  # a padded row routes nowhere
+                top, sel = _top_k(out_ptr, rows, rows >= 0, t + 1, N, stride_ot, 1, TOPK, RENORM, 1, BE, BKK)
+            sel = tl.where(live[:, None], sel, N)
+            top = tl.where(live[:, None], top, 0.0)
+            at = rows[:, None] * TOPK + j[None, :]
+            tl.store(rw_ptr + at, top, mask=j[None, :] < TOPK)
+            tl.store(ids_ptr + at, sel.to(tl.int64), mask=j[None, :] < TOPK)
 
 
 def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor | None = None,
-                *, block_n: int | None = None, block_k: int = 512,
-                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor | None]:
+                *, block_n: int | None = None, block_k: int = 512, num_warps: int = 4,
+                route: tuple[int, bool, torch.Tensor | None, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None,
+                                                                      torch.Tensor, torch.Tensor]:
     """The router's logits ``x @ weight.T`` (``[T, E]``, float32 sums, the model dtype out) for a
     decode-sized batch, and a shared expert's gate logits ``x @ shared_gate.T`` (``[T, 1]``;
     None without one) in the same launch. One program per token and block of router rows,
@@ -457,7 +481,12 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     decode step of any batch size. ``invariant_linear`` (prompt programs: 16-row tensor-core
     tiles) runs a 256-expert router in 16 programs for a decode step, 10 µs a layer on the
     H200 for 0.5-1 MB of weights; here about 64 programs share it (``block_n``: E / 64 rows
-    each, 1-16). The roundings differ from ``invariant_linear``'s only in summation order."""
+    each, 1-16). The roundings differ from ``invariant_linear``'s only in summation order.
+
+    ``route`` = (top k, renormalise, valid rows or None, ticket counters: zeroed int32, at least
+    T, left zeroed): the token's last program also routes it, the weights and ids of
+    ``route_rows`` on these logits to the bit (returned after the logits and gate), without
+    ``route_rows``' launch."""
     T, Kd = x.shape
     E = weight.shape[0]
     if x.stride(-1) != 1 or not weight.is_contiguous():
@@ -468,11 +497,22 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     out = torch.empty((T, E), dtype=x.dtype, device=x.device)
     gate = torch.empty((T, 1), dtype=x.dtype, device=x.device) if shared_gate is not None else None
     blocks = triton.cdiv(E, bn) + (shared_gate is not None)
+    top_k, renorm, valid, counts = route if route is not None else (1, False, None, None)
+    if route is not None:
+        if counts.dtype != torch.int32 or counts.numel() < T:
+            raise ValueError(f"router_gemv's route: {counts.numel()} {counts.dtype} counters for {T} tokens")
+        if valid is None:
+            valid = torch.ones(T, dtype=torch.bool, device=x.device)
+        weights = torch.empty((T, top_k), dtype=torch.float32, device=x.device)
+        ids = torch.empty((T, top_k), dtype=torch.long, device=x.device)
     _router_gemv_kernel[(T, blocks)](
         x, weight, shared_gate if shared_gate is not None else weight, out, gate if gate is not None else out,
+        *((valid, weights, ids, counts) if route is not None else (out, out, out, out)),
         E, Kd, x.stride(0), weight.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0,
-        BN=bn, BK=min(block_k, triton.next_power_of_2(Kd)), HAS_S=shared_gate is not None, num_warps=num_warps)
-    return out, gate
+        BN=bn, BK=min(block_k, triton.next_power_of_2(Kd)), HAS_S=shared_gate is not None, ROUTE=route is not None,
+        TOPK=top_k, RENORM=renorm, BE=triton.next_power_of_2(E), BKK=triton.next_power_of_2(top_k),
+        num_warps=num_warps)
+    return (out, gate) if route is None else (out, gate, weights, ids)
 
 
 @triton.jit

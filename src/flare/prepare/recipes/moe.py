@@ -65,8 +65,12 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
     # whatever it is batched with: in decode steps a GEMV program per token and block of
     # experts (the shared expert's gate in the same launch), in prompt programs by fixed tiles.
     s_gate = block.shared_expert_gate if shared else None  # Linear(H, 1): one column
+    routed = None
     if decode:
-        logits, gate_logits = K.router_gemv(x, gate.weight, s_gate.weight if shared else None)
+        # With the core's ticket counters the router's last program for each token routes it too.
+        tickets = block.flare_route_tickets
+        route = None if tickets is None else (k, renorm, valid, tickets)
+        logits, gate_logits, *routed = K.router_gemv(x, gate.weight, s_gate.weight if shared else None, route=route)
     elif triton:
         logits = K.invariant_linear(x, gate.weight)
         gate_logits = K.invariant_linear(x, s_gate.weight) if shared else None
@@ -79,7 +83,10 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
     # the same weights in a decode step and in a prefill chunk of any capacity: a cache-on
     # turn prefills its suffix in a smaller program than the cache-off turn's whole prompt.
     # (torch's softmax and sums over [T, E] agree across capacities only to float32 rounding.)
-    weights, ids = K.route_rows(logits, k, renorm, valid) if triton else K.route_logits(logits, k, renorm, valid)
+    if routed:
+        weights, ids = routed
+    else:
+        weights, ids = K.route_rows(logits, k, renorm, valid) if triton else K.route_logits(logits, k, renorm, valid)
     if split:
         ids = ids - block.flare_tp.rank * local
         outside = (ids < 0) | (ids >= local)
@@ -118,6 +125,8 @@ def prepared_moe(base: type) -> type:
         reads_batch = True
         flare_paged: PagedBatch | None = None
         flare_tp: TensorParallel = SINGLE  # set by the recipe base for a tensor-parallel rank
+        # The core's ticket counters (CUDA cores: ``build``): decode steps route in the router's launch.
+        flare_route_tickets: torch.Tensor | None = None
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
             return self.flare_residual_forward(hidden_states, None)
