@@ -369,3 +369,22 @@ def test_a_layer_whose_forward_has_another_shape_keeps_it():
             return self.mlp(self.post_attention_layernorm(hidden_states))
 
     assert _rewritten_forward(Other) is None
+
+
+def test_a_modules_rotary_is_taken_for_rotate_half_only_where_it_computes_it():
+    """``rotates_half``: Qwen3's ``apply_rotary_pos_emb`` (what the one-launch q/k norms and rotary
+    of a step compute, ``rownorm.qk_norm_rotary``) is; an interleaved rotary (pairs 2i, 2i + 1) or
+    a function of another signature is not."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from flare.prepare.recipes.fused import rotates_half
+
+    def interleaved(q, k, cos, sin):
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rot(q) * s, k * c + rot(k) * s
+
+    assert rotates_half(apply_rotary_pos_emb)
+    assert not rotates_half(interleaved)
+    assert not rotates_half(lambda q, k: (q, k))

@@ -109,6 +109,11 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
+    for d, zc in ((128, False), (256, True)):  # Qwen3's heads, Qwen3.5's
+        compile_for_sm90(RN._qk_norm_rotary_kernel,
+                         {**bf16("q_ptr", "k_ptr", "wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"),
+                          "eps": "fp32"},
+                         dict(D=d, ZERO_CENTRED=zc), num_warps=RN._warps(d))
     for block in (1024, 4096):  # hidden 576 .. 1,024 and 4,096 (8B); the norms pass float32 rows
         compile_for_sm90(RN._mean_square_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK=block),
                          num_warps=RN._warps(block))
@@ -238,4 +243,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 157, proc.stdout
+    assert proc.stdout.count("compiled") == 159, proc.stdout

@@ -301,22 +301,45 @@ def test_step_norms_in_one_launch_with_the_residual_add(stream, monkeypatch):
     CUDA path under Triton's interpreter: in decode steps every decoder layer's residual add
     after its mixer and its post-attention norm are one ``rms_norm`` launch (the rewritten
     layer forward's ``add_norm``), the input norms and the final norm one launch each without
-    the add (the final norm and the attention layers' per-head q/k norms too), and the tokens
-    and, within float32 rounding, the logits are those of the same core without them."""
+    the add, the attention layers' per-head q/k norms and rotary one ``qk_norm_rotary`` launch,
+    and the tokens and, within float32 rounding, the logits are those of the same core without
+    them; without that launch (each q/k norm one ``rms_norm`` launch, the rotary compiled) the
+    same."""
     from flare.prepare.kernels import rownorm as R
 
     core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
-    plain, switched = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
+    plain, switched, apart = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 3, attention="triton")
     layers = list(switched.model.model.layers)
-    R.make_norms_row_invariant(switched.model, steps=True)
-    calls = []
-    real = R.rms_norm
+    for rig in (switched, apart):
+        R.make_norms_row_invariant(rig.model, steps=True)
+    for layer in apart.model.model.layers:
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.flare_rotate_half = False  # (this layer's own code: norms, then the rotary)
+    calls, qk = [], []
+    real, real_qk = R.rms_norm, R.qk_norm_rotary
     monkeypatch.setattr(R, "rms_norm", lambda *a, **kw: calls.append("residual" in kw) or real(*a, **kw))
-    decode_alike(plain, switched, [1, 2], steps=2)
-    assert calls.count(True) == 2 * len(layers)  # two steps
-    attention = sum(1 for layer in layers if hasattr(layer, "self_attn"))
-    assert 0 < attention < len(layers)
-    assert calls.count(False) == 2 * (len(layers) + 1 + 2 * attention)
+
+
+    def counted(*a):  # (the q norms of the calls that took the launch)
+        out = real_qk(*a)
+        qk.extend([a[0]] if out is not None else [])
+        return out
+
+    monkeypatch.setattr(R, "qk_norm_rotary", counted)
+    attention = [layer.self_attn.q_norm for layer in layers if hasattr(layer, "self_attn")]
+    assert 0 < len(attention) < len(layers)
+    for _ in range(2):  # two steps of each rig, every rig feeding its own pending tokens
+        calls.clear()
+        qk.clear()
+        logits, tokens = zip(*(decode(r, [1, 2], [int(r.v["state.pending"][s]) for s in (1, 2)])
+                               for r in (plain, switched, apart)))
+        assert tokens[0] == tokens[1] == tokens[2]
+        for other in (logits[0], logits[2]):
+            torch.testing.assert_close(other, logits[1], atol=1e-4, rtol=1e-4)
+        # (the switched rig's: its add and norms, its q/k launches; the rig apart's: the same adds
+        # and norms, and each q/k norm a launch of its own)
+        assert calls.count(True) == 2 * len(layers) and qk == attention
+        assert calls.count(False) == 2 * (len(layers) + 1) + 2 * len(attention)
 
 
 def test_steps_with_the_activation_in_the_gate_up_gemv(stream, monkeypatch):

@@ -22,7 +22,7 @@ import torch
 
 from flare.core.manifest import BufferRole, load_manifest
 from tests.conftest import INTERPRETER_CHUNK, TINY_OPTS, prepare_core
-from tests.rig import admit, decode, load_rig, prefill, transformers_model
+from tests.rig import admit, decode, decode_alike, load_rig, prefill, prefilled_rigs, transformers_model
 
 LENGTHS = (5, 16, 17, 40, 129)
 DECODE_STEPS = 4
@@ -232,3 +232,31 @@ def test_active_bytes_roofline_reads_only_the_routed_experts(moe_core):
     assert one["routed_experts"] < four["routed_experts"] < many["routed_experts"] <= experts
     assert many["routed_experts"] == pytest.approx(experts, rel=1e-6)
     assert four["total"] == four["weights"] + four["embedding_rows"] + four["state_read_write"]
+
+
+def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
+    """Qwen3's attention (Transformers' ``apply_rotary_pos_emb``, found to be ``rotate_half``'s)
+    with ``--step-norms invariant`` on the CUDA path under the interpreter: a decode step's
+    per-head q and k norms and rotary are one ``qk_norm_rotary`` launch a layer, and the tokens
+    and, within float32 rounding, the logits are those of the same norms with the layer's own
+    code (each norm a launch, the rotary apart)."""
+    from flare.prepare.kernels import rownorm as R
+
+    core = prepare_core("qwen3-moe-tiny", [*TINY_OPTS, *INTERPRETER_CHUNK], name="qwen3-moe-tiny-prefill64")
+    one, apart = prefilled_rigs(core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
+    for rig in (one, apart):
+        R.make_norms_row_invariant(rig.model, steps=True)
+    attention = [layer.self_attn for layer in one.model.model.layers]
+    assert all(a.flare_rotate_half for a in attention)
+    for a in apart.model.model.layers:
+        a.self_attn.flare_rotate_half = False
+    taken, real = [], R.qk_norm_rotary
+
+    def counted(*a):
+        out = real(*a)
+        taken.extend([a[0]] if out is not None else [])
+        return out
+
+    monkeypatch.setattr(R, "qk_norm_rotary", counted)
+    decode_alike(one, apart, [1, 2], steps=2)
+    assert taken == 2 * [a.q_norm for a in attention]

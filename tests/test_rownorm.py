@@ -303,3 +303,55 @@ def test_compiled_step_norms_are_one_launch_and_the_same_bits_at_every_row_count
         assert torch.equal(normed, outs[16][0][:c]) and torch.equal(total, outs[16][1][:c]), c
     assert torch.equal(outs[16][1], eager[1])
     torch.testing.assert_close(outs[16][0].float(), eager[0].float(), rtol=2**-6, atol=2**-6)
+
+
+@pytest.mark.parametrize("zero_centred", [True, False])
+@pytest.mark.parametrize("d,r", [(16, 16), (16, 4), (256, 64)])
+def test_the_q_and_k_norms_and_the_rotary_in_one_launch(d, r, zero_centred, monkeypatch):
+    """``qk_norm_rotary``: an attention layer's per-head q and k norms (Qwen3.5's zero-centred,
+    Qwen3's Llama form) and its rotary embedding of the first r dims (whole heads and partial) in
+    one launch, over q heads that are a strided view beside their gates and k heads of a wider
+    projection, grouped (4 q heads, 2 k heads): each the same bits as ``rms_norm`` then
+    ``rotary_without_cat`` (float32; within the output's rounding in bfloat16 on the GPU, where
+    the rotary's float32 products may contract otherwise); each token's rows the same alone and
+    among others. None (the layer's own code then) outside a step, with a hooked norm, or with
+    norms of two forms."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from flare.prepare.recipes.fused import rotary_without_cat
+
+    g = torch.Generator().manual_seed(d + r)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    cls = Qwen3_5RMSNorm if zero_centred else LlamaRMSNorm
+    q_norm, k_norm = (cls(d, eps=1e-6).to(DEVICE, dtype) for _ in range(2))
+    with torch.no_grad():
+        for norm in (q_norm, k_norm):
+            norm.weight.copy_(torch.randn(d, generator=g).to(dtype) * 0.3)
+    R.make_norms_row_invariant(nn.ModuleList([q_norm, k_norm]), steps=True)
+    hq, hk, t = 4, 2, 3
+    qkv = (torch.randn(1, t, hq * 2 * d + 2 * hk * d, generator=g) * 2).to(dtype).to(DEVICE)
+    q_gate, k, _ = qkv.split([hq * 2 * d, hk * d, hk * d], dim=-1)
+    q, _ = torch.chunk(q_gate.view(1, t, hq, 2 * d), 2, dim=-1)
+    k = k.view(1, t, hk, d)
+    cos, sin = (torch.randn(1, t, r, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    got_q, got_k = R.qk_norm_rotary(q_norm, k_norm, q, k, cos, sin)
+    assert got_q.shape == q.shape and got_k.shape == k.shape and got_q.is_contiguous()
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # (over the heads: [B, T, H, D] here)
+    want_q = rotary_without_cat(q_norm(q), c, s)
+    want_k = rotary_without_cat(k_norm(k), c, s)
+    if dtype == torch.float32:
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    else:
+        torch.testing.assert_close(got_q, want_q, rtol=2**-7, atol=1e-5)
+        torch.testing.assert_close(got_k, want_k, rtol=2**-7, atol=1e-5)
+    one_q, one_k = R.qk_norm_rotary(q_norm, k_norm, q[:, 1:2], k[:, 1:2], cos[:, 1:2], sin[:, 1:2])
+    assert torch.equal(one_q, got_q[:, 1:2]) and torch.equal(one_k, got_k[:, 1:2])
+    with prompt_rows.marked(True):
+        assert R.qk_norm_rotary(q_norm, k_norm, q, k, cos, sin) is None
+    hook = k_norm.register_forward_hook(lambda _m, _a, out: out)
+    assert R.qk_norm_rotary(q_norm, k_norm, q, k, cos, sin) is None
+    hook.remove()
+    other = (LlamaRMSNorm if zero_centred else Qwen3_5RMSNorm)(d, eps=1e-6).to(DEVICE, dtype)
+    R.make_norms_row_invariant(nn.ModuleList([other]), steps=True)
+    assert R.qk_norm_rotary(q_norm, other, q, k, cos, sin) is None

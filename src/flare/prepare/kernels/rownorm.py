@@ -165,6 +165,103 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return out.reshape(x.shape), total.reshape(x.shape)
 
 
+@triton.jit
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ, R,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
+                           D: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """Program (token, head) over the token's query heads then its key heads: the head's RMS norm
+    as ``_rms_norm_kernel`` computes a row (rounded to the output dtype), then the rotary embedding
+    of its first R dims (``fused.rotary_without_cat``: dim d with its partner d +- R/2, the rest
+    passed through) on those rounded values, in float32, rounded once: the per-head q/k norms and
+    the rotary of an attention layer in one launch. The partner's normalised value is computed
+    again from its own load (the same elementwise arithmetic, so the same bits)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    is_q = h < HQ
+    if is_q:
+        x_row = q_ptr + t * stride_qt + h * stride_qh
+        w_ptr = wq_ptr
+        o_row = qo_ptr + (t * HQ + h) * D
+    else:
+        hk = h - HQ
+        x_row = k_ptr + t * stride_kt + hk * stride_kh
+        w_ptr = wk_ptr
+        o_row = ko_ptr + (t * (tl.num_programs(1) - HQ) + hk) * D
+    n = tl.arange(0, D)
+    half = R // 2
+    partner = tl.where(n < half, n + half, tl.where(n < R, n - half, n))
+    xf = tl.load(x_row + n).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    dtype = qo_ptr.dtype.element_ty
+    w = tl.load(w_ptr + n).to(tl.float32)
+    xp = tl.load(x_row + partner).to(tl.float32)
+    wp = tl.load(w_ptr + partner).to(tl.float32)
+    if ZERO_CENTRED:
+        y = (xf * inv) * (1.0 + w)
+        yp = (xp * inv) * (1.0 + wp)
+    else:
+        y = (xf * inv).to(dtype).to(tl.float32) * w
+        yp = (xp * inv).to(dtype).to(tl.float32) * wp
+    y = y.to(dtype).to(tl.float32)
+    yp = yp.to(dtype).to(tl.float32)
+    rot = n < R
+    c = tl.load(cos_ptr + t * stride_ct + n, mask=rot, other=1.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t * stride_st + n, mask=rot, other=0.0).to(tl.float32)
+    sign = tl.where(n < half, -1.0, 1.0)
+    out = tl.where(rot, y * c + yp * sign * sn, y)
+    tl.store(o_row + n, out.to(dtype))
+
+
+@triton_op("flare::qk_norm_rotary", mutates_args=())
+def _qk_norm_rotary_op(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, hq, d = q.shape
+    hk = k.shape[1]
+    qo = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
+    ko = torch.empty((tokens, hk, d), dtype=k.dtype, device=k.device)
+    if tokens:
+        wrap_triton(_qk_norm_rotary_kernel)[(tokens, hq + hk)](
+            q, k, wq, wk, cos, sin, qo, ko, hq, cos.shape[-1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), sin.stride(0), eps, D=d, ZERO_CENTRED=zero_centred, num_warps=_warps(d))
+    return qo, ko
+
+
+def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An attention layer's per-head q and k norms and its rotary embedding in one launch, in a
+    decode or verify step whose norms are row-invariant single launches (``_one_launch``, the
+    same form for both, no forward hook, weights in the heads' dtype): ``q [B, T, Hq, D]`` and
+    ``k [B, T, Hk, D]`` (the projection's views: unit stride within a head), ``cos``/``sin``
+    ``[B, T, R]`` (R even, at most D; Transformers' ``rotate_half`` pairs). Returns the normalised,
+    rotated q and k, contiguous ``[B, T, H, D]``; None where it does not apply (the layer then
+    runs the norms and the rotary as written: four launches)."""
+    from flare.prepare.recipes.fused import hooked
+
+    d = q.shape[-1]
+    if not (isinstance(q_norm, _Rows) and isinstance(k_norm, _Rows) and q_norm._one_launch()
+            and k_norm._one_launch() and q_norm._ZERO_CENTRED == k_norm._ZERO_CENTRED
+            and not hooked(q_norm) and not hooked(k_norm) and q_norm._eps() == k_norm._eps()):
+        return None
+    if (q.dim() != 4 or k.dim() != 4 or k.shape[-1] != d or q.shape[:2] != k.shape[:2] or d & (d - 1)
+            or d > MAX_ROW or q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != k.dtype
+            or q_norm.weight.shape != (d,) or k_norm.weight.shape != (d,)
+            or q_norm.weight.dtype != q.dtype or k_norm.weight.dtype != q.dtype):
+        return None
+    r = cos.shape[-1]
+    if cos.shape != sin.shape or cos.shape[:-1] != q.shape[:2] or r % 2 or r > d or cos.stride(-1) != 1 \
+            or sin.stride(-1) != 1:
+        return None
+    b, t = q.shape[:2]
+    try:  # tokens as one index (a view: B is 1 in Flare's programs)
+        qv, kv = q.view(b * t, q.shape[2], d), k.view(b * t, k.shape[2], d)
+        cv, sv = cos.view(b * t, r), sin.view(b * t, r)
+    except RuntimeError:
+        return None
+    qo, ko = _qk_norm_rotary_op(qv, kv, q_norm.weight, k_norm.weight, cv, sv, q_norm._eps(),
+                                bool(q_norm._ZERO_CENTRED))
+    return qo.view(q.shape), ko.view(k.shape)
+
+
 class _Rows:
     flare_step_rows = False  # decode and verify steps too (``make_norms_row_invariant(steps=True)``)
     _ZERO_CENTRED: bool | None = None  # how ``rms_norm`` computes this class's norm; None: it does not

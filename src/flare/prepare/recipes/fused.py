@@ -105,15 +105,54 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     hidden_shape = (*input_shape, -1, self.head_dim)
     q, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.sizes, dim=-1)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
-    if getattr(self, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before rotary
-        q, k = self.q_norm(q), self.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = position_embeddings
-    q, k = self.flare_rotary(q, k, cos, sin)
+    # Qwen3: RMSNorm per head before rotary; in a step whose norms are single launches, the two
+    # norms and the rotary in one (``rownorm.qk_norm_rotary``)
+    # (a module's rotary was checked over whole heads: a partial one keeps its own code)
+    fused = _qk_norm_rotary(self, q, k, cos, sin) \
+        if getattr(self, "q_norm", None) is not None and cos.shape[-1] == self.head_dim else None
+    if fused is not None:
+        q, k = fused[0].transpose(1, 2), fused[1].transpose(1, 2)
+        v = v.transpose(1, 2)
+    else:
+        if getattr(self, "q_norm", None) is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = self.flare_rotary(q, k, cos, sin)
     out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                                          sliding_window=layer_window(self), **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
     return self.o_proj(out), weights
+
+
+def _qk_norm_rotary(attn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k) ``[B, T, H, D]`` normalised per head and rotated in one launch
+    (``rownorm.qk_norm_rotary``) where the attention's rotary is ``rotate_half``'s
+    (``flare_rotate_half``: the fused gated forward's ``rotary_without_cat``, or a module's own
+    ``apply_rotary_pos_emb`` found to compute it, ``fuse_projections``) and the step's norms allow;
+    None elsewhere."""
+    from flare.prepare.kernels.rownorm import qk_norm_rotary
+
+    if not getattr(attn, "flare_rotate_half", False):
+        return None
+    return qk_norm_rotary(attn.q_norm, attn.k_norm, q, k, cos, sin)
+
+
+def rotates_half(rotary) -> bool:
+    """Whether ``rotary(q, k, cos, sin)`` (a Transformers module's ``apply_rotary_pos_emb``, heads
+    on dim 1, ``cos``/``sin`` ``[B, T, D]``) is ``rotary_without_cat`` of q and k over the whole
+    head: tried once on float64 values (its code is the model's, not known here)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    try:
+        got = rotary(q, k, cos, sin)
+    except Exception:
+        return False
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (isinstance(got, tuple) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) and t.shape == x.shape and torch.equal(t, rotary_without_cat(x, c, s))
+                    for t, x in zip(got, (q, k))))
 
 
 def rotary_without_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,12 +188,17 @@ def _gated_attention_forward(self, hidden_states, position_embeddings=None, atte
     hidden_shape = (*input_shape, -1, self.head_dim)
     q_gate, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.sizes, dim=-1)
     q, gate = torch.chunk(q_gate.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
-    q = self.q_norm(q.reshape(hidden_shape)).transpose(1, 2)
-    k = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
-    v = v.view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over the heads, as Transformers' unsqueeze_dim=1
-    q, k = rotary_without_cat(q, cos, sin), rotary_without_cat(k, cos, sin)
+    # (in a step whose norms are single launches, the two norms and the rotary in one)
+    fused = _qk_norm_rotary(self, q, k.view(hidden_shape), cos, sin)
+    if fused is not None:
+        q, k = fused[0].transpose(1, 2), fused[1].transpose(1, 2)
+    else:
+        q = self.q_norm(q.reshape(hidden_shape)).transpose(1, 2)
+        k = self.k_norm(k.view(hidden_shape)).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over the heads, as Transformers' unsqueeze_dim=1
+        q, k = rotary_without_cat(q, cos, sin), rotary_without_cat(k, cos, sin)
+    v = v.view(hidden_shape).transpose(1, 2)
     out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                                          sliding_window=layer_window(self), **kwargs)
     out = (out.reshape(hidden_shape) * torch.sigmoid(gate)).reshape(*input_shape, -1)
@@ -511,7 +555,8 @@ def fuse_projections(layers: list[nn.Module]) -> int:
         forward = ATTENTION_FORWARDS.get(type(attn).__name__)
         if attn is not None and forward is not None and fuse_linears(attn, QKV, "qkv_proj"):
             rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-            _with_forward(attn, forward, flare_rotary=staticmethod(rotary))
+            _with_forward(attn, forward, flare_rotary=staticmethod(rotary),
+                          flare_rotate_half=forward is _gated_attention_forward or rotates_half(rotary))
             n += 1
         if mlp is not None and fuse_mlp(mlp):
             n += 1
