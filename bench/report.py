@@ -371,7 +371,18 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     GEMV (moved off cuBLAS), in_proj's input norm left apart by `measure`:
     **6.340 ms, 0.84 of the H100's bytes-moved roofline** (5.323 ms at 3.03 TB/s;
     306 kernels; c = 2 / 4: 6.461 / 6.595 ms). Another card: not comparable with
-    the H200's 0.781 above; the H200 figure is still to be measured.
+    the H200's 0.781 above.
+  * **On the H200 with the norm folds and one-launch q/k norms, 2026-12-05**
+    (`decode-floor-qwen3_5-9b-shape-2026-12-05-qk.json`,
+    `timeline-qwen3_5-9b-shape-2026-12-05-run3.json`, at 66c7780): the attention
+    layers' per-head q/k norms and rotary in one launch (`rownorm.qk_norm_rotary`: 7
+    kernels an attention layer, 11 before); on this card `measure` took the add and
+    post-attention norm into the gate/up GLU GEMV (152.1 against 162.4 µs summed over
+    1/2/4 rows for cuBLAS) and left both input norms apart (q/k/v on cuBLAS; in_proj's
+    GEMV with the convolution 90.0 against 102.4). **4.679 ms, 0.801 of the 3.748 ms
+    bytes-moved roofline** (214 tok/s; 290 kernels; c = 2 / 4: 4.776 / 4.890 ms; two
+    steps in flight 4.682 ms of wall time a step), 0 allocations after ready: the
+    issue's 0.80 at concurrency 1, by 5 µs.
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
   `generate` with a static cache and its compiled forward; the mode is recorded
   per batch): 1.72 / 1.64 / 1.58x at c = 1 / 2 / 4 (ITL 5.02 against 8.69 ms).
