@@ -847,3 +847,13 @@ def inspect_rewrites(forward) -> set[str]:
     import inspect
 
     return set(inspect.unwrap(forward).flare_rewrites)
+
+
+def test_a_timing_rotates_through_enough_weight_copies_but_not_tens_of_thousands():
+    """``_copies``: a weight's copies together exceed the GPU's L2 (``ROTATE_BYTES``), so a timed
+    product streams its weight as a step does, but a tiny weight (a mixture-of-experts block's
+    one-column shared-expert gate, 4 KB) takes at most ``MAX_COPIES``: a timing captures a call for
+    each, and 65,536 a timing held the 35B shape's preparation for minutes."""
+    assert gemm._copies(200 << 20) == 2 and gemm._copies(33 << 20) == 8
+    assert gemm._copies(4096) == gemm.MAX_COPIES == 512
+    assert gemm._copies(1) == gemm.MAX_COPIES

@@ -364,15 +364,24 @@ def _time_ms(fn, calls: int = TIMED_CALLS) -> float:
 
 
 # Weight copies a timing rotates through, together at least this large: more than the
-# H200's 50 MB L2, so each timed GEMM streams its weight from memory as a decode step does.
+# H200's 50 MB L2, so each timed GEMM streams its weight from memory as a decode step does;
+# at most MAX_COPIES of them (a timing captures a call for each: a mixture-of-experts block's
+# one-column shared-expert gate, 4 KB, would have taken 65,536 calls a timing, and the 35B
+# shape's preparation sat for minutes in them).
 ROTATE_BYTES = 256 << 20
+MAX_COPIES = 512
+
+
+def _copies(nbytes: int) -> int:
+    """How many copies of a weight of ``nbytes`` a GPU timing rotates through."""
+    return min(MAX_COPIES, -(-ROTATE_BYTES // max(1, nbytes)))
 
 
 def _rotation(w: torch.Tensor, timer=None):
     """(``rotating``, the timer) for products over weight ``w``: ``rotating(call)`` gives a callable
     that calls ``call`` on the next of several copies of ``w`` (on a GPU, ``ROTATE_BYTES`` of them
-    together), and the default timer captures a call for every copy (at least ``TIMED_CALLS``)."""
-    copies = 1 if w.device.type != "cuda" else -(-ROTATE_BYTES // max(1, w.numel() * w.element_size()))
+    together, at most ``MAX_COPIES``), and the default timer captures a call for every copy (at least ``TIMED_CALLS``)."""
+    copies = _copies(w.numel() * w.element_size()) if w.device.type == "cuda" else 1
     ws = [w] + [w.clone() for _ in range(copies - 1)]
 
     def rotating(call):
