@@ -93,6 +93,7 @@ def test_the_folded_shared_expert_compiles_through_the_graph_break(family):
     from types import SimpleNamespace
 
     from flare.prepare import prompt_rows
+    from flare.prepare.recipes.fused import mlp_residual
 
     rig = load_rig(family[1], attention="triton")
     block = rig.model.model.layers[0].mlp
@@ -107,13 +108,16 @@ def test_the_folded_shared_expert_compiles_through_the_graph_break(family):
                 eager = block(x)
                 assert torch.equal(compiled(x), eager)
                 out[prompt] = eager
-            # The decoder layer's residual: added by the decode kernels, by the compiled code in
-            # a prompt program; the bits of the add apart either way.
+            # The decoder layer's residual: added by the decode kernels (the bits of the add apart),
+            # left to the caller in a prompt program (``fused.mlp_residual`` adds it after the
+            # block's frame, so that the block's output is rounded before the add as it was).
             residual = torch.randn(x.shape, generator=g)
-            added = torch.compile(block.flare_residual_forward, backend="aot_eager", dynamic=False)
+            with_residual = torch.compile(block.flare_residual_forward, backend="aot_eager", dynamic=False)
             with prompt_rows.marked(prompt):
-                assert torch.equal(block.flare_residual_forward(x, residual), residual + out[prompt])
-                assert torch.equal(added(x, residual), residual + out[prompt])
+                for got, added in (block.flare_residual_forward(x, residual), with_residual(x, residual)):
+                    assert added is not prompt
+                    assert torch.equal(got, residual + out[prompt] if added else out[prompt])
+                assert torch.equal(mlp_residual(block, x, residual), residual + out[prompt])
     valid = block.flare_paged.valid
     torch.testing.assert_close(out[False][valid], out[True][valid], atol=1e-5, rtol=1e-5)
     assert not out[False][~valid].any()  # a padded decode row reads no expert, the shared one included

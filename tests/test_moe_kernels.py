@@ -203,6 +203,29 @@ def test_router_gemv_rows_do_not_depend_on_the_batch(E, H, dtype):
         assert (got[3][2] == E).all() and not got[2][2].any() and not counts.any()
     with pytest.raises(ValueError, match="counters"):
         router_gemv(x, w, route=(2, True, None, counts[:4]))
+    with pytest.raises(ValueError, match="4 warps"):
+        router_gemv(x, w, route=(2, True, None, counts), num_warps=8)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the tickets' race is the GPU's (the interpreter runs programs in order)")
+def test_routing_in_the_router_launch_under_many_calls_on_the_gpu():
+    """On the GPU, where the router's programs race for the tickets: over 300 calls of fresh
+    logits (60 to 512 experts, 1 to 16 tokens, a padded row, a shared gate or none), every call
+    routes as ``route_rows`` on its logits, to the bit, and leaves the counters at zero."""
+    counts = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(7)
+    for i in range(300):
+        E, H, T = (60, 128, 256, 512)[i % 4], 256, 1 + i % 16
+        k = min(8, E)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEVICE)
+        w = (torch.randn(E, H, generator=g) * H ** -0.5).to(torch.bfloat16).to(DEVICE)
+        s = (torch.randn(1, H, generator=g) * H ** -0.5).to(torch.bfloat16).to(DEVICE) if i % 2 else None
+        valid = torch.ones(T, dtype=torch.bool, device=DEVICE)
+        valid[i % T] = T == 1
+        logits, _, weights, ids = router_gemv(x, w, s, route=(k, True, valid, counts))
+        want_w, want_ids = route_rows(logits, k, True, valid)
+        assert torch.equal(weights, want_w) and torch.equal(ids, want_ids), i
+        assert not counts.any(), i
 
 
 @pytest.mark.parametrize("T,k,I_s", [(1, 3, 24), (3, 2, 40), (4, 8, 16)])

@@ -239,7 +239,10 @@ def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
     with ``--step-norms invariant`` on the CUDA path under the interpreter: a decode step's
     per-head q and k norms and rotary are one ``qk_norm_rotary`` launch a layer, and the tokens
     and, within float32 rounding, the logits are those of the same norms with the layer's own
-    code (each norm a launch, the rotary apart)."""
+    code (each norm a launch, the rotary apart). The first core's experts also route in the
+    router's launch (ticket counters, as a CUDA core's; no shared expert here), the other's with
+    ``route_rows``."""
+    from flare.prepare.kernels import moe as K
     from flare.prepare.kernels import rownorm as R
 
     core = prepare_core("qwen3-moe-tiny", [*TINY_OPTS, *INTERPRETER_CHUNK], name="qwen3-moe-tiny-prefill64")
@@ -250,6 +253,13 @@ def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
     assert all(a.flare_rotate_half for a in attention)
     for a in apart.model.model.layers:
         a.self_attn.flare_rotate_half = False
+    counters = torch.zeros(8, dtype=torch.int32)
+    blocks = [m for m in one.model.modules() if hasattr(type(m), "flare_route_tickets")]
+    for block in blocks:
+        block.flare_route_tickets = counters
+    routed_apart, rows = [], K.route_rows
+    monkeypatch.setattr(K, "route_rows", lambda logits, *a, **kw: routed_apart.append(logits.shape[0])
+                        or rows(logits, *a, **kw))
     taken, real = [], R.qk_norm_rotary
 
     def counted(*a):
@@ -260,3 +270,4 @@ def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
     monkeypatch.setattr(R, "qk_norm_rotary", counted)
     decode_alike(one, apart, [1, 2], steps=2)
     assert taken == 2 * [a.q_norm for a in attention]
+    assert blocks and len(routed_apart) == 2 * len(blocks) and not counters.any()  # (the other core's only)

@@ -151,12 +151,18 @@ def fits_route_plan(tokens: int, top_k: int) -> bool:
 
 @triton.jit
 def _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K: tl.constexpr, RENORM: tl.constexpr,
-           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, CG: tl.constexpr):
     """Rows ``t``'s softmax over E experts, then (weights [BT, BK] float32, ids [BT, BK] int32) of
-    the top K by repeated maxima (ties to the lower index), renormalised with RENORM."""
+    the top K by repeated maxima (ties to the lower index), renormalised with RENORM. ``CG``: the
+    logits were stored by other programs of this launch (read past L1, as the GEMV's ticket path
+    reads the slices)."""
     e = tl.arange(0, BE)
-    x = tl.load(logits_ptr + t[:, None] * stride_lt + e[None, :] * stride_le,
-                mask=t_in[:, None] & (e[None, :] < E), other=0.0).to(tl.float32)
+    at = logits_ptr + t[:, None] * stride_lt + e[None, :] * stride_le
+    mask = t_in[:, None] & (e[None, :] < E)
+    if CG:
+        x = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
     x = tl.where(e[None, :] < E, x, float("-inf"))  # rows past T stay finite (their results are not stored)
     m = tl.max(x, 1)
     ex = tl.exp(x - m[:, None])
@@ -193,14 +199,14 @@ def _route_plan_kernel(
     live = t_in & (tl.load(valid_ptr + t, mask=t_in, other=0) != 0)
     j = tl.arange(0, BK)
     if PLAN:
-        top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK)
+        top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK, False)
     else:
         # One token: a padded row (most rows of a short prefill chunk) routes nowhere without
         # computing the softmax it would discard.
         top = tl.zeros([BT, BK], tl.float32)
         sel = tl.zeros([BT, BK], tl.int32)
         if tl.max(live.to(tl.int32), 0) > 0:
-            top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK)
+            top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK, False)
     sel = tl.where(live[:, None], sel, E)
     top = tl.where(live[:, None], top, 0.0)
     out_mask = t_in[:, None] & (j[None, :] < K)
@@ -461,7 +467,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
             top = tl.zeros([1, BKK], tl.float32)
             sel = tl.zeros([1, BKK], tl.int32)
             if tl.max(live.to(tl.int32), 0) > 0:  # a padded row routes nowhere
-                top, sel = _top_k(out_ptr, rows, rows >= 0, t + 1, N, stride_ot, 1, TOPK, RENORM, 1, BE, BKK)
+                top, sel = _top_k(out_ptr, rows, rows >= 0, t + 1, N, stride_ot, 1, TOPK, RENORM, 1, BE, BKK, True)
             sel = tl.where(live[:, None], sel, N)
             top = tl.where(live[:, None], top, 0.0)
             at = rows[:, None] * TOPK + j[None, :]
@@ -491,6 +497,8 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     E = weight.shape[0]
     if x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("router_gemv needs rows with unit stride and a contiguous router")
+    if route is not None and num_warps != 4:  # (route_rows' layout: its bits need the same warps)
+        raise ValueError(f"router_gemv routes with 4 warps, as route_rows does, not {num_warps}")
     if shared_gate is not None and (shared_gate.shape != (1, Kd) or not shared_gate.is_contiguous()):
         raise ValueError(f"shared gate {tuple(shared_gate.shape)}: expected a contiguous [1, {Kd}]")
     bn = block_n or max(1, min(16, triton.next_power_of_2(max(1, E // 64))))

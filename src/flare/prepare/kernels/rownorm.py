@@ -234,7 +234,8 @@ def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: tor
     ``k [B, T, Hk, D]`` (the projection's views: unit stride within a head), ``cos``/``sin``
     ``[B, T, R]`` (R even, at most D; Transformers' ``rotate_half`` pairs). Returns the normalised,
     rotated q and k, contiguous ``[B, T, H, D]``; None where it does not apply (the layer then
-    runs the norms and the rotary as written: four launches)."""
+    runs the norms and the rotary as written: four launches for Qwen3.5's gated attention, two
+    for Qwen3's, whose norms Inductor fuses with the rotary)."""
     from flare.prepare.recipes.fused import hooked
 
     d = q.shape[-1]
@@ -249,8 +250,8 @@ def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: tor
         return None
     r = cos.shape[-1]
     if cos.shape != sin.shape or cos.shape[:-1] != q.shape[:2] or r % 2 or r > d or cos.stride(-1) != 1 \
-            or sin.stride(-1) != 1:
-        return None
+            or sin.stride(-1) != 1 or cos.dtype != q.dtype or sin.dtype != q.dtype:
+        return None  # (float32 cos/sin would promote the layer's own rotary to float32)
     b, t = q.shape[:2]
     try:  # tokens as one index (a view: B is 1 in Flare's programs)
         qv, kv = q.view(b * t, q.shape[2], d), k.view(b * t, k.shape[2], d)

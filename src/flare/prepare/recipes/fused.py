@@ -331,7 +331,7 @@ def residual_down_projections(layers) -> list[nn.Module]:
     ``--step-gemms measure`` counts that kernel against the products that leave it
     (``gemm.step_choice``'s ``residual_fold``)."""
     def rewritten(layer) -> bool:
-        return bool({"mlp_residual", "add_norm_mlp"} & _rewrites(layer))
+        return bool({"mlp_residual", "add_norm_mlp", "moe_residual"} & _rewrites(layer))
 
     # (a forward hook on the MLP or its down projection, a tensor-parallel all-reduce, keeps the
     # add apart: ``mlp_residual`` and ``_mlp_forward``)
@@ -428,7 +428,8 @@ def mlp_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
         return _mlp_forward(mlp, x, residual)
     with_residual = getattr(mlp, "flare_residual_forward", None)
     if with_residual is not None and not hooked(mlp):
-        return with_residual(x, residual)
+        out, added = with_residual(x, residual)
+        return out if added else residual + out
     out = mlp(x)
     return residual + (out[0] if isinstance(out, tuple) else out)
 

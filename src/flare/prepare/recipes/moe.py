@@ -129,12 +129,17 @@ def prepared_moe(base: type) -> type:
         flare_route_tickets: torch.Tensor | None = None
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            return self.flare_residual_forward(hidden_states, None)
+            return self.flare_residual_forward(hidden_states, None)[0]
 
-        def flare_residual_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-            """``residual + self(hidden_states)`` (``fused.mlp_residual``: the decoder layer's
-            add after its MLP), or the block's output alone with ``residual`` None. A decode
-            step's down kernel adds the residual (``_routed``): a launch fewer a layer."""
+        def flare_residual_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+                                   ) -> tuple[torch.Tensor, bool]:
+            """(the block's output, whether it includes ``residual``): the decoder layer's residual
+            (``fused.mlp_residual``, its add after the MLP), which a decode step's down kernel adds
+            on a single rank where the shared expert is folded or there is none (``_routed``: a
+            launch fewer a layer); elsewhere the caller adds it, in its own code after this
+            frame's graph break, so that a compiled program rounds the block's output before the
+            add as it did (Inductor would otherwise fuse the shared expert's gated sum with the
+            add, rounding once)."""
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             r = None if residual is None else residual.reshape(-1, residual.shape[-1])
             out, gate, added = self._experts(x, r)
@@ -145,8 +150,7 @@ def prepared_moe(base: type) -> type:
                 # gate/up GEMM at 0.3 TB/s in a transposed cuBLAS layout. (Decode steps run it
                 # inside the routed kernels: no gate then.)
                 out = out + F.sigmoid(gate) * self.shared_expert(x)
-            out = out.reshape(hidden_states.shape)
-            return out if residual is None or added else residual + out
+            return out.reshape(hidden_states.shape), added
 
         # Outside the compiled layer: the batch is a plain attribute (a compiled forward
         # would guard on it per program), and the plan and kernels run as written.
