@@ -82,6 +82,18 @@ def mean_square(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _scaled(xn, w, DTYPE: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """A normalised float32 row ``xn`` scaled by its norm's weight ``w`` (float32): by ``1 + w``
+    (ZERO_CENTRED, Qwen3.5's), or as Llama's, ``xn`` rounded to DTYPE first: what ``rms_norm``
+    and ``qk_norm_rotary`` both compute, so their bits agree by construction."""
+    if ZERO_CENTRED:
+        y = xn * (1.0 + w)
+    else:
+        y = xn.to(DTYPE).to(tl.float32) * w
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, stride_x, stride_r, stride_o, stride_s, eps,
                      BLOCK: tl.constexpr, ADD: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     """One row a program: (ADD) ``x = residual + x`` rounded to x's dtype and stored, then the
@@ -97,12 +109,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, stride_x, stride_
         x = (r.to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_s + n, x, mask=keep)
     xf = x.to(tl.float32)
-    y = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(w_ptr + n, mask=keep, other=0.0).to(tl.float32)
-    if ZERO_CENTRED:
-        y = y * (1.0 + w)
-    else:
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    y = _scaled(xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps), w, x_ptr.dtype.element_ty, ZERO_CENTRED)
     tl.store(out_ptr + row * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=keep)
 
 
@@ -196,14 +204,8 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_pt
     w = tl.load(w_ptr + n).to(tl.float32)
     xp = tl.load(x_row + partner).to(tl.float32)
     wp = tl.load(w_ptr + partner).to(tl.float32)
-    if ZERO_CENTRED:
-        y = (xf * inv) * (1.0 + w)
-        yp = (xp * inv) * (1.0 + wp)
-    else:
-        y = (xf * inv).to(dtype).to(tl.float32) * w
-        yp = (xp * inv).to(dtype).to(tl.float32) * wp
-    y = y.to(dtype).to(tl.float32)
-    yp = yp.to(dtype).to(tl.float32)
+    y = _scaled(xf * inv, w, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
+    yp = _scaled(xp * inv, wp, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
     rot = n < R
     c = tl.load(cos_ptr + t * stride_ct + n, mask=rot, other=1.0).to(tl.float32)
     sn = tl.load(sin_ptr + t * stride_st + n, mask=rot, other=0.0).to(tl.float32)
