@@ -3,7 +3,7 @@
 # so that whatever a phase finished comes back even when a limit cuts it short (a killed
 # phase's results are bundled by --collect).
 #   usage: tests/gpu/device_call.sh PHASE:SECONDS [PHASE:SECONDS ...]
-#     PHASE: prepare | alone | replay-serve (alone's first two files) | generation (its third)
+#     PHASE: prepare | kernels (prepare's kernel tests alone) | alone | replay-serve (alone's first two files) | generation (its third)
 #   e.g.   tests/gpu/device_call.sh prepare:330 replay-serve:200     (first call)
 #          tests/gpu/device_call.sh generation:540                    (second call, right after)
 G=tests/gpu
@@ -14,6 +14,7 @@ for step in "$@"; do
   case $phase in
     prepare) args=(--phase prepare) ;;
     alone) args=(--phase alone) ;;
+    kernels) args=(--phase kernels) ;;
     replay-serve) args=(--phase alone $G/test_replay.py $G/test_serve.py) ;;
     generation) args=(--phase alone $G/test_generation.py) ;;
     *) echo "unknown phase $phase"; exit 2 ;;

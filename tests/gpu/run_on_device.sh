@@ -5,6 +5,7 @@
 #          tests/gpu/run_on_device.sh --phase prepare     prepare every shape's core in parallel, then
 #                                                         the tests that tolerate other GPU processes,
 #                                                         in parallel (load errors and kernels, numerics)
+#          tests/gpu/run_on_device.sh --phase kernels     those parallel tests alone
 #          tests/gpu/run_on_device.sh --phase alone [FILES] the tests that compare device-wide free
 #                                                         memory (replay, serve, generation, or the
 #                                                         FILES given), one process, nothing beside
@@ -55,6 +56,16 @@ PY
   # A device call returns at most 8 files: the logs and per-process results travel as one.
   tar czf $OUT/gpu-results-$1.tgz -C $OUT gpu-results && rm -rf $R
 }
+# The load errors in a process of their own: they reserve the core's address range, which
+# torch's allocations in the kernel tests could otherwise take. The hybrid's eager
+# Triton-vs-reference comparison prepares its own core and compiles flash-linear-attention's
+# float32 kernels (autotuned).
+RIG=$G/test_numerics.py::test_hybrid_triton_path_matches_the_reference_path_on_the_gpu
+side_tests() {  # the kernel tests compile a Triton kernel for nearly every case: three xdist workers
+  parallel load-errors "$G/test_load_errors.py $G/test_export_scan.py" \
+    kernels "-n 3 $G/test_paged_attention_cuda.py tests/test_paged_attention_triton.py::test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled tests/test_moe_kernels.py tests/test_gemm_rows.py tests/test_rownorm.py tests/test_gemv.py tests/test_sampler_kernel.py" \
+    hybrid-rig "$RIG $G/test_gdn_grid_gpu.py"
+}
 declare -A GPU_SHAPES
 SHAPE_LIST=$(python3 -c "from tests.gpu.conftest import SHAPES; print(*SHAPES)")
 case "$1" in
@@ -68,17 +79,14 @@ case "$1" in
           > $R/prepare-$m.log 2>&1 &
         preps+=($!)
       done
-      # Load errors in a process of their own: they reserve the core's address range, which
-      # torch's allocations in the kernel tests could otherwise take.
-      # The hybrid's eager Triton-vs-reference comparison prepares its own core and compiles
-      # flash-linear-attention's float32 kernels (autotuned): it runs from the start, beside.
-      RIG=$G/test_numerics.py::test_hybrid_triton_path_matches_the_reference_path_on_the_gpu
-      # The kernel tests compile a Triton kernel for nearly every case: three xdist workers
-      # (their own processes; the load errors keep one of their own, nothing allocated before).
-      parallel load-errors "$G/test_load_errors.py $G/test_export_scan.py" \
-        kernels "-n 3 $G/test_paged_attention_cuda.py tests/test_paged_attention_triton.py::test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled tests/test_moe_kernels.py tests/test_gemm_rows.py tests/test_rownorm.py tests/test_gemv.py tests/test_sampler_kernel.py" \
-        hybrid-rig "$RIG $G/test_gdn_grid_gpu.py" > $R/kernels-phase.txt &
-      kernels=$!  # beside the preparations and then the numerics, which need only the cores
+      # The load errors, kernel tests and hybrid rig (side_tests) run beside the preparations
+      # and then the numerics, which need only the cores; on a card of less than 100 GiB (an
+      # H100's 80: the seven preparations and the kernel tests together ran out of memory on
+      # 2026-12-05, 118 kernel tests failing on it) after them.
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      beside=$([ "${mib:-0}" -ge 100000 ] && echo 1 || echo 0)
+      [ "${SIDE_TESTS:-1}" = 0 ] && beside=skip  # (SIDE_TESTS=0: left to a `--phase kernels` call)
+      [ $beside = 1 ] && { side_tests > $R/kernels-phase.txt & kernels=$!; }
       rc=0
       for p in "${preps[@]}"; do wait $p || rc=1; done
       echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback $R/prepare-*.log
@@ -86,7 +94,10 @@ case "$1" in
       args=()
       for m in $SHAPE_LIST; do GPU_SHAPES[numerics-$m]=$m; args+=(numerics-$m "$G/test_numerics.py --deselect $RIG"); done
       parallel "${args[@]}"; rc=$((rc | $?))
-      wait $kernels; rc=$((rc | $?)); cat $R/kernels-phase.txt
+      if [ $beside = 1 ]; then wait $kernels; elif [ $beside = 0 ]; then side_tests > $R/kernels-phase.txt; fi
+      rc=$((rc | $?)); cat $R/kernels-phase.txt 2>/dev/null
+    elif [ "$2" = kernels ]; then  # side_tests alone (a call of its own where the card is small)
+      side_tests > $R/kernels-phase.txt; rc=$?; cat $R/kernels-phase.txt
     else  # alone [test files]: all three by default; a call's time limit may want them split
       shift 2
       parallel alone "${*:-$G/test_replay.py $G/test_serve.py $G/test_generation.py}"; rc=$?
