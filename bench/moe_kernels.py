@@ -69,10 +69,7 @@ GEOMETRIES = {  # name: (E, k, H, I)
 # The gated shared expert's intermediate size, where the model has one.
 SHARED = {"qwen3_5-35b-a3b": 512, "qwen3-next-80b-a3b": 512, "tiny": 40}  # tiny: the CPU smoke
 # Decode GEMV blocks (rows, K columns, warps) swept per kernel, the other at its default.
-# The gate/up kernel's blocks: rows, K columns, warps, and whether the gate and up tiles are
-# loaded in one loop (``paired_gate_up``, the default since 2026-12-05) or one after the other.
-DECODE_GATE_UP = [(16, 512, 4, True), (16, 512, 4, False), (4, 1024, 4, True), (4, 1024, 4, False),
-                  (8, 512, 4, True), (8, 1024, 4, True), (4, 2048, 4, True), (16, 256, 4, True), (32, 256, 8, True)]
+DECODE_GATE_UP = [(8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 8), (16, 1024, 8), (4, 1024, 4)]
 DECODE_DOWN = [(8, 256, 4), (16, 256, 4), (4, 512, 4), (8, 512, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4)]
 # The down kernel that loads a token's pairs together (``wide_down``): rows, K columns, warps.
 DECODE_DOWN_WIDE = [(4, 128, 4), (4, 256, 4), (8, 128, 4), (8, 128, 8), (2, 256, 4), (16, 64, 8), (4, 64, 4)]
@@ -213,10 +210,9 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
         if name in SHARED:
             out += shared_cases(tag, name, geo, T, sets, router, gate_up, down, device, dtype)
         expert_bytes = hit * H * I * gate_up.element_size()
-        for *gu, paired in sweeps[0]:
-            out.append(Case(f"{tag}.decode_gate_up[bn{gu[0]},bk{gu[1]},w{gu[2]}{'' if paired else ',unpaired'}]",
-                            [(lambda s=s, gu=tuple(gu), paired=paired: (
-                                K.experts_decode(*s, gate_up, down, gate_up_blocks=gu, paired_gate_up=paired),))
+        for gu in sweeps[0]:
+            out.append(Case(f"{tag}.decode_gate_up[bn{gu[0]},bk{gu[1]},w{gu[2]}]",
+                            [(lambda s=s, gu=gu: (K.experts_decode(*s, gate_up, down, gate_up_blocks=gu),))
                              for s in sets], [], None, "both decode kernels; gate/up blocks swept",
                             bytes_per_call=3 * expert_bytes))
         for dn in sweeps[1]:
@@ -308,7 +304,7 @@ def main(argv=None) -> int:
     for name, geo in geos.items():
         for T in tokens:
             rot = max(1, min(16, (3 * 50 << 20) // (T * geo[1] * 3 * geo[2] * geo[3] * 2 + 1))) if cuda else 2
-            sweeps = (DECODE_GATE_UP, DECODE_DOWN, DECODE_DOWN_WIDE) if cuda else ([(8, 16, 4, True)], [(16, 16, 4)],
+            sweeps = (DECODE_GATE_UP, DECODE_DOWN, DECODE_DOWN_WIDE) if cuda else ([(8, 16, 4)], [(16, 16, 4)],
                                                                                     [(16, 16, 4)])
             cases += cases_for(name, geo, T, device, dtype, rot, configs, sweeps, decode=cuda or T <= 4)
     results = run(cases, args, cuda, started, lambda line: print(line, flush=True))

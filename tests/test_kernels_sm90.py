@@ -76,9 +76,8 @@ SCRIPT = textwrap.dedent('''
                          {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "g_ptr"), "valid_ptr": "*i1",
                           "rw_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32"},
                          dict(BN=bn, BK=512, HAS_S=has_s, ROUTE=route, TOPK=8, RENORM=True, BE=256, BKK=8))
-    for paired in (True, False):
-        compile_for_sm90(M._decode_gate_up_kernel, {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr"), "ids_ptr": "*i64"},
-                         dict(BN=16, BK=512, PAIRED=paired))
+    compile_for_sm90(M._decode_gate_up_kernel, {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr"), "ids_ptr": "*i64"},
+                     dict(BN=16, BK=512))
     compile_for_sm90(M._decode_down_kernel, {**bf16("h_ptr", "w_ptr", "out_ptr"), "ids_ptr": "*i64",
                                              "weights_ptr": "*fp32"}, dict(TOPK=8, BN=4, BK=512))
     # a gated shared expert or none, the residual added or not
@@ -244,4 +243,4 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 160, proc.stdout
+    assert proc.stdout.count("compiled") == 159, proc.stdout

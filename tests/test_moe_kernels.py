@@ -158,10 +158,6 @@ def test_decode_gemvs_match_the_pair_loop(T, k, dtype):
     torch.testing.assert_close(wide.cpu().to(F64), ref, **tol)
     torch.testing.assert_close(wide, got, **tol)
     assert torch.equal(wide[~valid].cpu(), torch.zeros_like(wide[~valid].cpu()))
-    # The gate/up kernel with the gate's reduction and then the up's: the paired loop's bits.
-    unpaired = experts_decode(x, w, ids, gate_up, down, gate_up_blocks=(8, 16, 4), down_blocks=(16, 16, 4),
-                              paired_gate_up=False)
-    assert torch.equal(unpaired, wide)
     # The decoder layer's residual added in the down kernel: the bits of the add apart.
     residual = torch.randn(T, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
     added = experts_decode(x, w, ids, gate_up, down, gate_up_blocks=(8, 16, 4), down_blocks=(16, 16, 4),
@@ -267,9 +263,6 @@ def test_decode_gemvs_fold_a_gated_shared_expert(T, k, I_s, dtype):
     added = experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gate), gate_up_blocks=(8, 16, 4),
                            down_blocks=(16, 16, 4), residual=residual)
     _added(added, residual, got)
-    unpaired = experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gate), gate_up_blocks=(8, 16, 4),
-                              down_blocks=(16, 16, 4), paired_gate_up=False)
-    assert torch.equal(unpaired, got)  # (the shared pair's up rows start at its own width)
     with pytest.raises(ValueError, match="wide down"):
         experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down, gate), wide_down=False)
     with pytest.raises(ValueError, match="expected"):

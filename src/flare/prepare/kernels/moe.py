@@ -431,26 +431,6 @@ def _gemv_rows(x_row_ptr, w_rows_ptr, n, n_in, K, stride_wn, BN: tl.constexpr, B
 
 
 @triton.jit
-def _gemv_glu_rows(x_row_ptr, w_rows_ptr, n, n_in, K, stride_wn, UP, BN: tl.constexpr, BK: tl.constexpr):
-    """``_gemv_rows`` of the gate rows ``n`` and the up rows ``UP + n`` in one loop, their tiles
-    loaded together (twice the bytes in flight a step): each sum the same bits as its own
-    ``_gemv_rows``."""
-    acc_g = tl.zeros([BN, BK], tl.float32)
-    acc_u = tl.zeros([BN, BK], tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        k_in = kk < K
-        xv = tl.load(x_row_ptr + kk, mask=k_in, other=0.0).to(tl.float32)
-        at = w_rows_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
-        mask = n_in[:, None] & k_in[None, :]
-        wg = tl.load(at, mask=mask, other=0.0)
-        wu = tl.load(at + UP.to(tl.int64) * stride_wn, mask=mask, other=0.0)
-        acc_g += wg.to(tl.float32) * xv[None, :]
-        acc_u += wu.to(tl.float32) * xv[None, :]
-    return tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-
-
-@triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, ids_ptr, count_ptr, N, K, stride_xt,
                         stride_wn, stride_ot, stride_gt, BN: tl.constexpr, BK: tl.constexpr, HAS_S: tl.constexpr,
                         ROUTE: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr,
@@ -509,7 +489,9 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     H200 for 0.5-1 MB of weights; here a program per router row (``block_n`` rows, default 1:
     the fastest block of every geometry and batch of ``moe-kernels-decode-2026-12-04*.json``, 3.0
     against 3.7 µs for E / 64 rows at one token of Qwen3.5-35B-A3B's router, 3.6 against 5.4 for
-    Qwen3-Next's). The roundings differ from ``invariant_linear``'s only in summation order.
+    Qwen3-Next's; routing in the launch, on an H100, 7.8 against 9.2 µs for 4 rows a program,
+    ``moe-kernels-decode-2026-12-05-h100.json``). The roundings differ from
+    ``invariant_linear``'s only in summation order.
 
     ``route`` = (top k, renormalise, valid rows or None, ticket counters: zeroed int32, at least
     T, left zeroed): the token's last program also routes it, the weights and ids of
@@ -547,11 +529,10 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
 
 @triton.jit
 def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, E, N, NS, K, TOPK, ROWS, stride_xt, stride_we,
-                           stride_wn, stride_om, BN: tl.constexpr, BK: tl.constexpr, PAIRED: tl.constexpr):
+                           stride_wn, stride_om, BN: tl.constexpr, BK: tl.constexpr):
     """Program (pair, block of features): pair ``t * ROWS + j`` is token t's slot j; with a
     shared expert (``ROWS = TOPK + 1``) slot TOPK is the shared expert's pair (weights
-    ``s_ptr``, ``NS`` features), computed for tokens whose first slot is routed (not padding).
-    PAIRED: the gate and up rows' tiles loaded together (``_gemv_glu_rows``, the same bits)."""
+    ``s_ptr``, ``NS`` features), computed for tokens whose first slot is routed (not padding)."""
     pair = tl.program_id(0)
     t = pair // ROWS
     j = pair % ROWS
@@ -570,13 +551,10 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, E, N, NS, K, T
         x_row = x_ptr + t.to(tl.int64) * stride_xt
         dtype = out_ptr.dtype.element_ty
         # Transformers rounds each projection to the model dtype, then act(gate) * up.
-        if PAIRED:
-            g, u = _gemv_glu_rows(x_row, w_rows, n, n_in, K, stride_wn, n_rows, BN, BK)
-        else:
-            g = _gemv_rows(x_row, w_rows, n, n_in, K, stride_wn, BN, BK)
-            u = _gemv_rows(x_row, w_rows + n_rows * stride_wn, n, n_in, K, stride_wn, BN, BK)
-        g = g.to(dtype).to(tl.float32)
-        u = u.to(dtype).to(tl.float32)
+        # (The gate and up tiles loaded in one loop were no faster on an H100:
+        # ``moe-kernels-decode-2026-12-05-h100.json``.)
+        g = _gemv_rows(x_row, w_rows, n, n_in, K, stride_wn, BN, BK).to(dtype).to(tl.float32)
+        u = _gemv_rows(x_row, w_rows + n_rows * stride_wn, n, n_in, K, stride_wn, BN, BK).to(dtype).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
         tl.store(out_ptr + pair.to(tl.int64) * stride_om + n, (act * u).to(dtype), mask=n_in)
 
@@ -657,7 +635,7 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
                    down: torch.Tensor, *, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
                    down_blocks: tuple[int, int, int] | None = None, wide_down: bool = True,
-                   residual: torch.Tensor | None = None, paired_gate_up: bool = True) -> torch.Tensor:
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
     slot order. The same roundings as ``experts_triton`` and ``experts_torch``; sentinel
@@ -685,10 +663,7 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     (``docs/gpu.md``); wide down only.
 
     ``residual`` (``[T, H]``, x's dtype): the decoder layer's residual, added in the down kernel
-    (``residual + out`` to the same bits, a launch fewer a layer); wide down only.
-
-    ``paired_gate_up`` (default): the gate/up kernel loads a block's gate and up tiles in one
-    loop; off, the gate's whole reduction, then the up's (the same bits)."""
+    (``residual + out`` to the same bits, a launch fewer a layer); wide down only."""
     T, k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -720,7 +695,7 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     bn, bk, warps = gate_up_blocks
     _decode_gate_up_kernel[(T * rows, triton.cdiv(width, bn))](
         x, gate_up, s_gate_up, ids, h, E, I, I_s, H, k, rows, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        h.stride(0), BN=bn, BK=min(bk, triton.next_power_of_2(H)), PAIRED=paired_gate_up, num_warps=warps)
+        h.stride(0), BN=bn, BK=min(bk, triton.next_power_of_2(H)), num_warps=warps)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_blocks or ((8, 128, 4) if shared is not None else (8, 128, 8))
     if wide_down:
