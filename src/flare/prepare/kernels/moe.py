@@ -157,12 +157,8 @@ def _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K: tl.constexpr, REN
     logits were stored by other programs of this launch (read past L1, as the GEMV's ticket path
     reads the slices)."""
     e = tl.arange(0, BE)
-    at = logits_ptr + t[:, None] * stride_lt + e[None, :] * stride_le
-    mask = t_in[:, None] & (e[None, :] < E)
-    if CG:
-        x = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(logits_ptr + t[:, None] * stride_lt + e[None, :] * stride_le, mask=t_in[:, None] & (e[None, :] < E),
+                other=0.0, cache_modifier=".cg" if CG else "").to(tl.float32)
     x = tl.where(e[None, :] < E, x, float("-inf"))  # rows past T stay finite (their results are not stored)
     m = tl.max(x, 1)
     ex = tl.exp(x - m[:, None])

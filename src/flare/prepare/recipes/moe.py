@@ -95,8 +95,10 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
     if residual is not None and (residual.stride(-1) != 1 or residual.dtype != x.dtype):
         residual = None  # (the kernel reads rows of unit stride in x's dtype: the add stays apart)
     if decode and not split and (not shared or _folds_shared(block)):  # GEMVs, no tiles
-        s = block.shared_expert if shared else None
-        folded = (s.gate_up_proj.weight, s.down_proj.weight, gate_logits) if shared else None
+        folded = None
+        if shared:
+            s = block.shared_expert
+            folded = (s.gate_up_proj.weight, s.down_proj.weight, gate_logits)
         return K.experts_decode(*args, shared=folded, residual=residual), None, residual is not None
     if decode:
         out = K.experts_decode(*args)
