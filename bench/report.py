@@ -383,17 +383,24 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     bytes-moved roofline** (214 tok/s; 290 kernels; c = 2 / 4: 4.776 / 4.890 ms; two
     steps in flight 4.682 ms of wall time a step), 0 allocations after ready: the
     issue's 0.80 at concurrency 1, by 5 µs.
-* **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0,
-  `generate` with a static cache and its compiled forward; the mode is recorded
-  per batch): 1.72 / 1.64 / 1.58x at c = 1 / 2 / 4 (ITL 5.02 against 8.69 ms).
-  Prefix-hit TTFT 12.0 ms with 4,096 cached tokens against 10.4 ms for a cold
-  16-token prompt (ratio 1.16); in the agent scenario every turn's
-  `cached_tokens` equals the previous turn's prompt. Cold prefill 34.0k tok/s at
-  4K and 26.6k tok/s at 32K (Gated DeltaNet layers cost the same per token at any
-  depth; only the 8 attention layers grow with the history). These hybrid figures
-  predate the block grid (2026-12-02, docs/prefix-cache.md), which adds a second
-  delta-rule call to every prefill chunk and 75.7 MB to every slot and snapshot
-  row: its TTFT and prefill figures are not yet measured.
+  * **Served, 2026-12-05** (`serving-qwen3_5-9b-shape-2026-12-05.json`, at 492ada7,
+    the same options as 66c7780's: `--step-gemms measure --step-norms invariant`):
+    the replay floor's step 4.589 ms, **0.822 of the bytes-moved roofline** (0.91
+    counting all weights), `flare-serve` 221 / 428 / 818 tok/s at c = 1 / 2 / 4
+    (ITL p50 4.48 / 4.57 / 4.69 ms), 0 allocations after ready.
+* **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0 and
+  its reference causal convolution, `causal_conv1d` not being installed on the
+  device; `generate` with a static cache and its compiled forward; the mode is
+  recorded per batch), 2026-12-05: **1.90 / 1.89 / 1.88x at c = 1 / 2 / 4** (116 /
+  226 / 436 tok/s; ITL 4.48 against 8.62 ms at c = 1). Prefix-hit TTFT 15.8 ms with
+  4,096 cached tokens against 14.3 ms for a cold 16-token prompt (ratio 1.10); in the
+  8-turn agent scenario every turn's `cached_tokens` equals the previous turn's
+  prompt. Cold prefill 32.0k tok/s at 4K and 24.3k tok/s at 32K (Gated DeltaNet
+  layers cost the same per token at any depth; only the 8 attention layers grow
+  with the history). Against 2026-12-01, before the block grid (docs/prefix-cache.md)
+  and the row-invariant norms: 34.0k and 26.6k tok/s, cold 16-token TTFT 10.4 ms;
+  `prefill.128` now takes 10.67 against 7.28 ms of GPU time, of which the grid
+  accounts for about 1.3 ms and the rest is not yet attributed.
 * **Runtime over floor** is negative: `flare-serve`'s inter-token latency
   (4.71 ms at c = 1) is below the floor's back-to-back GPU time per step
   (4.92 ms), on the 135M shape too (1.08 against 1.26 ms): the server's steps
