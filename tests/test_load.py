@@ -1,10 +1,12 @@
-"""Load test: 64 concurrent clients against a live server (tiny random-weight model).
+"""Load test: 64 concurrent clients against a live server (tiny random-weight models:
+a dense one, and the Gated DeltaNet hybrid whose checkpoints carry recurrent state).
 
 Clients mix streaming and non-streaming requests, leave in the middle of streams,
 and interleave malformed, oversized and out-of-contract requests. Afterwards every
 valid, non-abandoned request must have completed with exactly the requested
 number of tokens, no client error may have produced a 5xx, the server must hold
-no pages and no requests, report healthy, and answer a fresh request.
+no pages and no requests (every page and snapshot row free or held by a prefix-cache
+checkpoint), report healthy, and answer a fresh request.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import random
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import running_server, scrape_metrics
 
 CLIENTS = 64
-DURATION_S = 25.0
-MODEL = "llama-tiny"
+DURATION_S = 20.0
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, leave_after: int | None) -> dict:
@@ -46,14 +48,14 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, leave_after: 
     return {"status": 200, "usage": usage, "finish": finish, "done": False, "error": error}
 
 
-async def _client(i: int, base: str, deadline: float, log: list) -> None:
+async def _client(i: int, base: str, model: str, deadline: float, log: list) -> None:
     rng = random.Random(i)
     async with httpx.AsyncClient(timeout=120) as client:
         while time.monotonic() < deadline:
             kind = rng.choice(["stream", "stream", "plain", "plain", "leave", "malformed", "oversized",
                                "unknown_model", "bad_param", "completion"])
             n = rng.randint(1, 12)
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"client {i} says hello {n}"}],
+            body = {"model": model, "messages": [{"role": "user", "content": f"client {i} says hello {n}"}],
                     "max_tokens": n, "ignore_eos": True, "seed": rng.randint(0, 1 << 30)}
             url = base + "/v1/chat/completions"
             if kind == "stream":
@@ -67,7 +69,7 @@ async def _client(i: int, base: str, deadline: float, log: list) -> None:
                 log.append(("plain", n, {"status": r.status_code, "body": r.json()}))
             elif kind == "completion":
                 r = await client.post(base + "/v1/completions",
-                                      json={"model": MODEL, "prompt": [5, 6, 7, n], "max_tokens": n, "ignore_eos": True})
+                                      json={"model": model, "prompt": [5, 6, 7, n], "max_tokens": n, "ignore_eos": True})
                 log.append(("plain", n, {"status": r.status_code, "body": r.json()}))
             elif kind == "malformed":
                 r = await client.post(url, content=b'{"model": "llama-tiny", "messages": [', headers={
@@ -84,13 +86,15 @@ async def _client(i: int, base: str, deadline: float, log: list) -> None:
                 log.append(("client_error", 400, {"status": r.status_code, "body": r.json()}))
 
 
-def test_sixty_four_clients_under_load(tiny_core):
-    with running_server(tiny_core, "--max-body-bytes", "65536", "--max-waiting", "1024") as srv:
+@pytest.mark.parametrize("core", ["tiny_core", "hybrid_core"])
+def test_sixty_four_clients_under_load(core, request):
+    with running_server(request.getfixturevalue(core), "--max-body-bytes", "65536", "--max-waiting", "1024") as srv:
+        model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
         log: list = []
 
         async def main():
             deadline = time.monotonic() + DURATION_S
-            await asyncio.gather(*(_client(i, srv.url, deadline, log) for i in range(CLIENTS)))
+            await asyncio.gather(*(_client(i, srv.url, model, deadline, log) for i in range(CLIENTS)))
 
         asyncio.run(main())
         kinds = {k for k, _, _ in log}
@@ -124,9 +128,13 @@ def test_sixty_four_clients_under_load(tiny_core):
         assert metrics["flare_kv_pages_used"] == 0
         # Every page is free or held only by prefix-cache checkpoints (evictable).
         assert metrics["flare_kv_pages_free"] + metrics["flare_kv_pages_cached"] == metrics["flare_kv_pages_total"]
+        # Every snapshot row is free or holds one checkpoint; the cache really published some.
+        assert metrics["flare_prefix_cache_published_total"] > 0
+        assert (metrics["flare_prefix_cache_snapshot_rows_free"] + metrics["flare_prefix_cache_checkpoints"]
+                == metrics["flare_prefix_cache_snapshot_rows_total"] > 0), metrics
         assert httpx.get(srv.url + "/health").status_code == 200
         r = httpx.post(srv.url + "/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 5,
+            "model": model, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 5,
             "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tests.conftest import ROOT, running_server
 
@@ -45,14 +46,15 @@ def test_the_check_detects_torch():
     assert "torch" in forbidden(mods)
 
 
-def test_live_server_never_imports_torch(tiny_core, tmp_path):
-    """Also checks the shutdown that writes the report is complete: SIGTERM ends the
+@pytest.mark.parametrize("core", ["tiny_core", "hybrid_core"])
+def test_live_server_never_imports_torch(core, request, tmp_path):
+    """Dense and hybrid cores alike. Also checks the shutdown that writes the report is complete: SIGTERM ends the
     process with status 0 after the executor removed its shared arena file."""
     report = tmp_path / "modules.json"
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {"FLARE_MODULES_REPORT": str(report), "FLARE_SHM_DIR": str(shm)}
-    with running_server(tiny_core, env=env) as srv:
+    with running_server(request.getfixturevalue(core), env=env) as srv:
         assert [p.name[:12] for p in shm.iterdir()] == ["flare-arena-"]
         model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
