@@ -111,6 +111,17 @@ def _timed_launch(ex: CudaExecutor, program: str, writes: list, reps: int = 20, 
     return float(np.median(samples))
 
 
+def prefill_writes(m, start: int, n: int, rng: np.random.Generator) -> tuple[str, list]:
+    """The prefill program the scheduler picks for ``n`` new tokens of slot 1 after ``start``
+    in KV, and the (buffer, value, row) writes that stage it (random tokens)."""
+    c = m.capacities
+    cap = next(x for x in c.prefill_capacities if x >= n)
+    tokens = np.zeros(max(c.prefill_capacities), np.int32)
+    tokens[:n] = rng.integers(1000, min(30000, c.sampling_vocab), n)
+    return f"prefill.{cap}", [("state.len", np.int32(start), 1), (io.TOKENS, tokens, None),
+                              (io.PrefillInput.buffer, io.pack(io.PrefillInput(1, n, 1)), None)]
+
+
 def program_times(ex: CudaExecutor, m, history: int = 4096, tail: int = 11, short: int = 16) -> dict:
     """GPU ms of the programs before a first token: a cold ``short``-token prompt runs
     admit + prefill; a prefix hit of ``history`` cached tokens runs admit + restore +
@@ -127,11 +138,7 @@ def program_times(ex: CudaExecutor, m, history: int = 4096, tail: int = 11, shor
     admit = m.programs_of(ProgramKind.admit)[0]
 
     def prefill(start: int, n: int) -> tuple[str, list]:
-        cap = next(x for x in c.prefill_capacities if x >= n)  # as the scheduler picks it
-        tokens = np.zeros(max(c.prefill_capacities), np.int32)
-        tokens[:n] = rng.integers(1000, min(30000, c.sampling_vocab), n)
-        return f"prefill.{cap}", [("state.len", np.int32(start), 1), (io.TOKENS, tokens, None),
-                                  (io.PrefillInput.buffer, io.pack(io.PrefillInput(1, n, 1)), None)]
+        return prefill_writes(m, start, n, rng)
 
     out = {"history_tokens": history, "tail_tokens": tail, "short_tokens": short}
     tokens = np.zeros(admit.capacity, np.int32)

@@ -108,7 +108,7 @@ def _weight_kind(name: str) -> str:
 
 
 def timeline_section(t: dict, name: str) -> list[str]:
-    """Per-operator and per-weight tables of bench/timeline.py's decode step profile."""
+    """Per-operator and per-weight tables of bench/timeline.py's decode step (and prefill chunk) profiles."""
     on = f", {t['device']}" if "device" in t else ""  # (runs before 2026-12-05 were all on the H200)
     out = [f"## Decode step timeline: {t.get('model', name)} ({name}{on})", "",
            (f"Weights {t['weight_bytes'] / 1e9:.2f} GB per step over {t['copy_bandwidth_Bps'] / 1e12:.2f} TB/s copy "
@@ -116,12 +116,15 @@ def timeline_section(t: dict, name: str) -> list[str]:
             "graph with an event after every node, so every node also pays the event's cost (the difference between "
             "the serialized sum and the graph's own time, spread over its nodes, is shown as *overhead per node*); "
             "a few-microsecond kernel's time is mostly that cost.")]
-    for b, r in t["batches"].items():
+    runs = [(f"decode.{b}", r) for b, r in t["batches"].items()]
+    runs += [(f"{r['program']}, {r['tokens']} tokens after {r['history']}", r) for r in t.get("prefills", {}).values()]
+    for label, r in runs:
         nodes = len(r["nodes"])
         per = (r["timed_sum_ms"] - r["graph_ms"]) / nodes
         moved = (f", {r['step_roofline_ms'] / r['graph_ms']:.2f} of the bytes-moved roofline "
                  f"({r['step_bytes']['total'] / 1e9:.2f} GB, {r['step_roofline_ms']:.3f} ms)" if "step_bytes" in r else "")
-        out += ["", (f"**decode.{b}**: graph {r['graph_ms']:.3f} ms per step ({r['graph_ms'] / t['roofline_ms']:.2f} × "
+        unit = "per step" if label.startswith("decode") else "a launch"
+        out += ["", (f"**{label}**: graph {r['graph_ms']:.3f} ms {unit} ({r['graph_ms'] / t['roofline_ms']:.2f} × "
                      f"the roofline{moved}), serialized sum {r['timed_sum_ms']:.3f} ms over {nodes} nodes "
                      f"({r['kernel_count']} kernels): overhead per node {per * 1e3:.1f} µs."), "",
                 "| operator | nodes | serialized ms | share |", "|---|---|---|---|"]
@@ -916,6 +919,13 @@ What a serving option does: `python -m bench.ab_serve CORE OUT.json
 configuration after the other, with the same client scenarios (for issue 19:
 `--b=--decode-with-prefill` on a core with `--pack-capacities`, scenarios
 `interference,arrivals`).
+
+Where a program's time goes: `python -m bench.timeline CORE OUT.json --batches 1,4
+--prefills 16@0,2048@0` times decode.1 and decode.4, and the prefill programs the scheduler
+picks for 16 and 2,048 new tokens after 0 in KV (`N@S`: N tokens after S), kernel by kernel
+in a serialized copy of each graph, and attributes every kernel to an operator, a layer and
+a part of the layer by the weights it reads (`run_gpu.sh`'s timeline step, prefills from
+`TIMELINE_PREFILLS`).
 
 `bench/run_gpu.sh MODEL [prepare options]` prepares one core (context limit
 8,192 unless `CONTEXT_LIMIT` or `--context-limit` says otherwise), measures

@@ -1,10 +1,13 @@
-"""Per-kernel GPU timeline of one decode step, attributed to operators and layers.
+"""Per-kernel GPU timeline of one decode step (or prefill chunk), attributed to operators and layers.
 
-usage: python -m bench.timeline CORE OUT.json [--batches 1,4] [--launches 20]
+usage: python -m bench.timeline CORE OUT.json [--batches 1,4] [--prefills 16@0,2048@4096] [--launches 20]
 
 For each requested decode capacity B the slots are set up as in bench.floor and
 decode.B is timed with events around ``launches`` back-to-back launches (graph_ms,
-the graph's own time). Then a *timed* copy of the same program is built from its
+the graph's own time). ``--prefills N@S``: the prefill program the scheduler picks for
+N new tokens of one slot after S tokens in KV (S clamped to what the slot's pages hold),
+its inputs staged before every launch, graph_ms the median of single launches (as
+bench.floor's program times). Then a *timed* copy of the same program is built from its
 exported GraphSpec: the nodes in a topological order (spec order among ready
 nodes) as one serial chain, an event-record node before the first node and after
 every node. It is launched ``launches`` times; each node's time is the median of
@@ -31,7 +34,7 @@ import numpy as np
 from cuda.bindings import driver as d
 
 from bench.collect import step_bytes
-from bench.floor import _setup_slots, copy_bandwidth, gpu_ms_per_step
+from bench.floor import _setup_slots, _timed_launch, copy_bandwidth, gpu_ms_per_step, prefill_writes
 from bench.kernel_parts import op_of, part_of
 from flare.core import graph as G
 from flare.core.manifest import load_manifest
@@ -85,20 +88,55 @@ def _fresh_slots(ex: CudaExecutor, m, batch: int) -> None:
     ex.sync()
 
 
-def _graph_ms(ex: CudaExecutor, m, batch: int, launches: int) -> float:
-    _fresh_slots(ex, m, batch)
-    return gpu_ms_per_step(ex, f"decode.{batch}", launches, warmup=3)
+class _Decode:
+    """decode.B on B fresh slots, launched back to back."""
+
+    def __init__(self, m, batch: int):
+        self.m, self.batch, self.program = m, batch, f"decode.{batch}"
+
+    def setup(self, ex: CudaExecutor) -> None:
+        _fresh_slots(ex, self.m, self.batch)
+
+    def before(self, ex: CudaExecutor) -> None:
+        pass
+
+    def graph_ms(self, ex: CudaExecutor, launches: int) -> float:
+        self.setup(ex)
+        return gpu_ms_per_step(ex, self.program, launches, warmup=3)
 
 
-def _node_ms(ex: CudaExecutor, m, batch: int, gexec, events: list, launches: int) -> np.ndarray:
-    _fresh_slots(ex, m, batch)
-    for _ in range(3):
-        ck(d.cuGraphLaunch(gexec, ex.stream), "cuGraphLaunch timed")
+class _Prefill:
+    """The prefill of ``n`` tokens of slot 1 after ``start`` in KV, staged before every launch."""
+
+    def __init__(self, m, n: int, start: int):
+        c, ps = m.capacities, m.pages.page_size
+        pages = min((m.pages.num_pages - 1) // c.slots, c.max_pages_per_slot)  # slot 1's (_setup_slots)
+        self.start = max(0, min(start, (pages * ps - max(c.prefill_capacities)) // ps * ps,
+                                c.context_limit - c.prefill_chunk))
+        self.m, self.n = m, n
+        self.program, self.writes = prefill_writes(m, self.start, n, np.random.default_rng(0))
+
+    def setup(self, ex: CudaExecutor) -> None:
+        _fresh_slots(ex, self.m, 1)
+
+    def before(self, ex: CudaExecutor) -> None:
+        for buffer, value, row in self.writes:
+            ex.write(buffer, np.asarray(value), row)
+
+    def graph_ms(self, ex: CudaExecutor, launches: int) -> float:
+        self.setup(ex)
+        return _timed_launch(ex, self.program, self.writes, reps=launches)
+
+
+def _node_ms(ex: CudaExecutor, run, gexec, events: list, launches: int) -> np.ndarray:
+    run.setup(ex)
     samples = []
-    for _ in range(launches):
+    for i in range(3 + launches):
+        run.before(ex)
         ck(d.cuGraphLaunch(gexec, ex.stream), "cuGraphLaunch timed")
         ck(d.cuStreamSynchronize(ex.stream), "cuStreamSynchronize")
-        samples.append([ck(d.cuEventElapsedTime(a, b), "elapsed") for a, b in itertools.pairwise(events)])
+        if i >= 3:
+            samples.append([ck(d.cuEventElapsedTime(a, b), "elapsed") for a, b in itertools.pairwise(events)])
     return np.median(np.array(samples, dtype=np.float64), axis=0)
 
 
@@ -190,13 +228,13 @@ def _summary(rows: list[dict]) -> dict:
             "layer_body": body}
 
 
-def profile(ex: CudaExecutor, m, batch: int, launches: int, spans: list) -> dict:
-    program = m.program(f"decode.{batch}")
+def profile(ex: CudaExecutor, m, run, launches: int, spans: list) -> dict:
+    program = m.program(run.program)
     spec = G.load_graph(ex.core_dir / program.graph)
-    graph_ms = _graph_ms(ex, m, batch, launches)
+    graph_ms = run.graph_ms(ex, launches)
     graph, gexec, events, order = _timed_graph(ex, spec)
     try:
-        ms = _node_ms(ex, m, batch, gexec, events, launches)
+        ms = _node_ms(ex, run, gexec, events, launches)
     finally:
         ck(d.cuStreamSynchronize(ex.stream), "cuStreamSynchronize")
         d.cuGraphExecDestroy(gexec)
@@ -204,13 +242,13 @@ def profile(ex: CudaExecutor, m, batch: int, launches: int, spans: list) -> dict
         for e in events:
             d.cuEventDestroy(e)
     rows = _rows(ex, m, spec, order, ms, spans)
-    return {"program": program.name, "batch": batch, "graph_ms": graph_ms,
+    return {"program": program.name, "graph_ms": graph_ms,
             "kernel_count": sum(isinstance(spec.nodes[i], G.KernelNode) for i in order),
             **_summary(rows), "nodes": rows}
 
 
 def _print(r: dict, roofline_ms: float) -> None:
-    print(f"\n{r['program']}: graph {r['graph_ms']:.3f} ms/step, serialized sum {r['timed_sum_ms']:.3f} ms "
+    print(f"\n{r['program']}: graph {r['graph_ms']:.3f} ms a launch, serialized sum {r['timed_sum_ms']:.3f} ms "
           f"({r['kernel_count']} kernels), weight roofline {roofline_ms:.3f} ms, bytes-moved roofline "
           f"{r.get('step_roofline_ms', float('nan')):.3f} ms")
     for n in sorted(r["nodes"], key=lambda n: -n["ms"])[:15]:
@@ -224,7 +262,7 @@ def _print(r: dict, roofline_ms: float) -> None:
               f"min {b['min_ms']:.3f}, max {b['max_ms']:.3f} over {b['layers']} layers")
 
 
-async def main(core: str, batches: list[int], launches: int) -> dict:
+async def main(core: str, batches: list[int], launches: int, prefills: list[tuple[int, int]] = ()) -> dict:
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
     await ex.start()
@@ -232,17 +270,26 @@ async def main(core: str, batches: list[int], launches: int) -> dict:
     weight_bytes = sum(b.nbytes for b in m.buffers if b.name.startswith("w."))
     roofline_ms = weight_bytes / bw * 1e3
     results = {"core": core, "device": ex.device.name, "launches": launches, "copy_bandwidth_Bps": bw,
-               "weight_bytes": weight_bytes, "roofline_ms": roofline_ms, "batches": {}}
+               "weight_bytes": weight_bytes, "roofline_ms": roofline_ms, "batches": {}, "prefills": {}}
     spans = _spans(m, ex.arena.base)
     for b in batches:
         if b not in m.capacities.decode_capacities:
             print(f"batch {b}: no decode.{b} in this core (capacities {m.capacities.decode_capacities}), skipped")
             continue
-        results["batches"][str(b)] = r = profile(ex, m, b, launches, spans)
+        results["batches"][str(b)] = r = profile(ex, m, _Decode(m, b), launches, spans)
+        r["batch"] = b
         # What the step must move (bench.collect: routed experts as the batch reads them, the
         # embedding by rows, recurrent state): the roofline a mixture of experts is held to.
         r["step_bytes"] = step_bytes(m, b)
         r["step_roofline_ms"] = r["step_bytes"]["total"] / bw * 1e3
+        _print(r, roofline_ms)
+    for n, start in prefills:
+        if n > m.capacities.prefill_chunk:
+            print(f"prefill of {n} tokens: over the core's prefill chunk ({m.capacities.prefill_chunk}), skipped")
+            continue
+        run = _Prefill(m, n, start)
+        results["prefills"][f"{n}@{run.start}"] = r = profile(ex, m, run, launches, spans)
+        r.update(tokens=n, history=run.start)
         _print(r, roofline_ms)
     results["executor_stats"] = ex.stats()
     await ex.close()
@@ -250,13 +297,22 @@ async def main(core: str, batches: list[int], launches: int) -> dict:
     return results
 
 
+def _prefills(arg: str) -> list[tuple[int, int]]:
+    out = []
+    for item in filter(None, arg.split(",")):
+        n, _, start = item.partition("@")
+        out.append((int(n), int(start or 0)))
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("core")
     ap.add_argument("out")
     ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--prefills", default="", help="N@S,...: prefill programs of N new tokens after S in KV")
     ap.add_argument("--launches", type=int, default=20)
     a = ap.parse_args()
-    res = asyncio.run(main(a.core, [int(x) for x in a.batches.split(",")], a.launches))
+    res = asyncio.run(main(a.core, [int(x) for x in a.batches.split(",") if x], a.launches, _prefills(a.prefills)))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

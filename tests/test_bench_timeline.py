@@ -104,6 +104,34 @@ def test_committed_timeline_renders_and_adds_up():
     assert "| lm_head | 1 |" in text
 
 
+def test_prefill_runs_pick_the_schedulers_program_and_fit_the_slot(tiny_core):
+    from flare.core.manifest import load_manifest
+
+    assert T._prefills("16@0,2048@61440,11") == [(16, 0), (2048, 61440), (11, 0)]
+    m = load_manifest(tiny_core)
+    c, ps = m.capacities, m.pages.page_size
+    short = T._Prefill(m, 16, 0)
+    assert (short.program, short.start) == (f"prefill.{min(x for x in c.prefill_capacities if x >= 16)}", 0)
+    staged = {name: (value, row) for name, value, row in short.writes}
+    assert int(staged["state.len"][0]) == 0 and staged["state.len"][1] == 1
+    # A history deeper than slot 1's pages (or the context) is cut to the deepest that leaves a whole chunk.
+    deep = T._Prefill(m, c.prefill_chunk, 1 << 20)
+    pages = min((m.pages.num_pages - 1) // c.slots, c.max_pages_per_slot)
+    assert deep.program == f"prefill.{c.prefill_chunk}" and deep.start % ps == 0
+    assert 0 < deep.start <= min(pages * ps - max(c.prefill_capacities), c.context_limit - c.prefill_chunk)
+
+
+def test_a_prefill_profile_renders_beside_the_decode_steps():
+    path = RESULTS / "timeline-llama-3.1-8b-shape-2026-11-29.json"
+    t = json.loads(path.read_text())
+    r = dict(t["batches"]["1"], program="prefill.128", tokens=16, history=4096)
+    for k in ("step_bytes", "step_roofline_ms"):
+        r.pop(k, None)
+    text = "\n".join(timeline_section({**t, "prefills": {"16@4096": r}}, path.name))
+    assert f"**prefill.128, 16 tokens after 4096**: graph {r['graph_ms']:.3f} ms a launch" in text
+    assert f"**decode.1**: graph {t['batches']['1']['graph_ms']:.3f} ms per step" in text
+
+
 def test_startup_figures_from_a_runs_files(tmp_path):
     (tmp_path / "serve-m.log").write_text("x INFO flare.serve: ready in 5.07 s: serving m on http://h\n")
     (tmp_path / "startup-m.txt").write_text("# HELP a\nflare_executor_startup_arena_upload_ms 3008\n"
