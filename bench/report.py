@@ -118,6 +118,8 @@ def timeline_section(t: dict, name: str) -> list[str]:
             "a few-microsecond kernel's time is mostly that cost.")]
     runs = [(f"decode.{b}", r) for b, r in t["batches"].items()]
     runs += [(f"{r['program']}, {r['tokens']} tokens after {r['history']}", r) for r in t.get("prefills", {}).values()]
+    runs += [(f"{r['program']}, {r['tokens']} tokens after {r['history']} and {r['decoders']} decode rows", r)
+             for r in t.get("packs", {}).values()]
     for label, r in runs:
         nodes = len(r["nodes"])
         per = (r["timed_sum_ms"] - r["graph_ms"]) / nodes
@@ -925,7 +927,9 @@ Where a program's time goes: `python -m bench.timeline CORE OUT.json --batches 1
 picks for 16 and 2,048 new tokens after 0 in KV (`N@S`: N tokens after S), kernel by kernel
 in a serialized copy of each graph, and attributes every kernel to an operator, a layer and
 a part of the layer by the weights it reads (`run_gpu.sh`'s timeline step, prefills from
-`TIMELINE_PREFILLS`).
+`TIMELINE_PREFILLS`). `--packs 253@2048+3` profiles a decode step that carries a prompt's
+chunk (`flare-serve --decode-with-prefill`): 253 tokens after 2,048 and three decode rows
+in one pack program (`TIMELINE_PACKS`).
 
 `bench/run_gpu.sh MODEL [prepare options]` prepares one core (context limit
 8,192 unless `CONTEXT_LIMIT` or `--context-limit` says otherwise), measures

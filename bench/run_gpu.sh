@@ -10,6 +10,8 @@
 #          PREFILL_PROMPTS cold prefill sizes (default 4096,65536)
 #          TIMELINE_PREFILLS prefill chunks the timeline also profiles, N@S (N tokens after S in KV;
 #                         default 16@0,2048@0; empty: decode steps only)
+#          TIMELINE_PACKS  decode steps carrying a chunk it profiles, N@S+D (a core with pack programs;
+#                         default none), e.g. 253@2048+3
 #          SERVE_OPTS     extra flare-serve options for the serve step (e.g. --prefill-while-decoding 256)
 #          STEPS          which steps to run (default: all, in order): prepare floor timeline serve
 #                         depth1 baseline collect. The core and the raw files live in .cache/ of
@@ -44,7 +46,7 @@ fi
 # Each step first removes what it writes (a failed step leaves no older file behind);
 # collect joins what the steps run in this work folder left, across calls.
 step floor && rm -f $OUT/floor-$MODEL.json && python3 -m bench.floor $CORE $OUT/floor-$MODEL.json 200
-step timeline && rm -f $OUT/timeline-$MODEL.* && python3 -m bench.timeline $CORE $OUT/timeline-$MODEL.json --batches 1,4 --prefills "${TIMELINE_PREFILLS-16@0,2048@0}" 2>&1 | tee $OUT/timeline-$MODEL.txt
+step timeline && rm -f $OUT/timeline-$MODEL.* && python3 -m bench.timeline $CORE $OUT/timeline-$MODEL.json --batches 1,4 --prefills "${TIMELINE_PREFILLS-16@0,2048@0}" --packs "${TIMELINE_PACKS-}" 2>&1 | tee $OUT/timeline-$MODEL.txt
 PORT=8391
 if step serve; then
 rm -f $OUT/serve-$MODEL.json $OUT/serve-$MODEL.log $OUT/startup-$MODEL.txt $OUT/metrics-$MODEL.txt

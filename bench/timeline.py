@@ -1,13 +1,17 @@
 """Per-kernel GPU timeline of one decode step (or prefill chunk), attributed to operators and layers.
 
-usage: python -m bench.timeline CORE OUT.json [--batches 1,4] [--prefills 16@0,2048@4096] [--launches 20]
+usage: python -m bench.timeline CORE OUT.json [--batches 1,4] [--prefills 16@0,2048@4096]
+                                [--packs 253@2048+3] [--launches 20]
 
 For each requested decode capacity B the slots are set up as in bench.floor and
 decode.B is timed with events around ``launches`` back-to-back launches (graph_ms,
 the graph's own time). ``--prefills N@S``: the prefill program the scheduler picks for
 N new tokens of one slot after S tokens in KV (S clamped to what the slot's pages hold),
 its inputs staged before every launch, graph_ms the median of single launches (as
-bench.floor's program times). Then a *timed* copy of the same program is built from its
+bench.floor's program times). ``--packs N@S+D`` (cores with pack programs): a decode step
+that carries a prompt's chunk, as ``flare-serve --decode-with-prefill`` runs it: N tokens
+of slot 1 after S, then one row for each of D decoding slots, on the smallest pack that
+holds them (rows as ``runtime.packing.layout`` places them). Then a *timed* copy of the same program is built from its
 exported GraphSpec: the nodes in a topological order (spec order among ready
 nodes) as one serial chain, an event-record node before the first node and after
 every node. It is launched ``launches`` times; each node's time is the median of
@@ -37,8 +41,10 @@ from bench.collect import step_bytes
 from bench.floor import _setup_slots, _timed_launch, copy_bandwidth, gpu_ms_per_step, prefill_writes
 from bench.kernel_parts import op_of, part_of
 from flare.core import graph as G
+from flare.core import interface as io
 from flare.core.manifest import load_manifest
 from flare.runtime.cuda_driver import ck
+from flare.runtime import packing
 from flare.runtime.cuda_executor import CudaExecutor
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -126,6 +132,38 @@ class _Prefill:
     def graph_ms(self, ex: CudaExecutor, launches: int) -> float:
         self.setup(ex)
         return _timed_launch(ex, self.program, self.writes, reps=launches)
+
+
+class _Pack(_Prefill):
+    """A chunk of ``n`` tokens of slot 1 after ``start`` and a one-token row for each of
+    ``decoders`` slots (2, 3, ...: their pending tokens, 16 tokens of history) in one pack."""
+
+    def __init__(self, m, n: int, start: int, decoders: int):
+        super().__init__(m, n, start)
+        c = m.capacities
+        self.decoders = decoders
+        segments = [(n, self.start > 0)] + [(1, False)] * decoders
+        rows, end = packing.layout(segments, c.pack_align)
+        fits = [x for x in c.pack_capacities if x >= end]
+        if not fits or len(segments) > min(max(c.decode_capacities), fits[0]):
+            raise ValueError(f"{n} tokens and {decoders} decoders ({end} rows, {len(segments)} segments) fit no "
+                             f"pack of {c.pack_capacities}")
+        self.program = f"pack.{fits[0]}"
+        chunk = dict((name, value) for name, value, _ in self.writes)[io.TOKENS][:n]
+        tokens = np.zeros(fits[0], np.int32)
+        tokens[:n] = chunk
+        table = np.zeros((max(c.decode_capacities), len(io.PackSegment._fields)), np.int32)
+        table[0] = io.pack(io.PackSegment(1, n, 1, rows[0]))
+        for i in range(decoders):
+            slot = 2 + i
+            tokens[rows[1 + i]] = 100 + slot  # its pending token (_setup_slots)
+            table[1 + i] = io.pack(io.PackSegment(slot, 1, 1, rows[1 + i]))
+        self.writes = [("state.len", np.int32(self.start), 1), *(("state.len", np.int32(16), 2 + i)
+                                                                  for i in range(decoders)),
+                       (io.TOKENS, tokens, None), (io.PACK_INPUT, table, None)]
+
+    def setup(self, ex: CudaExecutor) -> None:
+        _fresh_slots(ex, self.m, 1 + self.decoders)
 
 
 def _node_ms(ex: CudaExecutor, run, gexec, events: list, launches: int) -> np.ndarray:
@@ -262,7 +300,8 @@ def _print(r: dict, roofline_ms: float) -> None:
               f"min {b['min_ms']:.3f}, max {b['max_ms']:.3f} over {b['layers']} layers")
 
 
-async def main(core: str, batches: list[int], launches: int, prefills: list[tuple[int, int]] = ()) -> dict:
+async def main(core: str, batches: list[int], launches: int, prefills: list[tuple[int, int]] = (),
+               packs: list[tuple[int, int, int]] = ()) -> dict:
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
     await ex.start()
@@ -270,7 +309,7 @@ async def main(core: str, batches: list[int], launches: int, prefills: list[tupl
     weight_bytes = sum(b.nbytes for b in m.buffers if b.name.startswith("w."))
     roofline_ms = weight_bytes / bw * 1e3
     results = {"core": core, "device": ex.device.name, "launches": launches, "copy_bandwidth_Bps": bw,
-               "weight_bytes": weight_bytes, "roofline_ms": roofline_ms, "batches": {}, "prefills": {}}
+               "weight_bytes": weight_bytes, "roofline_ms": roofline_ms, "batches": {}, "prefills": {}, "packs": {}}
     spans = _spans(m, ex.arena.base)
     for b in batches:
         if b not in m.capacities.decode_capacities:
@@ -291,6 +330,11 @@ async def main(core: str, batches: list[int], launches: int, prefills: list[tupl
         results["prefills"][f"{n}@{run.start}"] = r = profile(ex, m, run, launches, spans)
         r.update(tokens=n, history=run.start)
         _print(r, roofline_ms)
+    for n, start, decoders in packs:
+        run = _Pack(m, n, start, decoders)
+        results["packs"][f"{n}@{run.start}+{decoders}"] = r = profile(ex, m, run, launches, spans)
+        r.update(tokens=n, history=run.start, decoders=decoders)
+        _print(r, roofline_ms)
     results["executor_stats"] = ex.stats()
     await ex.close()
     assert "torch" not in sys.modules
@@ -305,14 +349,25 @@ def _prefills(arg: str) -> list[tuple[int, int]]:
     return out
 
 
+def _packs(arg: str) -> list[tuple[int, int, int]]:
+    out = []
+    for item in filter(None, arg.split(",")):
+        chunk, _, decoders = item.partition("+")
+        (n, start), = _prefills(chunk)
+        out.append((n, start, int(decoders or 0)))
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("core")
     ap.add_argument("out")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--prefills", default="", help="N@S,...: prefill programs of N new tokens after S in KV")
+    ap.add_argument("--packs", default="", help="N@S+D,...: N tokens after S in KV and D decode rows in one pack")
     ap.add_argument("--launches", type=int, default=20)
     a = ap.parse_args()
-    res = asyncio.run(main(a.core, [int(x) for x in a.batches.split(",") if x], a.launches, _prefills(a.prefills)))
+    res = asyncio.run(main(a.core, [int(x) for x in a.batches.split(",") if x], a.launches, _prefills(a.prefills),
+                           _packs(a.packs)))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

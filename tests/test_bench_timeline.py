@@ -121,14 +121,38 @@ def test_prefill_runs_pick_the_schedulers_program_and_fit_the_slot(tiny_core):
     assert 0 < deep.start <= min(pages * ps - max(c.prefill_capacities), c.context_limit - c.prefill_chunk)
 
 
+def test_a_pack_run_places_the_chunk_and_the_decode_rows_as_the_scheduler_does():
+    from flare.core import interface as io
+    from flare.core.manifest import load_manifest
+    from flare.runtime import packing
+    from tests.conftest import TINY_OPTS, prepare_core
+
+    m = load_manifest(prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack"))
+    assert T._packs("40@32+3,8+1") == [(40, 32, 3), (8, 0, 1)]
+    run = T._Pack(m, 24, 32, 3)
+    assert run.program == "pack.64" and run.start == 32
+    w = {(name, row): value for name, value, row in run.writes}
+    assert int(w["state.len", 1]) == 32 and all(int(w["state.len", s]) == 16 for s in (2, 3, 4))
+    starts, _ = packing.layout([(24, True), (1, False), (1, False), (1, False)], m.capacities.pack_align)
+    table, tokens = w[io.PACK_INPUT, None], w[io.TOKENS, None]
+    assert [tuple(r) for r in table[:4]] == [(1, 24, 1, starts[0])] + [(s, 1, 1, starts[s - 1]) for s in (2, 3, 4)]
+    assert not table[4:].any() and len(tokens) == 64
+    assert [int(tokens[starts[s - 1]]) for s in (2, 3, 4)] == [102, 103, 104]  # their pending tokens
+    assert (tokens[starts[0]:starts[0] + 24] >= 1000).all() and starts[1] == m.capacities.pack_align
+    with pytest.raises(ValueError, match="fit no pack"):
+        T._Pack(m, 64, 32, 1)
+
+
 def test_a_prefill_profile_renders_beside_the_decode_steps():
     path = RESULTS / "timeline-llama-3.1-8b-shape-2026-11-29.json"
     t = json.loads(path.read_text())
     r = dict(t["batches"]["1"], program="prefill.128", tokens=16, history=4096)
     for k in ("step_bytes", "step_roofline_ms"):
         r.pop(k, None)
-    text = "\n".join(timeline_section({**t, "prefills": {"16@4096": r}}, path.name))
+    pack = dict(r, program="pack.256", tokens=253, decoders=3)
+    text = "\n".join(timeline_section({**t, "prefills": {"16@4096": r}, "packs": {"253@4096+3": pack}}, path.name))
     assert f"**prefill.128, 16 tokens after 4096**: graph {r['graph_ms']:.3f} ms a launch" in text
+    assert "**pack.256, 253 tokens after 4096 and 3 decode rows**: graph" in text
     assert f"**decode.1**: graph {t['batches']['1']['graph_ms']:.3f} ms per step" in text
 
 
