@@ -29,8 +29,9 @@ from tests.test_qwen3_5 import float64_islands
 from tests.test_tensor_parallel import FORCED_STEPS, _drive, _prompts
 
 # config -> (Transformers module, its class prefix): for the float64 delta rule and norms.
-FAMILIES = {"qwen3_5-tiny": ("qwen3_5", "Qwen3_5"), "qwen3_5-moe-tiny": ("qwen3_5_moe", "Qwen3_5Moe"),
-            "qwen3-next-tiny": ("qwen3_next", "Qwen3Next"),
+# (qwen3_5-tiny is not among them: its Gated DeltaNet geometry, one key head a rank, is
+# qwen3_5-moe-tiny's, and its dense MLP is qwen3_5-tiny-wide's.)
+FAMILIES = {"qwen3_5-moe-tiny": ("qwen3_5_moe", "Qwen3_5Moe"), "qwen3-next-tiny": ("qwen3_next", "Qwen3Next"),
             # 4 key heads of 16, 8 value heads of 32: two key heads a rank, unequal widths
             "qwen3_5-tiny-wide": ("qwen3_5", "Qwen3_5")}
 # The TP driver decodes its prompts in fresh slots after the teacher-forced ones: 8 slots.
