@@ -122,13 +122,16 @@ def timeline_section(t: dict, name: str) -> list[str]:
              for r in t.get("packs", {}).values()]
     for label, r in runs:
         nodes = len(r["nodes"])
-        per = (r["timed_sum_ms"] - r["graph_ms"]) / nodes
         moved = (f", {r['step_roofline_ms'] / r['graph_ms']:.2f} of the bytes-moved roofline "
                  f"({r['step_bytes']['total'] / 1e9:.2f} GB, {r['step_roofline_ms']:.3f} ms)" if "step_bytes" in r else "")
-        unit = "per step" if label.startswith("decode") else "a launch"
-        out += ["", (f"**{label}**: graph {r['graph_ms']:.3f} ms {unit} ({r['graph_ms'] / t['roofline_ms']:.2f} × "
+        if label.startswith("decode"):
+            per = (r["timed_sum_ms"] - r["graph_ms"]) / nodes
+            graph, tail = f"{r['graph_ms']:.3f} ms per step", f": overhead per node {per * 1e3:.1f} µs"
+        else:  # one launch with its staging and completion copy (a launch advances the slot)
+            graph, tail = f"{r['graph_ms']:.3f} ms a launch (its staging and completion copy included)", ""
+        out += ["", (f"**{label}**: graph {graph} ({r['graph_ms'] / t['roofline_ms']:.2f} × "
                      f"the roofline{moved}), serialized sum {r['timed_sum_ms']:.3f} ms over {nodes} nodes "
-                     f"({r['kernel_count']} kernels): overhead per node {per * 1e3:.1f} µs."), "",
+                     f"({r['kernel_count']} kernels){tail}."), "",
                 "| operator | nodes | serialized ms | share |", "|---|---|---|---|"]
         for op, o in r["ops"].items():
             out.append(f"| {op} | {o['count']} | {o['ms']:.3f} | {o['fraction_of_sum'] * 100:.1f} % |")
@@ -392,7 +395,7 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
     the same options as 66c7780's: `--step-gemms measure --step-norms invariant`):
     the replay floor's step 4.589 ms, **0.822 of the bytes-moved roofline** (0.91
     counting all weights), `flare-serve` 221 / 428 / 818 tok/s at c = 1 / 2 / 4
-    (ITL p50 4.48 / 4.57 / 4.69 ms), 0 allocations after ready.
+    (ITL p50 4.48 / 4.57 / 4.69 ms); the floor's executor made 0 allocations after ready.
 * **The hybrid against Transformers** (5.17 with flash-linear-attention 0.6.0 and
   its reference causal convolution, `causal_conv1d` not being installed on the
   device; `generate` with a static cache and its compiled forward; the mode is
@@ -400,7 +403,7 @@ Figures below are from the newest runs (2026-12-01 `-run2`, H200, main at
   226 / 436 tok/s; ITL 4.48 against 8.62 ms at c = 1). Prefix-hit TTFT 15.8 ms with
   4,096 cached tokens against 14.3 ms for a cold 16-token prompt (ratio 1.10); in the
   8-turn agent scenario every turn's `cached_tokens` equals the previous turn's
-  prompt. Cold prefill 32.0k tok/s at 4K and 24.3k tok/s at 32K (Gated DeltaNet
+  prompt. Cold prefill (the `prefill` scenario) 32.0k tok/s at 4K and 24.3k tok/s at 32K (Gated DeltaNet
   layers cost the same per token at any depth; only the 8 attention layers grow
   with the history). Against 2026-12-01, before the block grid (docs/prefix-cache.md)
   and the row-invariant norms: 34.0k and 26.6k tok/s, cold 16-token TTFT 10.4 ms;
@@ -927,9 +930,12 @@ Where a program's time goes: `python -m bench.timeline CORE OUT.json --batches 1
 picks for 16 and 2,048 new tokens after 0 in KV (`N@S`: N tokens after S), kernel by kernel
 in a serialized copy of each graph, and attributes every kernel to an operator, a layer and
 a part of the layer by the weights it reads (`run_gpu.sh`'s timeline step, prefills from
-`TIMELINE_PREFILLS`). `--packs 253@2048+3` profiles a decode step that carries a prompt's
-chunk (`flare-serve --decode-with-prefill`): 253 tokens after 2,048 and three decode rows
-in one pack program (`TIMELINE_PACKS`).
+`TIMELINE_PREFILLS`). `--packs 4096@2048+3` profiles a decode step that carries a prompt's
+chunk (`flare-serve --decode-with-prefill`): a prompt with 4,096 tokens left after 2,048 and
+three decoders, cut and packed as the scheduler plans them (192 tokens and three decode rows
+in `pack.256` with 64-row tiles; `TIMELINE_PACKS`). A prefill or pack profile's graph time is
+one launch with its staging and completion copy (a launch advances the slot), as the floor's
+program times.
 
 `bench/run_gpu.sh MODEL [prepare options]` prepares one core (context limit
 8,192 unless `CONTEXT_LIMIT` or `--context-limit` says otherwise), measures

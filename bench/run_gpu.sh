@@ -10,8 +10,8 @@
 #          PREFILL_PROMPTS cold prefill sizes (default 4096,65536)
 #          TIMELINE_PREFILLS prefill chunks the timeline also profiles, N@S (N tokens after S in KV;
 #                         default 16@0,2048@0; empty: decode steps only)
-#          TIMELINE_PACKS  decode steps carrying a chunk it profiles, N@S+D (a core with pack programs;
-#                         default none), e.g. 253@2048+3
+#          TIMELINE_PACKS  decode steps carrying a chunk it profiles, N@S+D: a prompt with N tokens left
+#                         after S and D decoders (a core with pack programs; default none), e.g. 4096@2048+3
 #          SERVE_OPTS     extra flare-serve options for the serve step (e.g. --prefill-while-decoding 256)
 #          STEPS          which steps to run (default: all, in order): prepare floor timeline serve
 #                         depth1 baseline collect. The core and the raw files live in .cache/ of

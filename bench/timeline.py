@@ -1,17 +1,19 @@
 """Per-kernel GPU timeline of one decode step (or prefill chunk), attributed to operators and layers.
 
 usage: python -m bench.timeline CORE OUT.json [--batches 1,4] [--prefills 16@0,2048@4096]
-                                [--packs 253@2048+3] [--launches 20]
+                                [--packs 4096@2048+3] [--launches 20]
 
 For each requested decode capacity B the slots are set up as in bench.floor and
 decode.B is timed with events around ``launches`` back-to-back launches (graph_ms,
 the graph's own time). ``--prefills N@S``: the prefill program the scheduler picks for
 N new tokens of one slot after S tokens in KV (S clamped to what the slot's pages hold),
 its inputs staged before every launch, graph_ms the median of single launches (as
-bench.floor's program times). ``--packs N@S+D`` (cores with pack programs): a decode step
-that carries a prompt's chunk, as ``flare-serve --decode-with-prefill`` runs it: N tokens
-of slot 1 after S, then one row for each of D decoding slots, on the smallest pack that
-holds them (rows as ``runtime.packing.layout`` places them). Then a *timed* copy of the same program is built from its
+bench.floor's program times: staging and the completion copy included). ``--packs N@S+D``
+(cores with pack programs): a decode step that carries a prompt's chunk, as
+``flare-serve --decode-with-prefill`` runs it: slot 1's prompt has N tokens left after S,
+D slots decode beside it, and the chunk, pack and rows are what ``runtime.packing`` plans
+(for example 4096@2048+3: 192 tokens and three decode rows in pack.256 with 64-row tiles).
+Then a *timed* copy of the same program is built from its
 exported GraphSpec: the nodes in a topological order (spec order among ready
 nodes) as one serial chain, an event-record node before the first node and after
 every node. It is launched ``launches`` times; each node's time is the median of
@@ -111,15 +113,23 @@ class _Decode:
         return gpu_ms_per_step(ex, self.program, launches, warmup=3)
 
 
+def _history(m, start: int) -> int:
+    """``start`` cut to the deepest history slot 1's pages (``_setup_slots``) and the context
+    hold with a whole prefill chunk after it, on a page boundary (as bench.floor.program_times)."""
+    c, ps = m.capacities, m.pages.page_size
+    pages = min((m.pages.num_pages - 1) // c.slots, c.max_pages_per_slot)
+    return max(0, min(start, (pages * ps - max(c.prefill_capacities)) // ps * ps, c.context_limit - c.prefill_chunk))
+
+
 class _Prefill:
-    """The prefill of ``n`` tokens of slot 1 after ``start`` in KV, staged before every launch."""
+    """The prefill of ``n`` tokens of slot 1 after ``start`` in KV, staged before every launch.
+    Its graph_ms is a single launch's, staging and completion copy included (bench.floor's
+    program times), since a launch advances the slot."""
 
     def __init__(self, m, n: int, start: int):
-        c, ps = m.capacities, m.pages.page_size
-        pages = min((m.pages.num_pages - 1) // c.slots, c.max_pages_per_slot)  # slot 1's (_setup_slots)
-        self.start = max(0, min(start, (pages * ps - max(c.prefill_capacities)) // ps * ps,
-                                c.context_limit - c.prefill_chunk))
-        self.m, self.n = m, n
+        if n > max(m.capacities.prefill_capacities):
+            raise ValueError(f"{n} tokens: over the core's largest prefill program")
+        self.m, self.n, self.start = m, n, _history(m, start)
         self.program, self.writes = prefill_writes(m, self.start, n, np.random.default_rng(0))
 
     def setup(self, ex: CudaExecutor) -> None:
@@ -135,25 +145,28 @@ class _Prefill:
 
 
 class _Pack(_Prefill):
-    """A chunk of ``n`` tokens of slot 1 after ``start`` and a one-token row for each of
-    ``decoders`` slots (2, 3, ...: their pending tokens, 16 tokens of history) in one pack."""
+    """A decode step that carries a prompt's chunk, as the scheduler plans it
+    (``runtime.packing.plan``): the prompt has ``left`` tokens to go after ``start`` in KV
+    (slot 1), and ``decoders`` slots (2, 3, ...: 16 tokens of history, their pending tokens)
+    decode beside it; the chunk is cut to the rows they leave (whole tiles when it continues
+    a history) and samples only if it ends the prompt."""
 
-    def __init__(self, m, n: int, start: int, decoders: int):
-        super().__init__(m, n, start)
+    def __init__(self, m, left: int, start: int, decoders: int):
         c = m.capacities
-        self.decoders = decoders
-        segments = [(n, self.start > 0)] + [(1, False)] * decoders
-        rows, end = packing.layout(segments, c.pack_align)
-        fits = [x for x in c.pack_capacities if x >= end]
-        if not fits or len(segments) > min(max(c.decode_capacities), fits[0]):
-            raise ValueError(f"{n} tokens and {decoders} decoders ({end} rows, {len(segments)} segments) fit no "
-                             f"pack of {c.pack_capacities}")
-        self.program = f"pack.{fits[0]}"
-        chunk = dict((name, value) for name, value, _ in self.writes)[io.TOKENS][:n]
-        tokens = np.zeros(fits[0], np.int32)
-        tokens[:n] = chunk
+        self.m, self.start, self.decoders, self.left = m, _history(m, start), decoders, left
+        planned = packing.plan([packing.Chunk(left, self.start > 0)], decoders, list(c.pack_capacities),
+                               c.pack_align, c.decode_capacities[-1])
+        if planned is None:
+            raise ValueError(f"a prompt with {left} tokens left after {self.start} and {decoders} decoders: no pack "
+                             f"(pack capacities {c.pack_capacities}, tiles of {c.pack_align})")
+        capacity, (n,) = planned
+        self.n, self.program = n, f"pack.{capacity}"
+        rows, _ = packing.layout([(n, self.start > 0)] + [(1, False)] * decoders, c.pack_align)
+        chunk = dict((name, value) for name, value, _ in prefill_writes(m, self.start, n, np.random.default_rng(0))[1])
+        tokens = np.zeros(capacity, np.int32)
+        tokens[rows[0]:rows[0] + n] = chunk[io.TOKENS][:n]
         table = np.zeros((max(c.decode_capacities), len(io.PackSegment._fields)), np.int32)
-        table[0] = io.pack(io.PackSegment(1, n, 1, rows[0]))
+        table[0] = io.pack(io.PackSegment(1, n, int(n == left), rows[0]))
         for i in range(decoders):
             slot = 2 + i
             tokens[rows[1 + i]] = 100 + slot  # its pending token (_setup_slots)
@@ -322,18 +335,19 @@ async def main(core: str, batches: list[int], launches: int, prefills: list[tupl
         r["step_bytes"] = step_bytes(m, b)
         r["step_roofline_ms"] = r["step_bytes"]["total"] / bw * 1e3
         _print(r, roofline_ms)
-    for n, start in prefills:
-        if n > m.capacities.prefill_chunk:
-            print(f"prefill of {n} tokens: over the core's prefill chunk ({m.capacities.prefill_chunk}), skipped")
-            continue
-        run = _Prefill(m, n, start)
-        results["prefills"][f"{n}@{run.start}"] = r = profile(ex, m, run, launches, spans)
-        r.update(tokens=n, history=run.start)
-        _print(r, roofline_ms)
-    for n, start, decoders in packs:
-        run = _Pack(m, n, start, decoders)
-        results["packs"][f"{n}@{run.start}+{decoders}"] = r = profile(ex, m, run, launches, spans)
-        r.update(tokens=n, history=run.start, decoders=decoders)
+    runs = []  # built before any is timed: a bad request costs a line, not the run
+    for kind, make, args in [*(("prefills", _Prefill, a) for a in prefills), *(("packs", _Pack, a) for a in packs)]:
+        try:
+            runs.append((kind, make(m, *args)))
+        except ValueError as e:
+            print(f"{kind} {args}: skipped, {e}")
+    for kind, run in runs:
+        if kind == "prefills":
+            key, extra = f"{run.n}@{run.start}", {}
+        else:
+            key, extra = f"{run.left}@{run.start}+{run.decoders}", {"decoders": run.decoders, "left": run.left}
+        results[kind][key] = r = profile(ex, m, run, launches, spans)
+        r.update(tokens=run.n, history=run.start, **extra)
         _print(r, roofline_ms)
     results["executor_stats"] = ex.stats()
     await ex.close()
@@ -364,7 +378,7 @@ if __name__ == "__main__":
     ap.add_argument("out")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--prefills", default="", help="N@S,...: prefill programs of N new tokens after S in KV")
-    ap.add_argument("--packs", default="", help="N@S+D,...: N tokens after S in KV and D decode rows in one pack")
+    ap.add_argument("--packs", default="", help="N@S+D,...: a prompt with N tokens left after S in KV, D decoders")
     ap.add_argument("--launches", type=int, default=20)
     a = ap.parse_args()
     res = asyncio.run(main(a.core, [int(x) for x in a.batches.split(",") if x], a.launches, _prefills(a.prefills),

@@ -119,6 +119,8 @@ def test_prefill_runs_pick_the_schedulers_program_and_fit_the_slot(tiny_core):
     pages = min((m.pages.num_pages - 1) // c.slots, c.max_pages_per_slot)
     assert deep.program == f"prefill.{c.prefill_chunk}" and deep.start % ps == 0
     assert 0 < deep.start <= min(pages * ps - max(c.prefill_capacities), c.context_limit - c.prefill_chunk)
+    with pytest.raises(ValueError, match="largest prefill"):
+        T._Prefill(m, max(c.prefill_capacities) + 1, 0)
 
 
 def test_a_pack_run_places_the_chunk_and_the_decode_rows_as_the_scheduler_does():
@@ -128,19 +130,27 @@ def test_a_pack_run_places_the_chunk_and_the_decode_rows_as_the_scheduler_does()
     from tests.conftest import TINY_OPTS, prepare_core
 
     m = load_manifest(prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64"], name="llama-tiny-pack"))
+    c = m.capacities
     assert T._packs("40@32+3,8+1") == [(40, 32, 3), (8, 0, 1)]
-    run = T._Pack(m, 24, 32, 3)
-    assert run.program == "pack.64" and run.start == 32
+    # A prompt with 100 tokens left after 32 beside three decoders: the scheduler's plan cuts
+    # the chunk to the whole tiles the decoders leave, and it does not sample (more is left).
+    run = T._Pack(m, 100, 32, 3)
+    capacity, (n,) = packing.plan([packing.Chunk(100, True)], 3, list(c.pack_capacities), c.pack_align,
+                                  c.decode_capacities[-1])
+    assert (run.program, run.n, run.start, run.left) == (f"pack.{capacity}", n, 32, 100) and n % c.pack_align == 0
     w = {(name, row): value for name, value, row in run.writes}
     assert int(w["state.len", 1]) == 32 and all(int(w["state.len", s]) == 16 for s in (2, 3, 4))
-    starts, _ = packing.layout([(24, True), (1, False), (1, False), (1, False)], m.capacities.pack_align)
+    starts, _ = packing.layout([(n, True), (1, False), (1, False), (1, False)], c.pack_align)
     table, tokens = w[io.PACK_INPUT, None], w[io.TOKENS, None]
-    assert [tuple(r) for r in table[:4]] == [(1, 24, 1, starts[0])] + [(s, 1, 1, starts[s - 1]) for s in (2, 3, 4)]
-    assert not table[4:].any() and len(tokens) == 64
+    assert [tuple(r) for r in table[:4]] == [(1, n, 0, starts[0])] + [(s, 1, 1, starts[s - 1]) for s in (2, 3, 4)]
+    assert not table[4:].any() and len(tokens) == capacity
     assert [int(tokens[starts[s - 1]]) for s in (2, 3, 4)] == [102, 103, 104]  # their pending tokens
-    assert (tokens[starts[0]:starts[0] + 24] >= 1000).all() and starts[1] == m.capacities.pack_align
-    with pytest.raises(ValueError, match="fit no pack"):
-        T._Pack(m, 64, 32, 1)
+    assert (tokens[starts[0]:starts[0] + n] >= 1000).all()
+    # A cold prompt that fits whole samples after its last token.
+    whole = T._Pack(m, 20, 0, 2)
+    assert whole.n == 20 and tuple(dict(((k, r), v) for k, v, r in whole.writes)[io.PACK_INPUT, None][0])[:3] == (1, 20, 1)
+    with pytest.raises(ValueError, match="no pack"):
+        T._Pack(m, 100, 32, max(c.decode_capacities))  # no row left for a chunk
 
 
 def test_a_prefill_profile_renders_beside_the_decode_steps():
@@ -149,10 +159,10 @@ def test_a_prefill_profile_renders_beside_the_decode_steps():
     r = dict(t["batches"]["1"], program="prefill.128", tokens=16, history=4096)
     for k in ("step_bytes", "step_roofline_ms"):
         r.pop(k, None)
-    pack = dict(r, program="pack.256", tokens=253, decoders=3)
-    text = "\n".join(timeline_section({**t, "prefills": {"16@4096": r}, "packs": {"253@4096+3": pack}}, path.name))
+    pack = dict(r, program="pack.256", tokens=192, decoders=3, left=4096)
+    text = "\n".join(timeline_section({**t, "prefills": {"16@4096": r}, "packs": {"4096@4096+3": pack}}, path.name))
     assert f"**prefill.128, 16 tokens after 4096**: graph {r['graph_ms']:.3f} ms a launch" in text
-    assert "**pack.256, 253 tokens after 4096 and 3 decode rows**: graph" in text
+    assert "**pack.256, 192 tokens after 4096 and 3 decode rows**: graph" in text
     assert f"**decode.1**: graph {t['batches']['1']['graph_ms']:.3f} ms per step" in text
 
 
