@@ -407,15 +407,18 @@ def test_grammar_mask_constrains_prefill_and_decode_samples(rig):
     v["state.mask_on"][1] = 0
 
 
-def test_small_prefill_programs_give_the_same_hidden_rows(tmp_path):
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen3_5-tiny"])
+def test_small_prefill_programs_give_the_same_hidden_rows(model):
     """A core prepared with --min-prefill-capacity 16 runs a 10-token prompt on prefill.16
     and a 40-token one on prefill.64; their hidden rows equal prefill.128's (the default
-    core's) to float32 summation order."""
-    from tests.conftest import TINY_OPTS, prepare_core
+    core's) to float32 summation order. For the hybrid too: its Gated DeltaNet state and
+    block grid (a 10-token prompt is a partial block) in programs of 16 and 64 rows."""
+    from tests.conftest import HYBRID_OPTS, TINY_OPTS, prepare_core
     from tests.rig import admit, load_rig, prefill
 
-    small = prepare_core("llama-tiny", [*TINY_OPTS, "--min-prefill-capacity", "16"], name="llama-tiny-small-prefill")
-    base = prepare_core("llama-tiny", TINY_OPTS)
+    opts = HYBRID_OPTS if model == "qwen3_5-tiny" else TINY_OPTS
+    small = prepare_core(model, [*opts, "--min-prefill-capacity", "16"], name=f"{model}-small-prefill")
+    base = prepare_core(model, opts)
     rigs = [load_rig(small), load_rig(base)]
     assert rigs[0].m.capacities.prefill_capacities == (16, 32, 64, 128)
     assert rigs[1].m.capacities.prefill_capacities == (128,)
@@ -430,7 +433,16 @@ def test_small_prefill_programs_give_the_same_hidden_rows(tmp_path):
             rows.append(prefill(r, 1, prompt)[0])
             r.run = runs
         torch.testing.assert_close(rows[0], rows[1], atol=1e-5, rtol=1e-5)
+        # The continuation state a later chunk or decode step starts from (the recurrent and
+        # block-start matrices, the convolution history, the stash and the grid position).
+        for name in [b.name for b in rigs[0].m.buffers if b.name.startswith("state.gdn.")]:
+            a, b = (r.v[name][1] for r in rigs)
+            if a.dtype.is_floating_point:
+                torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-5, msg=name)
+            else:
+                assert torch.equal(a, b), name
     assert "prefill.16" in ran and "prefill.64" in ran and ran.count("prefill.128") == 2
+    assert (model == "qwen3_5-tiny") == any(b.name.startswith("state.gdn.") for b in rigs[0].m.buffers)
 
 
 @pytest.mark.parametrize("attention", ["reference", "triton"])
