@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import ROOT, running_server
+from tests.conftest import HYBRID_OPTS, ROOT, prepare_core, running_server
 
 SERVING_MODULES = ("flare.core.manifest", "flare.runtime.engine", "flare.runtime.reference",
                    "flare.runtime.scheduler", "flare.server.app", "flare.server.cli",
@@ -46,15 +46,16 @@ def test_the_check_detects_torch():
     assert "torch" in forbidden(mods)
 
 
-@pytest.mark.parametrize("core", ["tiny_core", "hybrid_core"])
+@pytest.mark.parametrize("core", ["tiny_core", "hybrid_core", "qwen3_5-moe-tiny"])
 def test_live_server_never_imports_torch(core, request, tmp_path):
-    """Dense and hybrid cores alike. Also checks the shutdown that writes the report is complete: SIGTERM ends the
+    """Dense, hybrid, and hybrid with routed experts alike. Also checks the shutdown that writes the report is complete: SIGTERM ends the
     process with status 0 after the executor removed its shared arena file."""
     report = tmp_path / "modules.json"
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {"FLARE_MODULES_REPORT": str(report), "FLARE_SHM_DIR": str(shm)}
-    with running_server(request.getfixturevalue(core), env=env) as srv:
+    path = prepare_core(core, HYBRID_OPTS) if core == "qwen3_5-moe-tiny" else request.getfixturevalue(core)
+    with running_server(path, env=env) as srv:
         assert [p.name[:12] for p in shm.iterdir()] == ["flare-arena-"]
         model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
         r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
