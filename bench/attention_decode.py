@@ -24,7 +24,6 @@ failures recorded without stopping the rest).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.gdn_kernels import Case, run  # noqa: E402
+from bench.gdn_kernels import Case, kernel_bench_args, run  # noqa: E402
 from flare.prepare.attention import PagedBatch  # noqa: E402
 from flare.prepare.kernels.paged_attention import attend_triton  # noqa: E402
 
@@ -122,23 +121,15 @@ def cases(geometries, contexts, device, l2_bytes) -> list[Case]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no graphs")
-    p.add_argument("--contexts", default=None, help="comma separated (default 1024,4096,16384,65536,131072)")
-    p.add_argument("--geometries", default=None, help=f"comma separated, of {', '.join(GEOMETRIES)}")
-    p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--budget-s", type=float, default=240.0)
-    args = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
+    def add(p):
+        p.add_argument("--contexts", default=None, help="comma separated (default 1024,4096,16384,65536,131072)")
+        p.add_argument("--geometries", default=None, help=f"comma separated, of {', '.join(GEOMETRIES)}")
+    _, args, device = kernel_bench_args(__doc__, argv, add, replays=50, budget_s=240.0)
+    if device is None:
         return 2
-    device = "cuda" if cuda else "cpu"
+    cuda = device == "cuda"
     geos = SMOKE_GEOMETRIES if args.smoke else {g: GEOMETRIES[g] for g in (args.geometries or ",".join(GEOMETRIES)).split(",")}
     contexts = [int(c) for c in (args.contexts or ("64,160" if args.smoke else "1024,4096,16384,65536,131072")).split(",")]
-    if args.smoke:
-        args.replays = 2
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 0
     meta = {"machine": platform.node(), "device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
             "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],

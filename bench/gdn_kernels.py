@@ -571,6 +571,26 @@ def _measure(case, replays, cuda, res, restore, run_all, sync):
     return res
 
 
+def kernel_bench_args(doc: str, argv, add, replays: int, budget_s: float):
+    """A kernel benchmark's command line: ``--out``, ``--smoke``, what ``add(parser)`` adds,
+    ``--replays`` and ``--budget-s`` (2 replays under --smoke). Returns ``(parser, args,
+    device)``: device "cuda", "cpu" (--smoke) or None (no GPU and no --smoke: said on stderr)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes, no graphs")
+    add(p)
+    p.add_argument("--replays", type=int, default=replays)
+    p.add_argument("--budget-s", type=float, default=budget_s)
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
+        return p, args, None
+    if args.smoke:
+        args.replays = 2
+    return p, args, "cuda" if cuda else "cpu"
+
+
 def run(cases, args, cuda, started, log):
     results = []
     for case in cases:

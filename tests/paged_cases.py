@@ -123,11 +123,11 @@ def run_fp32_truth(step: Step, kv_after_write: torch.Tensor, scaling: float, win
 
 
 def run_triton(step: Step, scaling: float, num_splits: int | None = None,
-               window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               window: int = 0, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     from flare.prepare.kernels.kv_write import write_kv_triton
     from flare.prepare.kernels.paged_attention import attend_triton
 
     kv = step.kv.clone()
     b = step.batch(kv, "triton")
     write_kv_triton(b, step.layer, step.k, step.v)
-    return attend_triton(b, step.layer, step.q, scaling, num_splits=num_splits, window=window), kv
+    return attend_triton(b, step.layer, step.q, scaling, num_splits=num_splits, window=window, **launch), kv

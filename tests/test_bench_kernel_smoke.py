@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 
 @pytest.mark.parametrize("script, rel", [("bench/gdn_kernels.py", 2e-2), ("bench/moe_kernels.py", 1e-5),
-                                         ("bench/attention_decode.py", 1e-5)])
+                                         ("bench/attention_decode.py", 1e-5), ("bench/attention_prefill.py", 1e-5)])
 def test_kernel_benchmark_smoke(script, rel, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, script, "--smoke", "--out", str(out)], capture_output=True, text=True,
@@ -30,3 +30,5 @@ def test_kernel_benchmark_smoke(script, rel, tmp_path):
             assert r["max_abs_err"] <= rel * max(r.get("out_scale") or 1.0, 1.0), r
         if r["name"].endswith(".segments"):  # decode attention with key segments: rows batch-invariant
             assert r["batch_invariant"], r
+        if r["name"].endswith(".ours.full"):  # prompt attention: unmasked whole key blocks, the same bits
+            assert r["same_bits_as_default"], r

@@ -111,6 +111,26 @@ def test_a_window_changes_attention_only_beyond_it():
     assert torch.equal(short[0], full[0]) and not torch.allclose(short[2], full[2])
 
 
+@pytest.mark.parametrize("shape, window", [(SHAPES[1], 0), (SHAPES[3], 37)], ids=[f"{IDS[1]}-w0", f"{IDS[3]}-w37"])
+def test_unmasked_key_blocks_give_the_masked_bits(shape, window):
+    """Key blocks every row of a tile sees whole run without the causal/window masks: the
+    same bits as masking every block, in prefill chunks (from the start, after a history,
+    a partial last tile with padded rows, split and not), decode batches (padded rows, a
+    mixed-slot tile whose per-token passes keep the masks) and under sliding windows."""
+    steps = [(prefill_step(shape, start, n, 48, torch.float32, 40 + k, DEVICE), splits)
+             for k, (start, n, splits) in enumerate(((0, 40, None), (21, 33, 1), (shape.max_keys - 30, 30, 3)))]
+    mixed = decode_step(shape, [3, None, shape.page_size + 2, 1, shape.max_keys], torch.float32, 45, DEVICE)
+    steps.append((mixed, None))
+    tiled = decode_step(shape, [shape.max_keys, None, 50, 2], torch.float32, 46, DEVICE)
+    tiled.single_slot = True  # mixed slots: one pass per token, masked
+    steps.append((tiled, 2))
+    for step, splits in steps:
+        full, _ = run_triton(step, scale(shape), num_splits=splits, window=window, full_blocks=True)
+        masked, _ = run_triton(step, scale(shape), num_splits=splits, window=window)
+        assert torch.equal(full, masked)
+        assert torch.equal(full[~step.valid], torch.zeros_like(full[~step.valid]))
+
+
 def test_prefill_fp16_crossing_pages():
     shape = SHAPES[1]
     step = prefill_step(shape, start=shape.page_size - 3, n=30, chunk=32, dtype=torch.float16, seed=7, device=DEVICE)

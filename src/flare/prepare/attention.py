@@ -65,11 +65,12 @@ class PagedBatch:
 QUERY_TILE_ROWS = 64  # query rows (tokens x padded heads of one kv head) per tiled attention program
 
 
-def query_tile_tokens(heads: int, kv_heads: int) -> int:
+def query_tile_tokens(heads: int, kv_heads: int, rows: int | None = None) -> int:
     """Tokens per tile when the Triton kernel tiles query tokens (kernels/paged_attention.py):
-    its 64 rows over the kv head's query heads, padded to a power of two."""
+    its ``rows`` (default ``QUERY_TILE_ROWS``) over the kv head's query heads, padded to a
+    power of two."""
     group = max(1, heads // kv_heads)
-    return max(1, QUERY_TILE_ROWS // (1 << (group - 1).bit_length()))
+    return max(1, (rows or QUERY_TILE_ROWS) // (1 << (group - 1).bit_length()))
 
 
 def write_kv(batch: PagedBatch, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

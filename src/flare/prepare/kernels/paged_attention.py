@@ -20,7 +20,10 @@ for one kv head and one split of the key range::
 Every length, position, slot and page is read on the device; nothing on the
 host depends on tensor values, so the launch can be captured in a CUDA graph
 and replayed with new inputs. Scores and the softmax state are fp32 (online
-softmax in base 2); ``tl.dot`` runs on tensor cores in the cache dtype.
+softmax in base 2); ``tl.dot`` runs on tensor cores in the cache dtype. With
+``full_blocks`` (opt-in, not yet measured on a GPU) the key blocks that every row of a
+tile sees whole run without masks (``_key_range``): at long context all but the window's
+first block and the causal diagonal; the same bits.
 
 A tile of several tokens shares key tiles only if its valid tokens share one
 slot (prefill). The kernel checks that on the device; a tile with mixed slots
@@ -90,25 +93,69 @@ _DOT_MIN = 16  # tl.dot needs at least 16 rows
 @triton.jit
 def _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d, d_in,
                stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2,
-               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """One block of BLOCK_N keys into the online softmax state (m, l, acc) of the rows."""
+               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """One block of BLOCK_N keys into the online softmax state (m, l, acc) of the rows.
+    ``MASK`` False: a block every row sees whole (``_key_range``), scored without the
+    causal, window and row masks; its rows get the masked block's bits (a mask that keeps
+    every score changes none)."""
     j = b * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_in = j < n_keys
-    page = tl.load(pt_row + (j // PAGE) * stride_ptp, mask=k_in, other=0)
-    # A page id outside the pool is treated as absent: never read out of bounds.
-    k_in = k_in & (page >= 0) & (page < num_pages)
+    if MASK:
+        k_in = j < n_keys
+        page = tl.load(pt_row + (j // PAGE) * stride_ptp, mask=k_in, other=0)
+        # A page id outside the pool is treated as absent: never read out of bounds.
+        k_in = k_in & (page >= 0) & (page < num_pages)
+    else:
+        page = tl.load(pt_row + (j // PAGE) * stride_ptp)
+        # Never out of bounds here either: a page id outside the pool reads the null page.
+        page = tl.where((page >= 0) & (page < num_pages), page, 0)
+        k_in = j >= 0
     off = page.to(tl.int64) * stride_cp + (j % PAGE) * stride_co + kvh * stride_ch
-    k = tl.load(k_cache + off[None, :] + d[:, None] * stride_cd, mask=k_in[None, :] & d_in[:, None], other=0.0)
+    if EVEN_D and not MASK:  # no mask at all: the loads vectorise whole
+        k = tl.load(k_cache + off[None, :] + d[:, None] * stride_cd)
+    else:
+        k = tl.load(k_cache + off[None, :] + d[:, None] * stride_cd, mask=k_in[None, :] & d_in[:, None], other=0.0)
     s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
-    sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
-    s = tl.where(sees, s, float("-inf"))
+    if MASK:
+        sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
+        s = tl.where(sees, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_cache + off[:, None] + d[None, :] * stride_cd, mask=k_in[:, None] & d_in[None, :], other=0.0)
+    if EVEN_D and not MASK:
+        v = tl.load(v_cache + off[:, None] + d[None, :] * stride_cd)
+    else:
+        v = tl.load(v_cache + off[:, None] + d[None, :] * stride_cd, mask=k_in[:, None] & d_in[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
+
+
+@triton.jit
+def _key_range(lo, hi, full_lo, full_hi, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages,
+               kvh, d, d_in, stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2,
+               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FULL: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """Key blocks ``lo .. hi - 1`` in order, masked; with ``FULL``, those in ``full_lo ..
+    full_hi - 1`` (every row sees them whole) unmasked and only the rest (the window's
+    first block, the causal diagonal) masked: the same bits as masking them all."""
+    if FULL:
+        a = tl.minimum(tl.maximum(full_lo, lo), hi)
+        z = tl.maximum(tl.minimum(full_hi, hi), a)
+        for b in range(lo, a):
+            m, l, acc = _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh,
+                                   d, d_in, stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE,
+                                   BLOCK_N, PRECISION, True, EVEN_D)
+        for b in range(a, z):
+            m, l, acc = _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh,
+                                   d, d_in, stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE,
+                                   BLOCK_N, PRECISION, False, EVEN_D)
+        lo = z
+    for b in range(lo, hi):
+        m, l, acc = _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d,
+                               d_in, stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE,
+                               BLOCK_N, PRECISION, True, EVEN_D)
+    return m, l, acc
 
 
 @triton.jit
@@ -138,7 +185,7 @@ def _attend_kernel(
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILES_PAD: tl.constexpr, TARGET: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
-    RTILES: tl.constexpr,
+    RTILES: tl.constexpr, FULL_BLOCKS: tl.constexpr,
 ):
     tb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -207,6 +254,15 @@ def _attend_kernel(
         first_key = tl.maximum(tl.min(tl.where(act, pos, key_limit), 0) - win + 1, 0)
         b_first = tl.minimum(first_key // BLOCK_N, n_blocks)
         pt_row = page_table + kslot.to(tl.int64) * stride_pts
+        # FULL_BLOCKS: blocks every active row sees whole (inside each one's window, up to
+        # the lowest position) are scored unmasked where the pass is the whole tile (a
+        # token's own pass leaves the other rows' state as it is only through the mask).
+        full_lo = 0
+        full_hi = 0
+        if FULL_BLOCKS:
+            full_lo = (tl.max(tl.where(act, pos, 0), 0) - win + BLOCK_N) // BLOCK_N
+            full_hi = tl.minimum((tl.min(tl.where(act, pos, key_limit), 0) + 1) // BLOCK_N, n_keys // BLOCK_N)
+            full_hi = tl.where(uniform, full_hi, 0)
         if SEG > 0:
             # Prompt programs: the keys in segments of SEG blocks at fixed positions, each
             # from a fresh softmax state, folded in order (_fold); a split program stores
@@ -216,11 +272,11 @@ def _attend_kernel(
                 sm = tl.full([ROWS], -1.0e30, tl.float32)
                 sl = tl.zeros([ROWS], tl.float32)
                 sacc = tl.zeros([ROWS, D_PAD], tl.float32)
-                for b in range(tl.maximum(sg * SEG, b_first), tl.minimum(sg * SEG + SEG, n_blocks)):
-                    sm, sl, sacc = _key_block(
-                        b, q, sm, sl, sacc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d,
-                        d_in, stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE, BLOCK_N,
-                        PRECISION)
+                sm, sl, sacc = _key_range(
+                    tl.maximum(sg * SEG, b_first), tl.minimum(sg * SEG + SEG, n_blocks), full_lo, full_hi,
+                    q, sm, sl, sacc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d, d_in,
+                    stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE, BLOCK_N, PRECISION,
+                    FULL_BLOCKS, D == D_PAD)
                 if eff == 1:
                     m, l, acc = _fold(m, l, acc, sm, sl, sacc)
                 else:
@@ -233,14 +289,16 @@ def _attend_kernel(
             per_split = (n_blocks - b_first + eff - 1) // eff
             b_lo = b_first + split * per_split
             b_hi = tl.minimum(b_lo + per_split, n_blocks)
-            for b in range(b_lo, b_hi):
-                m, l, acc = _key_block(
-                    b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache, num_pages, kvh, d, d_in,
-                    stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE, BLOCK_N, PRECISION)
+            m, l, acc = _key_range(
+                b_lo, b_hi, full_lo, full_hi, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache,
+                num_pages, kvh, d, d_in, stride_ptp, stride_cp, stride_co, stride_ch, stride_cd, scale_log2, PAGE,
+                BLOCK_N, PRECISION, FULL_BLOCKS, D == D_PAD)
 
     if eff == 1:
         if split == 0:
             o = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only for rows that saw no key: acc == 0
+            if FULL_BLOCKS:
+                o = tl.where(row_valid[:, None], o, 0.0)  # an invalid row: zeros (unmasked blocks score it too)
             tl.store(
                 out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od,
                 o.to(out_ptr.dtype.element_ty),
@@ -363,21 +421,24 @@ class Launch:
 def plan_launch(
     T: int, H: int, KVH: int, D: int, max_pages: int, page_size: int, *,
     tile_tokens: bool, sm_count: int, num_splits: int | None = None, segments: bool | None = None,
+    rows: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
 ) -> Launch:
     """``segments``: keys in segments at fixed positions (default: in prompt launches, those
     that tile query tokens); True for a decode launch gives its rows the same bits whatever
-    the step's live rows (module docstring)."""
+    the step's live rows (module docstring). ``rows`` (query rows of a prompt tile, default
+    ``QUERY_TILE_ROWS``), ``block_n``, ``num_warps`` and ``num_stages``: other tilings,
+    for benchmarks (a core's prompt programs must all share one tile height)."""
     tiled = tile_tokens and T > 1
     segments = tiled if segments is None else segments
     heads = triton.next_power_of_2(H // KVH)
     if tiled:
         # The same tile height in every prompt program, however few its rows: a row's
         # arithmetic (the dot's shape) must not depend on the program.
-        block_t = query_tile_tokens(H, KVH)
+        block_t = query_tile_tokens(H, KVH, rows)
     else:
         block_t = 1
     heads = max(heads, -(-_DOT_MIN // block_t))  # pad a short tile up to tl.dot's minimum
-    block_n = 64 if D <= 128 else 32
+    block_n = block_n or (64 if D <= 128 else 32)
     key_blocks = -(-(max_pages * page_size) // block_n)
     d_pad = max(16, triton.next_power_of_2(D))
     seg = nseg = rtiles = 0
@@ -398,7 +459,8 @@ def plan_launch(
         budget = max(1, _PARTIAL_BYTES // (T * H * d_pad * 4))
         num_splits = min(-(-2 * sm_count // KVH), key_blocks, _MAX_SPLITS, budget)
     return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits),
-                  target=2 * sm_count, seg=seg, nseg=nseg, rtiles=rtiles)
+                  target=2 * sm_count, seg=seg, nseg=nseg, rtiles=rtiles, num_warps=num_warps,
+                  num_stages=num_stages)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -429,7 +491,8 @@ def _check(batch: PagedBatch, layer: int, q: torch.Tensor) -> None:
 
 def attend_triton(
     batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None,
-    target: int | None = None, window: int = 0, segments: bool | None = None,
+    target: int | None = None, window: int = 0, segments: bool | None = None, full_blocks: bool = False,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``;
     ``window`` > 0 limits each token to the keys at positions ``> position - window``.
@@ -438,6 +501,11 @@ def attend_triton(
     device aims for (tests); by default both follow from static shapes and the
     device's multiprocessor count. ``segments=True`` folds a decode launch's keys in
     segments at fixed positions, as prompt launches do (``plan_launch``).
+    ``full_blocks=True`` scores the key blocks every row of a tile sees whole without
+    masks (the same bits; opt-in until its speed is measured on the GPU: only tests and
+    ``bench/attention_prefill.py`` pass it); ``launch`` replaces the planned launch
+    (benchmarks of other tilings: ``plan_launch``'s ``block_n``, ``rows``, ``num_warps``,
+    ``num_stages``).
     """
     _check(batch, layer, q)
     kv = batch.kv
@@ -447,7 +515,7 @@ def attend_triton(
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    lc = plan_launch(
+    lc = launch or plan_launch(
         T, H, KVH, D, max_pages, ps,
         tile_tokens=batch.single_slot or batch.tiles, sm_count=_sm_count(q.device), num_splits=num_splits,
         segments=segments,
@@ -476,7 +544,8 @@ def attend_triton(
         BLOCK_N=lc.block_n, SPLITS=lc.splits,
         PRECISION="ieee" if kv.dtype == torch.float32 else "tf32",
         TILES_PAD=triton.next_power_of_2(tiles), TARGET=lc.target if target is None else target,
-        SEG=lc.seg, NSEG=lc.nseg, RTILES=lc.rtiles, num_warps=lc.num_warps, num_stages=lc.num_stages,
+        SEG=lc.seg, NSEG=lc.nseg, RTILES=lc.rtiles, FULL_BLOCKS=full_blocks, num_warps=lc.num_warps,
+        num_stages=lc.num_stages,
     )
     if lc.splits > 1:
         _combine_kernel[(T * H,)](
