@@ -32,3 +32,18 @@ def test_kernel_benchmark_smoke(script, rel, tmp_path):
             assert r["batch_invariant"], r
         if r["name"].endswith(".ours.full"):  # prompt attention: unmasked whole key blocks, the same bits
             assert r["same_bits_as_default"], r
+
+
+def test_prompt_attention_estimate_interpolates_each_chunk():
+    """bench/attention_prefill.py's summary: a prompt's chunks each at the time
+    interpolated in its history (dotted geometry names and candidates parsed whole)."""
+    from bench.attention_prefill import prompt_estimates
+
+    g = "llama-3.1-8b"
+    rows = [{"name": f"{g}.h{h}.c2048.ours.{c}", "time_us": t * f} for h, t in ((0, 100.0), (4096, 300.0))
+            for c, f in (("default", 1.0), ("full.r128.n64.w8.s3", 0.5))]
+    rows.append({"name": f"{g}.h0.c2048.sdpa.cudnn", "error": "not run"})
+    got = prompt_estimates(rows, {g: (32, 8, 128, 32)}, [0, 4096], 2048, 8192)
+    # chunks after 0, 2,048, 4,096 and 6,144 tokens: 100 + 200 + 300 + 400 us a layer, 32 layers
+    assert got == {f"{g}.ours.default": dict(attention_s=0.032, layers=32, prompt=8192, chunk=2048),
+                   f"{g}.ours.full.r128.n64.w8.s3": dict(attention_s=0.016, layers=32, prompt=8192, chunk=2048)}

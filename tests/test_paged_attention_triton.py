@@ -111,19 +111,28 @@ def test_a_window_changes_attention_only_beyond_it():
     assert torch.equal(short[0], full[0]) and not torch.allclose(short[2], full[2])
 
 
-@pytest.mark.parametrize("shape, window", [(SHAPES[1], 0), (SHAPES[3], 37)], ids=[f"{IDS[1]}-w0", f"{IDS[3]}-w37"])
-def test_unmasked_key_blocks_give_the_masked_bits(shape, window):
-    """Key blocks every row of a tile sees whole run without the causal/window masks: the
-    same bits as masking every block, in prefill chunks (from the start, after a history,
-    a partial last tile with padded rows, split and not), decode batches (padded rows, a
-    mixed-slot tile whose per-token passes keep the masks) and under sliding windows."""
-    steps = [(prefill_step(shape, start, n, 48, torch.float32, 40 + k, DEVICE), splits)
-             for k, (start, n, splits) in enumerate(((0, 40, None), (21, 33, 1), (shape.max_keys - 30, 30, 3)))]
-    mixed = decode_step(shape, [3, None, shape.page_size + 2, 1, shape.max_keys], torch.float32, 45, DEVICE)
-    steps.append((mixed, None))
-    tiled = decode_step(shape, [shape.max_keys, None, 50, 2], torch.float32, 46, DEVICE)
-    tiled.single_slot = True  # mixed slots: one pass per token, masked
-    steps.append((tiled, 2))
+WHOLE_BLOCKS = [Shape(H=4, KVH=1, D=64, page_size=16, max_pages=16),  # 256 keys: 4 blocks of 64
+                Shape(H=2, KVH=1, D=80, page_size=16, max_pages=12)]  # head dim 80: the loads keep a mask
+
+
+@pytest.mark.parametrize("shape, window, prefill, decode", [
+    (WHOLE_BLOCKS[0], 100, (130, 40, None), [3, None, 18, 1, 256]),
+    (WHOLE_BLOCKS[1], 0, (162, 30, 1), None)], ids=["D64-w100", "D80"])
+def test_unmasked_key_blocks_give_the_masked_bits(shape, window, prefill, decode):
+    """Key blocks every row of a tile sees whole run without the causal/window masks
+    (``full_blocks``): the same bits as masking every block, in a prefill chunk after a
+    history of several whole blocks (a partial last tile with padded rows; split and
+    not), decode rows (padded rows; a tile of mixed slots, whose per-token passes keep the
+    masks), under a window longer than a block (whole blocks inside it) and at a head dim
+    the loads must mask. Fails with the unmasked range a block too wide at either end. On
+    the GPU also where the compiler could fuse the unmasked scores' arithmetic."""
+    start, n, splits = prefill
+    steps = [(prefill_step(shape, start, n, 48, torch.float32, 40, DEVICE), splits)]
+    if decode:
+        steps.append((decode_step(shape, decode, torch.float32, 45, DEVICE), None))
+        tiled = decode_step(shape, decode, torch.float32, 46, DEVICE)
+        tiled.single_slot = True  # mixed slots: one pass per token, masked
+        steps.append((tiled, 2))
     for step, splits in steps:
         full, _ = run_triton(step, scale(shape), num_splits=splits, window=window, full_blocks=True)
         masked, _ = run_triton(step, scale(shape), num_splits=splits, window=window)

@@ -23,7 +23,8 @@ and replayed with new inputs. Scores and the softmax state are fp32 (online
 softmax in base 2); ``tl.dot`` runs on tensor cores in the cache dtype. With
 ``full_blocks`` (opt-in, not yet measured on a GPU) the key blocks that every row of a
 tile sees whole run without masks (``_key_range``): at long context all but the window's
-first block and the causal diagonal; the same bits.
+first block and the causal diagonal; the same bits (in the interpreter; on the GPU with
+the row mask's select kept, see ``_key_block``; not yet run there).
 
 A tile of several tokens shares key tiles only if its valid tokens share one
 slot (prefill). The kernel checks that on the device; a tile with mixed slots
@@ -96,9 +97,12 @@ def _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache,
                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr):
     """One block of BLOCK_N keys into the online softmax state (m, l, acc) of the rows.
-    ``MASK`` False: a block every row sees whole (``_key_range``), scored without the
-    causal, window and row masks; its rows get the masked block's bits (a mask that keeps
-    every score changes none)."""
+    ``MASK`` False: a block every active row sees whole (``_key_range``), scored without
+    the causal and window masks and loaded without key masks; only the row mask stays. It
+    keeps the masked block's bits (a mask that keeps every score changes none) and is also
+    what keeps them on the GPU: a select between the scaling multiply and the softmax's
+    subtraction stops the compiler fusing the two into one FMA (a different rounding),
+    as the masked path's select does."""
     j = b * BLOCK_N + tl.arange(0, BLOCK_N)
     if MASK:
         k_in = j < n_keys
@@ -107,7 +111,8 @@ def _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache,
         k_in = k_in & (page >= 0) & (page < num_pages)
     else:
         page = tl.load(pt_row + (j // PAGE) * stride_ptp)
-        # Never out of bounds here either: a page id outside the pool reads the null page.
+        # Never out of bounds here either: a page id outside the pool (a corrupt table;
+        # the masked path would drop its keys) reads the null page.
         page = tl.where((page >= 0) & (page < num_pages), page, 0)
         k_in = j >= 0
     off = page.to(tl.int64) * stride_cp + (j % PAGE) * stride_co + kvh * stride_ch
@@ -118,7 +123,9 @@ def _key_block(b, q, m, l, acc, act, pos, win, n_keys, pt_row, k_cache, v_cache,
     s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
     if MASK:
         sees = act[:, None] & k_in[None, :] & (j[None, :] <= pos[:, None]) & (j[None, :] > pos[:, None] - win)
-        s = tl.where(sees, s, float("-inf"))
+    else:
+        sees = act[:, None]
+    s = tl.where(sees, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -297,8 +304,6 @@ def _attend_kernel(
     if eff == 1:
         if split == 0:
             o = acc / tl.where(l > 0, l, 1.0)[:, None]  # l == 0 only for rows that saw no key: acc == 0
-            if FULL_BLOCKS:
-                o = tl.where(row_valid[:, None], o, 0.0)  # an invalid row: zeros (unmasked blocks score it too)
             tl.store(
                 out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od,
                 o.to(out_ptr.dtype.element_ty),
@@ -502,7 +507,7 @@ def attend_triton(
     device's multiprocessor count. ``segments=True`` folds a decode launch's keys in
     segments at fixed positions, as prompt launches do (``plan_launch``).
     ``full_blocks=True`` scores the key blocks every row of a tile sees whole without
-    masks (the same bits; opt-in until its speed is measured on the GPU: only tests and
+    masks (the same bits; opt-in until its speed and bits are measured on the GPU: only tests and
     ``bench/attention_prefill.py`` pass it); ``launch`` replaces the planned launch
     (benchmarks of other tilings: ``plan_launch``'s ``block_n``, ``rows``, ``num_warps``,
     ``num_stages``).
