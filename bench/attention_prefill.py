@@ -54,7 +54,7 @@ import triton  # noqa: E402
 
 from bench.gdn_kernels import Case, kernel_bench_args, run  # noqa: E402
 from flare.prepare.attention import PagedBatch  # noqa: E402
-from flare.prepare.kernels.paged_attention import attend_triton, plan_launch  # noqa: E402
+from flare.prepare.kernels.paged_attention import _sm_count, attend_triton, plan_launch  # noqa: E402
 
 GEOMETRIES = {"llama-3.1-8b": (32, 8, 128, 32), "qwen3_5-9b": (16, 4, 256, 8)}  # H, KVH, D, attention layers
 SMOKE_GEOMETRIES = {"tiny": (4, 2, 16, 2)}
@@ -158,17 +158,23 @@ def _cases(gname, geo, history, chunk, context, configs, sdpa, device) -> list[C
     batch = _batch(kv, table, history, chunk, device)
     flops = 4 * D * H * visible_keys(history, chunk)
     rows = sorted({0, chunk // 3, chunk // 2} | set(range(max(0, chunk - 13), chunk)))  # 16 of a long chunk
-    k0, v0 = _contiguous(kv, table, 0, keys, H)
-    ref = _reference(q, k0, v0, history, rows, scale)
-    del k0, v0
+    sdpa = sdpa if device == "cuda" else []
+    try:  # every layer's keys laid out contiguously where SDPA runs on them; layer 0's for the reference
+        kvs = [_contiguous(kv, table, i, keys, H) for i in range(layers if sdpa else 1)]
+    except torch.OutOfMemoryError as e:
+        return [Case(name=f"{name}.contiguous", calls=[], state=[], notes=f"contiguous keys: {e}"[:300])]
+    ref = _reference(q, *kvs[0], history, rows, scale)
     notes = f"H {H}, KVH {KVH}, D {D}, history {history}, chunk {chunk}, context {context}, {flops / 1e12:.3f} TFLOP"
     plain = {}
 
+    def errors(out):  # out [chunk, H, D]
+        return dict(max_abs_err=float((out[rows].to(F64) - ref).abs().max()), out_scale=float(ref.abs().max()),
+                    tflops_total=flops / 1e12)
+
     def ours(cfg):
         full, over = parse_config(cfg)
-        launch = plan_launch(chunk, H, KVH, D, table.shape[1], PAGE, tile_tokens=True,
-                             sm_count=torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
-                             else 4, **over) if over else None
+        launch = plan_launch(chunk, H, KVH, D, table.shape[1], PAGE, tile_tokens=True, sm_count=_sm_count(q.device),
+                             **over) if over else None
         return lambda layer: (attend_triton(batch, layer, q, scale, full_blocks=full, launch=launch),)
 
     def check_for(cfg):
@@ -176,10 +182,8 @@ def _cases(gname, geo, history, chunk, context, configs, sdpa, device) -> list[C
             out = outs[0]
             if cfg == "default":
                 plain["out"] = out.clone()
-            res = dict(max_abs_err=float((out[rows].to(F64) - ref).abs().max()), out_scale=float(ref.abs().max()),
-                       tflops_total=flops / 1e12)
-            res["same_bits_as_default"] = bool(torch.equal(out, plain["out"])) if "out" in plain else None
-            return res
+            return dict(errors(out),
+                        same_bits_as_default=bool(torch.equal(out, plain["out"])) if "out" in plain else None)
         return check
 
     cases = []
@@ -187,25 +191,20 @@ def _cases(gname, geo, history, chunk, context, configs, sdpa, device) -> list[C
         call = ours(cfg)
         cases.append(Case(name=f"{name}.ours.{cfg}", calls=[lambda i=i, c=call: c(i) for i in range(layers)],
                           state=[], check=check_for(cfg), notes=notes))
+    q4 = q.transpose(0, 1)[None].contiguous()
     for backend in sdpa:
-        if device != "cuda":
-            continue
         if backend == "cudnn" and history:
             cases.append(Case(name=f"{name}.sdpa.{backend}", calls=[], state=[],
                               notes="not run: torch has no fused lower-right causal path for cuDNN"))
             continue
         try:
             fn = _sdpa(backend)
-            kvs = [_contiguous(kv, table, i, keys, H) for i in range(layers)]
-        except (torch.OutOfMemoryError, ImportError, AttributeError) as e:
+        except (ImportError, AttributeError) as e:
             cases.append(Case(name=f"{name}.sdpa.{backend}", calls=[], state=[], notes=f"{type(e).__name__}: {e}"[:300]))
             continue
-        q4 = q.transpose(0, 1)[None].contiguous()
 
         def check(outs, _state):
-            out = outs[0][0].transpose(0, 1)
-            return dict(max_abs_err=float((out[rows].to(F64) - ref).abs().max()), out_scale=float(ref.abs().max()),
-                        tflops_total=flops / 1e12)
+            return errors(outs[0][0].transpose(0, 1))
         cases.append(Case(name=f"{name}.sdpa.{backend}", notes=notes + ", contiguous keys, heads repeated",
                           calls=[lambda kv_=kv_, fn=fn: (fn(q4, kv_[0], kv_[1], scale),) for kv_ in kvs],
                           state=[], check=check))

@@ -26,6 +26,9 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed")
 
 SCRIPT = textwrap.dedent('''
+    import collections
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,8 +47,21 @@ SCRIPT = textwrap.dedent('''
         constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
         signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": num_warps, "num_stages": num_stages})
         print("compiled", fn.__name__)
+        return kernel
+
+    def ex2_feeds(ptx):
+        """What instruction computes each ex2's operand, counted."""
+        defs, fed = {}, collections.Counter()
+        for line in ptx.splitlines():
+            m = re.match(r"\s*([a-z0-9.]+)\s+(%\w+),", line)
+            if m:
+                defs[m.group(2)] = m.group(1)
+            if "ex2.approx" in line:
+                fed[defs.get(re.findall(r"%\w+", line)[1], "?")] += 1
+        return dict(fed)
 
     bf16 = lambda *names: {n: "*bf16" for n in names}
     f32 = lambda *names: {n: "*fp32" for n in names}
@@ -142,10 +158,11 @@ SCRIPT = textwrap.dedent('''
             (1, 16, 32, 0, 0, 0, True, 128, 4), (16, 4, 32, 16, 128, 3, True, 128, 4),
             (16, 4, 1, 16, 128, 1, True, 128, 4), (16, 4, 1, 16, 128, 1, False, 128, 4),
             (16, 4, 32, 16, 128, 3, True, 80, 4), (32, 4, 1, 16, 128, 1, True, 128, 8)):
-        compile_for_sm90(A._attend_kernel, attend,
-                         dict(GROUP=4, HEADS=heads, BLOCK_T=block_t, PAGE=16, D=d, D_PAD=128, BLOCK_N=64,
-                              SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg,
-                              RTILES=rtiles, FULL_BLOCKS=full), num_warps=warps)
+        kernel = compile_for_sm90(A._attend_kernel, attend,
+                                  dict(GROUP=4, HEADS=heads, BLOCK_T=block_t, PAGE=16, D=d, D_PAD=128, BLOCK_N=64,
+                                       SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg,
+                                       RTILES=rtiles, FULL_BLOCKS=full), num_warps=warps, num_stages=2)
+        print("ex2", ex2_feeds(kernel.asm["ptx"]))
     for seg, nseg in ((0, 0), (16, 128)):
         compile_for_sm90(A._combine_kernel, {**bf16("out_ptr"), **f32("part_acc", "part_m", "part_l"),
                                              "part_eff": "*i32", "valid": "*u8", "positions": "*i64"},
@@ -250,48 +267,11 @@ def test_gdn_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("compiled") == 162, proc.stdout
-
-
-FMA_SCRIPT = textwrap.dedent('''
-    import collections, re
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from flare.prepare.kernels import paged_attention as A
-
-    fn = A._attend_kernel
-    types = {**{n: "*bf16" for n in ("q_ptr", "out_ptr", "k_cache", "v_cache")},
-             **{n: "*fp32" for n in ("part_acc", "part_m", "part_l")}, "page_table": "*i32", "token_slot": "*i64",
-             "positions": "*i64", "valid": "*u8", "part_eff": "*i32", "scale_log2": "fp32"}
-    for block_t, heads, seg, nseg, rtiles in ((1, 16, 0, 0, 0), (16, 4, 16, 128, 3)):
-        for full in (False, True):
-            c = dict(GROUP=4, HEADS=heads, BLOCK_T=block_t, PAGE=16, D=128, D_PAD=128, BLOCK_N=64, SPLITS=32,
-                     PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg, RTILES=rtiles, FULL_BLOCKS=full)
-            sig = {n: "constexpr" if n in c else types.get(n, "i32") for n in fn.arg_names}
-            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
-                                 options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
-            defs, fed = {}, collections.Counter()
-            for line in ptx.splitlines():
-                m = re.match(r"\\s*([a-z0-9.]+)\\s+(%\\w+),", line)
-                if m:
-                    defs[m.group(2)] = m.group(1)
-                if "ex2.approx" in line:
-                    fed[defs.get(re.findall(r"%\\w+", line)[1], "?")] += 1
-            print("ex2", block_t, full, dict(fed))
-''')
-
-
-def test_unmasked_key_blocks_keep_the_softmax_subtraction_apart_on_sm90():
-    """The paged attention's unmasked key blocks (``full_blocks``) keep the masked blocks'
-    bits on the GPU only if the compiler does not fuse the scores' scaling multiply and the
-    softmax's subtraction into one FMA (without a select between them it does): every
-    ``ex2`` of the sm_90 code, with and without the flag, is fed by a subtraction."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", FMA_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("ex2")]
-    assert len(lines) == 4, proc.stdout
-    for line in lines:
-        fed = ast.literal_eval(line.split(" ", 3)[3])  # the dict the script printed
-        assert set(fed) == {"sub.f32"} and sum(fed.values()) > 0, line
+    # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
+    # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
+    # subtraction into one FMA (without a select between them it does): every ex2 of every
+    # attention launch above, with and without the flag, is fed by a subtraction.
+    feeds = [ast.literal_eval(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ex2 ")]
+    assert len(feeds) == 6, proc.stdout
+    for fed in feeds:
+        assert set(fed) == {"sub.f32"} and sum(fed.values()) > 0, fed
