@@ -63,7 +63,7 @@ PY
 RIG=$G/test_numerics.py::test_hybrid_triton_path_matches_the_reference_path_on_the_gpu
 side_tests() {  # the kernel tests compile a Triton kernel for nearly every case: three xdist workers
   parallel load-errors "$G/test_load_errors.py $G/test_export_scan.py" \
-    kernels "-n 3 $G/test_paged_attention_cuda.py tests/test_paged_attention_triton.py::test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled tests/test_moe_kernels.py tests/test_gemm_rows.py tests/test_rownorm.py tests/test_gemv.py tests/test_sampler_kernel.py" \
+    kernels "-n 3 $G/test_paged_attention_cuda.py tests/test_paged_attention_triton.py::test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled tests/test_paged_attention_triton.py::test_unmasked_key_blocks_give_the_masked_bits tests/test_moe_kernels.py tests/test_gemm_rows.py tests/test_rownorm.py tests/test_gemv.py tests/test_sampler_kernel.py" \
     hybrid-rig "$RIG $G/test_gdn_grid_gpu.py"
 }
 declare -A GPU_SHAPES
