@@ -15,6 +15,7 @@ programs of 64 rows: conftest.INTERPRETER_CHUNK)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -113,6 +114,28 @@ def test_prepared_model_routes_through_the_prepared_block(rig):
     assert rig.m.reference.recipe == Qwen3MoeRecipe.name
     mlps = [type(layer.mlp).__name__ for layer in rig.model.model.layers]
     assert mlps == ["PreparedSparseMoe", "FusedQwen3MoeMLP"]  # layer 1 is in mlp_only_layers
+
+
+def test_step_gemm_fold_lists_skip_the_expert_block(rig):
+    """--step-gemms measure lists each layer's gate/up projection that may take its norm: a
+    layer whose MLP is the prepared expert block (no ``gate_up_proj``) has none (it raised
+    AttributeError on the H100 preparing qwen3-30b-a3b-shape, 2026-12-06), the dense layer's
+    pair is still found."""
+    from flare.prepare.kernels import rownorm
+    from flare.prepare.recipes import fused
+
+    layers = list(rig.model.model.layers)
+    dense = layers[1]
+    saved = [layer.post_attention_layernorm for layer in layers]
+    try:
+        for layer in layers:  # as a step's preparation switches them (row-invariant, one launch)
+            layer.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
+            rownorm.make_norms_row_invariant(layer, steps=True)
+        pairs = fused.norm_glu_projections(layers)
+        assert pairs == [(dense.mlp.gate_up_proj, dense.post_attention_layernorm)]
+    finally:
+        for layer, norm in zip(layers, saved):
+            layer.post_attention_layernorm = norm
 
 
 def test_logits_match_transformers_and_routing_gaps_exceed_rounding(rig, hf_models, stream):

@@ -351,13 +351,13 @@ def norm_glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
 
     out = []
     for layer in layers:
-        mlp, norm = getattr(layer, "mlp", None), getattr(layer, "post_attention_layernorm", None)
-        if (mlp is not None and norm is not None and "add_norm_mlp" in _rewrites(layer)
+        # (a layer whose MLP is no fused gated MLP, a mixture-of-experts block, has no pair)
+        glu, norm = glu_projections([layer]), getattr(layer, "post_attention_layernorm", None)
+        up = glu[0][0] if glu else None
+        if (up is not None and norm is not None and "add_norm_mlp" in _rewrites(layer)
                 and getattr(norm, "flare_gemv_norm", None) is not None and norm._one_launch() and not hooked(norm)
-                and (mlp.gate_up_proj, mlp.down_proj) in glu_projections([layer])
-                and norm.weight.dtype == mlp.gate_up_proj.weight.dtype
-                and takes_norm(mlp.gate_up_proj.weight.shape[1], norm.weight.dtype)):
-            out.append((mlp.gate_up_proj, norm))
+                and norm.weight.dtype == up.weight.dtype and takes_norm(up.weight.shape[1], norm.weight.dtype)):
+            out.append((up, norm))
     return out
 
 
