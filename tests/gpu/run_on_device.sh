@@ -73,11 +73,11 @@ case "$1" in
     mkdir -p $R; PHASE=${PHASE_NAME:-$2}
     if [ "$2" = prepare ]; then
       t0=$SECONDS
-      preps=()
+      preps=(); prep_names=()
+      prep() { python3 -c "import sys; from tests.gpu.conftest import gpu_core; print(gpu_core(sys.argv[1]))" "$@"; }
       for m in $SHAPE_LIST; do
-        python3 -c "import sys; from tests.gpu.conftest import gpu_core; print(gpu_core(sys.argv[1]))" $m \
-          > $R/prepare-$m.log 2>&1 &
-        preps+=($!)
+        prep $m > $R/prepare-$m.log 2>&1 &
+        preps+=($!); prep_names+=($m)
       done
       # The load errors, kernel tests and hybrid rig (side_tests) run beside the preparations
       # and then the numerics, which need only the cores; on a card of less than 100 GiB (an
@@ -87,9 +87,14 @@ case "$1" in
       beside=$([ "${mib:-0}" -ge 100000 ] && echo 1 || echo 0)
       [ "${SIDE_TESTS:-1}" = 0 ] && beside=skip  # (SIDE_TESTS=0: left to a `--phase kernels` call)
       [ $beside = 1 ] && { side_tests > $R/kernels-phase.txt & kernels=$!; }
-      rc=0
-      for p in "${preps[@]}"; do wait $p || rc=1; done
+      rc=0; again=()
+      for i in "${!preps[@]}"; do wait ${preps[$i]} || again+=(${prep_names[$i]}); done
       echo "prepared in $((SECONDS - t0)) s"; grep -h -B2 -A20 Traceback $R/prepare-*.log
+      # Side by side on an H100's 80 GiB, a preparation can find no device memory for its
+      # arena (qwen3_5-moe-small-shape, 2026-12-06): each that failed, once more alone.
+      for m in "${again[@]}"; do
+        prep $m > $R/prepare-$m-again.log 2>&1 && echo "$m: prepared alone" || { rc=1; tail -3 $R/prepare-$m-again.log; }
+      done
       # Numerics: one process per shape, side by side (they share the GPU's memory).
       args=()
       for m in $SHAPE_LIST; do GPU_SHAPES[numerics-$m]=$m; args+=(numerics-$m "$G/test_numerics.py --deselect $RIG"); done
