@@ -20,6 +20,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from flare.core.manifest import BufferRole, load_manifest
 from tests.conftest import INTERPRETER_CHUNK, TINY_OPTS, prepare_core
@@ -116,26 +117,27 @@ def test_prepared_model_routes_through_the_prepared_block(rig):
     assert mlps == ["PreparedSparseMoe", "FusedQwen3MoeMLP"]  # layer 1 is in mlp_only_layers
 
 
-def test_step_gemm_fold_lists_skip_the_expert_block(rig):
-    """--step-gemms measure lists each layer's gate/up projection that may take its norm: a
-    layer whose MLP is the prepared expert block (no ``gate_up_proj``) has none (it raised
-    AttributeError on the H100 preparing qwen3-30b-a3b-shape, 2026-12-06), the dense layer's
-    pair is still found."""
-    from flare.prepare.kernels import rownorm
+def test_step_gemm_choice_passes_the_expert_block(rig, monkeypatch):
+    """--step-gemms measure over a model with expert layers: each layer's gate/up projection that
+    may take its norm is listed, none for a layer whose MLP is the prepared expert block (no
+    ``gate_up_proj``: that raised AttributeError on the H100 preparing qwen3-30b-a3b-shape,
+    2026-12-06), the dense layer's pair still; and the whole choice runs through both kinds of
+    layer (on copies of the rig's layers, with the norms switched as a step's preparation does
+    and a timer that makes cuBLAS win everywhere)."""
+    from flare.prepare.kernels import gemm, rownorm
     from flare.prepare.recipes import fused
 
-    layers = list(rig.model.model.layers)
+    layers = copy.deepcopy(list(rig.model.model.layers))
+    for layer in layers:
+        rownorm.make_norms_row_invariant(layer, steps=True)
     dense = layers[1]
-    saved = [layer.post_attention_layernorm for layer in layers]
-    try:
-        for layer in layers:  # as a step's preparation switches them (row-invariant, one launch)
-            layer.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
-            rownorm.make_norms_row_invariant(layer, steps=True)
-        pairs = fused.norm_glu_projections(layers)
-        assert pairs == [(dense.mlp.gate_up_proj, dense.post_attention_layernorm)]
-    finally:
-        for layer, norm in zip(layers, saved):
-            layer.post_attention_layernorm = norm
+    assert fused.norm_glu_projections(layers) == [(dense.mlp.gate_up_proj, dense.post_attention_layernorm)]
+    calls = []
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset())
+    monkeypatch.setattr(gemm, "_same_rows", lambda *a: True)  # (each candidate's bits: tests/test_gemm_rows.py)
+    found = gemm.choose_step_gemms(layers, [1, 2], timer=lambda fn: calls.append(fn) or 1.0)
+    names = dict(nn.ModuleList(layers).named_modules())
+    assert calls and set(found) <= set(names), found
 
 
 def test_logits_match_transformers_and_routing_gaps_exceed_rounding(rig, hf_models, stream):
