@@ -122,8 +122,8 @@ def test_step_gemm_choice_passes_the_expert_block(rig, monkeypatch):
     may take its norm is listed, none for a layer whose MLP is the prepared expert block (no
     ``gate_up_proj``: that raised AttributeError on the H100 preparing qwen3-30b-a3b-shape,
     2026-12-06), the dense layer's pair still; and the whole choice runs through both kinds of
-    layer (on copies of the rig's layers, with the norms switched as a step's preparation does
-    and a timer that makes cuBLAS win everywhere)."""
+    layer (on copies of the rig's layers, with the norms switched as a step's preparation does,
+    every candidate timed alike)."""
     from flare.prepare.kernels import gemm, rownorm
     from flare.prepare.recipes import fused
 
