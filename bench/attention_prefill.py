@@ -3,7 +3,7 @@ attention for a prefill chunk after a long cached history, our Triton kernel in 
 tilings against torch's fused attention kernels over the same keys laid out contiguously.
 
 usage: python bench/attention_prefill.py --out RESULT.json [--histories 0,16384,...] [--chunk 2048]
-                                         [--configs default,full,full.r128.n64.w8.s3,...] [--sdpa cudnn,flash]
+                                         [--configs default,masked,full.r256.n64.w8.s2,...] [--sdpa cudnn,flash]
        python bench/attention_prefill.py --smoke --out /tmp/attention-prefill-smoke.json   (CPU, interpreter)
 
 For each geometry (default Llama-3.1-8B: 32 query heads over 8 kv heads of 128) and
@@ -13,10 +13,12 @@ page table as wide as the context limit ``--context``, so the launch is the one 
 with that limit runs). Candidates:
 
 * ``ours.<config>``: ``attend_triton`` as a prompt program launches it (query tiles,
-  key segments). ``default`` is the planned launch, as cores run it; ``full`` the same
-  launch with the key blocks every row of a tile sees whole scored unmasked
-  (``full_blocks``); ``rR.nN.wW.sS`` a prompt tile of R query rows, key blocks of N, W
-  warps, S stages, and ``full.rR.nN.wW.sS`` that tiling with unmasked whole blocks.
+  key segments). ``default`` is the planned launch, as cores run it (since 2026-12-06 with
+  the key blocks every row of a tile sees whole scored unmasked, ``full_blocks``; in the
+  results of 2026-12-06 and before, ``default`` was the launch with every block masked);
+  ``masked`` and ``full`` that launch with every block masked / whole blocks unmasked;
+  ``rR.nN.wW.sS`` a prompt tile of R query rows, key blocks of N, W warps, S stages, and
+  ``masked.rR.nN.wW.sS`` / ``full.rR.nN.wW.sS`` that tiling masked / unmasked.
 * ``sdpa.<backend>``: ``torch.nn.functional.scaled_dot_product_attention`` with one backend
   (``cudnn``, ``flash``, ``efficient``) over contiguous ``[1, H, keys, D]`` keys (the kv
   heads repeated: no GQA sharing), causal to the bottom right: what torch's fused kernels
@@ -28,7 +30,7 @@ Per case: ``time_us`` (median graph replay, one call a layer over 2 layers rotat
 ``tflops`` (4 x D x H x the visible keys of the chunk's rows over the time),
 ``max_abs_err`` of 16 rows (of a long chunk: the first, a third, the middle, the last 13)
 against float64 attention, and for ours whether the bits
-equal the default launch's (``same_bits_as_default``; ``full`` must). The summary adds,
+equal the default launch's (``same_bits_as_default``; ``masked`` and ``full`` must). The summary adds,
 per candidate with every history measured, the attention time of a whole prompt of
 ``--prompt`` tokens in ``--chunk`` chunks over ``--layers`` layers (each chunk's time
 interpolated linearly in its history between the measured ones; a last partial chunk
@@ -61,24 +63,24 @@ SMOKE_GEOMETRIES = {"tiny": (4, 2, 16, 2)}
 PAGE = 16
 SLOT = 1
 F64 = torch.float64
-CONFIGS = ("default,full,full.r64.n64.w4.s3,full.r64.n128.w4.s2,full.r64.n64.w8.s2,full.r128.n64.w8.s2,"
-           "full.r128.n64.w8.s3,full.r128.n128.w8.s2,r128.n64.w8.s3")
-SMOKE_CONFIGS = "default,full,full.r32.n32.w4.s2"
+CONFIGS = ("default,masked,full.r128.n32.w4.s2,full.r128.n64.w8.s2,full.r256.n64.w8.s2,full.r256.n64.w8.s3,"
+           "full.r256.n32.w8.s2,full.r256.n64.w4.s2,full.r512.n64.w8.s2")
+SMOKE_CONFIGS = "default,masked,full,full.r32.n32.w4.s2"
 
 
-def parse_config(name: str) -> tuple[bool, dict]:
-    """``[full.]rR.nN.wW.sS``, ``full`` or ``default`` -> (unmasked whole blocks, plan_launch's
-    tiling overrides)."""
+def parse_config(name: str) -> tuple[bool | None, dict]:
+    """``default``, ``masked``, ``full`` or ``[masked.|full.]rR.nN.wW.sS`` -> (``full_blocks``:
+    None as the launch plans it, plan_launch's tiling overrides)."""
     parts = name.split(".")
-    full = parts[0] == "full"
-    tiling = parts[1:] if full else ([] if name == "default" else parts)
+    full = {"masked": False, "full": True}.get(parts[0])
+    tiling = parts[1:] if full is not None else ([] if name == "default" else parts)
     if not tiling:
         return full, {}
     try:
         t = {x[0]: int(x[1:]) for x in tiling}
         return full, dict(rows=t["r"], block_n=t["n"], num_warps=t["w"], num_stages=t["s"])
     except (KeyError, ValueError, IndexError):
-        raise SystemExit(f"config {name!r}: expected default, full, rR.nN.wW.sS or full.rR.nN.wW.sS") from None
+        raise SystemExit(f"config {name!r}: expected default, masked, full or [masked.|full.]rR.nN.wW.sS") from None
 
 
 def visible_keys(history: int, chunk: int) -> int:

