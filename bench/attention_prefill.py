@@ -17,8 +17,9 @@ with that limit runs). Candidates:
   the key blocks every row of a tile sees whole scored unmasked, ``full_blocks``; in the
   results of 2026-12-06 and before, ``default`` was the launch with every block masked);
   ``masked`` and ``full`` that launch with every block masked / whole blocks unmasked;
-  ``rR.nN.wW.sS`` a prompt tile of R query rows, key blocks of N, W warps, S stages, and
-  ``masked.rR.nN.wW.sS`` / ``full.rR.nN.wW.sS`` that tiling masked / unmasked.
+  ``rR.nN.wW.sS`` a prompt tile of R query rows, key blocks of N, W warps, S stages, with
+  the blocks as planned (unmasked where whole; masked in the results of 2026-12-06 and
+  before), and ``masked.rR.nN.wW.sS`` / ``full.rR.nN.wW.sS`` that tiling masked / unmasked.
 * ``sdpa.<backend>``: ``torch.nn.functional.scaled_dot_product_attention`` with one backend
   (``cudnn``, ``flash``, ``efficient``) over contiguous ``[1, H, keys, D]`` keys (the kv
   heads repeated: no GQA sharing), causal to the bottom right: what torch's fused kernels
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
         return 2
     cuda = device == "cuda"
     geos = SMOKE_GEOMETRIES if args.smoke else {g: GEOMETRIES[g] for g in (args.geometries or "llama-3.1-8b").split(",")}
-    histories = [int(h) for h in (args.histories or ("0,40" if args.smoke else "0,16384,32768,63488")).split(",")]
+    histories = [int(h) for h in (args.histories or ("0,100" if args.smoke else "0,16384,32768,63488")).split(",")]
     chunk = args.chunk or (24 if args.smoke else 2048)
     context = args.context or (128 if args.smoke else 131072)
     prompt = args.prompt or (64 if args.smoke else 65536)

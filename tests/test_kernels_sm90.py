@@ -151,11 +151,12 @@ SCRIPT = textwrap.dedent('''
     attend = {**bf16("q_ptr", "out_ptr", "k_cache", "v_cache"), **f32("part_acc", "part_m", "part_l"),
               "page_table": "*i32", "token_slot": "*i64", "positions": "*i64", "valid": "*u8", "part_eff": "*i32",
               "scale_log2": "fp32"}
-    # With the unmasked path for whole key blocks (FULL_BLOCKS: prompt launches), without it
-    # (decode), at a head dim the loads must mask (80 in 128), Qwen3.5's 256 (32-key blocks),
-    # and 128- and 256-row prompt tiles of 8 warps (bench/attention_prefill.py's candidates).
+    # As cores launch it (decode masked, prompt launches with the unmasked path for whole key
+    # blocks, FULL_BLOCKS), a decode launch unmasked and a prompt launch masked (the flag set
+    # either way), at a head dim the loads must mask (80 in 128), Qwen3.5's 256 (32-key
+    # blocks), and 128- and 256-row prompt tiles of 8 warps (bench/attention_prefill.py's).
     for block_t, heads, splits, seg, nseg, rtiles, full, d, warps in (
-            (1, 16, 32, 0, 0, 0, True, 128, 4), (16, 4, 32, 16, 128, 3, True, 128, 4),
+            (1, 16, 32, 0, 0, 0, False, 128, 4), (1, 16, 32, 0, 0, 0, True, 128, 4), (16, 4, 32, 16, 128, 3, True, 128, 4),
             (16, 4, 1, 16, 128, 1, True, 128, 4), (16, 4, 1, 16, 128, 1, False, 128, 4),
             (16, 4, 32, 16, 128, 3, True, 80, 4), (16, 4, 32, 16, 128, 3, True, 256, 4),
             (32, 4, 1, 16, 128, 1, True, 128, 8), (64, 4, 32, 16, 128, 3, True, 128, 8)):
@@ -268,12 +269,12 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 164, proc.stdout
+    assert proc.stdout.count("compiled") == 165, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every
     # attention launch above, with and without the flag, is fed by a subtraction.
     feeds = [ast.literal_eval(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ex2 ")]
-    assert len(feeds) == 8, proc.stdout
+    assert len(feeds) == 9, proc.stdout
     for fed in feeds:
         assert set(fed) == {"sub.f32"} and sum(fed.values()) > 0, fed

@@ -135,7 +135,7 @@ def test_unmasked_key_blocks_give_the_masked_bits(shape, window, prefill, decode
         steps.append((tiled, 2))
     for step, splits in steps:
         full, _ = run_triton(step, scale(shape), num_splits=splits, window=window, full_blocks=True)
-        masked, _ = run_triton(step, scale(shape), num_splits=splits, window=window)
+        masked, _ = run_triton(step, scale(shape), num_splits=splits, window=window, full_blocks=False)
         assert torch.equal(full, masked)
         assert torch.equal(full[~step.valid], torch.zeros_like(full[~step.valid]))
 
@@ -204,7 +204,7 @@ def test_launch_plan_depends_on_shapes_only():
     # within the 16 key blocks of a slot.
     lc = plan_launch(T=8, H=9, KVH=3, D=64, max_pages=64, page_size=16, tile_tokens=False, sm_count=132)
     assert (lc.block_t, lc.heads, lc.rows, lc.block_n, lc.target) == (1, 16, 16, 64, 264)
-    assert lc.splits == 16
+    assert lc.splits == 16 and not lc.full_blocks  # (decode rows mask every key block)
     # Prefill: 16 tokens x 4 (padded group of 3) rows per program, in every prompt program;
     # keys in segments of 4 blocks (256 key blocks: 64 segments). The partials of every
     # segment of a tile take 16 x 9 x 64 x 66 floats (2.3 MiB): 55 tiles fit 128 MiB, so
@@ -213,6 +213,7 @@ def test_launch_plan_depends_on_shapes_only():
         lc = plan_launch(T=T, H=9, KVH=3, D=64, max_pages=1024, page_size=16, tile_tokens=True, sm_count=132)
         assert (lc.block_t, lc.heads, lc.rows, lc.splits, lc.seg, lc.nseg) == (16, 4, 64, 32, 4, 64), T
         assert lc.rtiles == min(T // 16, 55), T
+        assert lc.full_blocks, T  # whole key blocks unmasked
     # Llama-3.1-8B at a 131,072-token context: segments of 16 blocks (1,024 keys), the same in
     # every prompt program; 3 tiles of 16 tokens (48 tokens) may split.
     for T in (16, 64, 2048):

@@ -1,13 +1,15 @@
-"""Does the paged-attention kernel, launched as cores launch it, compile for sm_90 to the same
-PTX as at another revision? (Triton's compiler and its ptxas; no GPU needed.)
+"""Does the paged-attention kernel compile for sm_90 to the same PTX as at another revision,
+with given constexprs? (Triton's compiler and its ptxas; no GPU needed.)
 
     .venv/bin/python tools/same_ptx.py 492ada7
 
 Compiles ``_attend_kernel`` of ``src/flare/prepare/kernels/paged_attention.py`` at REV and in
-the working tree, with the working tree's new constexprs at their off values (``--off
-NAME=VALUE``, default ``FULL_BLOCKS=False``), at nine launch shapes: head dims 64 (GQA 3),
-128 and 256 (GQA 4), each as a decode launch, a prompt launch with splits and one without.
-Debug line labels and comments are dropped before comparing. Exit status 1 if any differ.
+the working tree with the constexprs of ``--off NAME=VALUE`` (default ``FULL_BLOCKS=False``:
+every key block masked, as every launch of cores before 2026-12-06; since then their prompt
+launches take ``FULL_BLOCKS=True``; a constexpr a revision's kernel lacks is left out for it),
+at nine launch shapes: head dims 64 (GQA 3), 128 and 256 (GQA 4), each as a decode launch, a
+prompt launch with splits and one without. Debug line labels and comments are dropped before
+comparing. Exit status 1 if any differ.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main() -> int:
                 c = dict(GROUP=group, HEADS=hh, BLOCK_T=block_t, PAGE=16, D=d, D_PAD=max(16, 1 << (d - 1).bit_length()),
                          BLOCK_N=bn, SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg,
                          RTILES=rtiles)
-                eq = ptx(old._attend_kernel, c) == ptx(new._attend_kernel, {**c, **off})
+                eq = ptx(old._attend_kernel, {**c, **off}) == ptx(new._attend_kernel, {**c, **off})
                 same &= eq
                 print(f"head dim {d}, GQA {group}, {'decode' if block_t == 1 else 'prompt'}, splits {splits}: "
                       f"{'same PTX' if eq else 'DIFFERENT PTX'}")

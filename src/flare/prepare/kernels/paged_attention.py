@@ -63,8 +63,8 @@ segments (one token a tile), so its rows do not; no program takes it: on the H20
 1.4-1.8x slower at four live rows of 16K-128K context (``bench/attention_decode.py``,
 docs/gpu.md).
 
-Open before this replaces main's kernel (reviewed 2026-12-02; not yet run on a GPU):
-* Speed, to measure on the H200: at the 8B shape with a 131K context a segment is 16 blocks
+Open (noted 2026-12-02, when the segments were new; they have run on the GPU since):
+* Speed, not measured apart: at the 8B shape with a 131K context a segment is 16 blocks
   (1,024 keys) and 3 tiles (48 tokens) may split, so a 128-token suffix after a 4K prefix
   runs one program per tile and kv head over 64 blocks in series (before: about 5 splits
   of 13 blocks); the prefix-hit TTFT and a 16- against a 2,048-row program's bits decide.
