@@ -29,10 +29,6 @@ SCRIPT = textwrap.dedent('''
     import collections
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from flare.prepare.kernels import gdn as K
     from flare.prepare.kernels import gdn_grid as GG
     from flare.prepare.kernels import gemm as G
@@ -41,14 +37,10 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import paged_attention as A
     from flare.prepare.kernels import rownorm as RN
     from flare.prepare.kernels import sampler as SK
+    from flare.prepare.kernels import sm90
 
     def compile_for_sm90(fn, types, constexprs, num_warps=4, num_stages=3):
-        # (a constexpr left out takes its default, as at a launch: not a runtime argument)
-        constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
-        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": num_warps, "num_stages": num_stages})
+        kernel = sm90.compile_for_sm90(fn, types, constexprs, num_warps, num_stages)
         print("compiled", fn.__name__)
         return kernel
 
@@ -148,9 +140,7 @@ SCRIPT = textwrap.dedent('''
                       **f32("final_ptr", "block_ptr", "rec_rows_ptr", "block_rows_ptr"), **grid},
                      dict(BLOCK=64, BLOCK_N=1024))
     # Paged attention: decode's even split (SEG 0) and prompt programs' segments (8B at 131K).
-    attend = {**bf16("q_ptr", "out_ptr", "k_cache", "v_cache"), **f32("part_acc", "part_m", "part_l"),
-              "page_table": "*i32", "token_slot": "*i64", "positions": "*i64", "valid": "*u8", "part_eff": "*i32",
-              "scale_log2": "fp32"}
+    attend = sm90.ATTEND_TYPES
     # As cores launch it (decode masked, prompt launches with the unmasked path for whole key
     # blocks, FULL_BLOCKS), a decode launch unmasked and a prompt launch masked (the flag set
     # either way), at a head dim the loads must mask (80 in 128), Qwen3.5's 256 (32-key

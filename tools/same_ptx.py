@@ -28,14 +28,9 @@ os.environ.pop("TRITON_INTERPRET", None)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from flare.prepare.kernels.sm90 import ATTEND_TYPES, compile_for_sm90  # noqa: E402
 
 PATH = "src/flare/prepare/kernels/paged_attention.py"
-TYPES = {**{n: "*bf16" for n in ("q_ptr", "out_ptr", "k_cache", "v_cache")},
-         **{n: "*fp32" for n in ("part_acc", "part_m", "part_l")}, "page_table": "*i32", "token_slot": "*i64",
-         "positions": "*i64", "valid": "*u8", "part_eff": "*i32", "scale_log2": "fp32"}
 
 
 def _module(path: Path, name: str):
@@ -47,11 +42,9 @@ def _module(path: Path, name: str):
 
 
 def ptx(fn, constexprs: dict) -> list[str]:
-    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
-    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-    sig = {n: "constexpr" if n in constexprs else TYPES.get(n, "i32") for n in fn.arg_names}
-    text = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "num_stages": 2}).asm["ptx"].split(".section\t.debug")[0]
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}  # (those this revision has)
+    text = compile_for_sm90(fn, ATTEND_TYPES, constexprs, num_warps=4, num_stages=2).asm["ptx"]
+    text = text.split(".section\t.debug")[0]
     return [line.split("//")[0].rstrip() for line in text.splitlines()
             if not line.strip().startswith("//") and ".file" not in line and ".loc" not in line
             and not re.match(r"^\$L__(tmp|func)\w*:$", line.strip())]
