@@ -10,7 +10,7 @@ batch hits are as many as real routing would hit, not one), and each candidate c
 the routed experts' weighted sum for the chunk:
 
 * ``ours[bm,bn,bk,w]``  kernels/moe.py's tiled path (prefill chunks): the invariant router GEMM,
-  routing per token (``route_rows``) and the plan as torch ops (as the recipe), grouped gate/up,
+  routing per token (``route_rows``) and the plan in two launches (``plan_triton``, as the recipe), grouped gate/up,
   grouped down, the weighted sum (``BLOCK_M`` 64, the recipe's, for prefill; 16 at decode sizes,
   against the GEMVs).
 * ``ours.decode``  the decode path (at most ``DECODE_PAIRS`` pairs): router GEMV,
@@ -23,7 +23,9 @@ the routed experts' weighted sum for the chunk:
   experts with the shared expert run after them as torch ops, or as one more pair of every
   token inside the two GEMV kernels.
 * ``ours.route_plan`` / ``ours.route+plan``  the fixed cost before any expert GEMM: the
-  fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces.
+  fused launch, and the torch ops (softmax, sort, scatter, cumsum, search) it replaces;
+  ``plan.torch`` / ``plan.triton``  the plan alone of the chunk's routing, as torch ops and in
+  ``plan_triton``'s two launches (what prompt programs run).
 * ``router.invariant_linear`` / ``router.gemv[...]`` / ``router.cublas``  the router GEMM alone,
   as prompt programs run it, as decode steps run it (blocks of experts swept), and by cuBLAS
   (what batch invariance costs).
@@ -102,6 +104,10 @@ def by_expert64(x, w, ids, gate_up, down):
             g, u = (x[t].to(F64) @ gate_up[e].to(F64).T).chunk(2, dim=-1)
             out.index_add_(0, t, w[t, j].to(F64)[:, None] * ((F.silu(g) * u) @ down[e].to(F64).T))
     return out
+
+
+def _plan_tensors(p) -> tuple:
+    return p.order, p.tile_expert, p.tile_start, p.tile_end
 
 
 def grouped_mm_candidate(x, w, ids, gate_up, down):
@@ -235,7 +241,7 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
         def ours(x, w, ids, bm=bm, bn=bn, bk=bk, warps=warps):
             # As the recipe runs a prefill chunk: the invariant router, routing per token, the plan.
             w, ids = K.route_rows(K.invariant_linear(x, router), k, True)
-            p = K.plan(ids, E, bm)
+            p = K.plan_triton(ids, E, bm)
             h = K.grouped_gate_up(x, gate_up, p, k, block_n=bn, block_k=bk, num_warps=warps)
             return (K.combine_triton(K.grouped_down(h, down, p, block_n=bn, block_k=bk, num_warps=warps), w, ids,
                                      E),)
@@ -259,6 +265,11 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
                     [], None, "the router GEMM by cuBLAS (rows depend on the batch size)"))
     out.append(Case(f"{tag}.ours.route+plan", [(lambda s=s: (K.plan(K.route(s[0], router, k, True)[1], E, 16).order,))
                                                for s in sets], [], None, "router GEMM, route and plan as torch ops"))
+    routed = [K.route_rows(K.invariant_linear(s[0], router), k, True)[1] for s in sets]
+    for name, fn in (("torch", K.plan), ("triton", K.plan_triton)):
+        how = "torch ops" if name == "torch" else "two launches"
+        out.append(Case(f"{tag}.plan.{name}", [(lambda r=r, fn=fn: _plan_tensors(fn(r, E, K.BLOCK_M))) for r in routed],
+                        [], None, f"the plan of the chunk's routing ({how})"))
     if K.fits_route_plan(T, k):
         out.append(Case(f"{tag}.ours.route_plan", [(lambda s=s: (K.route_plan(F.linear(s[0], router), k, True, None,
                                                                               16)[2].order,)) for s in sets],

@@ -25,6 +25,7 @@ from flare.prepare.kernels.moe import (  # noqa: E402
     invariant_linear,
     max_tiles,
     plan,
+    plan_triton,
     route,
     route_logits,
     route_plan,
@@ -102,6 +103,25 @@ def test_plan_groups_pairs_by_expert_in_static_tiles():
             rows.setdefault(e, []).extend(range(a, min(a + 2, b)))
     assert {e: flat[order[r]].tolist() for e, r in rows.items()} == {1: [1, 1, 1], 3: [3, 3], 5: [5, 5]}
     assert sum(len(r) for r in rows.values()) == 7  # the sentinel pair is in no tile
+
+
+@pytest.mark.parametrize("T,k,E,block_m,dead", [
+    (1, 2, 6, 2, 0), (4, 2, 6, 2, 1), (5, 8, 256, 64, 2), (128, 8, 256, 64, 100),  # prefill.128, 16 live tokens
+    (300, 10, 512, 64, 7), (130, 8, 128, 16, 0), (64, 4, 300, 64, 0)])  # more pairs than a chunk; E not 2^n
+def test_triton_plan_is_the_plan_to_the_bit(T, k, E, block_m, dead):
+    """plan_triton (two launches) gives plan's order and tiles exactly, an unused tile's start
+    and end included: the sentinel pairs (dead rows route to E) last, equal experts in pair
+    order, routing crowded onto a few experts as well as spread over all of them."""
+    g = torch.Generator().manual_seed(T * 1000 + E)
+    for crowd in (E, 3):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] % crowd for _ in range(T)])
+        ids[T - dead:] = E
+        ids = ids.to(DEVICE)
+        want, got = plan(ids, E, block_m), plan_triton(ids, E, block_m)
+        assert got.block_m == want.block_m
+        for name in ("order", "tile_expert", "tile_start", "tile_end"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype == torch.int32 and torch.equal(a.cpu(), b.cpu()), (name, crowd)
 
 
 @pytest.mark.parametrize("T,block_m", [(1, 16), (3, 16), (24, 16), (24, 64)])
