@@ -236,15 +236,20 @@ def _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K: tl.constexpr, REN
     ex = tl.exp(x - m[:, None])
     prob = ex / tl.sum(ex, 1)[:, None]
     prob = tl.where(e[None, :] < E, prob, -1.0)
+    # One reduction a pick: a key of the probability's bits (a probability's bits order as it
+    # does; -1, out of range, below them all) over the complement of the index, whose maximum is
+    # the largest probability at its lowest index.
+    key = (prob.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BE - 1 - e)[None, :].to(tl.int64)
     j = tl.arange(0, BK)
     top = tl.zeros([BT, BK], tl.float32)
     sel = tl.zeros([BT, BK], tl.int32)
     for i in tl.static_range(K):
-        v = tl.max(prob, 1)
-        idx = tl.min(tl.where(prob == v[:, None], e[None, :], BE), 1)
+        best = tl.max(key, 1)
+        v = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        idx = BE - 1 - (best & 0xFFFFFFFF).to(tl.int32)
         top = tl.where(j[None, :] == i, v[:, None], top)
         sel = tl.where(j[None, :] == i, idx[:, None], sel)
-        prob = tl.where(e[None, :] == idx[:, None], -1.0, prob)
+        key = tl.where(e[None, :] == idx[:, None], -1 << 62, key)
     if RENORM:
         top = top / tl.sum(tl.where(j[None, :] < K, top, 0.0), 1)[:, None]
     return top, sel
