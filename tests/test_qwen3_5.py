@@ -197,7 +197,9 @@ def test_triton_path_matches_the_reference_path(stream):
     delta-rule kernels, the Triton paged attention) under Triton's CPU interpreter
     against the reference path, program by program on one core (prefill programs of 64
     rows, conftest.INTERPRETER_CHUNK): prefill chunks cut inside delta-rule chunks (one
-    crossing a block's end), then decode steps of a batch with a padded row. Logits and
+    crossing a block's end; the other two prompts in one chunk each: under the interpreter a
+    prefill program costs seconds, and their cuts took the same paths), then decode steps of a
+    batch with a padded row. Logits and
     every slot's state rows agree to float32 rounding; the null slot and slots outside
     the batch are left bitwise as they were."""
     core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
@@ -210,7 +212,7 @@ def test_triton_path_matches_the_reference_path(stream):
         logits = []
         for slot, p in prompts.items():
             admit(r, slot, p, r.pages(8), seed=slot)
-            logits.append(prefill(r, slot, p, splits=(5, 21))[1])
+            logits.append(prefill(r, slot, p, splits=(5, 21) if slot == 2 else ())[1])
         for step in range(3):
             rows, _ = decode(r, [1, 2, 4], [stream[200 + step], stream[250 + step], stream[280 + step]])
             logits.append(rows)
