@@ -186,7 +186,7 @@ def test_batch_independence(client):
     target = [{"role": "user", "content": "Invent a name for a new colour and describe it."}]
     others = [[{"role": "user", "content": f"Give me {k} reasons to learn the piano."}] for k in (3, 5, 7)]
     texts = set()
-    for seed in (11, 22, 33):
+    for seed in (11, 22):
         kw = dict(seed=seed, max_tokens=24, temperature=1.0)
         alone = chat(client, target, **kw)
         together = run_together([lambda: chat(client, target, **kw)] + [
@@ -196,8 +196,8 @@ def test_batch_independence(client):
         assert together[0].choices[0].message.content == alone.choices[0].message.content, seed
         assert together[0].usage.completion_tokens == alone.usage.completion_tokens
         texts.add(alone.choices[0].message.content)
-    # And seeds matter: three seeds at T = 1 do not give the same text.
-    assert len(texts) == 3
+    # And seeds matter: two seeds at T = 1 do not give the same text.
+    assert len(texts) == 2
 
 
 # ---------------------------------------------------------------------------
