@@ -85,12 +85,13 @@ INTERPRETER_CHUNK = ["--prefill-chunk-size", "64"]
 # float32/float64 references and the programs' outcomes, the conversation acceptance runs, the
 # TP=1/TP=2 drives, a module's server), which xdist's default load scheduling computes again
 # on every worker it sends one of the module's tests to (seen: test_programs' and
-# test_conversation_cache's twice, ~50 s and ~75 s each; test_mtp's requests without speculation,
-# which both learned-draft cases compare with). ``--dist loadgroup`` with xdist_group
+# test_conversation_cache's twice, ~50 s and ~75 s each; test_logprobs' Transformers model four
+# times, 3 s each; test_fuzz's server twice; test_mtp's requests without speculation, which both
+# learned-draft cases compare with). ``--dist loadgroup`` with xdist_group
 # marks would do this, but xdist 3.8 tags node ids through Item._nodeid, which pytest 9 ignores.
 ONE_WORKER_MODULES = frozenset(f"tests/{name}.py" for name in (
     "test_programs", "test_conversation_cache", "test_tensor_parallel", "test_qwen3_5", "test_qwen3_moe",
-    "test_agent_http", "test_mtp"))
+    "test_agent_http", "test_mtp", "test_logprobs", "test_fuzz"))
 
 
 @pytest.hookimpl(optionalhook=True)
