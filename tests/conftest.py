@@ -150,6 +150,27 @@ def prepare_core(model: str, opts: list[str], name: str | None = None) -> Path:
     return out
 
 
+# Cores with golden replays (tests/test_replay_check.py). --qualify adds qualification.json and
+# nothing else (same programs and weights; the served name aside): tests of the same options take
+# these cores rather than prepare twins of them (test_hybrid_verify, test_qwen3_moe,
+# test_hybrid_moe, test_no_torch).
+# Three input sets: the snapshot/restore sets cycle through a tail page of the slot, another
+# one, and the null page (a page-aligned endpoint); resume's third set is a finished request.
+QUALIFIED = {
+    "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"], name="llama-tiny-qualified"),
+    # pack and verify programs (speculative decoding's), one core for both
+    "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--draft-tokens", "3",
+                                                           "--qualify", "3"], name="llama-tiny-pack-qualified"),
+    # with verify programs: per-position recurrent state (the hybrid's rollback)
+    "qwen3_5-tiny": lambda: prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--draft-tokens", "3", "--qualify", "3"],
+                                         name="qwen3_5-tiny-qualified"),
+    "qwen3-moe-tiny": lambda: prepare_core("qwen3-moe-tiny", [*TINY_OPTS, "--qualify", "3"],
+                                           name="qwen3-moe-tiny-qualified"),
+    "qwen3_5-moe-tiny": lambda: prepare_core("qwen3_5-moe-tiny", [*HYBRID_OPTS, "--qualify", "3"],
+                                             name="qwen3_5-moe-tiny-qualified"),
+}
+
+
 @pytest.fixture(scope="session")
 def smol_core() -> Path:
     return prepare_core("smollm2-135m-instruct", SMOL_OPTS)

@@ -14,7 +14,7 @@ import torch
 
 from flare.core import interface as io
 from flare.core.manifest import verify_buffer
-from tests.conftest import HYBRID_OPTS, prepare_core
+from tests.conftest import QUALIFIED
 from tests.rig import (STEP_STATE, admit, copy_rig, decode, decode_alike, greedy_continuation, load_rig, prefill,
                        prefilled_rigs)
 from tests.test_programs import VERIFY_PROMPTS, _verify
@@ -24,7 +24,7 @@ STATE = ("state.gdn.conv", "state.gdn.recurrent")
 
 @pytest.fixture(scope="module")
 def hybrid_verify_core():
-    return prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--draft-tokens", "3"], name="qwen3_5-tiny-verify")
+    return QUALIFIED["qwen3_5-tiny"]()  # HYBRID_OPTS and --draft-tokens 3 (with golden replays)
 
 
 @pytest.mark.parametrize("attention", ["reference", "triton"])

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from flare.core.manifest import BufferRole, load_manifest
-from tests.conftest import INTERPRETER_CHUNK, TINY_OPTS, prepare_core
+from tests.conftest import INTERPRETER_CHUNK, QUALIFIED, TINY_OPTS, prepare_core
 from tests.rig import admit, decode, decode_alike, load_rig, prefill, prefilled_rigs, transformers_model
 
 LENGTHS = (5, 16, 17, 40, 129)
@@ -32,7 +32,7 @@ DECODE_STEPS = 4
 
 @pytest.fixture(scope="module")
 def moe_core():
-    return prepare_core("qwen3-moe-tiny", TINY_OPTS)
+    return QUALIFIED["qwen3-moe-tiny"]()  # TINY_OPTS (with golden replays)
 
 
 @pytest.fixture(scope="module")

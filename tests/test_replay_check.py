@@ -12,23 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import HYBRID_OPTS, TINY_OPTS, prepare_core
-
-# Three input sets: the snapshot/restore sets cycle through a tail page of the slot, another
-# one, and the null page (a page-aligned endpoint); resume's third set is a finished request.
-QUALIFIED = {
-    "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"], name="llama-tiny-qualified"),
-    # pack and verify programs (speculative decoding's), one core for both
-    "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--draft-tokens", "3",
-                                                           "--qualify", "3"], name="llama-tiny-pack-qualified"),
-    # with verify programs: per-position recurrent state (the hybrid's rollback)
-    "qwen3_5-tiny": lambda: prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--draft-tokens", "3", "--qualify", "3"],
-                                         name="qwen3_5-tiny-qualified"),
-    "qwen3-moe-tiny": lambda: prepare_core("qwen3-moe-tiny", [*TINY_OPTS, "--qualify", "3"],
-                                           name="qwen3-moe-tiny-qualified"),
-    "qwen3_5-moe-tiny": lambda: prepare_core("qwen3_5-moe-tiny", [*HYBRID_OPTS, "--qualify", "3"],
-                                             name="qwen3_5-moe-tiny-qualified"),
-}
+from tests.conftest import HYBRID_OPTS, QUALIFIED
 
 
 # (llama-tiny's own replays: test_a_wrong_digest_is_a_mismatch below replays every program and
