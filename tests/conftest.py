@@ -152,12 +152,13 @@ def prepare_core(model: str, opts: list[str], name: str | None = None) -> Path:
 
 # Cores with golden replays (tests/test_replay_check.py). --qualify adds qualification.json and
 # nothing else (same programs and weights; the served name aside): tests of the same options take
-# these cores rather than prepare twins of them (test_hybrid_verify, test_qwen3_moe,
+# these cores rather than prepare twins of them (tiny_core, test_hybrid_verify, test_qwen3_moe,
 # test_hybrid_moe, test_no_torch).
 # Three input sets: the snapshot/restore sets cycle through a tail page of the slot, another
 # one, and the null page (a page-aligned endpoint); resume's third set is a finished request.
 QUALIFIED = {
-    "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"], name="llama-tiny-qualified"),
+    # (tiny_core itself: its served name is the default's)
+    "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"]),
     # pack and verify programs (speculative decoding's), one core for both
     "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--draft-tokens", "3",
                                                            "--qualify", "3"], name="llama-tiny-pack-qualified"),
@@ -178,7 +179,7 @@ def smol_core() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_core() -> Path:
-    return prepare_core("llama-tiny", TINY_OPTS)
+    return QUALIFIED["llama-tiny"]()  # TINY_OPTS, with golden replays (test_replay_check)
 
 
 @pytest.fixture(scope="session")
