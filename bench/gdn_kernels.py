@@ -30,7 +30,8 @@ layer 1 is used, so every state access is a strided view as in the real buffers)
 Each candidate runs R calls on R input sets (rotating inputs and state rows so that
 L2 does not hold them, about 3x L2 in all); its time is the median over replays of
 one CUDA graph holding the R calls, divided by R. Before timing: an eager warm-up
-(compiles, autotunes; ``first_call_s``), two eager runs from the same state
+(compiles, autotunes; ``first_call_s``; with --smoke none, the first eager run timed), two
+eager runs from the same state
 (``deterministic``, together with two replays), a replay compared bit for bit with
 the eager run (``replay_bitwise_eager``), and the first set's outputs and state
 against a float64 torch reference (``max_abs_err``, ``state_err``; ``out_scale`` is
@@ -518,21 +519,25 @@ def measure(case: Case, replays: int, cuda: bool) -> dict:
 
 
 def _measure(case, replays, cuda, res, restore, run_all, sync):
+    # On the GPU a warm-up first (it compiles and autotunes). Under the interpreter (--smoke)
+    # nothing is cached: the first eager run is the first call, and each candidate runs once less.
     t0 = time.perf_counter()
-    run_all()
-    sync()
-    first_call_s = time.perf_counter() - t0
-    res["first_call_s"] = round(first_call_s, 3)
-    restore()
+    if cuda:
+        run_all()
+        sync()
+        res["first_call_s"] = round(time.perf_counter() - t0, 3)
+        restore()
     eager = run_all()
+    if not cuda:
+        res["first_call_s"] = round(time.perf_counter() - t0, 3)
     eager_out, eager_state = flat(eager), [s.clone() for s in case.state]
     restore()
     again = flat(run_all())
     deterministic = bitwise_equal(eager_out, again) and bitwise_equal(eager_state, case.state)
     if case.check is not None:
         res.update(case.check(eager[0], eager_state))
-    if not cuda:  # the first call's wall clock: a fourth eager run would time the same (under the interpreter)
-        res.update(time_us=first_call_s * 1e6 / len(case.calls), deterministic=deterministic,
+    if not cuda:  # the first call's wall clock: a third eager run would time the same (under the interpreter)
+        res.update(time_us=res["first_call_s"] * 1e6 / len(case.calls), deterministic=deterministic,
                    replay_bitwise_eager=None, timing="cpu wall clock, eager (meaningless)")
         return res
     restore()

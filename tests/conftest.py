@@ -85,11 +85,13 @@ INTERPRETER_CHUNK = ["--prefill-chunk-size", "64"]
 # float32/float64 references and the programs' outcomes, the conversation acceptance runs, the
 # TP=1/TP=2 drives, a module's server), which xdist's default load scheduling computes again
 # on every worker it sends one of the module's tests to (seen: test_programs' and
-# test_conversation_cache's twice, ~50 s and ~75 s each). ``--dist loadgroup`` with xdist_group
+# test_conversation_cache's twice, ~50 s and ~75 s each; test_logprobs' Transformers model four
+# times, 3 s each; test_fuzz's server twice; test_mtp's requests without speculation, which both
+# learned-draft cases compare with). ``--dist loadgroup`` with xdist_group
 # marks would do this, but xdist 3.8 tags node ids through Item._nodeid, which pytest 9 ignores.
 ONE_WORKER_MODULES = frozenset(f"tests/{name}.py" for name in (
     "test_programs", "test_conversation_cache", "test_tensor_parallel", "test_qwen3_5", "test_qwen3_moe",
-    "test_agent_http"))
+    "test_agent_http", "test_mtp", "test_logprobs", "test_fuzz"))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -148,6 +150,28 @@ def prepare_core(model: str, opts: list[str], name: str | None = None) -> Path:
     return out
 
 
+# Cores with golden replays (tests/test_replay_check.py). --qualify adds qualification.json and
+# nothing else (same programs and weights; the served name aside): tests of the same options take
+# these cores rather than prepare twins of them (tiny_core, test_hybrid_verify, test_qwen3_moe,
+# test_hybrid_moe, test_no_torch).
+# Three input sets: the snapshot/restore sets cycle through a tail page of the slot, another
+# one, and the null page (a page-aligned endpoint); resume's third set is a finished request.
+QUALIFIED = {
+    # (tiny_core itself: its served name is the default's)
+    "llama-tiny": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--qualify", "3"]),
+    # pack and verify programs (speculative decoding's), one core for both
+    "llama-tiny-pack": lambda: prepare_core("llama-tiny", [*TINY_OPTS, "--pack-capacities", "64", "--draft-tokens", "3",
+                                                           "--qualify", "3"], name="llama-tiny-pack-qualified"),
+    # with verify programs: per-position recurrent state (the hybrid's rollback)
+    "qwen3_5-tiny": lambda: prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, "--draft-tokens", "3", "--qualify", "3"],
+                                         name="qwen3_5-tiny-qualified"),
+    "qwen3-moe-tiny": lambda: prepare_core("qwen3-moe-tiny", [*TINY_OPTS, "--qualify", "3"],
+                                           name="qwen3-moe-tiny-qualified"),
+    "qwen3_5-moe-tiny": lambda: prepare_core("qwen3_5-moe-tiny", [*HYBRID_OPTS, "--qualify", "3"],
+                                             name="qwen3_5-moe-tiny-qualified"),
+}
+
+
 @pytest.fixture(scope="session")
 def smol_core() -> Path:
     return prepare_core("smollm2-135m-instruct", SMOL_OPTS)
@@ -155,7 +179,7 @@ def smol_core() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_core() -> Path:
-    return prepare_core("llama-tiny", TINY_OPTS)
+    return QUALIFIED["llama-tiny"]()  # TINY_OPTS, with golden replays (test_replay_check)
 
 
 @pytest.fixture(scope="session")

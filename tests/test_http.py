@@ -186,7 +186,7 @@ def test_batch_independence(client):
     target = [{"role": "user", "content": "Invent a name for a new colour and describe it."}]
     others = [[{"role": "user", "content": f"Give me {k} reasons to learn the piano."}] for k in (3, 5, 7)]
     texts = set()
-    for seed in (11, 22, 33):
+    for seed in (11, 22):
         kw = dict(seed=seed, max_tokens=24, temperature=1.0)
         alone = chat(client, target, **kw)
         together = run_together([lambda: chat(client, target, **kw)] + [
@@ -196,8 +196,8 @@ def test_batch_independence(client):
         assert together[0].choices[0].message.content == alone.choices[0].message.content, seed
         assert together[0].usage.completion_tokens == alone.usage.completion_tokens
         texts.add(alone.choices[0].message.content)
-    # And seeds matter: three seeds at T = 1 do not give the same text.
-    assert len(texts) == 3
+    # And seeds matter: two seeds at T = 1 do not give the same text.
+    assert len(texts) == 2
 
 
 # ---------------------------------------------------------------------------
@@ -227,18 +227,24 @@ def test_completions_string_and_token_prompts(client, frontend):
     assert [c.text for c in two_ids.choices] == [c.text for c in two.choices]
 
 
-def test_completions_default_to_16_tokens_and_chat_to_the_context(client):
+def test_completions_default_to_16_tokens_and_chat_to_the_context(client, frontend):
     """OpenAI's legacy Completions API generates 16 tokens without max_tokens; chat runs to
     the context limit (or a stop). ignore_eos makes both run their full budget; near the
     context limit the completions default shrinks to what is left instead of failing."""
     a = client.completions.create(model=MODEL, prompt="Once upon a time", extra_body={"ignore_eos": True})
     assert a.usage.completion_tokens == 16 and a.choices[0].finish_reason == "length"
-    b = client.completions.create(model=MODEL, prompt=list(range(1000, 3040)), extra_body={"ignore_eos": True})
-    assert b.usage.prompt_tokens == 2040 and b.usage.completion_tokens == 8  # what a 2,048 context leaves
     # A long message leaves a short run to the limit (about 80 tokens).
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 1950}],
-                                       extra_body={"ignore_eos": True})
+    long = [{"role": "user", "content": "word " * 1950}]
+    c = client.chat.completions.create(model=MODEL, messages=long, extra_body={"ignore_eos": True})
     assert c.usage.completion_tokens == 2048 - c.usage.prompt_tokens and c.choices[0].finish_reason == "length"
+    # A 2,040-token prompt that starts with the chat's (its prefix served from the cache: one long
+    # prefill in this test, not two).
+    tmpl, codec = frontend
+    ids = codec.encode(tmpl.render(long, add_generation_prompt=True), add_special_tokens=False)
+    assert len(ids) == c.usage.prompt_tokens
+    b = client.completions.create(model=MODEL, prompt=ids + list(range(1000, 1000 + 2040 - len(ids))),
+                                  extra_body={"ignore_eos": True})
+    assert b.usage.prompt_tokens == 2040 and b.usage.completion_tokens == 8  # what a 2,048 context leaves
 
 
 def test_models_and_health(smol_server):

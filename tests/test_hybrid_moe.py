@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import HYBRID_OPTS, prepare_core
+from tests.conftest import HYBRID_OPTS, QUALIFIED, prepare_core
 from tests.rig import load_rig
 from tests.test_qwen3_5 import float64_islands
 from tests.test_qwen3_moe import (hf_model, router_calls, routing_agreement, teacher_forced_errors,
@@ -32,7 +32,9 @@ FAMILIES = {"qwen3_5-moe-tiny": ("qwen3_5_moe", "Qwen3_5Moe"), "qwen3-next-tiny"
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
-    return request.param, prepare_core(request.param, HYBRID_OPTS)
+    # (qwen3_5-moe-tiny: the replay test's core of these options)
+    return request.param, QUALIFIED[request.param]() if request.param in QUALIFIED else prepare_core(request.param,
+                                                                                                    HYBRID_OPTS)
 
 
 @pytest.fixture(scope="module")

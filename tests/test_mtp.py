@@ -246,23 +246,31 @@ def _greedy(seed: int, max_tokens: int):
     return _params(seed, max_tokens, top_k=1, repetition_penalty=1.0)
 
 
+def _learned_draft_batches(vocab: int):
+    """Greedy requests, several at once, then a follow-up turn that hits the prefix cache."""
+    prompts = [[(13 * k + 5 + i) % vocab for k in range(30 + 7 * i)] for i in range(3)]
+    return prompts, [[(p, _greedy(10 + i, 24 + 4 * i), Sink()) for i, p in enumerate(prompts)],
+                     [(prompts[0] + [3, 4, 5], _greedy(20, 40), Sink())]]
+
+
+@pytest.fixture(scope="module")
+def plain_learned_draft_requests(mtp_core, hybrid_core):
+    """The learned-draft test's requests without speculation, run once for both of its cases."""
+    _, batches = _learned_draft_batches(load_manifest(mtp_core).capacities.sampling_vocab)
+    return asyncio.run(_run(hybrid_core, 2, batches))[0]
+
+
 @pytest.mark.parametrize("always", [True, False], ids=["mtp-always", "mtp"])
-def test_greedy_requests_are_the_same_with_learned_drafts(mtp_core, hybrid_core, always):
+def test_greedy_requests_are_the_same_with_learned_drafts(mtp_core, plain_learned_draft_requests, always):
     """The engine with learned drafts: greedy requests (several at once, then a follow-up turn
     that hits the prefix cache) come out as the same model's without speculation. mtp-always
     verifies the head's drafts at every step; mtp (the default) under the cost model, which
     on a random head (its drafts rejected) turns to decode steps once it has measured both,
     re-measuring now and then."""
-    vocab = load_manifest(mtp_core).capacities.sampling_vocab
-    prompts = [[(13 * k + 5 + i) % vocab for k in range(30 + 7 * i)] for i in range(3)]
-
-    def batches():
-        return [[(p, _greedy(10 + i, 24 + 4 * i), Sink()) for i, p in enumerate(prompts)],
-                [(prompts[0] + [3, 4, 5], _greedy(20, 40), Sink())]]
-
+    prompts, batches = _learned_draft_batches(load_manifest(mtp_core).capacities.sampling_vocab)
     ran: list[str] = []
-    plain, _ = asyncio.run(_run(hybrid_core, 2, batches()))
-    learned, _ = asyncio.run(_run(mtp_core, 2, batches(), ran, draft_tokens=D, learned_drafts=True,
+    plain = plain_learned_draft_requests
+    learned, _ = asyncio.run(_run(mtp_core, 2, batches, ran, draft_tokens=D, learned_drafts=True,
                                   speculate_always=always))
     verify = sum(n.startswith("verify.") for n in ran)
     decode = sum(n.startswith("decode.") for n in ran)

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import HYBRID_OPTS, ROOT, prepare_core, running_server
+from tests.conftest import QUALIFIED, ROOT, running_server
 
 SERVING_MODULES = ("flare.core.manifest", "flare.runtime.engine", "flare.runtime.reference",
                    "flare.runtime.scheduler", "flare.server.app", "flare.server.cli",
@@ -54,7 +54,7 @@ def test_live_server_never_imports_torch(core, request, tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {"FLARE_MODULES_REPORT": str(report), "FLARE_SHM_DIR": str(shm)}
-    path = prepare_core(core, HYBRID_OPTS) if core == "qwen3_5-moe-tiny" else request.getfixturevalue(core)
+    path = QUALIFIED[core]() if core == "qwen3_5-moe-tiny" else request.getfixturevalue(core)  # (HYBRID_OPTS)
     with running_server(path, env=env) as srv:
         assert [p.name[:12] for p in shm.iterdir()] == ["flare-arena-"]
         model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]

@@ -230,12 +230,13 @@ LONG = Shape(H=8, KVH=2, D=64, page_size=16, max_pages=24)  # 384 keys: 6 key bl
 
 
 @pytest.mark.parametrize("target", [1, 5, 10**6], ids=["one-split", "some", "all-splits"])
-@pytest.mark.parametrize("n", [1, 3, 17, 32])
+@pytest.mark.parametrize("n", [1, 17, 32])
 def test_splits_chosen_on_the_device_are_exact(n, target):
     """A short chunk after a long cached history (a prefix hit's tail) and a full one,
     with the device choosing 1, some, or all of 6 splits: every variant is the
     reference (one split writes the output directly; otherwise partials of the valid
-    rows are combined and padded rows are zeros)."""
+    rows are combined and padded rows are zeros). One token (one tile of 16 holding
+    tokens), 17 (a full tile and a partial one) and 32 (two full tiles)."""
     step = prefill_step(LONG, start=300, n=min(n, LONG.max_keys - 300), chunk=32, dtype=torch.float32,
                         seed=20 + n, device=DEVICE)
     ref, kv_ref = run_reference(step, scale(LONG))
@@ -286,9 +287,17 @@ def test_decode_splits_follow_the_live_rows():
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("seg_count, seg_min, partial_bytes", [(128, 4, 128 << 20), (2, 1, 128 << 20), (3, 1, 1)],
-                         ids=["one-segment", "segments-of-3-blocks", "segments-of-2-no-room"])
-@pytest.mark.parametrize("window", [0, 100, 150])
+# Rows 300..316 under a window of 100 see keys from 201 on, of 150 from 151 on: in segments of 3
+# blocks (192 keys) the first segment is skipped whole or cut; in one segment, or in segments of 2
+# blocks (128 keys), both windows start inside the same segment (the second: 150 alone covers it).
+PROMPT_ROW_CASES = {"one-segment": (128, 4, 128 << 20), "segments-of-3-blocks": (2, 1, 128 << 20),
+                    "segments-of-2-no-room": (3, 1, 1)}
+
+
+@pytest.mark.parametrize("window, seg_count, seg_min, partial_bytes", [
+    pytest.param(window, *PROMPT_ROW_CASES[name], id=f"{window}-{name}")
+    for window, names in ((0, PROMPT_ROW_CASES), (100, ["segments-of-3-blocks"]), (150, PROMPT_ROW_CASES))
+    for name in names])
 def test_a_prompt_row_is_the_same_bits_however_its_keys_are_split_or_tiled(window, seg_count, seg_min,
                                                                             partial_bytes, monkeypatch):
     """Prompt programs fold key segments at fixed positions in order: rows 300..316 of one

@@ -48,8 +48,8 @@ from flare.core.manifest import HIST_PROMPT_BIT
 from flare.prepare.recipes import by_name
 from flare.server.template import ChatTemplate
 from flare.server.text import TextCodec
-from tests.rig import (STEP_STATE, Rig, admit, decode, decode_alike, greedy_continuation, load_rig, prefill,
-                       prefilled_rigs)
+from tests.rig import (STEP_STATE, Rig, admit, copy_rig, decode, decode_alike, greedy_continuation, load_rig,
+                       prefill, prefilled_rigs)
 
 DECODE_STEPS = 10
 BASE_LENGTHS = (15, 16, 17, 31, 32, 33, 127, 128, 129, 257, 290)  # page size 16, prefill chunk 128
@@ -563,16 +563,21 @@ def test_verify_program_emits_what_decode_steps_emit(attention):
 
     core = prepare_core("llama-tiny", [*TINY_OPTS, "--draft-tokens", "3"], name="llama-tiny-verify")
     prompts = VERIFY_PROMPTS
-    # Three rigs in one state, the prompts prefilled (once, on the reference path: the prefills
+    # Two rigs in one state, the prompts prefilled (once, on the reference path: the prefills
     # are not what this test checks, and under Triton's interpreter each is a padded prefill.128
     # of ~9 s); triton: every program below runs the CUDA path's kernels (Triton's CPU
     # interpreter), several rows of one slot.
-    spec, plain, shadow = prefilled_rigs(core, prompts, 3, attention=attention)
+    spec, plain = prefilled_rigs(core, prompts, 2, attention=attention)
     c = spec.m.capacities
     assert c.draft_tokens == 3 and [p.name for p in spec.m.programs if p.kind.value == "verify"] == [
         f"verify.{b}" for b in c.decode_capacities]
-    # The true greedy continuation of each slot (the pending token, then 4 more), from the third
-    # rig decoding the four slots together (a row does not depend on its batch).
+    # The true greedy continuation of each slot (the pending token, then 4 more), from a third
+    # rig in that state decoding the four slots together (a row does not depend on its batch),
+    # on the reference path: under the interpreter its steps would cost what plain's do. Were
+    # the paths' greedy tokens to differ, the verify step's tokens and plain's steps below would
+    # not both match them: the test fails, it cannot pass on another path's truth.
+    shadow = load_rig(core)
+    copy_rig(spec, shadow)
     truth = greedy_continuation(shadow, list(prompts), 4)
     # Drafts continue the pending token: the true next tokens are truth[s][1:].
     wrong = lambda t: (t + 1) % c.sampling_vocab  # noqa: E731
@@ -601,8 +606,10 @@ def test_verify_program_emits_what_decode_steps_emit(attention):
     assert rec.status == int(io.Status.inactive) and rec.emitted == 0 and toks == []
     assert all(torch.equal(spec.v[n][2], old) for n, old in before.items())
     # A constrained slot (grammar mask on, every token allowed) verifies no drafts, not even the
-    # true continuation (the plain rig's next three tokens): it emits one token.
-    nxt = [decode(plain, [3], [int(plain.v["state.pending"][3])])[1][0].token for _ in range(3)]
+    # true continuation (the next three tokens of the plain rig's state, on the reference rig):
+    # it emits one token.
+    copy_rig(plain, shadow)
+    nxt = [decode(shadow, [3], [int(shadow.v["state.pending"][3])])[1][0].token for _ in range(3)]
     spec.v["state.mask_on"][3] = 1
     spec.v["in.token_mask"][3] = -1
     (rec, toks), = _verify(spec, [(3, nxt)])

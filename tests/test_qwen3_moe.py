@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from flare.core.manifest import BufferRole, load_manifest
-from tests.conftest import INTERPRETER_CHUNK, TINY_OPTS, prepare_core
+from tests.conftest import INTERPRETER_CHUNK, QUALIFIED, TINY_OPTS, prepare_core
 from tests.rig import admit, decode, decode_alike, load_rig, prefill, prefilled_rigs, transformers_model
 
 LENGTHS = (5, 16, 17, 40, 129)
@@ -32,7 +32,7 @@ DECODE_STEPS = 4
 
 @pytest.fixture(scope="module")
 def moe_core():
-    return prepare_core("qwen3-moe-tiny", TINY_OPTS)
+    return QUALIFIED["qwen3-moe-tiny"]()  # TINY_OPTS (with golden replays)
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +162,9 @@ def test_logits_match_transformers_and_routing_gaps_exceed_rounding(rig, hf_mode
 def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool = False) -> None:
     """The CUDA path (Triton kernels, under the CPU interpreter here) against the reference
     path on one core of ``model`` (``opts`` with prefill programs of 64 rows,
-    conftest.INTERPRETER_CHUNK): two prefills cut inside a chunk, then two decode steps of a
-    batch. ``tickets``: the mixture-of-experts blocks get ticket counters, as a CUDA core's
+    conftest.INTERPRETER_CHUNK): two prefills, the first cut inside a chunk (the second's cut
+    took the same path: under the interpreter each prefill program costs seconds), then two
+    decode steps of a batch. ``tickets``: the mixture-of-experts blocks get ticket counters, as a CUDA core's
     (decode steps route in the router's launch), left zeroed."""
     core = prepare_core(model, [*opts, *INTERPRETER_CHUNK], name=f"{model}-prefill64")
     rigs = {impl: load_rig(core, seed=3, attention=impl) for impl in ("reference", "triton")}
@@ -179,7 +180,7 @@ def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool 
         logits = []
         for slot, L in ((1, 37), (2, 9)):
             admit(r, slot, stream[:L], r.pages(4), seed=slot)
-            logits.append(prefill(r, slot, stream[:L], splits=(5,))[1][None])
+            logits.append(prefill(r, slot, stream[:L], splits=(5,) if slot == 1 else ())[1][None])
         for step in range(2):
             logits.append(decode(r, [1, 2], [stream[100 + step], stream[120 + step]])[0])
         out[impl] = torch.cat(logits)

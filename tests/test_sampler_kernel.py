@@ -63,7 +63,7 @@ def test_draw_matches_the_tensor_definitions(V):
     x = _rows(V, gen)
     rows, draws, near = 0, 0, 0
     for top_k, top_p, min_p in FILTERS:
-        xs = x.repeat(8, 1)  # eight draws a row
+        xs = x.repeat(4, 1)  # four draws a row
         n = xs.shape[0]
         tk = torch.full((n,), top_k, dtype=torch.int32)
         tp, mp = torch.full((n,), top_p), torch.full((n,), min_p)
@@ -82,7 +82,7 @@ def test_draw_matches_the_tensor_definitions(V):
     # Rows that keep thousands of near-equal terms (the flat and tied rows without a tight
     # filter) may have every target within that bound; a short kept prefix almost never does.
     assert near <= rows // 50, (near, rows)
-    assert draws >= len(FILTERS) * 40 // 2, draws
+    assert draws >= len(FILTERS) * 20 // 2, draws
 
 
 def _dyadic_rows(n: int, V: int, gen: torch.Generator) -> torch.Tensor:
@@ -111,7 +111,7 @@ def test_exact_rows_draw_and_verify_as_the_definitions_across_many_blocks(V):
     gen = torch.Generator().manual_seed(100 + V)
     combos = [(k, p, m) for k in (-1, 0, 3, 16, V, V + 3) for p in (0.0, 0.5, 0.8125, 1.0, 1.5)
               for m in (0.0, 0.25, 1.0)]
-    per = 6  # rows a combination
+    per = 4  # rows a combination: draws at 0 and just below 1, the most likely token proposed, a random row
     n = len(combos) * per
     sp = _dyadic_rows(n, V, gen)
     si = torch.stack([torch.randperm(V, generator=gen) for _ in range(n)])
@@ -152,7 +152,7 @@ def test_verify_matches_the_tensor_definitions(V):
     x = _rows(V, gen)
     checked, short = 0, 0
     for top_k, top_p, min_p in FILTERS:
-        xs = x.repeat(6, 1)
+        xs = x.repeat(3, 1)  # each of the five kinds of row with each of the three proposals once
         n = xs.shape[0]
         tk = torch.full((n,), top_k, dtype=torch.int32)
         tp, mp = torch.full((n,), top_p), torch.full((n,), min_p)
