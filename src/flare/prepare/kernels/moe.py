@@ -139,8 +139,10 @@ def plan(ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
                 (starts[ec] + counts[ec]).to(torch.int32), block_m)
 
 
-# Pairs a program of ``plan_triton`` compares with its expert at once.
+# Pairs a program of ``plan_triton`` compares with its expert at once, and row tiles a program
+# computes.
 PLAN_CHUNK = 1024
+PLAN_TILES = 16
 
 
 @triton.jit
@@ -158,8 +160,8 @@ def _plan_count_kernel(ids_ptr, count_ptr, P, CH: tl.constexpr):
 def _plan_place_kernel(ids_ptr, count_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, P, E, MT,
                        BM: tl.constexpr, CH: tl.constexpr, BE: tl.constexpr, TB: tl.constexpr):
     """Programs 0..E: expert e's pairs, in pair order, into ``order`` after the pairs of every
-    lower expert (a stable sort by expert, the sentinel E last). Program E + 1: the row tiles,
-    as ``plan`` computes them (an unused tile's start and end included)."""
+    lower expert (a stable sort by expert, the sentinel E last). Program E + 1 + b: the row tiles
+    b TB to b TB + TB - 1, as ``plan`` computes them (an unused tile's start and end included)."""
     e = tl.program_id(0)
     x = tl.arange(0, BE)
     counts = tl.load(count_ptr + x, mask=x <= E, other=0)
@@ -176,26 +178,25 @@ def _plan_place_kernel(ids_ptr, count_ptr, order_ptr, tile_expert_ptr, tile_star
         tiles = (counts + BM - 1) // BM
         tiles_end = tl.cumsum(tiles, 0)
         starts = tl.cumsum(counts, 0) - counts
-        for t0 in range(0, MT, TB):
-            t = t0 + tl.arange(0, TB)
-            # the expert whose tiles hold tile t (searchsorted, right): E past the last
-            et = tl.sum(((tiles_end[None, :] <= t[:, None]) & real[None, :]).to(tl.int32), 1)
-            ec = tl.minimum(et, E - 1)
-            at_ec = x[None, :] == ec[:, None]
-            end_ec = tl.sum(tl.where(at_ec, tiles_end[None, :], 0), 1)
-            tiles_ec = tl.sum(tl.where(at_ec, tiles[None, :], 0), 1)
-            start_ec = tl.sum(tl.where(at_ec, starts[None, :], 0), 1)
-            count_ec = tl.sum(tl.where(at_ec, counts[None, :], 0), 1)
-            t_in = t < MT
-            tl.store(tile_expert_ptr + t, tl.where(et < E, ec, -1), mask=t_in)
-            tl.store(tile_start_ptr + t, start_ec + (t - (end_ec - tiles_ec)) * BM, mask=t_in)
-            tl.store(tile_end_ptr + t, start_ec + count_ec, mask=t_in)
+        t = (e - E - 1) * TB + tl.arange(0, TB)
+        # the expert whose tiles hold tile t (searchsorted, right): E past the last
+        et = tl.sum(((tiles_end[None, :] <= t[:, None]) & real[None, :]).to(tl.int32), 1)
+        ec = tl.minimum(et, E - 1)
+        at_ec = x[None, :] == ec[:, None]
+        end_ec = tl.sum(tl.where(at_ec, tiles_end[None, :], 0), 1)
+        tiles_ec = tl.sum(tl.where(at_ec, tiles[None, :], 0), 1)
+        start_ec = tl.sum(tl.where(at_ec, starts[None, :], 0), 1)
+        count_ec = tl.sum(tl.where(at_ec, counts[None, :], 0), 1)
+        t_in = t < MT
+        tl.store(tile_expert_ptr + t, tl.where(et < E, ec, -1), mask=t_in)
+        tl.store(tile_start_ptr + t, start_ec + (t - (end_ec - tiles_ec)) * BM, mask=t_in)
+        tl.store(tile_end_ptr + t, start_ec + count_ec, mask=t_in)
 
 
 def plan_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
     """``plan`` in two launches (its outputs to the bit): a program per expert counts the
     expert's pairs, then places them in pair order after the lower experts' (the stable sort),
-    and one more program computes the row tiles; where ``plan``'s stable sort, scatter, scans
+    and programs of 16 row tiles compute the tiles; where ``plan``'s stable sort, scatter, scans
     and searchsorted are some 35-55 launches of torch in a prompt program's layer."""
     flat = ids.reshape(-1)
     P, E = flat.numel(), num_experts
@@ -206,8 +207,9 @@ def plan_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> Plan:
     tiles = [torch.empty(MT, dtype=torch.int32, device=dev) for _ in range(3)]
     ch = min(PLAN_CHUNK, triton.next_power_of_2(max(P, 16)))
     _plan_count_kernel[(E + 1,)](flat, count, P, CH=ch, num_warps=4)
-    _plan_place_kernel[(E + 2,)](flat, count, order, *tiles, P, E, MT, BM=block_m, CH=ch,
-                                 BE=triton.next_power_of_2(E + 1), TB=16, num_warps=4)
+    _plan_place_kernel[(E + 1 + triton.cdiv(MT, PLAN_TILES),)](
+        flat, count, order, *tiles, P, E, MT, BM=block_m, CH=ch, BE=triton.next_power_of_2(E + 1), TB=PLAN_TILES,
+        num_warps=4)
     return Plan(order, *tiles, block_m)
 
 
