@@ -100,11 +100,12 @@ SCRIPT = textwrap.dedent('''
                          dict(BM=bm, BN=bn, BK=bk, PRECISION="tf32", HAS_BIAS=bias))
     compile_for_sm90(M._combine_kernel, {**bf16("y_ptr", "out_ptr"), "ids_ptr": "*i64", "weights_ptr": "*fp32"},
                      dict(TOPK=8, BN=512))
-    # plan_triton: int64 expert ids (the routing's), 257 experts' columns
+    # plan_triton: int64 expert ids (the routing's), the columns of 256 and of 512 experts and the sentinel
     compile_for_sm90(M._plan_count_kernel, {"ids_ptr": "*i64", "count_ptr": "*i32"}, dict(CH=1024))
-    compile_for_sm90(M._plan_place_kernel,
-                     {"ids_ptr": "*i64", "count_ptr": "*i32", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
-                      "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"}, dict(BM=64, CH=1024, BE=512, TB=16))
+    for be in (512, 1024):
+        compile_for_sm90(M._plan_place_kernel,
+                         {"ids_ptr": "*i64", "count_ptr": "*i32", "order_ptr": "*i32", "tile_expert_ptr": "*i32",
+                          "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"}, dict(BM=64, CH=1024, BE=be, TB=16))
     compile_for_sm90(M._route_plan_kernel,
                      {"logits_ptr": "*bf16", "valid_ptr": "*i1", "w_ptr": "*fp32", "ids_ptr": "*i64",
                       "order_ptr": "*i32", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"},
@@ -264,7 +265,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 167, proc.stdout
+    assert proc.stdout.count("compiled") == 168, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every
