@@ -124,11 +124,12 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
-    for d, zc in ((128, False), (256, True)):  # Qwen3's heads, Qwen3.5's
+    for d, zc, page in ((128, False, 0), (256, True, 0), (128, False, 16), (256, True, 16)):
+        # Qwen3's heads, Qwen3.5's; to tensors and (page > 0) with the keys and values to the pages
         compile_for_sm90(RN._qk_norm_rotary_kernel,
-                         {**bf16("q_ptr", "k_ptr", "wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"),
-                          "eps": "fp32"},
-                         dict(D=d, ZERO_CENTRED=zc), num_warps=RN._warps(d))
+                         {**bf16("q_ptr", "k_ptr", "v_ptr", "wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr", "qo_ptr",
+                                 "ko_ptr", "vo_ptr"), "slot_ptr": "*i64", "eps": "fp32"},
+                         dict(D=d, ZERO_CENTRED=zc, PAGE=page), num_warps=RN._warps(d))
     for block in (1024, 4096):  # hidden 576 .. 1,024 and 4,096 (8B); the norms pass float32 rows
         compile_for_sm90(RN._mean_square_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK=block),
                          num_warps=RN._warps(block))
@@ -151,16 +152,20 @@ SCRIPT = textwrap.dedent('''
     # blocks, FULL_BLOCKS), a decode launch unmasked and a prompt launch masked (the flag set
     # either way), at a head dim the loads must mask (80 in 128), Qwen3.5's 256 (32-key
     # blocks), and 128- and 256-row prompt tiles of 8 warps (bench/attention_prefill.py's).
-    for block_t, heads, splits, seg, nseg, rtiles, full, d, warps in (
-            (1, 16, 32, 0, 0, 0, False, 128, 4), (1, 16, 32, 0, 0, 0, True, 128, 4), (16, 4, 32, 16, 128, 3, True, 128, 4),
-            (16, 4, 1, 16, 128, 1, True, 128, 4), (16, 4, 1, 16, 128, 1, False, 128, 4),
-            (16, 4, 32, 16, 128, 3, True, 80, 4), (16, 4, 32, 16, 128, 3, True, 256, 4),
-            (32, 4, 1, 16, 128, 1, True, 128, 8), (64, 4, 32, 16, 128, 3, True, 128, 8)):
+    # A decode launch folds its splits in its last program (FOLD, with a CUDA core's tickets), at 128
+    # and at Qwen3.5's 256.
+    for block_t, heads, splits, seg, nseg, rtiles, full, d, warps, fold in (
+            (1, 16, 32, 0, 0, 0, False, 128, 4, False), (1, 16, 32, 0, 0, 0, True, 128, 4, False),
+            (16, 4, 32, 16, 128, 3, True, 128, 4, False), (16, 4, 1, 16, 128, 1, True, 128, 4, False),
+            (16, 4, 1, 16, 128, 1, False, 128, 4, False), (16, 4, 32, 16, 128, 3, True, 80, 4, False),
+            (16, 4, 32, 16, 128, 3, True, 256, 4, False), (32, 4, 1, 16, 128, 1, True, 128, 8, False),
+            (64, 4, 32, 16, 128, 3, True, 128, 8, False), (1, 16, 32, 0, 0, 0, False, 128, 4, True),
+            (1, 16, 32, 0, 0, 0, False, 256, 4, True)):
         kernel = compile_for_sm90(A._attend_kernel, attend,
                                   dict(GROUP=4, HEADS=heads, BLOCK_T=block_t, PAGE=16, D=d,
                                        D_PAD=max(128, d), BLOCK_N=64 if d <= 128 else 32,
                                        SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg,
-                                       RTILES=rtiles, FULL_BLOCKS=full), num_warps=warps, num_stages=2)
+                                       RTILES=rtiles, FULL_BLOCKS=full, FOLD=fold), num_warps=warps, num_stages=2)
         print("ex2", ex2_feeds(kernel.asm["ptx"]))
     for seg, nseg in ((0, 0), (16, 128)):
         compile_for_sm90(A._combine_kernel, {**bf16("out_ptr"), **f32("part_acc", "part_m", "part_l"),
@@ -265,12 +270,12 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 168, proc.stdout
+    assert proc.stdout.count("compiled") == 172, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every
     # attention launch above, with and without the flag, is fed by a subtraction.
     feeds = [ast.literal_eval(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ex2 ")]
-    assert len(feeds) == 9, proc.stdout
+    assert len(feeds) == 11, proc.stdout
     for fed in feeds:
         assert set(fed) == {"sub.f32"} and sum(fed.values()) > 0, fed

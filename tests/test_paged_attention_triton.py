@@ -287,6 +287,39 @@ def test_decode_splits_follow_the_live_rows():
         torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("window", [0, 150])
+def test_decode_splits_folded_by_the_last_program(window, monkeypatch):
+    """With ticket counters (a CUDA core's, ``PagedBatch.tickets``) a decode launch's last program
+    of each tile folds its splits, splits in order whoever it is: no combine launch, the
+    reference's output within tolerance and the combine kernel's within float32 rounding (a
+    serial sum where the combine sums the splits as a tensor), padded rows zeros, every counter
+    back at zero, and the same bits on a second call."""
+    from flare.prepare.kernels import paged_attention as A
+
+    combines = []
+    real = A._combine_kernel
+    monkeypatch.setattr(A, "_combine_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: combines.append(grid) or real[grid]})())
+    for lengths, target in (([None, None, 300, None], 10**6), ([300, 1, 17, 384], 5), ([None, 2, None, 384], 1)):
+        step = decode_step(LONG, lengths, torch.float32, 37, DEVICE)
+        ref, _ = run_reference(step, scale(LONG), window)
+        kv = step.kv.clone()
+        b = step.batch(kv, "triton")
+        write_kv_triton(b, step.layer, step.k, step.v)
+        apart = attend_triton(b, step.layer, step.q, scale(LONG), num_splits=6, target=target, window=window)
+        assert len(combines) == 1
+        combines.clear()
+        tickets = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+        folded = dataclasses.replace(b, tickets=tickets)
+        out = attend_triton(folded, step.layer, step.q, scale(LONG), num_splits=6, target=target, window=window)
+        assert not combines and not tickets.any()
+        assert torch.equal(out[~step.valid], torch.zeros_like(out[~step.valid]))
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+        torch.testing.assert_close(out, apart, atol=1e-6, rtol=1e-6)
+        again = attend_triton(folded, step.layer, step.q, scale(LONG), num_splits=6, target=target, window=window)
+        assert torch.equal(again, out) and not tickets.any()
+
+
 # Rows 300..316 under a window of 100 see keys from 201 on, of 150 from 151 on: in segments of 3
 # blocks (192 keys) the first segment is skipped whole or cut; in one segment, or in segments of 2
 # blocks (128 keys), both windows start inside the same segment (the second: 150 alone covers it).

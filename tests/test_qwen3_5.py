@@ -316,6 +316,7 @@ def test_step_norms_in_one_launch_with_the_residual_add(stream, monkeypatch):
     and the tokens and, within float32 rounding, the logits are those of the same core without
     them; without that launch (each q/k norm one ``rms_norm`` launch, the rotary compiled) the
     same."""
+    from flare.prepare.kernels import kv_write as KW
     from flare.prepare.kernels import rownorm as R
 
     core = prepare_core("qwen3_5-tiny", [*HYBRID_OPTS, *INTERPRETER_CHUNK], name="qwen3_5-tiny-prefill64")
@@ -331,12 +332,14 @@ def test_step_norms_in_one_launch_with_the_residual_add(stream, monkeypatch):
     monkeypatch.setattr(R, "rms_norm", lambda *a, **kw: calls.append("residual" in kw) or real(*a, **kw))
 
 
-    def counted(*a):  # (the q norms of the calls that took the launch)
-        out = real_qk(*a)
+    def counted(*a, **kw):  # (the q norms of the calls that took the launch)
+        out = real_qk(*a, **kw)
         qk.extend([a[0]] if out is not None else [])
         return out
 
     monkeypatch.setattr(R, "qk_norm_rotary", counted)
+    writes, write = [], KW.write_kv_triton
+    monkeypatch.setattr(KW, "write_kv_triton", lambda *a: writes.append(a[1]) or write(*a))
     attention = [layer.self_attn.q_norm for layer in layers if hasattr(layer, "self_attn")]
     assert 0 < len(attention) < len(layers)
     for _ in range(2):  # two steps of each rig, every rig feeding its own pending tokens
@@ -350,6 +353,9 @@ def test_step_norms_in_one_launch_with_the_residual_add(stream, monkeypatch):
         # (the switched rig's: its add and norms, its q/k launches; the rig apart's: the same adds
         # and norms, and each q/k norm a launch of its own)
         assert calls.count(True) == 2 * len(layers) and qk == attention
+        # (the switched rig writes the keys and values in its q/k launch; the other two apart)
+        assert len(writes) == 2 * len(attention)
+        writes.clear()
         assert calls.count(False) == 2 * (len(layers) + 1) + 2 * len(attention)
 
 

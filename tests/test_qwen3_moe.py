@@ -263,12 +263,17 @@ def test_active_bytes_roofline_reads_only_the_routed_experts(moe_core):
 def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
     """Qwen3's attention (Transformers' ``apply_rotary_pos_emb``, found to be ``rotate_half``'s)
     with ``--step-norms invariant`` on the CUDA path under the interpreter: a decode step's
-    per-head q and k norms and rotary are one ``qk_norm_rotary`` launch a layer, and the tokens
+    per-head q and k norms and rotary are one ``qk_norm_rotary`` launch a layer, which also writes
+    the keys and values to the pages (no ``write_kv_triton`` launch), and the tokens
     and, within float32 rounding, the logits are those of the same norms with the layer's own
     code (each norm a launch, the rotary apart). The first core's experts also route in the
     router's launch (ticket counters, as a CUDA core's; no shared expert here), the other's with
-    ``route_rows``."""
+    ``route_rows``; its attention's decode launches fold their splits in their last programs with
+    the same counters (no combine launch)."""
+    from flare.prepare.attention import TICKETS_BUFFER
+    from flare.prepare.kernels import kv_write as KW
     from flare.prepare.kernels import moe as K
+    from flare.prepare.kernels import paged_attention as A
     from flare.prepare.kernels import rownorm as R
 
     core = prepare_core("qwen3-moe-tiny", [*TINY_OPTS, *INTERPRETER_CHUNK], name="qwen3-moe-tiny-prefill64")
@@ -277,23 +282,33 @@ def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
         R.make_norms_row_invariant(rig.model, steps=True)
     attention = [layer.self_attn for layer in one.model.model.layers]
     assert all(a.flare_rotate_half for a in attention)
-    for a in apart.model.model.layers:
-        a.self_attn.flare_rotate_half = False
-    counters = torch.zeros(8, dtype=torch.int32)
+    apart_attention = [layer.self_attn for layer in apart.model.model.layers]
+    for a in apart_attention:
+        a.flare_rotate_half = False
+    counters = torch.zeros(64, dtype=torch.int32)
     blocks = [m for m in one.model.modules() if hasattr(type(m), "flare_route_tickets")]
     for block in blocks:
         block.flare_route_tickets = counters
+    one.v[TICKETS_BUFFER] = counters  # (the attention's decode launches fold their splits with them too)
+    combines, combine = [], A._combine_kernel
+    monkeypatch.setattr(A, "_combine_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: combines.append(grid) or combine[grid]})())
     routed_apart, rows = [], K.route_rows
     monkeypatch.setattr(K, "route_rows", lambda logits, *a, **kw: routed_apart.append(logits.shape[0])
                         or rows(logits, *a, **kw))
     taken, real = [], R.qk_norm_rotary
 
-    def counted(*a):
-        out = real(*a)
+    def counted(*a, **kw):
+        out = real(*a, **kw)
         taken.extend([a[0]] if out is not None else [])
         return out
 
     monkeypatch.setattr(R, "qk_norm_rotary", counted)
+    writes, write = [], KW.write_kv_triton
+    monkeypatch.setattr(KW, "write_kv_triton", lambda *a: writes.append(a[1]) or write(*a))
     decode_alike(one, apart, [1, 2], steps=2)
     assert taken == 2 * [a.q_norm for a in attention]
+    # (the keys and values go to the pages in that launch: the rig apart writes them in a launch of its own)
+    assert writes == 2 * [a.kv_layer for a in apart_attention]
+    assert len(combines) == len(writes)  # (the rig apart's: the other's last programs fold the splits)
     assert blocks and len(routed_apart) == 2 * len(blocks) and not counters.any()  # (the other core's only)

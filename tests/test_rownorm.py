@@ -11,6 +11,7 @@ from torch import nn
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from flare.prepare.attention import PagedBatch  # noqa: E402
 from flare.prepare import prompt_rows  # noqa: E402
 from flare.prepare.kernels import rownorm as R  # noqa: E402
 
@@ -349,6 +350,21 @@ def test_the_q_and_k_norms_and_the_rotary_in_one_launch(d, r, zero_centred, monk
         torch.testing.assert_close(got_k, want_k, rtol=2**-7, atol=2**-14)
     one_q, one_k = R.qk_norm_rotary(q_norm, k_norm, q[:, 1:2], k[:, 1:2], cos[:, 1:2], sin[:, 1:2])
     assert torch.equal(one_q, got_q[:, 1:2]) and torch.equal(one_k, got_k[:, 1:2])
+    # With the page pool: the same q, the same keys (and the values as they are) in the pages at the
+    # slot mapping, a row with a negative slot writing nothing (page 0 holds no token here).
+    v = qkv[..., -hk * d:].view(1, t, hk, d)
+    kv = torch.full((2, 2, 3, 4, hk, d), 7.0, dtype=dtype, device=DEVICE)
+    slots = torch.tensor([9, -1, 4], device=DEVICE)
+    batch = PagedBatch(kv=kv, page_table=torch.zeros(1, 3, dtype=torch.int32, device=DEVICE),
+                       token_slot=torch.zeros(t, dtype=torch.long, device=DEVICE), positions=slots.clone(),
+                       slot_mapping=slots, valid=slots >= 0, impl="triton")
+    paged_q = R.qk_norm_rotary(q_norm, k_norm, q, k, cos, sin, pages=(v, batch, 1))
+    assert torch.equal(paged_q, got_q)
+    want = torch.full_like(kv, 7.0)
+    for row, slot in ((0, 9), (2, 4)):
+        want[1, 0].view(-1, hk, d)[slot] = got_k[0, row]
+        want[1, 1].view(-1, hk, d)[slot] = v[0, row]
+    assert torch.equal(kv, want)
     with prompt_rows.marked(True):
         assert R.qk_norm_rotary(q_norm, k_norm, q, k, cos, sin) is None
     hook = k_norm.register_forward_hook(lambda _m, _a, out: out)

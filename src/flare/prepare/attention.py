@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "flare_paged"
+# The state buffer of a CUDA core's ticket counters (kernels/gemv.py's ``TICKET_COUNTERS``, which
+# the routers of decode steps and the attention's decode launches take too; ``plan.GEMV_TICKETS``)
+TICKETS_BUFFER = "gemv.tickets"
 
 
 @dataclass
@@ -56,6 +59,9 @@ class PagedBatch:
     # name, [B, W, *row]); the program's commit keeps the accepted position's.
     verify_width: int = 0
     verify_state: dict[str, torch.Tensor] | None = None
+    # Zeroed int32 ticket counters that every call leaves at zero (a CUDA core's
+    # ``gemv.tickets``): a Triton decode launch folds its splits in its last program with them.
+    tickets: torch.Tensor | None = None
 
     @property
     def page_size(self) -> int:
@@ -170,6 +176,26 @@ def flare_paged_attention(module, query, key, value, attention_mask, scaling=Non
         raise RuntimeError("flare_paged attention needs the 'paged' batch argument")
     layer = module.kv_layer  # index into the kv buffer (set by the recipe: not every layer attends)
     window = int(kwargs.get("sliding_window") or 0)  # this layer's, as Transformers passes it
+    rotary = kwargs.get("flare_qk_rotary")
+    if rotary is not None:
+        # (fused forwards) query/key/value are the projection's [B, T, H, D] views before the
+        # per-head norms and the rotary: those and the write of the keys and values to the pages
+        # are one launch (``rownorm.qk_norm_rotary`` with ``pages``), or, where it does not
+        # apply, the norms' and rotary's own launch before the write as below.
+        from flare.prepare.kernels import rownorm
+
+        cos, sin = rotary
+        if paged.impl == "triton":
+            q = rownorm.qk_norm_rotary(module.q_norm, module.k_norm, query, key, cos, sin, pages=(value, paged, layer))
+            if q is not None:
+                from flare.prepare.kernels.paged_attention import attend_triton
+
+                return attend_triton(paged, layer, q[0], scaling, window=window)[None], None
+        fused = rownorm.qk_norm_rotary(module.q_norm, module.k_norm, query, key, cos, sin)
+        if fused is None:
+            raise RuntimeError("flare_qk_rotary passed where rownorm.qk_norm_rotary does not apply")
+        query, key = fused
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     q = query[0].transpose(0, 1)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if paged.impl == "triton":

@@ -16,7 +16,7 @@ from flare.core import interface as io
 from flare.core import manifest as mf
 from flare.core.manifest import BufferRole, DType, ProgramKind
 from flare.core.sampling_params import SAMPLING_PARAMS
-from flare.prepare.attention import query_tile_tokens
+from flare.prepare.attention import TICKETS_BUFFER, query_tile_tokens
 from flare.prepare.layout import BufferRequest
 from flare.prepare.programs import TORCH_DTYPES
 from flare.prepare.sources import ModelSource
@@ -246,7 +246,7 @@ def buffer_requests(src, recipe, model, caps: mf.Capacities, pages: int, opts: O
     return reqs
 
 
-GEMV_TICKETS = "gemv.tickets"
+GEMV_TICKETS = TICKETS_BUFFER
 
 
 TP_EXCHANGE, TP_FLAGS, TP_PEERS = "tp.exchange", "tp.flags", "tp.peers"

@@ -30,7 +30,7 @@ from flare.core.manifest import (HIST_PROMPT_BIT, Capacities, Continuation, Prog
                                  stepped_state, verify_buffer)
 from flare.core.sampling_params import INTEGER_STATE, column
 from flare.prepare import prompt_rows
-from flare.prepare.attention import PagedBatch
+from flare.prepare.attention import TICKETS_BUFFER, PagedBatch
 from flare.prepare.parallel import SINGLE, TensorParallel
 from flare.prepare.recipes.base import PreparedModel, Recipe
 from flare.prepare.sampling import apply_token_mask, choose, logprob_block, scores, uniform, verify_chain
@@ -491,6 +491,7 @@ class ProgramSet:
             state=self.model_state,
             verify_width=verify_width,
             verify_state=verify_state,
+            tickets=self.v.get(TICKETS_BUFFER),
         )
 
     def _select_eager(self, slots: torch.Tensor, logits: torch.Tensor):

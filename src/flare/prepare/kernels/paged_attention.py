@@ -42,7 +42,11 @@ few programs 13 key blocks in series. With ``eff > 1`` each working program
 writes unnormalised partials for its valid rows and a second kernel combines
 them; with ``eff == 1`` the program writes the output itself and the combine
 does nothing. Every program computes the same ``eff``,
-and program (0, 0, 0) stores it for the combine.
+and program (0, 0, 0) stores it for the combine. A decode launch with ticket counters (a CUDA
+core's, ``PagedBatch.tickets``: ``FOLD``) needs no second kernel: each of a tile's programs
+takes a ticket after storing its partials, and the one that takes the last folds the tile's
+rows, splits in order 0, 1, ... (the same bits whoever arrives last), and sets its counter back
+to zero (one launch fewer for every attention layer of a decode step).
 
 Prompt programs (``SEG > 0``) must give a row the same bits whatever program it runs in
 (the prefix cache prefills a suffix in a small program, the same prompt without the cache
@@ -193,7 +197,7 @@ def _attend_kernel(
     PAGE: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILES_PAD: tl.constexpr, TARGET: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
-    RTILES: tl.constexpr, FULL_BLOCKS: tl.constexpr,
+    RTILES: tl.constexpr, FULL_BLOCKS: tl.constexpr, tickets=None, FOLD: tl.constexpr = False,
 ):
     tb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -318,6 +322,33 @@ def _attend_kernel(
         tl.store(part_m + prow, m, mask=keep)
         tl.store(part_l + prow, l, mask=keep)
         tl.store(part_acc + prow[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+        if FOLD:
+            # The tile's SPLITS programs (idle ones too) each take a ticket after storing their
+            # partials; the last folds the tile's rows, splits in order 0, 1, ... whoever it is,
+            # and sets the counter back to zero: the combine is no launch of its own.
+            tl.debug_barrier()  # every thread's partials are stored before the ticket
+            ticket = tl.atomic_add(tickets + tb * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLITS - 1:
+                row0 = (t * H + h) * SPLITS
+                big = tl.full([ROWS], -1.0e30, tl.float32)
+                for sp in range(0, eff):
+                    big = tl.maximum(big, tl.load(part_m + row0 + sp, mask=row_valid, other=-1.0e30,
+                                                  cache_modifier=".cg"))
+                l_sum = tl.zeros([ROWS], tl.float32)
+                o = tl.zeros([ROWS, D_PAD], tl.float32)
+                for sp in range(0, eff):
+                    w = tl.exp2(tl.load(part_m + row0 + sp, mask=row_valid, other=-1.0e30, cache_modifier=".cg")
+                                - big)
+                    l_sum += w * tl.load(part_l + row0 + sp, mask=row_valid, other=0.0, cache_modifier=".cg")
+                    o += w[:, None] * tl.load(part_acc + (row0 + sp)[:, None] * D_PAD + d[None, :],
+                                              mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+                o = o / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an invalid row: zeros
+                tl.store(
+                    out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od,
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=row_in[:, None] & d_in[None, :],
+                )
+                tl.atomic_xchg(tickets + tb * tl.num_programs(1) + kvh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -543,6 +574,11 @@ def attend_triton(
     pt = batch.page_table
     tiles = triton.cdiv(T, lc.block_t)
     grid = (tiles, KVH, lc.splits)
+    # A decode launch's last program of each tile folds the splits itself where the batch has
+    # ticket counters (a CUDA core's: ``PagedBatch.tickets``); otherwise the combine kernel does.
+    tickets = batch.tickets
+    fold = (lc.splits > 1 and not lc.seg and tickets is not None and tickets.dtype == torch.int32
+            and tickets.numel() >= tiles * KVH)
     _attend_kernel[grid](
         q, out, k_cache, v_cache, pt, batch.token_slot, batch.positions, valid,
         part_acc, part_m, part_l, part_eff,
@@ -554,10 +590,10 @@ def attend_triton(
         PRECISION="ieee" if kv.dtype == torch.float32 else "tf32",
         TILES_PAD=triton.next_power_of_2(tiles), TARGET=lc.target if target is None else target,
         SEG=lc.seg, NSEG=lc.nseg, RTILES=lc.rtiles,
-        FULL_BLOCKS=lc.full_blocks if full_blocks is None else full_blocks, num_warps=lc.num_warps,
-        num_stages=lc.num_stages,
+        FULL_BLOCKS=lc.full_blocks if full_blocks is None else full_blocks,
+        tickets=tickets if fold else part_eff, FOLD=fold, num_warps=lc.num_warps, num_stages=lc.num_stages,
     )
-    if lc.splits > 1:
+    if lc.splits > 1 and not fold:
         _combine_kernel[(T * H,)](
             part_acc, part_m, part_l, part_eff, out, valid, batch.positions, T, H, *out.stride(), valid.stride(0),
             batch.positions.stride(0), max_pages * ps, window,

@@ -174,70 +174,138 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 
 
 @triton.jit
-def _qk_norm_rotary_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ, R,
-                           stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, eps,
-                           D: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr, slot_ptr,
+                           HQ, HK, R, pool_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                           stride_ct, stride_st, stride_cp, stride_co, stride_ch, eps,
+                           D: tl.constexpr, ZERO_CENTRED: tl.constexpr, PAGE: tl.constexpr):
     """Program (token, head) over the token's query heads then its key heads: the head's RMS norm
     as ``_rms_norm_kernel`` computes a row (rounded to the output dtype), then the rotary embedding
     of its first R dims (``fused.rotary_without_cat``: dim d with its partner d +- R/2, the rest
     passed through) on those rounded values, in float32, rounded once: the per-head q/k norms and
     the rotary of an attention layer in one launch. The partner's normalised value is computed
-    again from its own load (the same elementwise arithmetic, so the same bits)."""
+    again from its own load (the same elementwise arithmetic, so the same bits).
+
+    ``PAGE`` > 0: the keys go to the page pool instead of a tensor, and programs past the key
+    heads copy the value heads there (``ko_ptr``/``vo_ptr`` the layer's key and value pages,
+    token t's row at ``slot_ptr[t]``, as ``kv_write._write_kv_kernel`` writes them: a row whose
+    slot is negative or past the pool writes nothing), so the write of the keys and values is no
+    launch of its own."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    is_q = h < HQ
-    if is_q:
-        x_row = q_ptr + t * stride_qt + h * stride_qh
-        w_ptr = wq_ptr
-        o_row = qo_ptr + (t * HQ + h) * D
-    else:
-        hk = h - HQ
-        x_row = k_ptr + t * stride_kt + hk * stride_kh
-        w_ptr = wk_ptr
-        o_row = ko_ptr + (t * (tl.num_programs(1) - HQ) + hk) * D
     n = tl.arange(0, D)
-    half = R // 2
-    partner = tl.where(n < half, n + half, tl.where(n < R, n - half, n))
-    xf = tl.load(x_row + n).to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
     dtype = qo_ptr.dtype.element_ty
-    w = tl.load(w_ptr + n).to(tl.float32)
-    xp = tl.load(x_row + partner).to(tl.float32)
-    wp = tl.load(w_ptr + partner).to(tl.float32)
-    y = _scaled(xf * inv, w, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
-    yp = _scaled(xp * inv, wp, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
-    rot = n < R
-    c = tl.load(cos_ptr + t * stride_ct + n, mask=rot, other=1.0).to(tl.float32)
-    sn = tl.load(sin_ptr + t * stride_st + n, mask=rot, other=0.0).to(tl.float32)
-    sign = tl.where(n < half, -1.0, 1.0)
-    out = tl.where(rot, y * c + yp * sign * sn, y)
-    tl.store(o_row + n, out.to(dtype))
+    dst = tl.zeros([], tl.int64)
+    ok = h >= 0
+    if PAGE > 0:
+        if h >= HQ:
+            dst = tl.load(slot_ptr + t).to(tl.int64)
+            ok = (dst >= 0) & (dst < pool_rows)
+    page_row = (dst // PAGE) * stride_cp + (dst % PAGE) * stride_co if PAGE > 0 else dst
+    if h < HQ + HK:
+        is_q = h < HQ
+        if is_q:
+            x_row = q_ptr + t * stride_qt + h * stride_qh
+            w_ptr = wq_ptr
+            o_row = qo_ptr + (t * HQ + h) * D
+        else:
+            hk = h - HQ
+            x_row = k_ptr + t * stride_kt + hk * stride_kh
+            w_ptr = wk_ptr
+            o_row = ko_ptr + page_row + hk * stride_ch if PAGE > 0 else ko_ptr + (t * HK + hk) * D
+        half = R // 2
+        partner = tl.where(n < half, n + half, tl.where(n < R, n - half, n))
+        xf = tl.load(x_row + n).to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        w = tl.load(w_ptr + n).to(tl.float32)
+        xp = tl.load(x_row + partner).to(tl.float32)
+        wp = tl.load(w_ptr + partner).to(tl.float32)
+        y = _scaled(xf * inv, w, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
+        yp = _scaled(xp * inv, wp, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
+        rot = n < R
+        c = tl.load(cos_ptr + t * stride_ct + n, mask=rot, other=1.0).to(tl.float32)
+        sn = tl.load(sin_ptr + t * stride_st + n, mask=rot, other=0.0).to(tl.float32)
+        sign = tl.where(n < half, -1.0, 1.0)
+        out = tl.where(rot, y * c + yp * sign * sn, y).to(dtype)
+        if ok:  # (a padded row writes no key)
+            tl.store(o_row + n, out.to(o_row.dtype.element_ty))
+    else:  # (PAGE > 0) a value head, copied as it is
+        hv = h - HQ - HK
+        if ok:
+            val = tl.load(v_ptr + t * stride_vt + hv * stride_vh + n)
+            tl.store(vo_ptr + page_row + hv * stride_ch + n, val.to(vo_ptr.dtype.element_ty))
+
+
+def _launch_qk_norm_rotary(q, k, v, wq, wk, cos, sin, eps, zero_centred, qo, ko, vo, slots, pool_rows, page):
+    """``_qk_norm_rotary_kernel`` over ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]``: ``page`` 0 writes
+    the keys to ``ko`` (``[T, Hk, D]``, v unread), otherwise the keys and values to the pages
+    ``ko``/``vo`` (``[P, page, Hk, D]``) at ``slots``."""
+    tokens, hq, d = q.shape
+    hk = k.shape[1]
+    if tokens:
+        cache = (ko.stride(0), ko.stride(1), ko.stride(2)) if page else (0, 0, 0)
+        wrap_triton(_qk_norm_rotary_kernel)[(tokens, hq + (2 * hk if page else hk))](
+            q, k, v, wq, wk, cos, sin, qo, ko, vo, slots, hq, hk, cos.shape[-1], pool_rows, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), *cache, eps, D=d,
+            ZERO_CENTRED=zero_centred, PAGE=page, num_warps=_warps(d))
 
 
 @triton_op("flare::qk_norm_rotary", mutates_args=())
 def _qk_norm_rotary_op(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, eps: float, zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, hq, d = q.shape
-    hk = k.shape[1]
-    qo = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
-    ko = torch.empty((tokens, hk, d), dtype=k.dtype, device=k.device)
-    if tokens:
-        wrap_triton(_qk_norm_rotary_kernel)[(tokens, hq + hk)](
-            q, k, wq, wk, cos, sin, qo, ko, hq, cos.shape[-1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos.stride(0), sin.stride(0), eps, D=d, ZERO_CENTRED=zero_centred, num_warps=_warps(d))
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_qk_norm_rotary(q, k, k, wq, wk, cos, sin, eps, zero_centred, qo, ko, ko, cos, 0, 0)
     return qo, ko
 
 
 def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   sin: torch.Tensor, pages=None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """An attention layer's per-head q and k norms and its rotary embedding in one launch, in a
     decode or verify step whose norms are row-invariant single launches (``_one_launch``, the
     same form for both, no forward hook, weights in the heads' dtype): ``q [B, T, Hq, D]`` and
     ``k [B, T, Hk, D]`` (the projection's views: unit stride within a head), ``cos``/``sin``
     ``[B, T, R]`` (R even, at most D; Transformers' ``rotate_half`` pairs). Returns the normalised,
-    rotated q and k, contiguous ``[B, T, H, D]``; None where it does not apply (the layer then
-    runs the norms and the rotary as written: four launches for Qwen3.5's gated attention, two
-    for Qwen3's, whose norms Inductor fuses with the rotary)."""
+    rotated q and k, contiguous ``[B, T, H, D]``; None where it does not apply
+    (``qk_norm_rotary_applies``: the layer then runs the norms and the rotary as written: four
+    launches for Qwen3.5's gated attention, two for Qwen3's, whose norms Inductor fuses with the
+    rotary).
+
+    ``pages``: ``(v, batch, layer)``, the values ``[B, T, Hk, D]`` (unit stride within a head) and
+    the ``attention.PagedBatch`` whose pool layer ``layer`` takes the keys and the values at its
+    ``slot_mapping`` in the same launch (``attention.flare_paged_attention``, outside the compiled
+    graph); returns the rotated q alone then, or None where the values or the pool do not fit.
+    Without it, a custom op that compiled code calls."""
+    views = _qk_views(q_norm, k_norm, q, k, cos, sin)
+    if views is None:
+        return None
+    qv, kv, cv, sv = views
+    eps, zero = q_norm._eps(), bool(q_norm._ZERO_CENTRED)
+    if pages is None:
+        qo, ko = _qk_norm_rotary_op(qv, kv, q_norm.weight, k_norm.weight, cv, sv, eps, zero)
+        return qo.view(q.shape), ko.view(k.shape)
+    v, batch, layer = pages
+    pool = batch.kv
+    if (v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1 or pool.shape[-2:] != k.shape[2:]
+            or batch.slot_mapping.shape != (qv.shape[0],) or not 0 <= layer < pool.shape[0]):
+        return None
+    try:
+        vv = v.view(kv.shape)
+    except RuntimeError:
+        return None
+    qo = torch.empty(qv.shape, dtype=q.dtype, device=q.device)
+    _launch_qk_norm_rotary(qv, kv, vv, q_norm.weight, k_norm.weight, cv, sv, eps, zero, qo, pool[layer, 0],
+                           pool[layer, 1], batch.slot_mapping, pool.shape[2] * pool.shape[3], pool.shape[3])
+    return qo.view(q.shape)
+
+
+def qk_norm_rotary_applies(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether ``qk_norm_rotary`` takes these (no launch)."""
+    return _qk_views(q_norm, k_norm, q, k, cos, sin) is not None
+
+
+def _qk_views(q_norm, k_norm, q, k, cos, sin):
+    """``qk_norm_rotary``'s checks: q, k, cos and sin with the tokens as one index, or None."""
     from flare.prepare.recipes.fused import hooked
 
     d = q.shape[-1]
@@ -256,13 +324,10 @@ def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: tor
         return None  # (float32 cos/sin would promote the layer's own rotary to float32)
     b, t = q.shape[:2]
     try:  # tokens as one index (a view: B is 1 in Flare's programs)
-        qv, kv = q.view(b * t, q.shape[2], d), k.view(b * t, k.shape[2], d)
-        cv, sv = cos.view(b * t, r), sin.view(b * t, r)
+        return (q.view(b * t, q.shape[2], d), k.view(b * t, k.shape[2], d), cos.view(b * t, r),
+                sin.view(b * t, r))
     except RuntimeError:
         return None
-    qo, ko = _qk_norm_rotary_op(qv, kv, q_norm.weight, k_norm.weight, cv, sv, q_norm._eps(),
-                                bool(q_norm._ZERO_CENTRED))
-    return qo.view(q.shape), ko.view(k.shape)
 
 
 class _Rows:

@@ -11,7 +11,8 @@ from triton.compiler import ASTSource
 # paged_attention._attend_kernel's arguments other than int32, as cores launch it (bfloat16 KV)
 ATTEND_TYPES = {**{n: "*bf16" for n in ("q_ptr", "out_ptr", "k_cache", "v_cache")},
                 **{n: "*fp32" for n in ("part_acc", "part_m", "part_l")}, "page_table": "*i32",
-                "token_slot": "*i64", "positions": "*i64", "valid": "*u8", "part_eff": "*i32", "scale_log2": "fp32"}
+                "token_slot": "*i64", "positions": "*i64", "valid": "*u8", "part_eff": "*i32", "scale_log2": "fp32",
+                "tickets": "*i32"}
 
 
 def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):

@@ -107,10 +107,15 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
     cos, sin = position_embeddings
     # Qwen3: RMSNorm per head before rotary; in a step whose norms are single launches, the two
-    # norms and the rotary in one (``rownorm.qk_norm_rotary``)
+    # norms and the rotary in one (``rownorm.qk_norm_rotary``), with the write of the keys and
+    # values to the pages on the CUDA path (``_qk_norm_rotary``)
     # (a module's rotary was checked over whole heads: a partial one keeps its own code)
-    fused = _qk_norm_rotary(self, q, k, cos, sin) \
+    fused = _qk_norm_rotary(self, q, k, cos, sin, kwargs) \
         if getattr(self, "q_norm", None) is not None and cos.shape[-1] == self.head_dim else None
+    if isinstance(fused, str):  # "pages"
+        out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                                             sliding_window=layer_window(self), flare_qk_rotary=(cos, sin), **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
     if fused is not None:
         q, k = fused[0].transpose(1, 2), fused[1].transpose(1, 2)
         v = v.transpose(1, 2)
@@ -125,17 +130,22 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return self.o_proj(out), weights
 
 
-def _qk_norm_rotary(attn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def _qk_norm_rotary(attn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kwargs: dict):
     """(q, k) ``[B, T, H, D]`` normalised per head and rotated in one launch
     (``rownorm.qk_norm_rotary``) where the attention's rotary is ``rotate_half``'s
     (``flare_rotate_half``: the fused gated forward's ``rotary_without_cat``, or a module's own
     ``apply_rotary_pos_emb`` found to compute it, ``fuse_projections``) and the step's norms allow;
+    "pages" where that launch also writes the keys and values to the page pool (the Triton
+    attention's: the attention function takes the raw q, k and v then, ``flare_qk_rotary``);
     None elsewhere."""
-    from flare.prepare.kernels.rownorm import qk_norm_rotary
+    from flare.prepare.kernels import rownorm
 
     if not getattr(attn, "flare_rotate_half", False):
         return None
-    return qk_norm_rotary(attn.q_norm, attn.k_norm, q, k, cos, sin)
+    paged = kwargs.get("paged")
+    if paged is not None and paged.impl == "triton":
+        return "pages" if rownorm.qk_norm_rotary_applies(attn.q_norm, attn.k_norm, q, k, cos, sin) else None
+    return rownorm.qk_norm_rotary(attn.q_norm, attn.k_norm, q, k, cos, sin)
 
 
 def rotates_half(rotary) -> bool:
@@ -189,8 +199,15 @@ def _gated_attention_forward(self, hidden_states, position_embeddings=None, atte
     q_gate, k, v = self.qkv_proj(hidden_states).split(self.qkv_proj.sizes, dim=-1)
     q, gate = torch.chunk(q_gate.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
     cos, sin = position_embeddings
-    # (in a step whose norms are single launches, the two norms and the rotary in one)
-    fused = _qk_norm_rotary(self, q, k.view(hidden_shape), cos, sin)
+    # (in a step whose norms are single launches, the two norms and the rotary in one, and with
+    # them the write of the keys and values on the CUDA path)
+    fused = _qk_norm_rotary(self, q, k.view(hidden_shape), cos, sin, kwargs)
+    if isinstance(fused, str):  # "pages"
+        out, weights = flare_paged_attention(self, q, k.view(hidden_shape), v.view(hidden_shape), attention_mask,
+                                             dropout=0.0, scaling=self.scaling, sliding_window=layer_window(self),
+                                             flare_qk_rotary=(cos, sin), **kwargs)
+        out = (out.reshape(hidden_shape) * torch.sigmoid(gate)).reshape(*input_shape, -1)
+        return self.o_proj(out), weights
     if fused is not None:
         q, k = fused[0].transpose(1, 2), fused[1].transpose(1, 2)
     else:
