@@ -342,17 +342,16 @@ def test_the_mlp_and_its_residual_add_are_one_call(model_type):
 
 def test_a_layer_whose_forward_has_another_shape_keeps_it():
     """Mixture-of-experts layers unpack a tuple between the MLP call and the add: their forward
-    takes its input norm, the add before the post-attention norm and, apart, the MLP with the add
-    after it, the unpacking in between (``input_norm``, ``add_norm``, ``moe_residual``: not
-    ``add_norm_mlp``); a forward calling ``super()`` is not rewritten (no class cell for it
-    there)."""
+    takes its input norm and the add, the post-attention norm, the MLP and the add after it with
+    the unpacking in between (``input_norm``, ``add_norm_moe``: not ``add_norm_mlp``, whose
+    statements have no unpacking); a forward calling ``super()`` is not rewritten (no class cell
+    for it there)."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from flare.prepare.recipes.fused import _rewritten_forward
 
-    assert inspect.unwrap(_rewritten_forward(Qwen3_5MoeDecoderLayer)).flare_rewrites == {
-        "input_norm", "add_norm", "moe_residual"}
+    assert inspect.unwrap(_rewritten_forward(Qwen3_5MoeDecoderLayer)).flare_rewrites == {"input_norm", "add_norm_moe"}
 
     class Wrapped(LlamaDecoderLayer):
         def forward(self, hidden_states, **kwargs):

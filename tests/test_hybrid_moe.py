@@ -69,20 +69,23 @@ def test_logits_match_transformers(family, stream):
 def test_triton_path_matches_the_reference_path(family, stream, monkeypatch):
     """... with the decode steps running the shared expert inside the routed decode kernels
     (one more pair of every token), which add the decoder layer's residual too (the layer's
-    forward rewritten with ``moe_residual``), and the prefill chunks running it apart; with
-    ticket counters (a CUDA core's), decode steps route in the router's launch."""
+    forward rewritten with ``add_norm_moe``), and the prefill chunks running it apart; with
+    ticket counters (a CUDA core's), decode steps route in the router's launch, which takes the
+    add and the post-attention norm in its loads (``--step-norms invariant``'s norms)."""
     from flare.prepare.kernels import moe as K
 
     calls, routes = [], []
     decode, rows = K.experts_decode, K.route_rows
     monkeypatch.setattr(K, "experts_decode",
                         lambda x, *a, **kw: calls.append((x.shape[0], kw.get("shared") is not None,
-                                                          kw.get("residual") is not None))
+                                                          kw.get("residual") is not None, kw.get("norm") is not None))
                         or decode(x, *a, **kw))
     monkeypatch.setattr(K, "route_rows", lambda logits, *a, **kw: routes.append(logits.shape[0])
                         or rows(logits, *a, **kw))
     triton_matches_reference(family[0], HYBRID_OPTS, stream, tickets=True)
-    assert calls and all(folded and added for _, folded, added in calls), calls
+    # (the post-attention norm in the router's and experts' loads: the layer's forward rewritten with
+    # add_norm_moe, the step's norms row-invariant launches)
+    assert calls and all(folded and added and normed for _, folded, added, normed in calls), calls
     assert routes and set(routes) == {64}, routes  # prefill chunks only
 
 

@@ -294,6 +294,68 @@ def test_decode_gemvs_fold_a_gated_shared_expert(T, k, I_s, dtype):
         experts_decode(x, w, ids, gate_up, down, shared=(s_gate_up, s_down[:, 1:].contiguous(), gate))
 
 
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_router_and_experts_take_the_add_and_norm_in_their_loads(dtype, shared, zero_centred):
+    """A decode step's add and post-attention norm in the router's and the experts' loads
+    (``router_gemv(norm=)``, ``experts_decode(norm=)``): the sum written by the router (to the
+    bit), the logits, the routing and the layer's output (with a shared expert folded or none,
+    the residual added) those of the norm's own launch before the same kernels, within the
+    rounding of the norm's output (the norm in the loads scales the rows by the weight first and
+    by the reciprocal RMS after the sums); a token's results the same alone; padded rows routed
+    nowhere."""
+    from flare.prepare.kernels.gemv import Norm
+    from flare.prepare.kernels.rownorm import rms_norm
+
+    E, H, I, T, k = 16, 48, 24, 3, 4
+    gate_up, down = _weights(E, H, I, 9, dtype)
+    g = torch.Generator().manual_seed(3 + shared + 2 * zero_centred)
+    x = torch.randn(T, H, generator=g, dtype=F64).to(dtype).to(DEVICE)
+    residual = (torch.randn(T, H, generator=g, dtype=F64) * 3).to(dtype).to(DEVICE)
+    nw = (torch.randn(H, generator=g, dtype=F64) * 0.3 + (0 if zero_centred else 1)).to(dtype).to(DEVICE)
+    router = (torch.randn(E, H, generator=g, dtype=F64) * H ** -0.5).to(dtype).to(DEVICE)
+    s_gate = (torch.randn(1, H, generator=g, dtype=F64) * H ** -0.5).to(dtype).to(DEVICE) if shared else None
+    s_gate_up = (torch.randn(2 * I, H, generator=g, dtype=F64) * H ** -0.5).to(dtype).to(DEVICE)
+    s_down = (torch.randn(H, I, generator=g, dtype=F64) * I ** -0.5).to(dtype).to(DEVICE)
+    valid = torch.tensor([True, False, True], device=DEVICE)
+    counts = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    spec = Norm(nw, 1e-6, zero_centred, residual)
+
+    def layer(norm):
+        if norm is None:
+            h, total = rms_norm(x, nw, 1e-6, zero_centred, residual=residual)
+        else:
+            h = x
+        logits, gate, w, ids, *total_ = router_gemv(h, router, s_gate, route=(k, True, valid, counts), norm=norm)
+        if norm is not None:
+            total = total_[0]
+            h = total
+        folded = (s_gate_up, s_down, gate) if shared else None
+        out = experts_decode(h, w, ids, gate_up, down, shared=folded, gate_up_blocks=(8, 16, 4),
+                             down_blocks=(16, 16, 4), residual=total, norm=norm)
+        return logits, w, ids, total, out
+
+    apart, folded = layer(None), layer(spec)
+    assert not counts.any()
+    _added(folded[3], residual, x)  # the sum, as the norm's launch rounds it
+    assert torch.equal(folded[3], apart[3])
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for got, want in zip(folded[:2] + folded[4:], apart[:2] + apart[4:]):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    # (the same experts where the k-th and the next logit are apart by more than the roundings)
+    top = apart[0].float().sort(dim=-1, descending=True).values
+    clear = valid & (top[:, k - 1] - top[:, k] > 5e-2)
+    assert clear.any() and torch.equal(folded[2][clear], apart[2][clear]) and (folded[2][~valid] == E).all()
+    x, residual = x[2:3], residual[2:3]
+    valid, spec = valid[2:3], spec._replace(residual=residual)
+    alone = layer(spec)
+    for got, want in zip(alone, folded):
+        assert torch.equal(got, want[2:3])
+    with pytest.raises(ValueError, match="residual"):
+        router_gemv(x, router, route=(k, True, valid, counts), norm=spec._replace(residual=None))
+
+
 @pytest.mark.parametrize("N", [1, 24, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_invariant_linear_rows_do_not_depend_on_the_batch(N, dtype):

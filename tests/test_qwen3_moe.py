@@ -164,8 +164,14 @@ def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool 
     path on one core of ``model`` (``opts`` with prefill programs of 64 rows,
     conftest.INTERPRETER_CHUNK): two prefills, the first cut inside a chunk (the second's cut
     took the same path: under the interpreter each prefill program costs seconds), then two
-    decode steps of a batch. ``tickets``: the mixture-of-experts blocks get ticket counters, as a CUDA core's
-    (decode steps route in the router's launch), left zeroed."""
+    decode steps of a batch. ``tickets``: the mixture-of-experts blocks and the attention get ticket
+    counters, as a CUDA core's (decode steps route in the router's launch, the attention's last
+    programs fold its splits), left zeroed, and the norms are a step's row-invariant launches
+    (``--step-norms invariant``: a decode step's post-attention norm goes into the router's and the
+    experts' loads, the q/k norms into the launch that writes the keys and values)."""
+    from flare.prepare.attention import TICKETS_BUFFER
+    from flare.prepare.kernels.rownorm import make_norms_row_invariant
+
     core = prepare_core(model, [*opts, *INTERPRETER_CHUNK], name=f"{model}-prefill64")
     rigs = {impl: load_rig(core, seed=3, attention=impl) for impl in ("reference", "triton")}
     assert rigs["triton"].m.capacities.prefill_capacities == (64,)
@@ -175,6 +181,8 @@ def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool 
         assert blocks
         for block in blocks:
             block.flare_route_tickets = counters
+        rigs["triton"].v[TICKETS_BUFFER] = counters
+        make_norms_row_invariant(rigs["triton"].model, steps=True)
     out = {}
     for impl, r in rigs.items():
         logits = []
@@ -269,7 +277,8 @@ def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
     code (each norm a launch, the rotary apart). The first core's experts also route in the
     router's launch (ticket counters, as a CUDA core's; no shared expert here), the other's with
     ``route_rows``; its attention's decode launches fold their splits in their last programs with
-    the same counters (no combine launch)."""
+    the same counters (no combine launch), and its sparse layer's add and post-attention norm go
+    into the router's and the experts' loads (no norm launch)."""
     from flare.prepare.attention import TICKETS_BUFFER
     from flare.prepare.kernels import kv_write as KW
     from flare.prepare.kernels import moe as K
@@ -306,7 +315,14 @@ def test_step_q_and_k_norms_and_the_rotary_in_one_launch(stream, monkeypatch):
     monkeypatch.setattr(R, "qk_norm_rotary", counted)
     writes, write = [], KW.write_kv_triton
     monkeypatch.setattr(KW, "write_kv_triton", lambda *a: writes.append(a[1]) or write(*a))
+    added, norm = [], R.rms_norm
+    monkeypatch.setattr(R, "rms_norm", lambda x, w, *a, **kw: added.extend([w] if "residual" in kw else [])
+                        or norm(x, w, *a, **kw))
     decode_alike(one, apart, [1, 2], steps=2)
+    # The add and the post-attention norm: in the router's and the experts' loads in the first core's
+    # sparse layer (layer 0), a launch of their own in its dense layer and in every layer of the other.
+    post = [[layer.post_attention_layernorm.weight for layer in rig.model.model.layers] for rig in (one, apart)]
+    assert [id(w) for w in added] == 2 * [id(post[0][1]), id(post[1][0]), id(post[1][1])]
     assert taken == 2 * [a.q_norm for a in attention]
     # (the keys and values go to the pages in that launch: the rig apart writes them in a launch of its own)
     assert writes == 2 * [a.kv_layer for a in apart_attention]

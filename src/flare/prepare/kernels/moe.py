@@ -506,30 +506,81 @@ def _gemv_rows(x_row_ptr, w_rows_ptr, n, n_in, K, stride_wn, BN: tl.constexpr, B
 
 
 @triton.jit
+def _gemv_rows_norm(x_row_ptr, r_row_ptr, nw_ptr, t_row_ptr, store, w_rows_ptr, n, n_in, K, stride_wn,
+                    BN: tl.constexpr, BK: tl.constexpr, ADD: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    """``_gemv_rows`` of an RMS-normed row, the norm in the loads as ``gemv._norm_dot_loop`` takes
+    it: the row h (with ADD ``residual + x`` rounded to x's dtype, stored to ``t_row_ptr`` by a
+    program that ``store``s) scaled by the norm's weight (``h * w``, or ``h * (1 + w)`` zero-centred)
+    and rounded to its dtype, times the weight rows; returns (those sums, the row's sum of squares):
+    the norm's reciprocal RMS multiplies the sums after (``_norm_scale``)."""
+    acc = tl.zeros([BN, BK], tl.float32)
+    sq = tl.zeros([BK], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_in = kk < K
+        h = tl.load(x_row_ptr + kk, mask=k_in, other=0.0)
+        if ADD:
+            r = tl.load(r_row_ptr + kk, mask=k_in, other=0.0)
+            h = (r.to(tl.float32) + h.to(tl.float32)).to(h.dtype)
+            if store:
+                tl.store(t_row_ptr + kk, h, mask=k_in)
+        hf = h.to(tl.float32)
+        sq += hf * hf
+        g = tl.load(nw_ptr + kk, mask=k_in, other=0.0).to(tl.float32)
+        xv = (hf * (1.0 + g) if ZERO_CENTRED else hf * g).to(h.dtype).to(tl.float32)
+        w = tl.load(w_rows_ptr + n[:, None].to(tl.int64) * stride_wn + kk[None, :],
+                    mask=n_in[:, None] & k_in[None, :], other=0.0)
+        acc += w.to(tl.float32) * xv[None, :]
+    return tl.sum(acc, 1), tl.sum(sq, 0)
+
+
+@triton.jit
+def _rows_product(x_row, r_row, nw_ptr, t_row, store, w_rows_ptr, n, n_in, K, stride_wn, eps, BN: tl.constexpr,
+                  BK: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr):
+    """``w[n, :] @ x`` for a block of weight rows: of the row as it is (NORM 0, ``_gemv_rows``) or
+    of its RMS norm (``_gemv_rows_norm``; NORM 1 zero-centred, 2 Llama's), scaled by the reciprocal
+    RMS after the sums."""
+    if NORM > 0:
+        y, ss = _gemv_rows_norm(x_row, r_row, nw_ptr, t_row, store, w_rows_ptr, n, n_in, K, stride_wn, BN, BK,
+                                ADD, NORM == 1)
+        y = y * tl.math.rsqrt(ss / K + eps)
+    else:
+        y = _gemv_rows(x_row, w_rows_ptr, n, n_in, K, stride_wn, BN, BK)
+    return y
+
+
+@triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, ids_ptr, count_ptr, N, K, stride_xt,
-                        stride_wn, stride_ot, stride_gt, BN: tl.constexpr, BK: tl.constexpr, HAS_S: tl.constexpr,
+                        stride_wn, stride_ot, stride_gt, r_ptr, nw_ptr, t_ptr, stride_rt, stride_tt, eps,
+                        BN: tl.constexpr, BK: tl.constexpr, HAS_S: tl.constexpr,
                         ROUTE: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr,
-                        BKK: tl.constexpr):
+                        BKK: tl.constexpr, NORM: tl.constexpr = 0):
     """Program (token, block of BN router rows): the logits of those experts for the token, the
     whole of K in order (``_gemv_rows``), so a token's logits do not depend on its batch. With
     ``HAS_S`` the program past the last block computes the shared expert's one-column gate.
     ``ROUTE``: each program then takes a ticket from the token's counter; the last one routes
     the token as ``route_rows``' program does (``_top_k`` over the logits the others stored, the
-    same layout: one row, 4 warps), writes its weights and ids, and zeroes the counter."""
+    same layout: one row, 4 warps), writes its weights and ids, and zeroes the counter.
+    ``NORM`` (1 zero-centred, 2 Llama's): the rows are the RMS norm (weight ``nw_ptr``) of
+    ``residual + x`` (``r_ptr``), a decoder layer's add and post-attention norm in the loads
+    (``_gemv_rows_norm``); program (t, 0) stores the sum to ``t_ptr``, the experts' input and the
+    layer's next residual."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
+    r_row = r_ptr + t.to(tl.int64) * stride_rt
+    t_row = t_ptr + t.to(tl.int64) * stride_tt
     dtype = out_ptr.dtype.element_ty
     if b * BN < N:
         n = b * BN + tl.arange(0, BN)
         n_in = n < N
-        y = _gemv_rows(x_row, w_ptr, n, n_in, K, stride_wn, BN, BK)
+        y = _rows_product(x_row, r_row, nw_ptr, t_row, b == 0, w_ptr, n, n_in, K, stride_wn, eps, BN, BK, NORM, True)
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, y.to(dtype), mask=n_in)
     else:
         if HAS_S:
             n = tl.arange(0, BN)
             n_in = n < 1
-            y = _gemv_rows(x_row, s_ptr, n, n_in, K, K, BN, BK)
+            y = _rows_product(x_row, r_row, nw_ptr, t_row, False, s_ptr, n, n_in, K, K, eps, BN, BK, NORM, True)
             tl.store(g_ptr + t.to(tl.int64) * stride_gt + n, y.to(dtype), mask=n_in)
     if ROUTE:
         tl.debug_barrier()  # every thread's logits are stored before the ticket
@@ -553,8 +604,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
 def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor | None = None,
                 *, block_n: int | None = None, block_k: int = 512, num_warps: int = 4,
                 route: tuple[int, bool, torch.Tensor | None, torch.Tensor] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None,
-                                                                      torch.Tensor, torch.Tensor]:
+                norm=None) -> tuple:
     """The router's logits ``x @ weight.T`` (``[T, E]``, float32 sums, the model dtype out) for a
     decode-sized batch, and a shared expert's gate logits ``x @ shared_gate.T`` (``[T, 1]``;
     None without one) in the same launch. One program per token and block of router rows,
@@ -571,9 +621,18 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     ``route`` = (top k, renormalise, valid rows or None, ticket counters: zeroed int32, at least
     T, left zeroed): the token's last program also routes it, the weights and ids of
     ``route_rows`` on these logits to the bit (returned after the logits and gate), without
-    ``route_rows``' launch."""
+    ``route_rows``' launch.
+
+    ``norm``: a ``gemv.Norm`` with a residual (the decoder layer's post-attention norm and the add
+    before it, ``Norm.residual`` of x's shape and dtype): the router takes the norm of
+    ``residual + x`` in its loads and writes that sum (returned last: the experts' input, which
+    ``experts_decode`` normalises with the same ``norm`` in its loads, and their residual)."""
     T, Kd = x.shape
     E = weight.shape[0]
+    nargs, norm_mode = (x, x, x, 0, 0, 0.0), 0
+    if norm is not None:
+        total = torch.empty_like(x)
+        nargs, norm_mode = _moe_norm_args(norm, x, total)
     if x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("router_gemv needs rows with unit stride and a contiguous router")
     if route is not None and num_warps != 4:  # (route_rows' layout: its bits need the same warps)
@@ -595,19 +654,38 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     _router_gemv_kernel[(T, blocks)](
         x, weight, shared_gate if shared_gate is not None else weight, out, gate if gate is not None else out,
         *((valid, weights, ids, counts) if route is not None else (out, out, out, out)),
-        E, Kd, x.stride(0), weight.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0,
+        E, Kd, x.stride(0), weight.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, *nargs,
         BN=bn, BK=min(block_k, triton.next_power_of_2(Kd)), HAS_S=shared_gate is not None, ROUTE=route is not None,
         TOPK=top_k, RENORM=renorm, BE=triton.next_power_of_2(E), BKK=triton.next_power_of_2(top_k),
-        num_warps=num_warps)
-    return (out, gate) if route is None else (out, gate, weights, ids)
+        NORM=norm_mode, num_warps=num_warps)
+    outs = (out, gate) if route is None else (out, gate, weights, ids)
+    return outs if norm is None else (*outs, total)
+
+
+def _moe_norm_args(norm, x: torch.Tensor, total: torch.Tensor | None) -> tuple[tuple, int]:
+    """The (residual, norm weight, sum, residual row stride, sum row stride, eps) arguments of the
+    router's and the gate/up kernel's ``NORM`` and its mode (1 zero-centred, 2 Llama's), after
+    checking ``norm`` (a ``gemv.Norm``): the weight ``[H]`` in x's dtype; with ``total`` (the router)
+    a residual of x's shape and dtype, rows of unit stride."""
+    w, eps, zero_centred, r = norm.weight, norm.eps, norm.zero_centred, norm.residual
+    H = x.shape[-1]
+    if tuple(w.shape) != (H,) or w.stride(0) != 1 or w.dtype != x.dtype or x.stride(-1) != 1:
+        raise ValueError(f"MoE norm weight {tuple(w.shape)} {w.dtype} for rows [{H}] {x.dtype}")
+    if total is None:
+        return (x, w, x, 0, 0, float(eps)), 1 if zero_centred else 2
+    if r is None or r.shape != x.shape or r.dtype != x.dtype or r.stride(-1) != 1:
+        raise ValueError("the router's norm takes the decoder layer's residual: x's shape and dtype, unit stride")
+    return (r, w, total, r.stride(0), total.stride(0), float(eps)), 1 if zero_centred else 2
 
 
 @triton.jit
 def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, E, N, NS, K, TOPK, ROWS, stride_xt, stride_we,
-                           stride_wn, stride_om, BN: tl.constexpr, BK: tl.constexpr):
+                           stride_wn, stride_om, nw_ptr, eps, BN: tl.constexpr, BK: tl.constexpr,
+                           NORM: tl.constexpr = 0):
     """Program (pair, block of features): pair ``t * ROWS + j`` is token t's slot j; with a
     shared expert (``ROWS = TOPK + 1``) slot TOPK is the shared expert's pair (weights
-    ``s_ptr``, ``NS`` features), computed for tokens whose first slot is routed (not padding)."""
+    ``s_ptr``, ``NS`` features), computed for tokens whose first slot is routed (not padding).
+    ``NORM``: the rows are the RMS norm (weight ``nw_ptr``) of x, in the loads."""
     pair = tl.program_id(0)
     t = pair // ROWS
     j = pair % ROWS
@@ -628,8 +706,11 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, E, N, NS, K, T
         # Transformers rounds each projection to the model dtype, then act(gate) * up.
         # (The gate and up tiles loaded in one loop were no faster on an H100:
         # ``moe-kernels-decode-2026-12-05-h100.json``.)
-        g = _gemv_rows(x_row, w_rows, n, n_in, K, stride_wn, BN, BK).to(dtype).to(tl.float32)
-        u = _gemv_rows(x_row, w_rows + n_rows * stride_wn, n, n_in, K, stride_wn, BN, BK).to(dtype).to(tl.float32)
+        # (NORM: x is the RMS norm's input, in the loads as the router takes it: ``_rows_product``)
+        g = _rows_product(x_row, x_row, nw_ptr, x_row, False, w_rows, n, n_in, K, stride_wn, eps, BN, BK, NORM,
+                          False).to(dtype).to(tl.float32)
+        u = _rows_product(x_row, x_row, nw_ptr, x_row, False, w_rows + n_rows * stride_wn, n, n_in, K, stride_wn, eps,
+                          BN, BK, NORM, False).to(dtype).to(tl.float32)
         act = (g * tl.sigmoid(g)).to(dtype).to(tl.float32)
         tl.store(out_ptr + pair.to(tl.int64) * stride_om + n, (act * u).to(dtype), mask=n_in)
 
@@ -710,7 +791,7 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
                    down: torch.Tensor, *, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
                    down_blocks: tuple[int, int, int] | None = None, wide_down: bool = True,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, norm=None) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
     slot order. The same roundings as ``experts_triton`` and ``experts_torch``; sentinel
@@ -738,7 +819,11 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     (``docs/gpu.md``); wide down only.
 
     ``residual`` (``[T, H]``, x's dtype): the decoder layer's residual, added in the down kernel
-    (``residual + out`` to the same bits, a launch fewer a layer); wide down only."""
+    (``residual + out`` to the same bits, a launch fewer a layer); wide down only.
+
+    ``norm`` (a ``gemv.Norm``; its residual is not read): the experts' input is the RMS norm of
+    x, taken in the gate/up kernel's loads (``router_gemv``'s ``norm`` wrote x, the sum before it:
+    the decoder layer's post-attention norm is no launch of its own)."""
     T, k = ids.shape
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -768,9 +853,10 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     width = max(I, I_s)
     h = torch.empty((T * rows, width), dtype=x.dtype, device=x.device)
     bn, bk, warps = gate_up_blocks
+    (_, nw, _, _, _, eps), norm_mode = _moe_norm_args(norm, x, None) if norm is not None else ((x,) * 5 + (0.0,), 0)
     _decode_gate_up_kernel[(T * rows, triton.cdiv(width, bn))](
         x, gate_up, s_gate_up, ids, h, E, I, I_s, H, k, rows, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        h.stride(0), BN=bn, BK=min(bk, triton.next_power_of_2(H)), num_warps=warps)
+        h.stride(0), nw, eps, BN=bn, BK=min(bk, triton.next_power_of_2(H)), NORM=norm_mode, num_warps=warps)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_blocks or ((8, 128, 4) if shared is not None else (8, 128, 8))
     if wide_down:

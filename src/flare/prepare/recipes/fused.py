@@ -317,12 +317,20 @@ def add_norm_mlp(norm: nn.Module, mlp: nn.Module, residual: torch.Tensor, x: tor
     """A decoder layer's residual add after its attention, the norm before its MLP, the MLP and
     the residual add after it (``add_norm`` then ``mlp_residual``). In a step where the MLP's
     gate/up GEMV takes the norm in its loads (``_norm_glu``) the add and the norm go into that
-    launch, which also writes the sum, the down projection's residual: a launch fewer."""
+    launch, which also writes the sum, the down projection's residual: a launch fewer; so does a
+    mixture-of-experts block's router launch in a decode step (``flare_norm_residual_forward``).
+    An MLP that returns a tuple (Qwen3.5-MoE's, Qwen3-Next's: ``add_norm_moe``) gives its first
+    element."""
     fold = _norm_glu(norm, mlp, residual, x)
     if fold is not None:
         tiling, spec, down = fold
         act, total = mlp.gate_up_proj.flare_norm_glu(x, tiling, spec)
         return _act_down(mlp, act, down, total)
+    # (a mixture-of-experts block: its router's and experts' launches, in a decode step)
+    normed = getattr(mlp, "flare_norm_residual_forward", None)
+    out = normed(norm, residual, x) if normed is not None and not hooked(mlp) else None
+    if out is not None:
+        return out
     h, total = add_norm(norm, residual, x)
     return mlp_residual(mlp, h, total)
 
@@ -348,7 +356,7 @@ def residual_down_projections(layers) -> list[nn.Module]:
     ``--step-gemms measure`` counts that kernel against the products that leave it
     (``gemm.step_choice``'s ``residual_fold``)."""
     def rewritten(layer) -> bool:
-        return bool({"mlp_residual", "add_norm_mlp", "moe_residual"} & _rewrites(layer))
+        return bool({"mlp_residual", "add_norm_mlp", "add_norm_moe", "moe_residual"} & _rewrites(layer))
 
     # (a forward hook on the MLP or its down projection, a tensor-parallel all-reduce, keeps the
     # add apart: ``mlp_residual`` and ``_mlp_forward``)
@@ -371,7 +379,7 @@ def norm_glu_projections(layers) -> list[tuple[nn.Module, nn.Module]]:
         # (a layer whose MLP is no fused gated MLP, a mixture-of-experts block, has no pair)
         glu, norm = glu_projections([layer]), getattr(layer, "post_attention_layernorm", None)
         up = glu[0][0] if glu else None
-        if (up is not None and norm is not None and "add_norm_mlp" in _rewrites(layer)
+        if (up is not None and norm is not None and {"add_norm_mlp", "add_norm_moe"} & _rewrites(layer)
                 and getattr(norm, "flare_gemv_norm", None) is not None and norm._one_launch() and not hooked(norm)
                 and norm.weight.dtype == up.weight.dtype and takes_norm(up.weight.shape[1], norm.weight.dtype)):
             out.append((up, norm))
@@ -472,6 +480,14 @@ _REWRITES = {
     "add_norm_mlp": (("hidden_states = residual + hidden_states", "residual = hidden_states",
                       "hidden_states = self.post_attention_layernorm(hidden_states)",
                       "hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
+                     "hidden_states = _flare_add_norm_mlp(self.post_attention_layernorm, self.mlp, residual, "
+                     "hidden_states)"),
+    # (Qwen3.5-MoE's and Qwen3-Next's layers: the same with the unpacking of a tuple after the MLP)
+    "add_norm_moe": (("hidden_states = residual + hidden_states", "residual = hidden_states",
+                      "hidden_states = self.post_attention_layernorm(hidden_states)",
+                      "hidden_states = self.mlp(hidden_states)",
+                      "if isinstance(hidden_states, tuple):\n    hidden_states, _ = hidden_states",
+                      "hidden_states = residual + hidden_states"),
                      "hidden_states = _flare_add_norm_mlp(self.post_attention_layernorm, self.mlp, residual, "
                      "hidden_states)"),
     "input_norm": (("hidden_states = self.input_layernorm(hidden_states)",),

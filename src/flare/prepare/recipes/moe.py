@@ -38,7 +38,7 @@ def _triton(x: torch.Tensor, paged: PagedBatch | None) -> bool:
 
 
 def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = False,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+            residual: torch.Tensor | None = None, norm=None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """The routed experts' output for hidden rows ``x [T, H]``, and, for a block with a gated
     shared expert (``shared``), the shared expert's gate logits ``[T, 1]``: or None where
     the output already includes the shared expert (a decode-sized step of a single rank runs
@@ -47,7 +47,11 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
     kernels add it where the shared expert is folded or there is none, a single rank).
     With tensor parallelism each rank holds a contiguous slice of the experts: the
     (replicated) router picks among all of them, a rank computes the pairs routed to its
-    own, and the partial outputs are all-reduced."""
+    own, and the partial outputs are all-reduced.
+
+    ``norm`` (a ``gemv.Norm`` with the decoder layer's residual, where ``_takes_norm`` holds): x is
+    the attention's output, and the router's and the experts' launches take the add and the
+    post-attention norm in their loads (``router_gemv``'s ``norm``); the output includes the sum."""
     gate, experts = block.gate, block.experts
     valid = paged.valid if paged is not None else None
     # Qwen3.5-MoE's router always renormalises (it has no norm_topk_prob).
@@ -70,7 +74,13 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
         # With the core's ticket counters the router's last program for each token routes it too.
         tickets = block.flare_route_tickets
         route = None if tickets is None else (k, renorm, valid, tickets)
-        logits, gate_logits, *routed = K.router_gemv(x, gate.weight, s_gate.weight if shared else None, route=route)
+        logits, gate_logits, *routed = K.router_gemv(x, gate.weight, s_gate.weight if shared else None, route=route,
+                                                     norm=norm)
+        if norm is not None:
+            *routed, x = routed
+            residual = x  # (the sum: the experts normalise it in their loads and add it after)
+    elif norm is not None:
+        raise ValueError("a MoE block takes the post-attention norm only in a decode step's router launch")
     elif triton:
         logits = K.invariant_linear(x, gate.weight)
         gate_logits = K.invariant_linear(x, s_gate.weight) if shared else None
@@ -99,12 +109,36 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
         if shared:
             s = block.shared_expert
             folded = (s.gate_up_proj.weight, s.down_proj.weight, gate_logits)
-        return K.experts_decode(*args, shared=folded, residual=residual), None, residual is not None
+        return K.experts_decode(*args, shared=folded, residual=residual, norm=norm), None, residual is not None
     if decode:
         out = K.experts_decode(*args)
     else:
         out = K.experts_triton(*args) if triton else K.experts_torch(*args)
     return block.flare_tp.all_reduce(out) if split else out, gate_logits, False
+
+
+def _takes_norm(block, norm, residual: torch.Tensor, x: torch.Tensor):
+    """The ``gemv.Norm`` (with the residual's rows) with which a decode step's router and experts
+    take the decoder layer's add and post-attention norm in their loads (``_routed``'s ``norm``):
+    where the step routes in the router's launch (the core's ticket counters: a CUDA core), the
+    block's decode kernels add the residual (a single rank, the shared expert folded or none) and
+    the norm offers itself (``flare_gemv_norm``: a step's row-invariant norm in x's dtype); None
+    elsewhere (``add_norm`` and the block apart). Shapes and attributes only: compiled code asks."""
+    from flare.prepare.recipes.fused import hooked
+
+    gate, experts = block.gate, block.experts
+    rows = x.numel() // x.shape[-1]
+    offer = getattr(norm, "flare_gemv_norm", None)
+    if (block.flare_route_tickets is None or offer is None or hooked(block) or hooked(norm) or prompt_rows.active()
+            or rows * gate.top_k > K.DECODE_PAIRS or experts.gate_up_proj.shape[0] != gate.weight.shape[0]
+            or block.flare_tp.active or (getattr(block, "shared_expert", None) is not None and not _folds_shared(block))
+            or residual.shape != x.shape or residual.dtype != x.dtype):
+        return None
+    x2, r2 = x.reshape(rows, x.shape[-1]), residual.reshape(rows, x.shape[-1])
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1:
+        return None
+    spec = offer(x2, r2)
+    return spec
 
 
 def _folds_shared(block) -> bool:
@@ -151,6 +185,16 @@ def prepared_moe(base: type) -> type:
                 out = out + F.sigmoid(gate) * self.shared_expert(x)
             return out.reshape(hidden_states.shape), added
 
+        def flare_norm_residual_forward(self, norm, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+            """``residual + x`` plus this block of ``norm(residual + x)``, a decoder layer's add, its
+            post-attention norm, this block and the add after it (``fused.add_norm_mlp``), with the
+            add and the norm in the router's and the experts' loads where a decode step allows
+            (``_takes_norm``: no norm launch); None elsewhere."""
+            spec = _takes_norm(self, norm, residual, x)
+            if spec is None:
+                return None
+            return self._experts_normed(x.reshape(spec.residual.shape), spec).reshape(x.shape)
+
         # Outside the compiled layer: the batch is a plain attribute (a compiled forward
         # would guard on it per program), and the plan and kernels run as written.
         @torch.compiler.disable
@@ -158,6 +202,12 @@ def prepared_moe(base: type) -> type:
                      ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
             """``_routed``'s (output, shared expert's gate logits or None, residual added)."""
             return _routed(self, x, self.flare_paged, getattr(self, "shared_expert", None) is not None, residual)
+
+        @torch.compiler.disable
+        def _experts_normed(self, x: torch.Tensor, spec) -> torch.Tensor:
+            """``_routed``'s output with ``spec``'s add and norm in the loads (it includes the sum)."""
+            shared = getattr(self, "shared_expert", None) is not None
+            return _routed(self, x, self.flare_paged, shared, spec.residual, norm=spec)[0]
 
     return PreparedSparseMoe
 
