@@ -45,10 +45,11 @@ class Rig:
 
 
 def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: str = "reference",
-             device: str = "cpu") -> Rig:
+             device: str = "cpu", sampler_kernel: bool = False) -> Rig:
     """``attention``: the PagedBatch implementation the programs run (``triton``: the CUDA
     kernels, under Triton's CPU interpreter on the CPU); ``device``: where the arena lives
-    (a reference core's programs run eagerly on a GPU too)."""
+    (a reference core's programs run eagerly on a GPU too); ``sampler_kernel``: the sampler's
+    and the commit's Triton kernels (``flare-prepare --sampler kernel``, the CUDA default)."""
     m = load_manifest(core)
     mapping = mmap.mmap(-1, m.arena.nbytes)
     arena = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -62,6 +63,7 @@ def load_rig(core: Path, seed: int = 0, *, compiled: bool = False, attention: st
         arena = arena.to(device)
     views = arena_views(arena, m.buffers)
     programs = ProgramSet.for_core(m, views, attention)
+    programs.sampler_kernel = sampler_kernel
     if compiled:
         programs.compile_glue()
     run = {p.name: programs.callable(p.kind, p.capacity) for p in m.programs}

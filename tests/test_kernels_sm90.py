@@ -80,13 +80,17 @@ SCRIPT = textwrap.dedent('''
                          {**bf16("a_ptr", "w_ptr", "out_ptr"), "order_ptr": "*i32", "tile_expert_ptr": "*i32",
                           "tile_start_ptr": "*i32", "tile_end_ptr": "*i32"},
                          dict(GATE_UP=gate_up, BM=16, BN=64, BK=64, PRECISION="tf32"))
-    for bn, has_s, route in ((4, True, True), (8, False, False), (2, False, True)):  # routing in its launch or not
+    # routing in its launch or not; the add and post-attention norm in the loads (NORM: 1 Qwen3.5's, 2 Qwen3's)
+    for bn, has_s, route, norm in ((4, True, True, 0), (8, False, False, 0), (2, False, True, 0), (1, True, True, 1),
+                                   (1, False, True, 2)):
         compile_for_sm90(M._router_gemv_kernel,
-                         {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "g_ptr"), "valid_ptr": "*i1",
-                          "rw_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32"},
-                         dict(BN=bn, BK=512, HAS_S=has_s, ROUTE=route, TOPK=8, RENORM=True, BE=256, BKK=8))
-    compile_for_sm90(M._decode_gate_up_kernel, {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr"), "ids_ptr": "*i64"},
-                     dict(BN=16, BK=512))
+                         {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "g_ptr", "r_ptr", "nw_ptr", "t_ptr"),
+                          "valid_ptr": "*i1", "rw_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32", "eps": "fp32"},
+                         dict(BN=bn, BK=512, HAS_S=has_s, ROUTE=route, TOPK=8, RENORM=True, BE=256, BKK=8, NORM=norm))
+    for norm in (0, 1, 2):
+        compile_for_sm90(M._decode_gate_up_kernel,
+                         {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "nw_ptr"), "ids_ptr": "*i64", "eps": "fp32"},
+                         dict(BN=16, BK=512, NORM=norm))
     compile_for_sm90(M._decode_down_kernel, {**bf16("h_ptr", "w_ptr", "out_ptr"), "ids_ptr": "*i64",
                                              "weights_ptr": "*fp32"}, dict(TOPK=8, BN=4, BK=512))
     # a gated shared expert or none, the residual added or not
@@ -263,6 +267,14 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(SK._logprob_part_kernel, lp, dict(N=20, NP=32, BLOCK=SK.LP_BLOCK), num_warps=8)
     compile_for_sm90(SK._logprob_merge_kernel, {**lp, "tok_ptr": "*i64", "out_ptr": "*i32"},
                      dict(N=20, NP=32, NBP=64))
+    # the commit of a sampled token, as the state buffers' dtypes are
+    compile_for_sm90(SK._commit_kernel, {"slots_ptr": "*i64", "live_ptr": "*u8", "tok_ptr": "*i64",
+                                         "counter_ptr": "*i64", **{n: "*i32" for n in (
+                                             "pending_ptr", "generated_ptr", "done_ptr", "hist_ptr", "stop_ptr",
+                                             "max_new_ptr", "rec_ptr")}},
+                     dict(NS_PAD=16, RUNNING=0, STOP=1, LENGTH=2, INACTIVE=-1), num_warps=1)
+    compile_for_sm90(SK._commit_hidden_kernel, {"slots_ptr": "*i64", "live_ptr": "*u8", **bf16("hidden_ptr", "state_ptr"),
+                                                "len_ptr": "*i32"}, dict(BLOCK=4096))
 ''')
 
 
@@ -270,7 +282,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 172, proc.stdout
+    assert proc.stdout.count("compiled") == 178, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

@@ -307,3 +307,89 @@ def test_top_p_of_one_keeps_every_token_even_where_the_mass_rounds_to_one():
     got = K.draw_sorted(*_on(sp, si, top_k, top_p, min_p, zero, proposal, u))
     assert want[1].tolist() == [True, False]
     assert torch.equal(got[1].cpu(), want[0]) and torch.equal(got[2].cpu(), want[1])
+
+
+def test_the_commit_in_one_launch_writes_what_the_tensor_commit_writes():
+    """``commit_rows``: the slot state a sampled token leaves (pending token, generated count,
+    counter, done flag, histogram) and the completion record, as the programs' tensor commit
+    (``ProgramSet._commit_rows_eager`` and its index_copy / index_add writes) leaves them: a row
+    that hits a stop id, one that reaches its length, one running on, one not live (finished
+    before), a padding row on the null slot; and the log-probability block into the record's
+    columns."""
+    from types import SimpleNamespace
+
+    from flare.prepare.programs import ProgramSet
+
+    gen = torch.Generator().manual_seed(17)
+    S_, V, NS = 6, 50, 3
+    state = {"state.pending": torch.randint(0, V, (S_,), generator=gen, dtype=torch.int32),
+             "state.generated": torch.tensor([0, 4, 9, 2, 5, 1], dtype=torch.int32),
+             "state.counter": torch.randint(0, 1 << 40, (S_,), generator=gen),
+             "state.done": torch.tensor([0, 0, 0, 0, 1, 0], dtype=torch.int32),
+             "state.hist": torch.randint(0, 3, (S_, V), generator=gen, dtype=torch.int32),
+             "state.stop_ids": torch.tensor([[-1] * NS, [7, -1, -1], [-1] * NS, [11, 12, -1], [-1] * NS, [-1] * NS],
+                                            dtype=torch.int32),
+             "state.max_new": torch.tensor([0, 100, 10, 100, 100, 100], dtype=torch.int32)}
+    slots = torch.tensor([1, 2, 3, 4, 0])
+    tok = torch.tensor([7, 30, 13, 21, 5])
+    live = torch.tensor([True, True, True, False, False])
+    want = {k: t.clone() for k, t in state.items()}
+    glue = SimpleNamespace(v=want, caps=SimpleNamespace(vocab_size=V))
+    pending, generated, counter, done, hist_at, count, record = ProgramSet._commit_rows_eager(glue, slots, live, tok)
+    for name, rows in (("pending", pending), ("generated", generated), ("counter", counter), ("done", done)):
+        want[f"state.{name}"].index_copy_(0, slots, rows)
+    want["state.hist"].view(-1).index_add_(0, hist_at, count)
+    logits = torch.randn(5, V + 4, generator=gen) * 3
+    lp = S.logprob_block(logits, tok, 2, V, kernel=True)
+    got = {k: t.clone().to(DEVICE) for k, t in state.items()}
+    completion = torch.full((5, 4 + lp.shape[1]), -7, dtype=torch.int32, device=DEVICE)
+    K.commit_rows(got, *_on(slots, live, tok), completion)
+    K.logprob_block(logits.to(DEVICE), tok.to(DEVICE), 2, V, out=completion[:, 4:])
+    for name in want:
+        assert torch.equal(got[name].cpu(), want[name]), name
+    assert torch.equal(completion.cpu()[:, :4], record)
+    assert torch.equal(completion.cpu()[:, 4:], lp)
+    assert record[:, 3].tolist() == [1, 2, 0, -1, -1]  # stop, length, running, inactive twice
+
+
+def test_the_commit_before_the_head_in_one_launch():
+    """``commit_hidden``: a live row's slot takes its hidden vector and one more length, as the
+    decode step's tensor commit; rows not live (padding on the null slot, a finished slot) leave
+    their slots as they were."""
+    gen = torch.Generator().manual_seed(5)
+    state = {"state.hidden": torch.randn(5, 40, generator=gen), "state.len": torch.tensor([0, 3, 9, 4, 7],
+                                                                                          dtype=torch.int32)}
+    slots, live = torch.tensor([3, 0, 1, 4]), torch.tensor([True, False, True, False])
+    hidden = torch.randn(4, 40, generator=gen)
+    want = {k: t.clone() for k, t in state.items()}
+    old = want["state.hidden"].index_select(0, slots)
+    want["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old))
+    want["state.len"].index_copy_(0, slots, (want["state.len"].index_select(0, slots).long() + live.long()).int())
+    got = {k: t.clone().to(DEVICE) for k, t in state.items()}
+    K.commit_hidden(got, *_on(slots, live, hidden))
+    for name in want:
+        assert torch.equal(got[name].cpu(), want[name]), name
+
+
+def test_programs_with_the_kernels_commit_what_the_tensor_programs_commit(tiny_core):
+    """A core's prefill and decode programs with the sampler's and the commit's kernels
+    (``--sampler kernel``) against the same programs in tensor operations, greedy (the draw
+    cannot differ): the same completion records and the same slot state after every program
+    (tokens, counts, counters, flags, histograms, hidden vectors, lengths)."""
+    from tests.rig import admit, decode, load_rig, prefill
+
+    rigs = [load_rig(tiny_core, seed=1, sampler_kernel=kernel) for kernel in (False, True)]
+    names = ["state.pending", "state.generated", "state.counter", "state.done", "state.hist", "state.hidden",
+             "state.len"]
+    records = []
+    for r in rigs:
+        got = []
+        for slot, prompt in ((1, list(range(40, 57))), (2, list(range(300, 309)))):
+            admit(r, slot, prompt, r.pages(4), seed=slot)
+            got.append(prefill(r, slot, prompt)[2])
+        for step in range(3):
+            got.append(decode(r, [2, 1], [int(r.v["state.pending"][s]) for s in (2, 1)])[1])
+        records.append(got)
+    assert records[0] == records[1]
+    for name in names:
+        assert torch.equal(rigs[0].v[name], rigs[1].v[name]), name

@@ -336,11 +336,16 @@ class ProgramSet:
         slots, live, tokens, length, pos, slot_mapping = self._decode_inputs(B)
         batch = self._batch(slots, pos, slot_mapping, live)
         hidden = self._forward(tokens, pos, batch)
-        old_hidden = v["state.hidden"].index_select(0, slots)
         if self.caps.mtp_drafts:
-            self._mtp_rows(tokens, old_hidden, batch)
-        v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old_hidden))
-        v["state.len"].index_copy_(0, slots, (length + live.long()).int())
+            self._mtp_rows(tokens, v["state.hidden"].index_select(0, slots), batch)
+        if self.sampler_kernel:  # (one launch: kernels/sampler.commit_hidden)
+            from flare.prepare.kernels.sampler import commit_hidden
+
+            commit_hidden(v, slots, live, hidden)
+        else:
+            old_hidden = v["state.hidden"].index_select(0, slots)
+            v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old_hidden))
+            v["state.len"].index_copy_(0, slots, (length + live.long()).int())
         logits = self.recipe.lm_head(self.model, hidden).float()
         v["out.logits"][:B].copy_(logits)
         self._sample_and_commit(slots, logits, live, v[io.DECODE_COMPLETION][:B])
@@ -539,6 +544,16 @@ class ProgramSet:
         # Every rank sampled the same gathered logits from replicated state; committing
         # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
         tok = self.tp.from_rank_zero(tok)
+        if self.sampler_kernel:
+            # (the commit and the completion record in one launch, the log-probability block
+            # written into the record's columns by its own kernels: kernels/sampler.py)
+            from flare.prepare.kernels.sampler import commit_rows, logprob_block as block
+
+            commit_rows(v, slots, live, tok, completion)
+            if self.caps.max_logprobs:
+                block(logits.float(), tok, self.caps.max_logprobs, self.caps.sampling_vocab,
+                      out=completion[:, 4:])
+            return
         pending, generated, counter, done, hist_at, count, record = self._commit_rows(slots, live, tok)
         v["state.pending"].index_copy_(0, slots, pending)
         v["state.generated"].index_copy_(0, slots, generated)

@@ -227,7 +227,7 @@ def _logprob_part_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, N: tl.cons
 
 
 @triton.jit
-def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, out_ptr, N: tl.constexpr,
+def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, out_ptr, stride_out, N: tl.constexpr,
                           NP: tl.constexpr, NBP: tl.constexpr):
     row = tl.program_id(0)
     b = tl.arange(0, NBP)
@@ -237,7 +237,7 @@ def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, 
     s = tl.sum(tl.where(b < NB, tl.load(s_ptr + at + b, mask=b < NB, other=0.0) * tl.exp(m - big), 0.0), 0)
     log_s = tl.log(s)
     base = x_ptr + row.to(tl.int64) * stride
-    out = out_ptr + row.to(tl.int64) * (1 + 2 * N)
+    out = out_ptr + row.to(tl.int64) * stride_out
     tok = tl.minimum(tl.maximum(tl.load(tok_ptr + row), 0), V - 1)
     tl.store(out, ((tl.load(base + tok).to(tl.float32) - big) - log_s).to(tl.int32, bitcast=True))
     c = tl.arange(0, NBP * NP)
@@ -250,11 +250,14 @@ def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, 
         tl.store(out + 1 + N + k, i)
 
 
-def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, block: int = LP_BLOCK) -> torch.Tensor:
+def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, block: int = LP_BLOCK,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``sampling.logprob_block`` in two kernels: for logits ``[R, >= vocab]`` (rows with
     unit stride) and a token per row, int32 ``[R, 1 + 2 n]``: the token's log_softmax over the
     first ``vocab`` columns, the ``n`` largest (descending; equal logits by ascending id) as
-    float32 bits, then their ids. ``block``: columns a program (tests use small ones)."""
+    float32 bits, then their ids. ``block``: columns a program (tests use small ones); ``out``:
+    where to write them (int32 ``[R, 1 + 2 n]``, rows of unit stride: a completion record's
+    columns)."""
     if logits.stride(-1) != 1:
         raise ValueError("logprob_block needs rows with unit stride")
     if not 0 < n <= vocab:
@@ -266,9 +269,109 @@ def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, b
     m = torch.empty((R, nb), dtype=torch.float32, device=dev)
     s = torch.empty((R, nb), dtype=torch.float32, device=dev)
     keys = torch.empty((R, nb, np_), dtype=torch.uint64, device=dev)
-    out = torch.empty((R, 1 + 2 * n), dtype=torch.int32, device=dev)
+    if out is None:
+        out = torch.empty((R, 1 + 2 * n), dtype=torch.int32, device=dev)
+    elif out.shape != (R, 1 + 2 * n) or out.dtype != torch.int32 or out.stride(1) != 1:
+        raise ValueError(f"logprob_block's out {tuple(out.shape)} {out.dtype}: expected int32 [{R}, {1 + 2 * n}]")
     _logprob_part_kernel[(R, nb)](logits, logits.stride(0), vocab, nb, m, s, keys, N=n, NP=np_, BLOCK=block,
                                   num_warps=8 if block >= 2048 else 4)
-    _logprob_merge_kernel[(R,)](logits, logits.stride(0), vocab, nb, m, s, keys, tok.contiguous(), out, N=n, NP=np_,
+    _logprob_merge_kernel[(R,)](logits, logits.stride(0), vocab, nb, m, s, keys, tok.contiguous(), out, out.stride(0),
+                                N=n, NP=np_,
                                 NBP=triton.next_power_of_2(nb), num_warps=4)
     return out
+
+
+# -- the commit of a sampled token ------------------------------------------------------------
+#
+# ``programs._sample_and_commit``'s state writes in tensor operations: the row's slot state read,
+# its pending token, generated count, counter and done flag written back with four index_copy
+# kernels, the histogram with an index_add, the completion record stacked and copied: about ten
+# kernels of a decode step's tail (bench/timeline.py), for a few integers a row. Here one program
+# a row reads its slot's state and writes it back with the record: the same values (integer
+# arithmetic). A row that is not live writes back what it read and counts nothing in the
+# histogram, as the tensor form; padding rows name the null slot, whose state nobody reads.
+
+
+@triton.jit
+def _commit_kernel(slots_ptr, live_ptr, tok_ptr, pending_ptr, generated_ptr, counter_ptr, done_ptr, hist_ptr,
+                   stop_ptr, max_new_ptr, rec_ptr, NS, stride_hist, stride_stop, stride_rec,
+                   NS_PAD: tl.constexpr, RUNNING: tl.constexpr, STOP: tl.constexpr, LENGTH: tl.constexpr,
+                   INACTIVE: tl.constexpr):
+    b = tl.program_id(0)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    live = tl.load(live_ptr + b) != 0
+    tok = tl.load(tok_ptr + b).to(tl.int64)
+    li = live.to(tl.int64)
+    generated = tl.load(generated_ptr + slot).to(tl.int64) + li
+    j = tl.arange(0, NS_PAD)
+    stops = tl.load(stop_ptr + slot * stride_stop + j, mask=j < NS, other=-1).to(tl.int64)
+    stop_hit = tl.max((stops == tok).to(tl.int32), 0) > 0
+    max_new = tl.load(max_new_ptr + slot).to(tl.int64)
+    status = tl.where(stop_hit, STOP, tl.where(generated >= max_new, LENGTH, RUNNING)).to(tl.int64)
+    pending = tl.where(live, tok, tl.load(pending_ptr + slot).to(tl.int64))
+    done = tl.where(live, status, tl.load(done_ptr + slot).to(tl.int64))
+    counter = tl.load(counter_ptr + slot) + li.to(counter_ptr.dtype.element_ty)
+    tl.store(pending_ptr + slot, pending.to(pending_ptr.dtype.element_ty))
+    tl.store(generated_ptr + slot, generated.to(generated_ptr.dtype.element_ty))
+    tl.store(counter_ptr + slot, counter)
+    tl.store(done_ptr + slot, done.to(done_ptr.dtype.element_ty))
+    if live:  # (live rows hold distinct slots: no two programs count into one entry)
+        at = hist_ptr + slot * stride_hist + tok
+        tl.store(at, tl.load(at) + 1)
+    rec = rec_ptr + b.to(tl.int64) * stride_rec
+    dtype = rec_ptr.dtype.element_ty
+    tl.store(rec, slot.to(dtype))
+    tl.store(rec + 1, tl.where(live, tok, -1).to(dtype))
+    tl.store(rec + 2, generated.to(dtype))
+    tl.store(rec + 3, tl.where(live, status, INACTIVE).to(dtype))
+
+
+def commit_rows(state: dict[str, torch.Tensor], slots: torch.Tensor, live: torch.Tensor, tok: torch.Tensor,
+                record: torch.Tensor) -> None:
+    """``programs._sample_and_commit``'s commit in one launch: for row b of ``slots`` (int64
+    ``[B]``), ``live`` (bool) and the sampled ``tok`` (int64), slot state ``state`` (the core's
+    views: ``state.pending``, ``.generated``, ``.counter``, ``.done``, ``.hist``, ``.stop_ids``,
+    ``.max_new``) takes the token where the row is live, and ``record`` (``[B, >= 4]`` int32, rows of
+    unit stride) the completion record (slot, token or -1, generated, status or inactive)."""
+    from flare.core.interface import Status
+
+    B = slots.shape[0]
+    hist, stops = state["state.hist"], state["state.stop_ids"]
+    if record.shape[0] != B or record.shape[1] < 4 or record.stride(1) != 1 or hist.stride(1) != 1 \
+            or stops.stride(1) != 1:
+        raise ValueError(f"commit_rows: record {tuple(record.shape)} for {B} rows, rows of unit stride")
+    if B:
+        _commit_kernel[(B,)](
+            slots, live.view(torch.uint8), tok, state["state.pending"], state["state.generated"],
+            state["state.counter"], state["state.done"], hist, stops, state["state.max_new"], record,
+            stops.shape[1], hist.stride(0), stops.stride(0), record.stride(0),
+            NS_PAD=triton.next_power_of_2(max(stops.shape[1], 1)), RUNNING=int(Status.running),
+            STOP=int(Status.stop), LENGTH=int(Status.length), INACTIVE=int(Status.inactive), num_warps=1)
+
+
+@triton.jit
+def _commit_hidden_kernel(slots_ptr, live_ptr, hidden_ptr, state_ptr, len_ptr, H, stride_h, stride_s,
+                          BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    if tl.load(live_ptr + b) != 0:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
+        for h0 in range(0, H, BLOCK):
+            h = h0 + tl.arange(0, BLOCK)
+            row = tl.load(hidden_ptr + b.to(tl.int64) * stride_h + h, mask=h < H)
+            tl.store(state_ptr + slot * stride_s + h, row.to(state_ptr.dtype.element_ty), mask=h < H)
+        tl.store(len_ptr + slot, tl.load(len_ptr + slot) + 1)
+
+
+def commit_hidden(state: dict[str, torch.Tensor], slots: torch.Tensor, live: torch.Tensor,
+                  hidden: torch.Tensor) -> None:
+    """A decode step's commit before its head in one launch: a live row's slot keeps the row's
+    final hidden vector (``state.hidden``) and its length grows by one (``state.len``); the other
+    rows write nothing (the tensor form writes back what it read: six kernels)."""
+    buf = state["state.hidden"]
+    B, H = hidden.shape
+    if buf.shape[1] != H or hidden.stride(1) != 1 or buf.stride(1) != 1:
+        raise ValueError(f"commit_hidden: rows of {H} into state.hidden {tuple(buf.shape)}, unit stride")
+    if B:
+        _commit_hidden_kernel[(B,)](slots, live.view(torch.uint8), hidden, buf, state["state.len"], H,
+                                    hidden.stride(0), buf.stride(0), BLOCK=min(4096, triton.next_power_of_2(H)),
+                                    num_warps=4)
