@@ -23,8 +23,13 @@ pointers, are value-initialised: only the offset calculator carries stale words.
 operands' own pointers sit in the same parameter, so a genuine operand outside the arena
 in one of these kernels would be zeroed too; it would then fault on a null address at
 its first replay (the GPU suite's replay tests, ``--qualify``), never read another
-process's memory. Every other kernel, ATen's ``index_select``, scatter/gather, sort,
-softmax and cat kernels among them, fails the export.
+process's memory. ATen's ``index_select`` kernels (``indexSelectSmallIndex``,
+``indexSelectLargeIndex``) are the same case: each operand is a ``TensorInfo`` by value whose
+constructor fills only the tensor's own dimensions of its 25 sizes and strides and leaves the
+padding after its ``dims`` as the host stack held it (on the H200 on 2026-12-06 the word at
+offset 424 of 672 of a Qwen3-30B-A3B-shape decode step's index_select, the source's ``dims`` = 2
+below 0x7f28 of stale padding, fell inside a live 32 MiB allocation and failed the export).
+Every other kernel, scatter/gather, sort, softmax and cat kernels among them, fails the export.
 """
 
 from __future__ import annotations
@@ -48,10 +53,14 @@ _TENSOR_ITERATOR = re.compile(r"^_ZN2at6native\d+(elementwise_kernel|vectorized_
                               r"unrolled_elementwise_kernel|reduce_kernel|index_elementwise_kernel)I")
 
 
+_INDEX_SELECT = re.compile(r"^_ZN2at6native\d+_GLOBAL__N__\w+?\d+indexSelect(Small|Large)IndexI")
+
+
 def tensor_iterator_stale_ok(name: str) -> bool:
     """Whether a kernel (mangled name) is one of ATen's TensorIterator elementwise, reduction
-    or indexing kernels, whose stale ``OffsetCalculator`` words are zeroed (module docstring)."""
-    return _TENSOR_ITERATOR.match(name) is not None
+    or indexing kernels, whose stale ``OffsetCalculator`` words are zeroed, or an index_select
+    kernel, whose ``TensorInfo`` operands carry stale words too (module docstring)."""
+    return _TENSOR_ITERATOR.match(name) is not None or _INDEX_SELECT.match(name) is not None
 
 
 class ExportError(RuntimeError):
