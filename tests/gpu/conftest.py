@@ -52,8 +52,14 @@ SHAPES = {
     # compiles a norm's reduction per step program, timed per program past 1,024 values a row).
     "qwen3_5-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
                             "--draft-tokens", "1", "--step-gemms", "gemv", "--step-norms", "invariant"],
-    # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers.
-    "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512"],
+    # Routed experts (recipes/moe.py): Qwen3-30B-A3B's per-layer geometry at 4 layers, its steps as
+    # the MoE shapes are served (the step GEMMs and norms the same bits at every row count, the
+    # post-attention norm in the router's and experts' loads, the q/k norms in the launch that
+    # writes the pages). Without them (cuBLAS picking a kernel per row count, Inductor's norms) a
+    # decode row's bits depended on its batch on the H200 on 2026-12-06: the batch-invariance test
+    # and the prefix cache's exact repeat failed.
+    "qwen3-moe-small-shape": ["--context-limit", "2048", "--prefill-chunk-size", "256", "--kv-pages", "512",
+                              "--step-gemms", "gemv", "--step-norms", "invariant"],
     # Hybrid and routed experts with a gated shared expert: Qwen3.5-35B-A3B's and
     # Qwen3-Next-80B-A3B's per-layer geometry at 2 layers (Gated DeltaNet, attention).
     # The first with the MTP head (an experts layer: its KV rows in every program, its drafts
