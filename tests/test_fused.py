@@ -387,3 +387,35 @@ def test_a_modules_rotary_is_taken_for_rotate_half_only_where_it_computes_it():
     assert rotates_half(apply_rotary_pos_emb)
     assert not rotates_half(interleaved)
     assert not rotates_half(lambda q, k: (q, k))
+
+
+def test_llama_steps_rotate_and_write_the_pages_in_one_launch(tiny_core, monkeypatch):
+    """An attention without q/k norms (Llama's) on the CUDA path under the interpreter: a decode
+    step's rotary of q and k and the write of the keys and values to the pages are one
+    ``qk_norm_rotary`` launch a layer (no norms; no ``write_kv_triton``), and the tokens and,
+    within float32 rounding, the logits are those of the layer's own rotary and write."""
+    pytest.importorskip("triton")
+    from flare.prepare.kernels import kv_write as KW
+    from flare.prepare.kernels import rownorm as R
+    from tests.rig import decode_alike, prefilled_rigs
+
+    g = torch.Generator().manual_seed(3)
+    stream = torch.randint(100, 40000, (60,), generator=g).tolist()
+    one, apart = prefilled_rigs(tiny_core, {1: stream[:21], 2: stream[30:40]}, 2, attention="triton")
+    layers = [[layer.self_attn for layer in r.model.model.layers] for r in (one, apart)]
+    assert all(a.flare_rotate_half and getattr(a, "q_norm", None) is None for a in layers[0])
+    for a in layers[1]:
+        a.flare_rotate_half = False
+    taken, writes = [], []
+    real, write = R.qk_norm_rotary, KW.write_kv_triton
+
+    def counted(*a, **kw):
+        out = real(*a, **kw)
+        taken.extend([kw.get("pages", (None, None, None))[2]] if out is not None else [])
+        return out
+
+    monkeypatch.setattr(R, "qk_norm_rotary", counted)
+    monkeypatch.setattr(KW, "write_kv_triton", lambda *a: writes.append(a[1]) or write(*a))
+    decode_alike(one, apart, [1, 2], steps=2)
+    assert taken == 2 * [a.kv_layer for a in layers[0]]
+    assert writes == 2 * [a.kv_layer for a in layers[1]]

@@ -128,12 +128,14 @@ SCRIPT = textwrap.dedent('''
     compile_for_sm90(K._gates_kernel,
                      {**bf16("a_ptr", "b_ptr", "a_log_ptr", "dt_bias_ptr", "beta_ptr"), **f32("g_ptr"),
                       "count_ptr": "*i32"}, dict(BLOCK_T=32, BLOCK_H=32))
-    for d, zc, page in ((128, False, 0), (256, True, 0), (128, False, 16), (256, True, 16)):
-        # Qwen3's heads, Qwen3.5's; to tensors and (page > 0) with the keys and values to the pages
+    for d, zc, page, norm in ((128, False, 0, True), (256, True, 0, True), (128, False, 16, True),
+                              (256, True, 16, True), (128, False, 16, False)):
+        # Qwen3's heads, Qwen3.5's; to tensors and (page > 0) with the keys and values to the pages;
+        # Llama's (no norms) to the pages
         compile_for_sm90(RN._qk_norm_rotary_kernel,
                          {**bf16("q_ptr", "k_ptr", "v_ptr", "wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr", "qo_ptr",
                                  "ko_ptr", "vo_ptr"), "slot_ptr": "*i64", "eps": "fp32"},
-                         dict(D=d, ZERO_CENTRED=zc, PAGE=page), num_warps=RN._warps(d))
+                         dict(D=d, ZERO_CENTRED=zc, PAGE=page, NORM=norm), num_warps=RN._warps(d))
     for block in (1024, 4096):  # hidden 576 .. 1,024 and 4,096 (8B); the norms pass float32 rows
         compile_for_sm90(RN._mean_square_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, dict(BLOCK=block),
                          num_warps=RN._warps(block))
@@ -282,7 +284,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 178, proc.stdout
+    assert proc.stdout.count("compiled") == 179, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

@@ -365,6 +365,22 @@ def test_the_q_and_k_norms_and_the_rotary_in_one_launch(d, r, zero_centred, monk
         want[1, 0].view(-1, hk, d)[slot] = got_k[0, row]
         want[1, 1].view(-1, hk, d)[slot] = v[0, row]
     assert torch.equal(kv, want)
+    # Without q/k norms (Llama's attention): the rotary of the heads as they are and the same write,
+    # in a step only, and only with the pages (the compiled rotary stays otherwise).
+    kv.fill_(7.0)
+    plain_q = R.qk_norm_rotary(None, None, q, k, cos, sin, pages=(v, batch, 1))
+    want_q = rotary_without_cat(q.float(), c, s).to(dtype)
+    want_k = rotary_without_cat(k.float(), c, s).to(dtype)
+    for row, slot in ((0, 9), (2, 4)):
+        want[1, 0].view(-1, hk, d)[slot] = want_k[0, row]
+    if dtype == torch.float32:
+        assert torch.equal(plain_q, want_q) and torch.equal(kv, want)
+    else:
+        torch.testing.assert_close(plain_q, want_q, rtol=2**-7, atol=2**-14)
+        torch.testing.assert_close(kv, want, rtol=2**-7, atol=2**-14)
+    assert R.qk_norm_rotary(None, None, q, k, cos, sin) is None
+    with prompt_rows.marked(True):
+        assert R.qk_norm_rotary(None, None, q, k, cos, sin, pages=(v, batch, 1)) is None
     with prompt_rows.marked(True):
         assert R.qk_norm_rotary(q_norm, k_norm, q, k, cos, sin) is None
     hook = k_norm.register_forward_hook(lambda _m, _a, out: out)

@@ -185,17 +185,21 @@ def flare_paged_attention(module, query, key, value, attention_mask, scaling=Non
         from flare.prepare.kernels import rownorm
 
         cos, sin = rotary
+        q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
         if paged.impl == "triton":
-            q = rownorm.qk_norm_rotary(module.q_norm, module.k_norm, query, key, cos, sin, pages=(value, paged, layer))
+            q = rownorm.qk_norm_rotary(q_norm, k_norm, query, key, cos, sin, pages=(value, paged, layer))
             if q is not None:
                 from flare.prepare.kernels.paged_attention import attend_triton
 
                 return attend_triton(paged, layer, q[0], scaling, window=window)[None], None
-        fused = rownorm.qk_norm_rotary(module.q_norm, module.k_norm, query, key, cos, sin)
-        if fused is None:
-            raise RuntimeError("flare_qk_rotary passed where rownorm.qk_norm_rotary does not apply")
-        query, key = fused
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if q_norm is None:  # (the module's own rotary)
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            query, key = module.flare_rotary(query, key, cos, sin)
+        else:
+            fused = rownorm.qk_norm_rotary(q_norm, k_norm, query, key, cos, sin)
+            if fused is None:
+                raise RuntimeError("flare_qk_rotary passed where rownorm.qk_norm_rotary does not apply")
+            query, key, value = fused[0].transpose(1, 2), fused[1].transpose(1, 2), value.transpose(1, 2)
     q = query[0].transpose(0, 1)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if paged.impl == "triton":

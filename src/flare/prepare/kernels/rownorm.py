@@ -177,7 +177,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 def _qk_norm_rotary_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr, slot_ptr,
                            HQ, HK, R, pool_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                            stride_ct, stride_st, stride_cp, stride_co, stride_ch, eps,
-                           D: tl.constexpr, ZERO_CENTRED: tl.constexpr, PAGE: tl.constexpr):
+                           D: tl.constexpr, ZERO_CENTRED: tl.constexpr, PAGE: tl.constexpr,
+                           NORM: tl.constexpr = True):
     """Program (token, head) over the token's query heads then its key heads: the head's RMS norm
     as ``_rms_norm_kernel`` computes a row (rounded to the output dtype), then the rotary embedding
     of its first R dims (``fused.rotary_without_cat``: dim d with its partner d +- R/2, the rest
@@ -189,7 +190,8 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr
     heads copy the value heads there (``ko_ptr``/``vo_ptr`` the layer's key and value pages,
     token t's row at ``slot_ptr[t]``, as ``kv_write._write_kv_kernel`` writes them: a row whose
     slot is negative or past the pool writes nothing), so the write of the keys and values is no
-    launch of its own."""
+    launch of its own. ``NORM`` False: the heads as they are (an attention without q/k norms,
+    Llama's), rotated and written."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n = tl.arange(0, D)
@@ -215,12 +217,15 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr
         half = R // 2
         partner = tl.where(n < half, n + half, tl.where(n < R, n - half, n))
         xf = tl.load(x_row + n).to(tl.float32)
-        inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-        w = tl.load(w_ptr + n).to(tl.float32)
         xp = tl.load(x_row + partner).to(tl.float32)
-        wp = tl.load(w_ptr + partner).to(tl.float32)
-        y = _scaled(xf * inv, w, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
-        yp = _scaled(xp * inv, wp, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
+        if NORM:
+            inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+            w = tl.load(w_ptr + n).to(tl.float32)
+            wp = tl.load(w_ptr + partner).to(tl.float32)
+            y = _scaled(xf * inv, w, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
+            yp = _scaled(xp * inv, wp, dtype, ZERO_CENTRED).to(dtype).to(tl.float32)
+        else:
+            y, yp = xf, xp
         rot = n < R
         c = tl.load(cos_ptr + t * stride_ct + n, mask=rot, other=1.0).to(tl.float32)
         sn = tl.load(sin_ptr + t * stride_st + n, mask=rot, other=0.0).to(tl.float32)
@@ -244,9 +249,9 @@ def _launch_qk_norm_rotary(q, k, v, wq, wk, cos, sin, eps, zero_centred, qo, ko,
     if tokens:
         cache = (ko.stride(0), ko.stride(1), ko.stride(2)) if page else (0, 0, 0)
         wrap_triton(_qk_norm_rotary_kernel)[(tokens, hq + (2 * hk if page else hk))](
-            q, k, v, wq, wk, cos, sin, qo, ko, vo, slots, hq, hk, cos.shape[-1], pool_rows, q.stride(0), q.stride(1),
+            q, k, v, q if wq is None else wq, q if wk is None else wk, cos, sin, qo, ko, vo, slots, hq, hk, cos.shape[-1], pool_rows, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), *cache, eps, D=d,
-            ZERO_CENTRED=zero_centred, PAGE=page, num_warps=_warps(d))
+            ZERO_CENTRED=zero_centred, PAGE=page, NORM=wq is not None, num_warps=_warps(d))
 
 
 @triton_op("flare::qk_norm_rotary", mutates_args=())
@@ -258,8 +263,8 @@ def _qk_norm_rotary_op(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: t
     return qo, ko
 
 
-def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, pages=None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+def qk_norm_rotary(q_norm: nn.Module | None, k_norm: nn.Module | None, q: torch.Tensor, k: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, pages=None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """An attention layer's per-head q and k norms and its rotary embedding in one launch, in a
     decode or verify step whose norms are row-invariant single launches (``_one_launch``, the
     same form for both, no forward hook, weights in the heads' dtype): ``q [B, T, Hq, D]`` and
@@ -274,12 +279,15 @@ def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: tor
     the ``attention.PagedBatch`` whose pool layer ``layer`` takes the keys and the values at its
     ``slot_mapping`` in the same launch (``attention.flare_paged_attention``, outside the compiled
     graph); returns the rotated q alone then, or None where the values or the pool do not fit.
-    Without it, a custom op that compiled code calls."""
+    Without it, a custom op that compiled code calls. Norms None (an attention without q/k norms,
+    Llama's): the rotary and the write of the pages alone (``pages`` only), in a decode or verify
+    step (not in a prompt program's rows)."""
     views = _qk_views(q_norm, k_norm, q, k, cos, sin)
-    if views is None:
+    if views is None or (q_norm is None and pages is None):
         return None
     qv, kv, cv, sv = views
-    eps, zero = q_norm._eps(), bool(q_norm._ZERO_CENTRED)
+    eps, zero = (q_norm._eps(), bool(q_norm._ZERO_CENTRED)) if q_norm is not None else (0.0, False)
+    wq, wk = (q_norm.weight, k_norm.weight) if q_norm is not None else (None, None)
     if pages is None:
         qo, ko = _qk_norm_rotary_op(qv, kv, q_norm.weight, k_norm.weight, cv, sv, eps, zero)
         return qo.view(q.shape), ko.view(k.shape)
@@ -293,8 +301,8 @@ def qk_norm_rotary(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: tor
     except RuntimeError:
         return None
     qo = torch.empty(qv.shape, dtype=q.dtype, device=q.device)
-    _launch_qk_norm_rotary(qv, kv, vv, q_norm.weight, k_norm.weight, cv, sv, eps, zero, qo, pool[layer, 0],
-                           pool[layer, 1], batch.slot_mapping, pool.shape[2] * pool.shape[3], pool.shape[3])
+    _launch_qk_norm_rotary(qv, kv, vv, wq, wk, cv, sv, eps, zero, qo, pool[layer, 0], pool[layer, 1],
+                           batch.slot_mapping, pool.shape[2] * pool.shape[3], pool.shape[3])
     return qo.view(q.shape)
 
 
@@ -309,14 +317,17 @@ def _qk_views(q_norm, k_norm, q, k, cos, sin):
     from flare.prepare.recipes.fused import hooked
 
     d = q.shape[-1]
-    if not (isinstance(q_norm, _Rows) and isinstance(k_norm, _Rows) and q_norm._one_launch()
-            and k_norm._one_launch() and q_norm._ZERO_CENTRED == k_norm._ZERO_CENTRED
-            and not hooked(q_norm) and not hooked(k_norm) and q_norm._eps() == k_norm._eps()):
+    if q_norm is None and k_norm is None:  # (no q/k norms: in a decode or verify step, not a prompt's)
+        if prompt_rows.active():
+            return None
+    elif not (isinstance(q_norm, _Rows) and isinstance(k_norm, _Rows) and q_norm._one_launch()
+              and k_norm._one_launch() and q_norm._ZERO_CENTRED == k_norm._ZERO_CENTRED
+              and not hooked(q_norm) and not hooked(k_norm) and q_norm._eps() == k_norm._eps()
+              and q_norm.weight.shape == (d,) and k_norm.weight.shape == (d,)
+              and q_norm.weight.dtype == q.dtype and k_norm.weight.dtype == q.dtype):
         return None
     if (q.dim() != 4 or k.dim() != 4 or k.shape[-1] != d or q.shape[:2] != k.shape[:2] or d & (d - 1)
-            or d > MAX_ROW or q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != k.dtype
-            or q_norm.weight.shape != (d,) or k_norm.weight.shape != (d,)
-            or q_norm.weight.dtype != q.dtype or k_norm.weight.dtype != q.dtype):
+            or d > MAX_ROW or q.stride(-1) != 1 or k.stride(-1) != 1 or q.dtype != k.dtype):
         return None
     r = cos.shape[-1]
     if cos.shape != sin.shape or cos.shape[:-1] != q.shape[:2] or r % 2 or r > d or cos.stride(-1) != 1 \

@@ -110,8 +110,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     # norms and the rotary in one (``rownorm.qk_norm_rotary``), with the write of the keys and
     # values to the pages on the CUDA path (``_qk_norm_rotary``)
     # (a module's rotary was checked over whole heads: a partial one keeps its own code)
-    fused = _qk_norm_rotary(self, q, k, cos, sin, kwargs) \
-        if getattr(self, "q_norm", None) is not None and cos.shape[-1] == self.head_dim else None
+    fused = _qk_norm_rotary(self, q, k, cos, sin, kwargs) if cos.shape[-1] == self.head_dim else None
     if isinstance(fused, str):  # "pages"
         out, weights = flare_paged_attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                                              sliding_window=layer_window(self), flare_qk_rotary=(cos, sin), **kwargs)
@@ -136,16 +135,18 @@ def _qk_norm_rotary(attn, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, s
     (``flare_rotate_half``: the fused gated forward's ``rotary_without_cat``, or a module's own
     ``apply_rotary_pos_emb`` found to compute it, ``fuse_projections``) and the step's norms allow;
     "pages" where that launch also writes the keys and values to the page pool (the Triton
-    attention's: the attention function takes the raw q, k and v then, ``flare_qk_rotary``);
+    attention's: the attention function takes the raw q, k and v then, ``flare_qk_rotary``), which
+    an attention without q/k norms (Llama's) takes in decode and verify steps for its rotary;
     None elsewhere."""
     from flare.prepare.kernels import rownorm
 
     if not getattr(attn, "flare_rotate_half", False):
         return None
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     paged = kwargs.get("paged")
     if paged is not None and paged.impl == "triton":
-        return "pages" if rownorm.qk_norm_rotary_applies(attn.q_norm, attn.k_norm, q, k, cos, sin) else None
-    return rownorm.qk_norm_rotary(attn.q_norm, attn.k_norm, q, k, cos, sin)
+        return "pages" if rownorm.qk_norm_rotary_applies(q_norm, k_norm, q, k, cos, sin) else None
+    return rownorm.qk_norm_rotary(q_norm, k_norm, q, k, cos, sin) if q_norm is not None else None
 
 
 def rotates_half(rotary) -> bool:
