@@ -23,13 +23,18 @@ pointers, are value-initialised: only the offset calculator carries stale words.
 operands' own pointers sit in the same parameter, so a genuine operand outside the arena
 in one of these kernels would be zeroed too; it would then fault on a null address at
 its first replay (the GPU suite's replay tests, ``--qualify``), never read another
-process's memory. ATen's ``index_select`` kernels (``indexSelectSmallIndex``,
-``indexSelectLargeIndex``) are the same case: each operand is a ``TensorInfo`` by value whose
-constructor fills only the tensor's own dimensions of its 25 sizes and strides and leaves the
-padding after its ``dims`` as the host stack held it (on the H200 on 2026-12-06 the word at
-offset 424 of 672 of a Qwen3-30B-A3B-shape decode step's index_select, the source's ``dims`` = 2
-below 0x7f28 of stale padding, fell inside a live 32 MiB allocation and failed the export).
-Every other kernel, scatter/gather, sort, softmax and cat kernels among them, fails the export.
+process's memory. Every other kernel, scatter/gather, sort, softmax and cat kernels among them,
+fails the export, but for one more case made exact instead: ATen's ``index_select`` kernels
+(``indexSelectSmallIndex``, ``indexSelectLargeIndex``) take their three operands as
+``TensorInfo`` by value (``data``, 25 ``sizes``, 25 ``strides``, ``dims``), whose constructor
+copies only the tensor's own dimensions and leaves the other entries and the padding after
+``dims`` as the host stack held them (on the H200 on 2026-12-06 the word at offset 424 of 672 of
+a Qwen3-30B-A3B-shape decode step's index_select, the source's ``dims`` = 2 below 0x7f28 of stale
+padding, fell inside a live 32 MiB allocation and failed the export). A stale half shares its
+8-byte word with a real field there (``dims``, the last size), so zeroing the word would break
+the kernel: the export reads each operand's ``dims`` and zeroes exactly the entries past it and
+the padding (``_clear_tensor_info_tails``), what value-initialisation would have left, before
+the scan.
 """
 
 from __future__ import annotations
@@ -54,13 +59,41 @@ _TENSOR_ITERATOR = re.compile(r"^_ZN2at6native\d+(elementwise_kernel|vectorized_
 
 
 _INDEX_SELECT = re.compile(r"^_ZN2at6native\d+_GLOBAL__N__\w+?\d+indexSelect(Small|Large)IndexI")
+_TENSOR_INFO_DIMS = 25  # ATen's MAX_TENSORINFO_DIMS
+# sizeof(TensorInfo<T, IndexType>) by the index type's size: data, sizes, strides, dims, padding
+_TENSOR_INFO_BYTES = {4: 216, 8: 416}
 
 
 def tensor_iterator_stale_ok(name: str) -> bool:
     """Whether a kernel (mangled name) is one of ATen's TensorIterator elementwise, reduction
-    or indexing kernels, whose stale ``OffsetCalculator`` words are zeroed, or an index_select
-    kernel, whose ``TensorInfo`` operands carry stale words too (module docstring)."""
-    return _TENSOR_ITERATOR.match(name) is not None or _INDEX_SELECT.match(name) is not None
+    or indexing kernels, whose stale ``OffsetCalculator`` words are zeroed (module docstring)."""
+    return _TENSOR_ITERATOR.match(name) is not None
+
+
+def index_select_kernel(name: str) -> bool:
+    """Whether a kernel (mangled name) is one of ATen's index_select kernels, whose ``TensorInfo``
+    operands' unused entries are cleared (``_clear_tensor_info_tails``)."""
+    return _INDEX_SELECT.match(name) is not None
+
+
+def _clear_tensor_info_tails(buf: bytearray, layout: list[tuple[int, int]], where: str) -> None:
+    """Zero the sizes and strides past each ``TensorInfo`` operand's ``dims`` and the padding after
+    it, in an index_select kernel's parameters (its first three: dst, src, indices; module
+    docstring): the entries its constructor leaves as the host stack held them, and the kernel
+    never reads."""
+    if len(layout) < 3:
+        raise ExportError(f"{where}: an index_select kernel with {len(layout)} parameters")
+    for off, size in layout[:3]:
+        isz = next((i for i, n in _TENSOR_INFO_BYTES.items() if n == size), None)
+        if isz is None:
+            raise ExportError(f"{where}: a {size}-byte TensorInfo parameter (expected 216 or 416)")
+        sizes, strides, at = off + 8, off + 8 + _TENSOR_INFO_DIMS * isz, off + 8 + 2 * _TENSOR_INFO_DIMS * isz
+        dims = int.from_bytes(buf[at : at + 4], "little", signed=True)
+        if not 0 < dims <= _TENSOR_INFO_DIMS:
+            raise ExportError(f"{where}: a TensorInfo parameter at offset {off} with dims {dims}")
+        for arr in (sizes, strides):
+            buf[arr + dims * isz : arr + _TENSOR_INFO_DIMS * isz] = bytes((_TENSOR_INFO_DIMS - dims) * isz)
+        buf[at + 4 : off + size] = bytes(off + size - at - 4)
 
 
 class ExportError(RuntimeError):
@@ -166,6 +199,8 @@ def _kernel_node(nd, kernels: KernelTableBuilder, arena, where: str) -> G.Kernel
         raise ExportError(f"{where}: kernel node has parameters but neither kernelParams nor extra")
     fidx = kernels.index_of(func)
     name = kernels.functions[fidx].name
+    if index_select_kernel(name):
+        _clear_tensor_info_tails(buf, layout, f"{where} ({name[:80]})")
     for off in _scan_pointers(bytes(buf), arena, f"{where} ({name[:80]})", stale_ok=tensor_iterator_stale_ok(name)):
         buf[off : off + 8] = bytes(8)
     attrs = []
