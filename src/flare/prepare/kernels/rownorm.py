@@ -294,8 +294,9 @@ def qk_norm_rotary(q_norm: nn.Module | None, k_norm: nn.Module | None, q: torch.
     v, batch, layer = pages
     pool = batch.kv
     if (v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1 or pool.shape[-2:] != k.shape[2:]
-            or batch.slot_mapping.shape != (qv.shape[0],) or not 0 <= layer < pool.shape[0]):
-        return None
+            or pool.dtype != k.dtype or batch.slot_mapping.shape != (qv.shape[0],)
+            or batch.slot_mapping.stride(0) != 1 or not 0 <= layer < pool.shape[0]):
+        return None  # (the kernel stores the keys as it stores q: pages of the heads' dtype)
     try:
         vv = v.view(kv.shape)
     except RuntimeError:

@@ -340,6 +340,7 @@ def commit_rows(state: dict[str, torch.Tensor], slots: torch.Tensor, live: torch
     if record.shape[0] != B or record.shape[1] < 4 or record.stride(1) != 1 or hist.stride(1) != 1 \
             or stops.stride(1) != 1:
         raise ValueError(f"commit_rows: record {tuple(record.shape)} for {B} rows, rows of unit stride")
+    slots, live, tok = slots.contiguous(), live.contiguous(), tok.contiguous()  # (rows of unit stride)
     if B:
         _commit_kernel[(B,)](
             slots, live.view(torch.uint8), tok, state["state.pending"], state["state.generated"],
@@ -371,6 +372,7 @@ def commit_hidden(state: dict[str, torch.Tensor], slots: torch.Tensor, live: tor
     B, H = hidden.shape
     if buf.shape[1] != H or hidden.stride(1) != 1 or buf.stride(1) != 1:
         raise ValueError(f"commit_hidden: rows of {H} into state.hidden {tuple(buf.shape)}, unit stride")
+    slots, live = slots.contiguous(), live.contiguous()  # (rows of unit stride)
     if B:
         _commit_hidden_kernel[(B,)](slots, live.view(torch.uint8), hidden, buf, state["state.len"], H,
                                     hidden.stride(0), buf.stride(0), BLOCK=min(4096, triton.next_power_of_2(H)),
