@@ -159,16 +159,17 @@ def test_logits_match_transformers_and_routing_gaps_exceed_rounding(rig, hf_mode
     assert worst["prefill"] <= bound and worst["decode"] <= bound, (worst, bound)
 
 
-def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool = False) -> None:
+def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool = False,
+                             step_norms: bool = False) -> None:
     """The CUDA path (Triton kernels, under the CPU interpreter here) against the reference
     path on one core of ``model`` (``opts`` with prefill programs of 64 rows,
     conftest.INTERPRETER_CHUNK): two prefills, the first cut inside a chunk (the second's cut
     took the same path: under the interpreter each prefill program costs seconds), then two
     decode steps of a batch. ``tickets``: the mixture-of-experts blocks and the attention get ticket
     counters, as a CUDA core's (decode steps route in the router's launch, the attention's last
-    programs fold its splits), left zeroed, and the norms are a step's row-invariant launches
-    (``--step-norms invariant``: a decode step's post-attention norm goes into the router's and the
-    experts' loads, the q/k norms into the launch that writes the keys and values)."""
+    programs fold its splits), left zeroed; ``step_norms``: the norms are a step's row-invariant
+    launches (``--step-norms invariant``: a decode step's post-attention norm goes into the router's
+    and the experts' loads, the q/k norms into the launch that writes the keys and values)."""
     from flare.prepare.attention import TICKETS_BUFFER
     from flare.prepare.kernels.rownorm import make_norms_row_invariant
 
@@ -182,6 +183,7 @@ def triton_matches_reference(model: str, opts: list[str], stream, tickets: bool 
         for block in blocks:
             block.flare_route_tickets = counters
         rigs["triton"].v[TICKETS_BUFFER] = counters
+    if step_norms:
         make_norms_row_invariant(rigs["triton"].model, steps=True)
     out = {}
     for impl, r in rigs.items():
