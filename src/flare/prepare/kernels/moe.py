@@ -66,6 +66,7 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from flare.prepare.kernels.gemm import launch
+from flare.prepare.kernels.gemv import _norm_args
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
@@ -629,10 +630,8 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     ``experts_decode`` normalises with the same ``norm`` in its loads, and their residual)."""
     T, Kd = x.shape
     E = weight.shape[0]
-    nargs, norm_mode = (x, x, x, 0, 0, 0.0), 0
-    if norm is not None:
-        total = torch.empty_like(x)
-        nargs, norm_mode = _moe_norm_args(norm, x, total)
+    # (gemv's norm arguments: the router requires the residual, and writes the sum to ``total``)
+    nargs, flags = _norm_args(None if norm is None else norm._replace(total=torch.empty_like(x)), x)
     if x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("router_gemv needs rows with unit stride and a contiguous router")
     if route is not None and num_warps != 4:  # (route_rows' layout: its bits need the same warps)
@@ -657,25 +656,9 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
         E, Kd, x.stride(0), weight.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, *nargs,
         BN=bn, BK=min(block_k, triton.next_power_of_2(Kd)), HAS_S=shared_gate is not None, ROUTE=route is not None,
         TOPK=top_k, RENORM=renorm, BE=triton.next_power_of_2(E), BKK=triton.next_power_of_2(top_k),
-        NORM=norm_mode, num_warps=num_warps)
+        NORM=flags["NORM"], num_warps=num_warps)
     outs = (out, gate) if route is None else (out, gate, weights, ids)
-    return outs if norm is None else (*outs, total)
-
-
-def _moe_norm_args(norm, x: torch.Tensor, total: torch.Tensor | None) -> tuple[tuple, int]:
-    """The (residual, norm weight, sum, residual row stride, sum row stride, eps) arguments of the
-    router's and the gate/up kernel's ``NORM`` and its mode (1 zero-centred, 2 Llama's), after
-    checking ``norm`` (a ``gemv.Norm``): the weight ``[H]`` in x's dtype; with ``total`` (the router)
-    a residual of x's shape and dtype, rows of unit stride."""
-    w, eps, zero_centred, r = norm.weight, norm.eps, norm.zero_centred, norm.residual
-    H = x.shape[-1]
-    if tuple(w.shape) != (H,) or w.stride(0) != 1 or w.dtype != x.dtype or x.stride(-1) != 1:
-        raise ValueError(f"MoE norm weight {tuple(w.shape)} {w.dtype} for rows [{H}] {x.dtype}")
-    if total is None:
-        return (x, w, x, 0, 0, float(eps)), 1 if zero_centred else 2
-    if r is None or r.shape != x.shape or r.dtype != x.dtype or r.stride(-1) != 1:
-        raise ValueError("the router's norm takes the decoder layer's residual: x's shape and dtype, unit stride")
-    return (r, w, total, r.stride(0), total.stride(0), float(eps)), 1 if zero_centred else 2
+    return outs if norm is None else (*outs, nargs[2])
 
 
 @triton.jit
@@ -853,10 +836,11 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     width = max(I, I_s)
     h = torch.empty((T * rows, width), dtype=x.dtype, device=x.device)
     bn, bk, warps = gate_up_blocks
-    (_, nw, _, _, _, eps), norm_mode = _moe_norm_args(norm, x, None) if norm is not None else ((x,) * 5 + (0.0,), 0)
+    # (gemv's norm arguments without the add: the sum is x; only the weight and eps are read)
+    (_, nw, _, _, _, eps), flags = _norm_args(None if norm is None else norm._replace(residual=None, total=None), x)
     _decode_gate_up_kernel[(T * rows, triton.cdiv(width, bn))](
         x, gate_up, s_gate_up, ids, h, E, I, I_s, H, k, rows, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        h.stride(0), nw, eps, BN=bn, BK=min(bk, triton.next_power_of_2(H)), NORM=norm_mode, num_warps=warps)
+        h.stride(0), nw, eps, BN=bn, BK=min(bk, triton.next_power_of_2(H)), NORM=flags["NORM"], num_warps=warps)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_blocks or ((8, 128, 4) if shared is not None else (8, 128, 8))
     if wide_down:

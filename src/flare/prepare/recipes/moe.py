@@ -137,8 +137,7 @@ def _takes_norm(block, norm, residual: torch.Tensor, x: torch.Tensor):
     x2, r2 = x.reshape(rows, x.shape[-1]), residual.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1 or r2.stride(-1) != 1:
         return None
-    spec = offer(x2, r2)
-    return spec
+    return offer(x2, r2)
 
 
 def _folds_shared(block) -> bool:
