@@ -552,7 +552,7 @@ class ProgramSet:
             commit_rows(v, slots, live, tok, completion)
             if self.caps.max_logprobs:
                 block(logits.float(), tok, self.caps.max_logprobs, self.caps.sampling_vocab,
-                      out=completion[:, 4:])
+                      out=completion[:, len(Completion._fields):])
             return
         pending, generated, counter, done, hist_at, count, record = self._commit_rows(slots, live, tok)
         v["state.pending"].index_copy_(0, slots, pending)

@@ -249,8 +249,9 @@ def _launch_qk_norm_rotary(q, k, v, wq, wk, cos, sin, eps, zero_centred, qo, ko,
     if tokens:
         cache = (ko.stride(0), ko.stride(1), ko.stride(2)) if page else (0, 0, 0)
         wrap_triton(_qk_norm_rotary_kernel)[(tokens, hq + (2 * hk if page else hk))](
-            q, k, v, q if wq is None else wq, q if wk is None else wk, cos, sin, qo, ko, vo, slots, hq, hk, cos.shape[-1], pool_rows, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0), *cache, eps, D=d,
+            q, k, v, q if wq is None else wq, q if wk is None else wk, cos, sin, qo, ko, vo, slots, hq, hk,
+            cos.shape[-1], pool_rows, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0), *cache, eps, D=d,
             ZERO_CENTRED=zero_centred, PAGE=page, NORM=wq is not None, num_warps=_warps(d))
 
 
@@ -264,7 +265,8 @@ def _qk_norm_rotary_op(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: t
 
 
 def qk_norm_rotary(q_norm: nn.Module | None, k_norm: nn.Module | None, q: torch.Tensor, k: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, pages=None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
+                   cos: torch.Tensor, sin: torch.Tensor,
+                   pages=None) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None:
     """An attention layer's per-head q and k norms and its rotary embedding in one launch, in a
     decode or verify step whose norms are row-invariant single launches (``_one_launch``, the
     same form for both, no forward hook, weights in the heads' dtype): ``q [B, T, Hq, D]`` and
@@ -289,7 +291,7 @@ def qk_norm_rotary(q_norm: nn.Module | None, k_norm: nn.Module | None, q: torch.
     eps, zero = (q_norm._eps(), bool(q_norm._ZERO_CENTRED)) if q_norm is not None else (0.0, False)
     wq, wk = (q_norm.weight, k_norm.weight) if q_norm is not None else (None, None)
     if pages is None:
-        qo, ko = _qk_norm_rotary_op(qv, kv, q_norm.weight, k_norm.weight, cv, sv, eps, zero)
+        qo, ko = _qk_norm_rotary_op(qv, kv, wq, wk, cv, sv, eps, zero)
         return qo.view(q.shape), ko.view(k.shape)
     v, batch, layer = pages
     pool = batch.kv
@@ -307,7 +309,7 @@ def qk_norm_rotary(q_norm: nn.Module | None, k_norm: nn.Module | None, q: torch.
     return qo.view(q.shape)
 
 
-def qk_norm_rotary_applies(q_norm: nn.Module, k_norm: nn.Module, q: torch.Tensor, k: torch.Tensor,
+def qk_norm_rotary_applies(q_norm: nn.Module | None, k_norm: nn.Module | None, q: torch.Tensor, k: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether ``qk_norm_rotary`` takes these (no launch)."""
     return _qk_views(q_norm, k_norm, q, k, cos, sin) is not None

@@ -476,32 +476,24 @@ def add_norm(norm: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> tuple[
 
 # Statements of a Transformers decoder layer's forward (consecutive, at the top level of its
 # body) and the call each rewrite puts in their place.
+_ADD_NORM = ("hidden_states = residual + hidden_states", "residual = hidden_states",
+             "hidden_states = self.post_attention_layernorm(hidden_states)")
+_MLP_ADD = ("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states")
+# (Qwen3.5-MoE's and Qwen3-Next's layers, whose MLP may be a block returning a tuple)
+_MOE_ADD = (_MLP_ADD[0], "if isinstance(hidden_states, tuple):\n    hidden_states, _ = hidden_states", _MLP_ADD[1])
+_ADD_NORM_MLP_CALL = ("hidden_states = _flare_add_norm_mlp(self.post_attention_layernorm, self.mlp, residual, "
+                      "hidden_states)")
+_MLP_ADD_CALL = "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"
 _REWRITES = {
-    # (the two below together, where a layer has both one after the other: tried first)
-    "add_norm_mlp": (("hidden_states = residual + hidden_states", "residual = hidden_states",
-                      "hidden_states = self.post_attention_layernorm(hidden_states)",
-                      "hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
-                     "hidden_states = _flare_add_norm_mlp(self.post_attention_layernorm, self.mlp, residual, "
-                     "hidden_states)"),
-    # (Qwen3.5-MoE's and Qwen3-Next's layers: the same with the unpacking of a tuple after the MLP)
-    "add_norm_moe": (("hidden_states = residual + hidden_states", "residual = hidden_states",
-                      "hidden_states = self.post_attention_layernorm(hidden_states)",
-                      "hidden_states = self.mlp(hidden_states)",
-                      "if isinstance(hidden_states, tuple):\n    hidden_states, _ = hidden_states",
-                      "hidden_states = residual + hidden_states"),
-                     "hidden_states = _flare_add_norm_mlp(self.post_attention_layernorm, self.mlp, residual, "
-                     "hidden_states)"),
+    # (the two below together, where a layer has both one after the other: tried first; the
+    # mixture-of-experts layers' with the unpacking of a tuple after the MLP)
+    "add_norm_mlp": (_ADD_NORM + _MLP_ADD, _ADD_NORM_MLP_CALL),
+    "add_norm_moe": (_ADD_NORM + _MOE_ADD, _ADD_NORM_MLP_CALL),
     "input_norm": (("hidden_states = self.input_layernorm(hidden_states)",),
                    "hidden_states = _flare_input_norm(self.input_layernorm, hidden_states)"),
-    "mlp_residual": (("hidden_states = self.mlp(hidden_states)", "hidden_states = residual + hidden_states"),
-                     "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"),
-    # (Qwen3.5-MoE's and Qwen3-Next's layers, whose MLP may be a block returning a tuple)
-    "moe_residual": (("hidden_states = self.mlp(hidden_states)",
-                      "if isinstance(hidden_states, tuple):\n    hidden_states, _ = hidden_states",
-                      "hidden_states = residual + hidden_states"),
-                     "hidden_states = _flare_mlp_residual(self.mlp, hidden_states, residual)"),
-    "add_norm": (("hidden_states = residual + hidden_states", "residual = hidden_states",
-                  "hidden_states = self.post_attention_layernorm(hidden_states)"),
+    "mlp_residual": (_MLP_ADD, _MLP_ADD_CALL),
+    "moe_residual": (_MOE_ADD, _MLP_ADD_CALL),
+    "add_norm": (_ADD_NORM,
                  "hidden_states, residual = _flare_add_norm(self.post_attention_layernorm, residual, hidden_states)"),
 }
 _LAYER_FORWARDS: dict[type, object] = {}
