@@ -710,15 +710,16 @@ class _PreMixer(nn.Module):
         return hidden_states
 
 
-@pytest.mark.parametrize("norm_wins", [True, False])
-def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_wins):
+@pytest.mark.parametrize("norm_wins,split", [(True, 1), (False, 1), (True, 2)])
+def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_wins, split):
     """A decoder layer's input norm (the ``input_norm`` rewrite) before a mixer whose input goes to
-    one projection: ``choose_step_gemms`` offers that projection its ``dot`` GEMVs without a split
-    timed with the norm in their loads (Llama's form here, no add), every other family charged the
-    norm's kernel; where such a family wins the two are linked and a step's norm is no launch of
-    its own (the layer passes ``x`` on, the projection's ``gemv_norm_linear`` applies it), the
-    layer's output within float32 rounding; where it loses, or under a hook on the mixer, the norm
-    is its own launch. Prompt programs keep the norm."""
+    one projection: ``choose_step_gemms`` offers that projection its ``dot`` GEMVs, with a split or
+    without, timed with the norm in their loads (Llama's form here, no add), every other family
+    charged the norm's kernel; where such a family wins the two are linked and a step's norm is no
+    launch of its own (the layer passes ``x`` on, the projection's ``gemv_norm_linear`` applies it,
+    a split one with the core's ticket counters), the layer's output within float32 rounding; where
+    it loses, under a hook on the mixer, or on a split tiling without counters, the norm is its own
+    launch. Prompt programs keep the norm."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from flare.prepare.kernels import rownorm
@@ -726,14 +727,15 @@ def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_win
     from flare.prepare.recipes import fused
 
     torch.manual_seed(3)
-    plain = nn.Linear(64, 64, bias=False).to(DEVICE)
+    h = 256  # (K that two slices of 128 fill)
+    plain = nn.Linear(h, h, bias=False).to(DEVICE)
     layer = _PreMixer()
-    layer.self_attn = _Mixer(nn.Linear(64, 64, bias=False).to(DEVICE))
+    layer.self_attn = _Mixer(nn.Linear(h, h, bias=False).to(DEVICE))
     layer.self_attn.proj.weight.data.copy_(plain.weight)
-    layer.input_layernorm = LlamaRMSNorm(64, eps=1e-6).to(DEVICE)
+    layer.input_layernorm = LlamaRMSNorm(h, eps=1e-6).to(DEVICE)
     with torch.no_grad():
         layer.input_layernorm.weight.normal_()
-    reference = LlamaRMSNorm(64, eps=1e-6).to(DEVICE)
+    reference = LlamaRMSNorm(h, eps=1e-6).to(DEVICE)
     reference.load_state_dict(layer.input_layernorm.state_dict())
     forward = fused._rewritten_forward(_PreMixer)
     assert inspect_rewrites(forward) == {"input_norm"}
@@ -741,7 +743,8 @@ def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_win
     rownorm.make_norms_row_invariant(layer, steps=True)
     proj, norm = layer.self_attn.proj, layer.input_layernorm
     assert fused.input_norm_projections([layer]) == [(proj, norm, layer.self_attn)]
-    pick = GemvTiling(32, 128, 4, dot=1, stages=4)
+    pick = GemvTiling(32, 128, 4, dot=1, stages=4, split=split)
+    tickets = ticket_counters(DEVICE)
 
     def step_tiling(weight, bias, rows, *, timer=None, margin=0.97, glu=False):
         times = {"cublas": 10.0, **{t: 9.5 for t in gemm.STEP_TILINGS}}
@@ -757,19 +760,26 @@ def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_win
                         timed.append((rows, t, fold, conv)) or (1.1 if norm_wins and t == pick else 9.9))
     monkeypatch.setattr(gemm, "_gemv_same_rows", lambda *a: True)
     monkeypatch.setattr(gemm, "_norm_same_rows", lambda *a: True)  # (as above)
-    found = gemm.choose_step_gemms([layer], [1, 2])
+    found = gemm.choose_step_gemms([layer], [1, 2], tickets=tickets)
     assert found["0.self_attn.proj"] == {1: pick, 2: pick}
     assert {fold for _, _, fold, _ in timed} == {gemm.NormFold(zero_centred=False, add=False)}
-    assert {t for _, t, _, _ in timed} == {t for t in gemm.STEP_GEMV_TILINGS if t.dot and t.split == 1 and t.fits(64)}
+    assert {t for _, t, _, _ in timed} == {t for t in gemm.STEP_GEMV_TILINGS if t.dot and t.fits(h)}
     assert proj.flare_norm_rows == (frozenset({1, 2}) if norm_wins else frozenset())
     calls = {"norm_gemv": 0, "rms_norm": 0}
     count_calls(monkeypatch, gemm, "gemv_norm_linear", calls, "norm_gemv")
     count_calls(monkeypatch, rownorm, "rms_norm", calls, "rms_norm")
-    x = torch.randn(2, 64, device=DEVICE)
+    x = torch.randn(2, h, device=DEVICE)
     with torch.no_grad():
         want = x + plain(reference(x))
         torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
         assert calls == ({"norm_gemv": 1, "rms_norm": 0} if norm_wins else {"norm_gemv": 0, "rms_norm": 1})
+        assert not tickets.any()
+        if split > 1:  # (a split GEMV without the core's counters leaves the norm apart)
+            proj.flare_tickets = None
+            calls.update(norm_gemv=0, rms_norm=0)
+            torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
+            assert calls == {"norm_gemv": 0, "rms_norm": 1}
+            proj.flare_tickets = tickets
         calls.update(norm_gemv=0, rms_norm=0)
         with prompt_rows.marked(True):
             torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-5)
@@ -788,8 +798,10 @@ def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_win
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles and captures a CUDA graph")
-def test_the_norm_folds_compile_and_replay_in_a_cuda_graph(monkeypatch):
-    """A layer's input norm in its mixer projection's GEMV and its add and post-attention norm in
+@pytest.mark.parametrize("split", [1, 2])
+def test_the_norm_folds_compile_and_replay_in_a_cuda_graph(monkeypatch, split):
+    """A layer's input norm in its mixer projection's GEMV (unsplit, or in two slices of K added by
+    the last ticket's program) and its add and post-attention norm in
     its gate/up GEMV (bfloat16, Qwen3.5's zero-centred norms) compiled as the step programs are
     (one graph, no break) and captured in a CUDA graph: each replay the eager bits, without an
     ``rms_norm`` launch, within bfloat16 rounding of the layer with its norms apart."""
@@ -829,10 +841,13 @@ def test_the_norm_folds_compile_and_replay_in_a_cuda_graph(monkeypatch):
     with torch.inference_mode():
         apart = layer(x)
         proj, up, down = layer.self_attn.proj, mlp.gate_up_proj, mlp.down_proj
-        for module, tiling in ((proj, GemvTiling(16, 64, 4, dot=1, stages=2)), (up, GemvTiling(16, 64, 4, dot=1, stages=2, glu=1)),
+        # (the input norm's GEMV in two slices of K with the core's counters, or unsplit)
+        proj_tiling = GemvTiling(16, 64 // split, 4, dot=1, stages=2, split=split)
+        for module, tiling in ((proj, proj_tiling), (up, GemvTiling(16, 64, 4, dot=1, stages=2, glu=1)),
                                (down, GemvTiling(32, 64, 4, dot=1, stages=2))):
             gemm._switch(module)
             module.flare_step_tiling = {2: tiling}
+        proj.flare_tickets = ticket_counters("cuda")
         proj.flare_norm_rows = up.flare_norm_rows = frozenset({2})
         fused.link_input_norm(proj, layer.input_layernorm, layer.self_attn)
         calls = {"rms_norm": 0}

@@ -334,7 +334,7 @@ def test_the_norm_in_the_loads(zero_centred, add, glu):
     """``norm``: the dot GEMV of rows put through an RMS norm in its loads (with a residual, of
     ``residual + x``, that sum written bit for bit) gives the product of the norm's output within
     the rounding of the two orders, each row the same bits alone and among others, through
-    ``gemv`` and ``gemv_norm_linear``; refused with a split, without ``dot``, with the activation
+    ``gemv`` and ``gemv_norm_linear``; refused with a split without ticket counters, without ``dot``, with the activation
     in the loads, with a weight of another length, in float16 (whose range the scaled rows may
     leave before the RMS scales them) or writing the sum over an input."""
     g = torch.Generator().manual_seed(57)
@@ -371,7 +371,7 @@ def test_the_norm_in_the_loads(zero_centred, add, glu):
     assert torch.equal(op, got) and (op_total is None if not add else torch.equal(op_total, total))
 
     out = torch.empty(rows, n, device=DEVICE, dtype=dt)
-    for bad, kw in (((16, 32, 2, 4, 2, 0, 0, 1), {}), ((16, 32, 1, 4, 2), {})):
+    for bad, kw in (((16, 32, 2, 4, 2, 0, 0, 1), {"tickets": False}), ((16, 32, 1, 4, 2), {})):
         with pytest.raises(ValueError, match="norm"):
             G.gemv(x, w, out, bad, glu=glu and bad[2] == 1 and len(bad) > 5, norm=G.Norm(nw, eps, zero_centred), **kw)
     with pytest.raises(ValueError, match="norm"):
@@ -383,3 +383,53 @@ def test_the_norm_in_the_loads(zero_centred, add, glu):
     if add:
         with pytest.raises(ValueError, match="norm"):
             G.gemv(x, w, out, tiling, glu=glu, norm=G.Norm(nw, eps, zero_centred, r, x))
+
+
+@pytest.mark.parametrize("zero_centred,add,split", [(True, True, 2), (False, True, 3), (False, False, 4)])
+def test_the_norm_in_the_loads_with_a_split(zero_centred, add, split):
+    """A split dot GEMV with the norm in its loads: each slice's sums of squares added with its
+    partial sums by the last ticket's program, then scaled: the unsplit product within float32
+    rounding (another order), the sum written bit for bit by the slices of column tile 0, each row
+    the same bits alone and among others, run to run, the counters left at zero; through
+    ``gemv_norm_linear`` with the core's counters the same bits; refused there without counters or
+    with ``glu``, and by ``gemv`` with a sums-of-squares workspace of other sizes."""
+    g = torch.Generator().manual_seed(58)
+    n, k, rows, eps = 72, 200, 4, 1e-6  # (3 column tiles; K's last slice partly masked)
+    dt = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE, dt)
+    x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE, dt)
+    r = torch.randn(rows, k, generator=g).to(DEVICE, dt) if add else None
+    nw = (0.5 * torch.randn(k, generator=g)).to(DEVICE, dt)
+    tiling = (32, 32, split, 4, 2, 0, 0, 1)
+    assert G.fills_slices(k, split, 32)
+
+    def run(xs, rs, t=tiling, space=None):
+        total = torch.empty_like(xs) if add else None
+        out = G.gemv(xs, w, torch.empty(xs.shape[0], n, device=DEVICE, dtype=dt), t, space=space,
+                     norm=G.Norm(nw, eps, zero_centred, rs, total))
+        return out, total
+
+    space = G.workspace(rows, n, split, 32, DEVICE, dot=True, norm=True)
+    got, total = run(x, r, space=space)
+    assert not space[1].any()  # (the counters back at zero)
+    unsplit, unsplit_total = run(x, r, t=(32, 32, 1, 4, 2, 0, 0, 1))
+    tol = {"rtol": 2**-7, "atol": 2**-7} if dt != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(got.float(), unsplit.float(), **tol)
+    if add:
+        assert torch.equal(total, unsplit_total) and torch.equal(total, (r.float() + x.float()).to(dt))
+    again, _ = run(x, r, space=space)
+    assert torch.equal(again, got)
+    alone, _ = run(x[2:3].clone(), None if r is None else r[2:3].clone())
+    assert torch.equal(alone[0], got[2])
+    tickets = G.ticket_counters(DEVICE)
+    op, op_total = G.gemv_norm_linear(x, w, G.GemvTiling(32, 32, 4, dot=1, stages=2, split=split),
+                                      G.Norm(nw, eps, zero_centred, r), tickets=tickets)
+    assert torch.equal(op, got) and (op_total is None if not add else torch.equal(op_total, total))
+    assert not tickets.any()
+    with pytest.raises(ValueError, match="counters"):
+        G.gemv_norm_linear(x, w, G.GemvTiling(32, 32, 4, dot=1, stages=2, split=split), G.Norm(nw, eps, zero_centred))
+    with pytest.raises(ValueError, match="glu"):
+        G.gemv_norm_linear(x, w, G.GemvTiling(32, 32, 4, dot=1, stages=2, split=split, glu=1),
+                           G.Norm(nw, eps, zero_centred), tickets=tickets)
+    with pytest.raises(ValueError, match="sums of squares"):
+        run(x, r, space=(*space[:2], space[2][:, :2]))

@@ -222,10 +222,13 @@ SCRIPT = textwrap.dedent('''
     norm_cases = [(t, form, True, 0) for t in G.GLU_TILINGS for form in (1, 2)]
     norm_cases += [(t, form, False, 0) for t in inputs for form in (1, 2)]
     norm_cases += [(t, 1, False, 4) for t in inputs]
+    # (and the input norm in the tensor-core tilings with a split: their sums of squares added by
+    # the last ticket's program)
+    norm_cases += [(t, form, False, 0) for t in G.STEP_GEMV_TILINGS if t.dot and t.split > 1 for form in (1, 2)]
     for t, form, add, width in norm_cases:
-        compile_for_sm90(GV.gemv_kernel, norm_types,
-                         dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=1, DEFER=False, SWIGLU=False,
-                              RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=False,
+        compile_for_sm90(GV.gemv_kernel, {**norm_types, **f32("ss_ptr")},
+                         dict(BM=GV.DOT_ROWS, BN=t.bn, BK=t.bk, KS=t.bk, SPLIT=t.split, DEFER=False, SWIGLU=False,
+                              RESIDUAL=False, ROWLOOP=False, DOT=True, PRECISION="tf32", TICKETS=t.split > 1,
                               GLU=bool(t.glu), NORM=form, NORM_ADD=add, CONV_W=width, CONV_BIAS=False),
                          num_warps=t.warps, num_stages=t.stages)
     # A Gated DeltaNet's input projection with the decode step's convolution in the epilogue: every
@@ -284,7 +287,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 179, proc.stdout
+    assert proc.stdout.count("compiled") == 199, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

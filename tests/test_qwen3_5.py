@@ -453,8 +453,8 @@ def test_steps_with_the_input_norms_in_the_mixers_gemvs(stream, monkeypatch):
     real_conv, real_norm, real_rms = gemv.gemv_conv_linear, gemm.gemv_norm_linear, R.rms_norm
     monkeypatch.setattr(gemv, "gemv_conv_linear", lambda x, w, t, c, norm=None: calls.append(("conv", norm is not None))
                         or real_conv(x, w, t, c, norm=norm))
-    monkeypatch.setattr(gemm, "gemv_norm_linear", lambda x, w, t, n: calls.append(("norm", n.residual is not None))
-                        or real_norm(x, w, t, n))
+    monkeypatch.setattr(gemm, "gemv_norm_linear", lambda x, w, t, n, tickets=None:
+                        calls.append(("norm", n.residual is not None)) or real_norm(x, w, t, n, tickets=tickets))
     monkeypatch.setattr(R, "rms_norm", lambda x, w, *a, **kw: norms.append(x.shape[-1]) or real_rms(x, w, *a, **kw))
     decode_alike(plain, folded, [1, 2], steps=2)
     attention = len(layers) - gdn

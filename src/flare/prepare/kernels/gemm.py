@@ -167,7 +167,7 @@ class _RowInvariant:
             if isinstance(tiling, GemvTiling):  # (called as a linear layer, a GLU tiling's plain product)
                 norm = self.flare_input_norm(x)
                 if norm is not None:  # (the decoder layer passed its input norm's input on)
-                    return gemv_norm_linear(x, self.weight, tiling, norm)[0]
+                    return gemv_norm_linear(x, self.weight, tiling, norm, tickets=self.flare_tickets)[0]
                 return gemv_linear(x, self.weight, tiling._replace(glu=0), tickets=self.flare_tickets)
             return nonsplit_linear(x, self.weight, self.bias, tiling)
         return super().forward(x)
@@ -316,8 +316,12 @@ STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 1
 # ``gemv-2026-12-04-run3.json``'s ten that were best for some weight of the 9B and 8B shapes: the
 # 9B in_proj at 3.9 TB/s against cuBLAS's 3.6 at 1-4 rows, q/k/v and gate/up within 1 % of
 # cuBLAS, the 4,096-column weights (down, o/out_proj) 5-15 % under it (too few programs without
-# a split of K); and four that split K (2-4 slices, their partial sums added in order by a second
-# launch that also adds the residual: not yet timed).
+# a split of K); and six that split K (2-8 slices, their partial sums added in order by the last
+# program of a column tile to take a ticket, which also adds the residual, or scales by the rows'
+# reciprocal RMS where the input norm is in the loads): the 30B-A3B shape's o_proj (2,048 x 4,096)
+# and its q/k/v with the norm (5,120 x 2,048, unsplit: 160 programs of 32 columns for 132 SMs) ran
+# at 1.4-1.5 TB/s on the H100 (``timeline-qwen3-30b-a3b-shape-2026-12-06.json``), so narrower
+# slices give them more programs.
 STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(2, 2048, 4), GemvTiling(4, 2048, 4),
                      GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1),
                      GemvTiling(8, 512, 4, 0, 1), GemvTiling(8, 1024, 8, 0, 1),
@@ -325,7 +329,8 @@ STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(
                      GemvTiling(16, 512, 4, dot=1, stages=2), GemvTiling(32, 128, 4, dot=1, stages=4),
                      GemvTiling(64, 128, 4, dot=1, stages=4),
                      GemvTiling(32, 128, 4, dot=1, stages=4, split=2), GemvTiling(32, 128, 4, dot=1, stages=4, split=4),
-                     GemvTiling(64, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 256, 4, dot=1, stages=3, split=4))
+                     GemvTiling(64, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 256, 4, dot=1, stages=3, split=4),
+                     GemvTiling(16, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 128, 4, dot=1, stages=4, split=8))
 
 
 # The tensor-core GEMVs without a split, with a gated MLP's activation in their epilogue: offered
@@ -515,17 +520,19 @@ def _norm_gemv_ms(weight: torch.Tensor, rows: int, tiling: GemvTiling, fold: Nor
         state, cw, slots, live = _conv_operands(weight, rows, conv)
         c = Conv(state, cw, None, slots, live)
         return timer(rotating(lambda w: gemv_conv_linear(x, w, tiling, c, norm=norm)))
-    return timer(rotating(lambda w: gemv_norm_linear(x, w, tiling, norm)))
+    tickets = ticket_counters(weight.device) if tiling.split > 1 else None
+    return timer(rotating(lambda w: gemv_norm_linear(x, w, tiling, norm, tickets=tickets)))
 
 
 def _norm_same_rows(w: torch.Tensor, x: torch.Tensor, tiling: GemvTiling, counts: list[int], fold: NormFold) -> bool:
     """Whether the GEMV on ``tiling`` with the norm (and its add) in its loads gives each row (its
     output, and the sum with an add) the same bits at every count (random rows ``x``)."""
     nw, _, r = _norm_operands(w, x.shape[0], fold)
+    tickets = ticket_counters(w.device) if tiling.split > 1 else None
 
     def both(rows):
         residual = r[: rows.shape[0]] if fold.add else None
-        out, total = gemv_norm_linear(rows, w, tiling, Norm(nw, 1e-6, fold.zero_centred, residual))
+        out, total = gemv_norm_linear(rows, w, tiling, Norm(nw, 1e-6, fold.zero_centred, residual), tickets=tickets)
         return out if total is None else torch.cat([out, total], dim=-1)
 
     return _same_rows(both, x, counts)
@@ -679,16 +686,18 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     (``times[count]["conv"]``).
     ``norm_fold`` (``NormFold``): the layer's GEMVs may also take the norm before it in their
     loads: with ``act_fold`` its GLU tilings, the decoder layer's residual add too
-    (``fused.norm_glu_projections``); without, its ``dot`` tilings without a split, a decoder layer's
-    input norm (``fused.input_norm_projections``), with the convolution where ``conv_fold`` has
-    it. A family of each such tiling timed with the norm (``times[count]["norm_gemv"][tiling]``)
+    (``fused.norm_glu_projections``); without, its ``dot`` tilings, a decoder layer's input norm
+    (``fused.input_norm_projections``): those without a split, with the convolution, where
+    ``conv_fold`` is given, every one (the split ones with ticket counters) elsewhere. A family of each such tiling timed with the norm (``times[count]["norm_gemv"][tiling]``)
     is offered too, and every family that leaves the norm apart, those tilings without it
     included, is charged the norm's kernel (``times[count]["norm"]``); ``times["sums"]["norm"]``
     then says whether the chosen family takes it."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
     # (the tilings that may take the norm: a [gate; up] projection's GLU tilings, another's dot
     # GEMVs without a split, with the convolution where it has one)
-    norm_tilings = [t for t in (GLU_TILINGS if act_fold else STEP_GEMV_TILINGS) if t.dot and t.split == 1]
+    # dot GEMVs with a split (ticket counters: a core's steps hold them) too where no convolution asks for none)
+    norm_tilings = [t for t in (GLU_TILINGS if act_fold else STEP_GEMV_TILINGS)
+                    if t.dot and (t.split == 1 or not (act_fold or conv_fold))]
     for c in counts:
         if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)

@@ -191,7 +191,7 @@ def _norm_scale(acc, ss, K, eps):
 def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                 stride_rm, c_ptr, cw_ptr, cb_ptr, slots_ptr, live_ptr, CD, stride_cs, stride_cd, stride_cw,
                 stride_cwd, stride_cww, stride_slot, stride_live, nr_ptr, nw_ptr, nt_ptr, stride_nr, stride_nt, eps,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                ss_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                 SPLIT: tl.constexpr, DEFER: tl.constexpr, SWIGLU: tl.constexpr = False,
                 RESIDUAL: tl.constexpr = False, ROWLOOP: tl.constexpr = False, DOT: tl.constexpr = False,
                 PRECISION: tl.constexpr = "ieee", TICKETS: tl.constexpr = True, GLU: tl.constexpr = False,
@@ -209,10 +209,10 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
     up = tl.zeros([BM, BN], tl.float32)  # GLU: the up projection's sums (weight rows N + n)
     lanes = tl.zeros([BM, BN, BK], tl.float32)  # DEFER: a sum per K lane, reduced after the loop
     ss = tl.zeros([BM], tl.float32)  # NORM: each row's sum of squares
-    if NORM > 0:  # (DOT, SPLIT 1, no SWIGLU: ``gemv`` checks)
-        acc, up, ss = _norm_dot_loop(x_ptr, w_ptr, nr_ptr, nw_ptr, nt_ptr, m, n, m_in, n_in, N, K, 0, KS, stride_xm,
-                                     stride_wn, stride_nr, stride_nt, pid_n == 0, BM, BN, BK, PRECISION, GLU, NORM,
-                                     NORM_ADD)
+    if NORM > 0:  # (DOT, no SWIGLU; a split only with tickets, no GLU: ``gemv`` checks)
+        acc, up, ss = _norm_dot_loop(x_ptr, w_ptr, nr_ptr, nw_ptr, nt_ptr, m, n, m_in, n_in, N, K, s * KS,
+                                     s * KS + KS, stride_xm, stride_wn, stride_nr, stride_nt, pid_n == 0, BM, BN, BK,
+                                     PRECISION, GLU, NORM, NORM_ADD)
     for k0 in range(s * KS, s * KS + KS if NORM == 0 else s * KS, BK):
         kk = k0 + tl.arange(0, BK)
         k_in = kk < K
@@ -244,10 +244,14 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
                 acc += tl.sum(products, axis=2)
     if DEFER:
         acc = tl.sum(lanes, axis=2)
-    if NORM > 0:
+    if (NORM > 0) & (SPLIT == 1):
         acc = _norm_scale(acc, ss, K, eps)
         if GLU:
             up = _norm_scale(up, ss, K, eps)
+    # NORM with a split: each slice's rows' sum of squares beside its partial sums (a [BM] vector a
+    # slice and column tile), the last ticket's program adding them in the same order
+    ss_rows = ss_ptr + pid_n.to(tl.int64) * BM + m  # (slice j's at j * ss_slice past these)
+    ss_slice = tl.num_programs(0) * BM
     out_at = out_ptr + m[:, None] * stride_om + n[None, :]
     keep = m_in[:, None] & n_in[None, :]
     rows = part_ptr + (m[:, None].to(tl.int64) * N + n[None, :])  # (a split's partial sums)
@@ -263,6 +267,8 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
         tl.store(out_at, y, mask=keep)
     else:
         tl.store(rows + s.to(tl.int64) * BM * N, acc, mask=keep)
+        if NORM > 0:
+            tl.store(ss_rows + s * ss_slice, ss)
     if (SPLIT > 1) & TICKETS:  # (without tickets ``sum_slices_kernel`` adds the slices after)
         tl.debug_barrier()  # every thread's partial sums are stored before the ticket
         ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -270,6 +276,11 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, r_ptr, M, N, K, stri
             total = tl.zeros([BM, BN], tl.float32)
             for j in range(SPLIT):
                 total += tl.load(rows + j * BM * N, mask=keep, other=0.0, cache_modifier=".cg")
+            if NORM > 0:
+                ss = tl.zeros([BM], tl.float32)
+                for j in range(SPLIT):
+                    ss += tl.load(ss_rows + j * ss_slice, cache_modifier=".cg")
+                total = _norm_scale(total, ss, K, eps)
             tl.store(out_at, _epilogue(total, r_ptr, m, n, keep, stride_rm, out_ptr.dtype.element_ty, RESIDUAL),
                      mask=keep)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
@@ -317,9 +328,18 @@ def partials(rows: int, n: int, split: int, device, dot: bool = False) -> torch.
     return torch.empty((split, _block_rows(rows, dot), n), dtype=torch.float32, device=device)
 
 
-def workspace(rows: int, n: int, split: int, bn: int, device, dot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial sums, zeroed ticket counters) for ``gemv`` at these sizes."""
-    return partials(rows, n, split, device, dot), torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device)
+def norm_partials(rows: int, n: int, split: int, bn: int, device) -> torch.Tensor:
+    """The float32 sums of squares ``gemv`` with a ``Norm`` and ``split`` slices writes (the dot
+    variant's: a slice's, for each column tile and row of its tile)."""
+    return torch.empty((split, triton.cdiv(n, bn), _block_rows(rows, True)), dtype=torch.float32, device=device)
+
+
+def workspace(rows: int, n: int, split: int, bn: int, device, dot: bool = False,
+              norm: bool = False) -> tuple[torch.Tensor, ...]:
+    """(partial sums, zeroed ticket counters[, with ``norm`` and a split, ``norm_partials``]) for
+    ``gemv`` at these sizes."""
+    space = partials(rows, n, split, device, dot), torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=device)
+    return (*space, norm_partials(rows, n, split, bn, device)) if norm and split > 1 else space
 
 
 class Conv(NamedTuple):
@@ -357,8 +377,8 @@ def _conv_args(conv: Conv | None, M: int, N: int, out: torch.Tensor) -> tuple:
 
 
 class Norm(NamedTuple):
-    """An RMS norm of the product's input rows, computed in the GEMV's loads (``dot`` without a
-    split): ``weight [K]`` (in x's dtype), ``eps``; ``zero_centred``: scaled by ``1 + weight``
+    """An RMS norm of the product's input rows, computed in the GEMV's loads (``dot``; a split only
+    with ticket counters): ``weight [K]`` (in x's dtype), ``eps``; ``zero_centred``: scaled by ``1 + weight``
     (Qwen3.5, Qwen3-Next), otherwise by ``weight`` (Llama). With ``residual`` (x's shape) the
     norm is of ``residual + x`` rounded to x's dtype, a decoder layer's add before its norm, and
     that sum is written to ``total`` (x's shape), the layer's next residual."""
@@ -447,13 +467,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     ``conv``: the first D outputs go through a decode step's causal convolution and SiLU in the
     epilogue, their rows' histories updated in place (``Conv``; no split, glu, activation or
     residual): ``gdn.conv1d_decode_step`` on the product, the same bits, in the same launch.
-    ``norm`` (``dot`` without a split, no activation in the loads): the rows are first put through
+    ``norm`` (``dot``, no activation in the loads; a split only with ticket counters and no ``glu``,
+    its workspace ``workspace(..., norm=True)``): the rows are first put through
     an RMS norm (``Norm``; with its residual, of ``residual + x``, that sum written to its
     ``total``), computed in the loads: each K step's row tile is scaled by the norm's weight and
     rounded, its squares summed, and the product scaled by each row's reciprocal RMS at the end,
     the same value as the norm's kernel before the GEMV in another rounding order (the normalised
-    row is never rounded; the scaled one is). A row's bits do not depend on the other rows. The
-    norm's launch, and its output's store and load, go.
+    row is never rounded; the scaled one is). With a split each slice also stores its rows' sums
+    of squares over its columns, and the last ticket's program adds them in slice order as it adds
+    the partial products, then scales (another summation order than without a split, fixed). A
+    row's bits do not depend on the other rows. The norm's launch, and its output's store and load,
+    go.
     ``space``: ``workspace(M, N, SPLIT, BN, dot=dot)`` (made here when None). ``kernel``, ``sum_kernel``: the
     plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -479,8 +503,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     if conv is not None and (split != 1 or glu or swiglu or residual is not None):
         raise ValueError("gemv's convolution epilogue takes no split, glu, activation in the loads or residual")
     conv_args, conv_flags = _conv_args(conv, M, N, out)
-    if norm is not None and not (dot and split == 1 and not swiglu):
-        raise ValueError("gemv's norm in the loads takes the dot variant without a split or the activation in the loads")
+    if norm is not None and not (dot and not swiglu and (split == 1 or (tickets and not glu))):
+        raise ValueError("gemv's norm in the loads takes the dot variant, without the activation in the loads, and a "
+                         "split only with ticket counters and no glu")
     norm_args, norm_flags = _norm_args(norm, x)
     if defer + rowloop + dot > 1:
         raise ValueError("gemv's defer, rowloop and dot are variants of the product: one at most")
@@ -490,15 +515,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     ks = _slice_width(K, split, bk)
     if not fills_slices(K, split, bk):
         raise ValueError(f"K = {K} does not fill {split} slices of {ks} columns")
-    part, count = space if space is not None else workspace(M, N, split, bn, x.device, dot)
+    part, count, *rest = space if space is not None else workspace(M, N, split, bn, x.device, dot, norm is not None)
     bm = _block_rows(M, dot)
+    ss = rest[0] if rest else part  # (NORM with a split: its slices' sums of squares)
+    if norm is not None and split > 1 and (not rest or tuple(ss.shape) != (split, triton.cdiv(N, bn), bm)
+                                           or ss.dtype != torch.float32 or not ss.is_contiguous()):
+        raise ValueError(f"gemv's norm with a split needs a contiguous float32 [{split}, {triton.cdiv(N, bn)}, {bm}] "
+                         "workspace for its sums of squares (``workspace(..., norm=True)``)")
     if out.stride(-1) != 1 or out.shape[0] < M or out.shape[1] != N:
         raise ValueError(f"gemv writes {M} x {N} outputs with unit stride, got {tuple(out.shape)}")
     if split > 1 and (tuple(part.shape) != (split, bm, N) or (tickets and count.numel() < triton.cdiv(N, bn))):
         raise ValueError(f"gemv's workspace is for other sizes: {tuple(part.shape)}, {count.numel()} counters")
     kernel[(triton.cdiv(N, bn), split)](
         x, w, out, part, count, r, M, N, K, x.stride(0), w.stride(0), out.stride(0), r.stride(0), *conv_args, *norm_args,
-        BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
+        ss, BM=bm, BN=bn, BK=bk, KS=ks, SPLIT=split, DEFER=defer, SWIGLU=swiglu, RESIDUAL=residual is not None,
         ROWLOOP=rowloop, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", TICKETS=tickets,
         GLU=glu, **conv_flags, **norm_flags, num_warps=warps, num_stages=stages)
     if split > 1 and not tickets:
@@ -565,6 +595,13 @@ def ticket_counters(device) -> torch.Tensor:
 # tracer that kept the op whole (torch.export) would have only the stream's order to keep two
 # calls apart. (Declaring the mutation may make Inductor copy the counters around each call:
 # not measured yet.)
+def _check_tickets(tickets: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, who: str) -> None:
+    """Raises unless ``tickets`` are int32 counters enough for the column tiles of ``weight``."""
+    if tickets.dtype != torch.int32 or tickets.numel() < triton.cdiv(weight.shape[0], tiling.bn):
+        raise ValueError(f"{who}'s tickets: {tickets.numel()} {tickets.dtype} counters for "
+                         f"{triton.cdiv(weight.shape[0], tiling.bn)} column tiles")
+
+
 @triton_op("flare::gemv_linear", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], swiglu: bool = False,
              residual: torch.Tensor | None = None, tickets: torch.Tensor | None = None) -> torch.Tensor:
@@ -599,38 +636,46 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, swigl
         residual = residual.reshape(-1, residual.shape[-1]).contiguous()
     if tiling.split == 1:
         tickets = None  # (no slices to add)
-    if tickets is not None and (tickets.dtype != torch.int32 or tickets.numel() < triton.cdiv(weight.shape[0], tiling.bn)):
-        raise ValueError(f"gemv_linear's tickets: {tickets.numel()} {tickets.dtype} counters for "
-                         f"{triton.cdiv(weight.shape[0], tiling.bn)} column tiles")
+    if tickets is not None:
+        _check_tickets(tickets, weight, tiling, "gemv_linear")
     out = _gemv_op(rows, weight, list(tiling), swiglu, residual, tickets)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @triton_op("flare::gemv_norm_linear", mutates_args=())
 def _gemv_norm_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], norm_weight: torch.Tensor, eps: float,
-                  zero_centred: bool, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  zero_centred: bool, residual: torch.Tensor | None = None,
+                  tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     t = GemvTiling(*tiling)
     out = torch.empty((x.shape[0], weight.shape[0] // (2 if t.glu else 1)), dtype=x.dtype, device=x.device)
     total = torch.empty_like(x) if residual is not None else x.new_empty((0,))
-    gemv(x, weight, out, (t.bn, t.bk, 1, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=(out, out),
+    # (a split's partial sums and sums of squares: memory of the program, as ``_gemv_op``'s)
+    space = (out, out) if t.split == 1 else (partials(x.shape[0], out.shape[1], t.split, x.device, True), tickets,
+                                              norm_partials(x.shape[0], out.shape[1], t.split, t.bn, x.device))
+    gemv(x, weight, out, (t.bn, t.bk, t.split, t.warps, t.stages, t.defer, t.rowloop, t.dot), space=space,
          kernel=wrap_triton(gemv_kernel), glu=bool(t.glu),
          norm=Norm(norm_weight, eps, zero_centred, residual, total if residual is not None else None))
     return out, total
 
 
-def gemv_norm_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling,
-                     norm: Norm) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gemv_norm_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, norm: Norm,
+                     tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``F.linear(norm(x), weight)`` (``glu`` 1: its gated activation) by ``gemv`` on ``tiling``
-    (``dot`` without a split) with the RMS norm computed in its loads (``Norm``, its ``total``
-    left out: allocated here), as a custom op; returns (output, ``residual + x`` where the norm has
-    a residual, else None): one launch where the norm (with the add) and the GEMV were two."""
-    if not tiling.dot or tiling.split != 1:
-        raise ValueError(f"gemv_norm_linear takes a dot tiling without a split, not {tiling}")
+    (``dot``; a split, without ``glu``, with ``tickets``: zeroed int32 counters as ``gemv_linear``
+    takes them) with the RMS norm computed in its loads (``Norm``, its ``total`` left out:
+    allocated here), as a custom op; returns (output, ``residual + x`` where the norm has a
+    residual, else None): one launch where the norm (with the add) and the GEMV were two."""
+    if not tiling.dot or (tiling.split != 1 and (tiling.glu or tickets is None)):
+        raise ValueError(f"gemv_norm_linear takes a dot tiling, a split only with ticket counters and no glu, "
+                         f"not {tiling}{' without counters' if tickets is None else ''}")
+    if tiling.split > 1:
+        _check_tickets(tickets, weight, tiling, "gemv_norm_linear")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     if rows.shape[0] > tiling.max_rows:
         raise ValueError(f"gemv_norm_linear with {tiling} takes at most {tiling.max_rows} rows, not {rows.shape[0]}")
     residual = None if norm.residual is None else norm.residual.reshape(rows.shape).contiguous()
-    out, total = _gemv_norm_op(rows, weight, list(tiling), norm.weight, norm.eps, norm.zero_centred, residual)
+    out, total = _gemv_norm_op(rows, weight, list(tiling), norm.weight, norm.eps, norm.zero_centred, residual,
+                               tickets if tiling.split > 1 else None)
     return out.reshape(*x.shape[:-1], out.shape[-1]), None if residual is None else total.reshape(x.shape)
 
 

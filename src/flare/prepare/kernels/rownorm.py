@@ -398,7 +398,8 @@ class _Rows:
         rows = x.numel() // x.shape[-1]
         tiling = proj.flare_step_tiling.get(rows)
         if (rows not in proj.flare_norm_rows or not isinstance(tiling, GemvTiling) or not tiling.dot
-                or tiling.split != 1 or tiling.glu or hooked(self) or hooked(mixer) or hooked(proj)):
+                or (tiling.split != 1 and proj.flare_tickets is None) or tiling.glu or hooked(self) or hooked(mixer)
+                or hooked(proj)):
             return None
         return self.flare_gemv_norm(x)
 
