@@ -29,6 +29,8 @@ SCRIPT = textwrap.dedent('''
     import collections
     import re
 
+    import triton
+
     from flare.prepare.kernels import gdn as K
     from flare.prepare.kernels import gdn_grid as GG
     from flare.prepare.kernels import gemm as G
@@ -171,7 +173,10 @@ SCRIPT = textwrap.dedent('''
                                   dict(GROUP=4, HEADS=heads, BLOCK_T=block_t, PAGE=16, D=d,
                                        D_PAD=max(128, d), BLOCK_N=64 if d <= 128 else 32,
                                        SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg,
-                                       RTILES=rtiles, FULL_BLOCKS=full, FOLD=fold), num_warps=warps, num_stages=2)
+                                       RTILES=rtiles, FULL_BLOCKS=full, FOLD=fold,
+                                       SPLITS_PAD=triton.next_power_of_2(splits),
+                                       FOLD_CH=A.fold_splits(block_t * heads, max(128, d), splits)),
+                                  num_warps=warps, num_stages=2)
         print("ex2", ex2_feeds(kernel.asm["ptx"]))
     for seg, nseg in ((0, 0), (16, 128)):
         compile_for_sm90(A._combine_kernel, {**bf16("out_ptr"), **f32("part_acc", "part_m", "part_l"),

@@ -290,10 +290,11 @@ def test_decode_splits_follow_the_live_rows():
 @pytest.mark.parametrize("window", [0, 150])
 def test_decode_splits_folded_by_the_last_program(window, monkeypatch):
     """With ticket counters (a CUDA core's, ``PagedBatch.tickets``) a decode launch's last program
-    of each tile folds its splits, splits in order whoever it is: no combine launch, the
-    reference's output within tolerance and the combine kernel's within float32 rounding (a
-    serial sum where the combine sums the splits as a tensor), padded rows zeros, every counter
-    back at zero, and the same bits on a second call."""
+    of each tile folds its splits, the same way whoever it is: no combine launch, the
+    reference's output within tolerance and the combine kernel's within float32 rounding (blocks
+    of splits summed in turn where the combine sums them in one tensor), padded rows zeros, every
+    counter back at zero, and the same bits on a second call; two splits or one a block, the same
+    within float32 rounding."""
     from flare.prepare.kernels import paged_attention as A
 
     combines = []
@@ -318,6 +319,15 @@ def test_decode_splits_folded_by_the_last_program(window, monkeypatch):
         torch.testing.assert_close(out, apart, atol=1e-6, rtol=1e-6)
         again = attend_triton(folded, step.layer, step.q, scale(LONG), num_splits=6, target=target, window=window)
         assert torch.equal(again, out) and not tickets.any()
+        assert A.fold_splits(4, 64, 6) == 8  # (this geometry: the 6 splits in one block; below 2 and 1 a block)
+        for block, per in ((512, 2), (1, 1)):
+            with monkeypatch.context() as m:
+                m.setattr(A, "FOLD_BLOCK", block)
+                assert A.fold_splits(4, 64, 6) == per
+                blocks = attend_triton(folded, step.layer, step.q, scale(LONG), num_splits=6, target=target,
+                                       window=window)
+            torch.testing.assert_close(blocks, out, atol=1e-6, rtol=1e-6)
+            assert not tickets.any()
 
 
 # Rows 300..316 under a window of 100 see keys from 201 on, of 150 from 151 on: in segments of 3
