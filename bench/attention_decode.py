@@ -9,7 +9,9 @@ For each geometry (Llama-3.1-8B: 32 query heads over 8 kv heads; Qwen3-30B-A3B: 
 head dim 128, pages of 16 tokens, bfloat16 KV) and context, a decode launch of capacity 4
 whose rows each have that context (the launch's page table is as wide as the context:
 a core whose context limit it is), with 1 and with 4 rows live. Per mode (``split``: the
-even split decode steps take; ``segments``: the prompt programs' fixed segments):
+even split decode steps take, summed by the combine kernel; ``segments``: the prompt programs'
+fixed segments; ``fold``: the even split with ticket counters, as a CUDA core's decode steps
+run it, the splits summed by each tile's last program, no combine launch):
 
 * ``time_us``: one layer's call, the median over graph replays of R calls on R layers of
   the KV pool (rotating past the L2 cache), divided by R; ``gb_per_s`` the live rows' KV
@@ -62,10 +64,11 @@ def _pool(H, KVH, D, context, layers, device, gen, dtype):
     return kv, table, q
 
 
-def _batch(kv, table, context, live, device) -> PagedBatch:
+def _batch(kv, table, context, live, device, tickets=None) -> PagedBatch:
     rows = torch.arange(CAPACITY, device=device)
     return PagedBatch(kv, table, token_slot=rows + 1, positions=torch.full((CAPACITY,), context - 1, device=device),
-                      slot_mapping=torch.full((CAPACITY,), -1, device=device), valid=rows < live, impl="triton")
+                      slot_mapping=torch.full((CAPACITY,), -1, device=device), valid=rows < live, impl="triton",
+                      tickets=tickets)
 
 
 def _reference(kv, table, q, layer, row, context, scale):
@@ -80,7 +83,7 @@ def _reference(kv, table, q, layer, row, context, scale):
 
 
 def _context_cases(gname, H, KVH, D, context, device, l2_bytes) -> list[Case]:
-    """The four cases (1 and 4 live rows, each mode) of one geometry and context, on one pool."""
+    """The six cases (1 and 4 live rows, each mode) of one geometry and context, on one pool."""
     scale = D ** -0.5
     row_bytes = context * KVH * D * 2 * 2  # K and V, bfloat16
     layers = max(2, min(64, -(-3 * l2_bytes // row_bytes))) if device == "cuda" else 2
@@ -96,9 +99,11 @@ def _context_cases(gname, H, KVH, D, context, device, l2_bytes) -> list[Case]:
         return attend_triton(_batch(kv, table, context, live, device), 0, q, scale, segments=segments)[0]
 
     out = []
+    tickets = torch.zeros(1 << 14, dtype=torch.int32, device=device)
     for live in (1, CAPACITY):
-        batch = _batch(kv, table, context, live, device)
-        for mode, segments in (("split", None), ("segments", True)):
+        for mode, segments in (("split", None), ("segments", True), ("fold", None)):
+            batch = _batch(kv, table, context, live, device, tickets if mode == "fold" else None)
+
             def call(layer, batch=batch, segments=segments):
                 return (attend_triton(batch, layer, q, scale, segments=segments),)
 
