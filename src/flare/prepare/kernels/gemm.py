@@ -316,12 +316,11 @@ STEP_TILINGS = ((16, 16, 256, 4), (16, 32, 256, 4), (16, 32, 128, 4), (16, 64, 1
 # ``gemv-2026-12-04-run3.json``'s ten that were best for some weight of the 9B and 8B shapes: the
 # 9B in_proj at 3.9 TB/s against cuBLAS's 3.6 at 1-4 rows, q/k/v and gate/up within 1 % of
 # cuBLAS, the 4,096-column weights (down, o/out_proj) 5-15 % under it (too few programs without
-# a split of K); and six that split K (2-8 slices, their partial sums added in order by the last
+# a split of K); and four that split K (2-4 slices, their partial sums added in order by the last
 # program of a column tile to take a ticket, which also adds the residual, or scales by the rows'
-# reciprocal RMS where the input norm is in the loads): the 30B-A3B shape's o_proj (2,048 x 4,096)
-# and its q/k/v with the norm (5,120 x 2,048, unsplit: 160 programs of 32 columns for 132 SMs) ran
-# at 1.4-1.5 TB/s on the H100 (``timeline-qwen3-30b-a3b-shape-2026-12-06.json``), so narrower
-# slices give them more programs.
+# reciprocal RMS where the input norm is in the loads). (Two narrower split tilings, 16 columns x 4
+# slices and 32 x 8, were offered at 0594ed8: the 30B-A3B shape's preparation took neither and
+# 274 s against 211, which the 35B shape's 477 s could not afford under a 600 s call.)
 STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(2, 2048, 4), GemvTiling(4, 2048, 4),
                      GemvTiling(8, 2048, 8), GemvTiling(8, 512, 4), GemvTiling(8, 1024, 4, 1),
                      GemvTiling(8, 512, 4, 0, 1), GemvTiling(8, 1024, 8, 0, 1),
@@ -329,8 +328,7 @@ STEP_GEMV_TILINGS = (GemvTiling(1, 4096, 4), GemvTiling(2, 4096, 8), GemvTiling(
                      GemvTiling(16, 512, 4, dot=1, stages=2), GemvTiling(32, 128, 4, dot=1, stages=4),
                      GemvTiling(64, 128, 4, dot=1, stages=4),
                      GemvTiling(32, 128, 4, dot=1, stages=4, split=2), GemvTiling(32, 128, 4, dot=1, stages=4, split=4),
-                     GemvTiling(64, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 256, 4, dot=1, stages=3, split=4),
-                     GemvTiling(16, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 128, 4, dot=1, stages=4, split=8))
+                     GemvTiling(64, 128, 4, dot=1, stages=4, split=4), GemvTiling(32, 256, 4, dot=1, stages=3, split=4))
 
 
 # The tensor-core GEMVs without a split, with a gated MLP's activation in their epilogue: offered
