@@ -255,10 +255,14 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
                             [(lambda s=s, bn=bn: (K.router_gemv(s[0], router, block_n=bn)[0],)) for s in sets],
                             [], None, "the router GEMV of decode steps (a program per token and block of experts)"))
         tickets = torch.zeros(T, dtype=torch.int32, device=device)
-        for bn in (1, 4) if device == "cuda" else (1,):  # routing in the launch: the last ticket routes
-            out.append(Case(f"{tag}.router.gemv_route[bn{bn}]",
-                            [(lambda s=s, bn=bn: tuple(K.router_gemv(s[0], router, block_n=bn,
-                                                                     route=(k, True, None, tickets))[2:]))
+        # Routing in the launch: the last ticket routes; with fewer warps (the routing's reductions
+        # then stay within a warp or two, its GEMV programs streaming a row with fewer threads) too,
+        # as a measure for ``ROUTE_WARPS``, which route_rows and a routing router share.
+        for bn, warps in ((1, 4), (4, 4), (1, 2), (1, 1)) if device == "cuda" else ((1, 4), (1, 1)):
+            out.append(Case(f"{tag}.router.gemv_route[bn{bn},w{warps}]",
+                            [(lambda s=s, bn=bn, w=warps: tuple(K.router_gemv(s[0], router, block_n=bn, num_warps=w,
+                                                                              route=(k, True, None, tickets),
+                                                                              exact=False)[2:]))
                              for s in sets],
                             [], None, "the router GEMV routing in its launch (decode steps with ticket counters)"))
     out.append(Case(f"{tag}.router.cublas", [(lambda s=s: (F.linear(s[0], router),)) for s in sets],

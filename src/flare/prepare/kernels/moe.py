@@ -342,6 +342,12 @@ def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch
     return weights, ids, Plan(order, tiles[0][:MT], tiles[1][:MT], tiles[2][:MT], block_m)
 
 
+# Warps of a token's routing program (``route_rows``, and the router GEMV's launch that routes in
+# its last program): the softmax's and the top-k's reductions follow their register layout, so
+# the two must agree for a token's weights to be the same bits in decode steps and prompt chunks.
+ROUTE_WARPS = 4
+
+
 def route_rows(logits: torch.Tensor, top_k: int, renormalize: bool,
                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``route`` from the router's logits ``[T, E]`` with one program per token, for any T:
@@ -359,7 +365,7 @@ def route_rows(logits: torch.Tensor, top_k: int, renormalize: bool,
     _route_plan_kernel[(T,)](  # the plan's four outputs are never touched with PLAN=False
         logits, valid, weights, ids, ids, ids, ids, ids, T, E, *logits.stride(),
         K=top_k, RENORM=renormalize, BM=16, BT=1, BE=triton.next_power_of_2(E), BK=BK, BP=BK, MT=1, PLAN=False,
-        num_warps=4,
+        num_warps=ROUTE_WARPS,
     )
     return weights, ids
 
@@ -561,7 +567,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
     ``HAS_S`` the program past the last block computes the shared expert's one-column gate.
     ``ROUTE``: each program then takes a ticket from the token's counter; the last one routes
     the token as ``route_rows``' program does (``_top_k`` over the logits the others stored, the
-    same layout: one row, 4 warps), writes its weights and ids, and zeroes the counter.
+    same layout: one row, ``ROUTE_WARPS`` warps), writes its weights and ids, and zeroes the counter.
     ``NORM`` (1 zero-centred, 2 Llama's): the rows are the RMS norm (weight ``nw_ptr``) of
     ``residual + x`` (``r_ptr``), a decoder layer's add and post-attention norm in the loads
     (``_gemv_rows_norm``); program (t, 0) stores the sum to ``t_ptr``, the experts' input and the
@@ -603,9 +609,9 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
 
 
 def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor | None = None,
-                *, block_n: int | None = None, block_k: int = 512, num_warps: int = 4,
+                *, block_n: int | None = None, block_k: int = 512, num_warps: int | None = None,
                 route: tuple[int, bool, torch.Tensor | None, torch.Tensor] | None = None,
-                norm=None) -> tuple:
+                norm=None, exact: bool = True) -> tuple:
     """The router's logits ``x @ weight.T`` (``[T, E]``, float32 sums, the model dtype out) for a
     decode-sized batch, and a shared expert's gate logits ``x @ shared_gate.T`` (``[T, 1]``;
     None without one) in the same launch. One program per token and block of router rows,
@@ -622,7 +628,8 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     ``route`` = (top k, renormalise, valid rows or None, ticket counters: zeroed int32, at least
     T, left zeroed): the token's last program also routes it, the weights and ids of
     ``route_rows`` on these logits to the bit (returned after the logits and gate), without
-    ``route_rows``' launch.
+    ``route_rows``' launch: with ``route_rows``' warps (``ROUTE_WARPS``; ``exact`` False lets a
+    benchmark route with others, whose softmax may then round otherwise).
 
     ``norm``: a ``gemv.Norm`` with a residual (the decoder layer's post-attention norm and the add
     before it, ``Norm.residual`` of x's shape and dtype): the router takes the norm of
@@ -634,8 +641,9 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     nargs, flags = _norm_args(None if norm is None else norm._replace(total=torch.empty_like(x)), x)
     if x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("router_gemv needs rows with unit stride and a contiguous router")
-    if route is not None and num_warps != 4:  # (route_rows' layout: its bits need the same warps)
-        raise ValueError(f"router_gemv routes with 4 warps, as route_rows does, not {num_warps}")
+    num_warps = num_warps or (ROUTE_WARPS if route is not None else 4)
+    if route is not None and exact and num_warps != ROUTE_WARPS:  # (route_rows' layout: its bits need its warps)
+        raise ValueError(f"router_gemv routes with {ROUTE_WARPS} warps, as route_rows does, not {num_warps}")
     if shared_gate is not None and (shared_gate.shape != (1, Kd) or not shared_gate.is_contiguous()):
         raise ValueError(f"shared gate {tuple(shared_gate.shape)}: expected a contiguous [1, {Kd}]")
     bn = block_n or 1
