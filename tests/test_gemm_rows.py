@@ -791,10 +791,13 @@ def test_a_mixer_projection_takes_the_input_norm_before_it(monkeypatch, norm_win
             assert calls == {"norm_gemv": 0, "rms_norm": 1}
         finally:
             handle.remove()
-    # A later choice without the norm's family unlinks them.
-    monkeypatch.setattr(gemm, "_norm_gemv_ms", lambda *a, **kw: 99.0)
+    # A later choice without the norm's family unlinks them; without the core's counters no split
+    # tiling is offered the norm.
+    offered = []
+    monkeypatch.setattr(gemm, "_norm_gemv_ms", lambda w, rows, t, *a, **kw: offered.append(t) or 99.0)
     gemm.choose_step_gemms([layer], [1, 2])
     assert proj.flare_norm_rows == frozenset() and norm._flare_consumer is None
+    assert offered and all(t.split == 1 for t in offered)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles and captures a CUDA graph")
@@ -853,9 +856,9 @@ def test_the_norm_folds_compile_and_replay_in_a_cuda_graph(monkeypatch, split):
         calls = {"rms_norm": 0}
         count_calls(monkeypatch, rownorm, "rms_norm", calls, "rms_norm")
         eager, eager_other = layer(x), layer(other)
-        assert calls["rms_norm"] == 0
+        assert calls["rms_norm"] == 0 and not proj.flare_tickets.any()
         torch.testing.assert_close(eager, apart, atol=0.06, rtol=0.02)
-        _replays_bitwise(layer, [(x, eager), (other, eager_other)])
+        _replays_bitwise(layer, [(x, eager), (other, eager_other)], lambda: not proj.flare_tickets.any())
 
 
 def inspect_rewrites(forward) -> set[str]:

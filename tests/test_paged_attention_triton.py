@@ -319,11 +319,13 @@ def test_decode_splits_folded_by_the_last_program(window, monkeypatch):
         torch.testing.assert_close(out, apart, atol=1e-6, rtol=1e-6)
         again = attend_triton(folded, step.layer, step.q, scale(LONG), num_splits=6, target=target, window=window)
         assert torch.equal(again, out) and not tickets.any()
-        assert A.fold_splits(4, 64, 6) == 8  # (this geometry: the 6 splits in one block; below 2 and 1 a block)
-        for block, per in ((512, 2), (1, 1)):
+        rows = A.plan_launch(4, LONG.H, LONG.KVH, LONG.D, LONG.max_pages, LONG.page_size, tile_tokens=False,
+                             sm_count=1, num_splits=6).rows  # (the launch's query rows: heads padded)
+        assert A.fold_splits(rows, 64, 6) == 8  # (the 6 splits in one block; below 2 and 1 a block)
+        for block, per in ((2 * rows * 64, 2), (1, 1)):
             with monkeypatch.context() as m:
                 m.setattr(A, "FOLD_BLOCK", block)
-                assert A.fold_splits(4, 64, 6) == per
+                assert A.fold_splits(rows, 64, 6) == per
                 blocks = attend_triton(folded, step.layer, step.q, scale(LONG), num_splits=6, target=target,
                                        window=window)
             torch.testing.assert_close(blocks, out, atol=1e-6, rtol=1e-6)

@@ -150,7 +150,8 @@ class _RowInvariant:
 
     flare_split_rows: frozenset[int] = frozenset()
     flare_step_tiling: dict[int, tuple[int, ...]] = {}
-    flare_tickets: torch.Tensor | None = None  # the core's GEMV ticket counters (``gemv_linear``)
+    # the core's GEMV ticket counters (``gemv_linear``, ``gemv_norm_linear`` with a split)
+    flare_tickets: torch.Tensor | None = None
     flare_conv_rows: frozenset[int] = frozenset()  # decode counts whose convolution this GEMV takes
     # step counts whose norm before it this GEMV takes: a GLU's add and norm (``fused.add_norm_mlp``), or
     # a decoder layer's input norm (``flare_input_norm``)
@@ -652,8 +653,8 @@ def check_conv_folds(layers: Iterable[nn.Module], decode_counts: Iterable[int], 
 
 def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[int], *, timer=None,
                 margin: float = 0.97, residual_fold: bool = False, act_fold: bool = False,
-                conv_fold: ConvFold | None = None,
-                norm_fold: NormFold | None = None) -> tuple[dict[int, tuple[int, ...]], dict]:
+                conv_fold: ConvFold | None = None, norm_fold: NormFold | None = None,
+                split_norm: bool = False) -> tuple[dict[int, tuple[int, ...]], dict]:
     """One product for a layer's decode and verify steps at every row count in ``counts``, so
     that a row's bits never depend on how many rows its step has (the batch the scheduler put it
     in: cache on and off, a request resumed alone, give the same tokens only then). Families
@@ -685,17 +686,18 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     ``norm_fold`` (``NormFold``): the layer's GEMVs may also take the norm before it in their
     loads: with ``act_fold`` its GLU tilings, the decoder layer's residual add too
     (``fused.norm_glu_projections``); without, its ``dot`` tilings, a decoder layer's input norm
-    (``fused.input_norm_projections``): those without a split, with the convolution, where
-    ``conv_fold`` is given, every one (the split ones with ticket counters) elsewhere. A family of each such tiling timed with the norm (``times[count]["norm_gemv"][tiling]``)
-    is offered too, and every family that leaves the norm apart, those tilings without it
+    (``fused.input_norm_projections``): those without a split where ``conv_fold`` is given (with
+    the convolution), every one elsewhere, the split ones where ``split_norm`` (the core's ticket
+    counters, which a split GEMV with the norm needs). A family of each such tiling timed with the
+    norm (``times[count]["norm_gemv"][tiling]``) is offered too, and every family that leaves the norm apart, those tilings without it
     included, is charged the norm's kernel (``times[count]["norm"]``); ``times["sums"]["norm"]``
     then says whether the chosen family takes it."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
-    # (the tilings that may take the norm: a [gate; up] projection's GLU tilings, another's dot
-    # GEMVs without a split, with the convolution where it has one)
-    # dot GEMVs with a split (ticket counters: a core's steps hold them) too where no convolution asks for none)
+    # (the tilings that may take the norm: a [gate; up] projection's GLU tilings (none split);
+    # another's dot GEMVs, unsplit where it has a convolution (timed with it), split ones too where
+    # the core's ticket counters let them add their slices with the norm)
     norm_tilings = [t for t in (GLU_TILINGS if act_fold else STEP_GEMV_TILINGS)
-                    if t.dot and (t.split == 1 or not (act_fold or conv_fold))]
+                    if t.dot and (t.split == 1 or (split_norm and not (act_fold or conv_fold)))]
     for c in counts:
         if residual_fold:
             times[c]["add"] = _add_ms(weight, c, timer)
@@ -784,8 +786,8 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
     for steps before this) is offered a GLU family timed with them (``step_choice``'s ``norm_fold``,
     in the norm's form) and, where that family wins, takes them (``flare_norm_rows``). So is the
     projection that reads a decoder layer's input norm (``fused.input_norm_projections``: the q/k/v
-    of its attention, its Gated DeltaNet's input projection), its ``dot`` GEMVs without a split
-    timed with the norm in their loads; where that family wins the two are linked
+    of its attention, its Gated DeltaNet's input projection), its ``dot`` GEMVs (split ones too
+    with ``tickets``) timed with the norm in their loads; where that family wins the two are linked
     (``fused.link_input_norm``): in its steps the layer passes the norm's input on and the
     projection applies the norm."""
     from flare.prepare.recipes.fused import (glu_projections, hooked, input_norm_projections, link_input_norm,
@@ -823,7 +825,7 @@ def choose_step_gemms(layers: Iterable[nn.Module], row_counts: Iterable[int], lo
         key = (*_key(module), id(module) in folds, act, conv, norm)
         if key not in measured:
             chosen, times = step_choice(module.weight, module.bias, counts, residual_fold=key[-4], act_fold=act,
-                                        conv_fold=conv, norm_fold=norm, **kw)
+                                        conv_fold=conv, norm_fold=norm, split_norm=tickets is not None, **kw)
             measured[key] = chosen, times["sums"].get("norm", False)
             if log is not None:
                 sums = times["sums"]

@@ -434,7 +434,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int, ...],
-         space: tuple[torch.Tensor, torch.Tensor] | None = None, kernel=gemv_kernel,
+         space: tuple[torch.Tensor, ...] | None = None, kernel=gemv_kernel,
          swiglu: bool = False, residual: torch.Tensor | None = None, tickets: bool = True,
          sum_kernel=sum_slices_kernel, glu: bool = False, conv: Conv | None = None,
          norm: Norm | None = None) -> torch.Tensor:
@@ -478,7 +478,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     the partial products, then scales (another summation order than without a split, fixed). A
     row's bits do not depend on the other rows. The norm's launch, and its output's store and load,
     go.
-    ``space``: ``workspace(M, N, SPLIT, BN, dot=dot)`` (made here when None). ``kernel``, ``sum_kernel``: the
+    ``space``: ``workspace(M, N, SPLIT, BN, dot=dot, norm=norm is not None)`` (made here when None). ``kernel``, ``sum_kernel``: the
     plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("gemv needs rows and weight with unit stride along K")
@@ -588,18 +588,20 @@ def ticket_counters(device) -> torch.Tensor:
     return torch.zeros(TICKET_COUNTERS, dtype=torch.int32, device=device)
 
 
-# The op says it mutates nothing: with ``tickets`` it increments counters that the call's last
-# programs set back to zero, so a call leaves every tensor it was given as it found it (calls run
-# one after another on the program's stream; none runs beside another with the same counters).
-# Inductor splits a triton_op into its kernels and sees the atomics on the counters anyway; a
-# tracer that kept the op whole (torch.export) would have only the stream's order to keep two
-# calls apart. (Declaring the mutation may make Inductor copy the counters around each call:
-# not measured yet.)
 def _check_tickets(tickets: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, who: str) -> None:
     """Raises unless ``tickets`` are int32 counters enough for the column tiles of ``weight``."""
     if tickets.dtype != torch.int32 or tickets.numel() < triton.cdiv(weight.shape[0], tiling.bn):
         raise ValueError(f"{who}'s tickets: {tickets.numel()} {tickets.dtype} counters for "
                          f"{triton.cdiv(weight.shape[0], tiling.bn)} column tiles")
+
+
+# The ops say they mutate nothing (``gemv_linear``'s and, with a split, ``gemv_norm_linear``'s):
+# with ``tickets`` they increment counters that the call's last programs set back to zero, so a
+# call leaves every tensor it was given as it found it (calls run one after another on the
+# program's stream; none runs beside another with the same counters). Inductor splits a triton_op
+# into its kernels and sees the atomics on the counters anyway; a tracer that kept the op whole
+# (torch.export) would have only the stream's order to keep two calls apart. (Declaring the
+# mutation may make Inductor copy the counters around each call: not measured yet.)
 
 
 @triton_op("flare::gemv_linear", mutates_args=())
@@ -647,6 +649,8 @@ def _gemv_norm_op(x: torch.Tensor, weight: torch.Tensor, tiling: list[int], norm
                   zero_centred: bool, residual: torch.Tensor | None = None,
                   tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     t = GemvTiling(*tiling)
+    if t.split > 1 and tickets is None:
+        raise ValueError(f"gemv_norm_linear's op: a split tiling {t} needs ticket counters")
     out = torch.empty((x.shape[0], weight.shape[0] // (2 if t.glu else 1)), dtype=x.dtype, device=x.device)
     total = torch.empty_like(x) if residual is not None else x.new_empty((0,))
     # (a split's partial sums and sums of squares: memory of the program, as ``_gemv_op``'s)
@@ -665,9 +669,12 @@ def gemv_norm_linear(x: torch.Tensor, weight: torch.Tensor, tiling: GemvTiling, 
     takes them) with the RMS norm computed in its loads (``Norm``, its ``total`` left out:
     allocated here), as a custom op; returns (output, ``residual + x`` where the norm has a
     residual, else None): one launch where the norm (with the add) and the GEMV were two."""
-    if not tiling.dot or (tiling.split != 1 and (tiling.glu or tickets is None)):
-        raise ValueError(f"gemv_norm_linear takes a dot tiling, a split only with ticket counters and no glu, "
-                         f"not {tiling}{' without counters' if tickets is None else ''}")
+    if not tiling.dot:
+        raise ValueError(f"gemv_norm_linear takes a dot tiling, not {tiling}")
+    if tiling.split != 1 and tiling.glu:
+        raise ValueError(f"gemv_norm_linear's glu takes no split: {tiling}")
+    if tiling.split != 1 and tickets is None:
+        raise ValueError(f"gemv_norm_linear's split {tiling} needs ticket counters")
     if tiling.split > 1:
         _check_tickets(tickets, weight, tiling, "gemv_norm_linear")
     rows = x.reshape(-1, x.shape[-1]).contiguous()

@@ -45,8 +45,9 @@ does nothing. Every program computes the same ``eff``,
 and program (0, 0, 0) stores it for the combine. A decode launch with ticket counters (a CUDA
 core's, ``PagedBatch.tickets``: ``FOLD``) needs no second kernel: each of a tile's programs
 takes a ticket after storing its partials, and the one that takes the last folds the tile's
-rows, splits in order 0, 1, ... (the same bits whoever arrives last), and sets its counter back
-to zero (one launch fewer for every attention layer of a decode step).
+rows (every split's maximum and sum in one load, the partial outputs ``FOLD_CH`` splits at a
+time: a fixed order, the same bits whoever arrives last), and sets its counter back to zero
+(one launch fewer for every attention layer of a decode step).
 
 Prompt programs (``SEG > 0``) must give a row the same bits whatever program it runs in
 (the prefix cache prefills a suffix in a small program, the same prompt without the cache
@@ -325,8 +326,8 @@ def _attend_kernel(
         tl.store(part_acc + prow[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
         if FOLD:
             # The tile's SPLITS programs (idle ones too) each take a ticket after storing their
-            # partials; the last folds the tile's rows, splits in order 0, 1, ... whoever it is,
-            # and sets the counter back to zero: the combine is no launch of its own.
+            # partials; the last folds the tile's rows in a fixed order whoever it is, and sets the
+            # counter back to zero: the combine is no launch of its own.
             tl.debug_barrier()  # every thread's partials are stored before the ticket
             ticket = tl.atomic_add(tickets + tb * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLITS - 1:
