@@ -334,9 +334,9 @@ def test_the_norm_in_the_loads(zero_centred, add, glu):
     """``norm``: the dot GEMV of rows put through an RMS norm in its loads (with a residual, of
     ``residual + x``, that sum written bit for bit) gives the product of the norm's output within
     the rounding of the two orders, each row the same bits alone and among others, through
-    ``gemv`` and ``gemv_norm_linear``; refused with a split without ticket counters, without ``dot``, with the activation
-    in the loads, with a weight of another length, in float16 (whose range the scaled rows may
-    leave before the RMS scales them) or writing the sum over an input."""
+    ``gemv`` and ``gemv_norm_linear``; refused with a split without ticket counters, without
+    ``dot``, with the activation in the loads, with a weight of another length, in float16 (whose
+    range the scaled rows may leave before the RMS scales them) or writing the sum over an input."""
     g = torch.Generator().manual_seed(57)
     n, k, rows, eps = 40, 150, 5, 1e-6  # (K not a multiple of the K step: its tail masked)
     dt = torch.float32 if DEVICE == "cpu" else torch.bfloat16

@@ -689,9 +689,10 @@ def step_choice(weight: torch.Tensor, bias: torch.Tensor | None, counts: list[in
     (``fused.input_norm_projections``): those without a split where ``conv_fold`` is given (with
     the convolution), every one elsewhere, the split ones where ``split_norm`` (the core's ticket
     counters, which a split GEMV with the norm needs). A family of each such tiling timed with the
-    norm (``times[count]["norm_gemv"][tiling]``) is offered too, and every family that leaves the norm apart, those tilings without it
-    included, is charged the norm's kernel (``times[count]["norm"]``); ``times["sums"]["norm"]``
-    then says whether the chosen family takes it."""
+    norm (``times[count]["norm_gemv"][tiling]``) is offered too, and every family that leaves the
+    norm apart, those tilings without it included, is charged the norm's kernel
+    (``times[count]["norm"]``); ``times["sums"]["norm"]`` then says whether the chosen family
+    takes it."""
     times = {c: step_tiling(weight, bias, c, timer=timer, margin=1.0, glu=act_fold)[1] for c in counts}
     # (the tilings that may take the norm: a [gate; up] projection's GLU tilings (none split);
     # another's dot GEMVs, unsplit where it has a convolution (timed with it), split ones too where

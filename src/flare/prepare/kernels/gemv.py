@@ -378,8 +378,8 @@ def _conv_args(conv: Conv | None, M: int, N: int, out: torch.Tensor) -> tuple:
 
 class Norm(NamedTuple):
     """An RMS norm of the product's input rows, computed in the GEMV's loads (``dot``; a split only
-    with ticket counters): ``weight [K]`` (in x's dtype), ``eps``; ``zero_centred``: scaled by ``1 + weight``
-    (Qwen3.5, Qwen3-Next), otherwise by ``weight`` (Llama). With ``residual`` (x's shape) the
+    with ticket counters): ``weight [K]`` (in x's dtype), ``eps``; ``zero_centred``: scaled by
+    ``1 + weight`` (Qwen3.5, Qwen3-Next), otherwise by ``weight`` (Llama). With ``residual`` (x's shape) the
     norm is of ``residual + x`` rounded to x's dtype, a decoder layer's add before its norm, and
     that sum is written to ``total`` (x's shape), the layer's next residual."""
 
@@ -478,8 +478,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiling: tuple[int,
     the partial products, then scales (another summation order than without a split, fixed). A
     row's bits do not depend on the other rows. The norm's launch, and its output's store and load,
     go.
-    ``space``: ``workspace(M, N, SPLIT, BN, dot=dot, norm=norm is not None)`` (made here when None). ``kernel``, ``sum_kernel``: the
-    plain Triton kernels eagerly, or their ``wrap_triton`` forms inside a custom op."""
+    ``space``: ``workspace(M, N, SPLIT, BN, dot=dot, norm=norm is not None)`` (made here when
+    None). ``kernel``, ``sum_kernel``: the plain Triton kernels eagerly, or their ``wrap_triton``
+    forms inside a custom op."""
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("gemv needs rows and weight with unit stride along K")
     M, K = x.shape

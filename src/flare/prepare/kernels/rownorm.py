@@ -385,9 +385,9 @@ class _Rows:
         norm before its attention's q/k/v or its Gated DeltaNet's input projection, linked by
         ``gemm.choose_step_gemms`` where that family won, the projection's ``flare_norm_rows``
         holding the count; a split GEMV only with the core's ticket counters, ``flare_tickets``),
-        with no forward hook on the norm, the mixer or the projection; None elsewhere. Both sides ask this with the same rows: the layer then passes ``x`` on as it
-        is (``fused.input_norm``) and the projection applies the norm
-        (``gemm._RowInvariant.flare_input_norm``)."""
+        with no forward hook on the norm, the mixer or the projection; None elsewhere. Both sides
+        ask this with the same rows: the layer then passes ``x`` on as it is (``fused.input_norm``)
+        and the projection applies the norm (``gemm._RowInvariant.flare_input_norm``)."""
         from flare.prepare.kernels.gemv import GemvTiling
         from flare.prepare.recipes.fused import hooked
 
