@@ -1,7 +1,7 @@
 """Routed-expert kernels at Qwen3-30B-A3B's and Qwen3.5-35B-A3B's layer geometry: GPU time
 per layer, capture, accuracy, and the active-bytes bandwidth.
 
-usage: python bench/moe_kernels.py --out RESULT.json [--replays 100] [--budget-s 150]
+usage: python bench/moe_kernels.py --out RESULT.json [--replays 100] [--budget-s 150] [--cases router.,ours.decode]
        python bench/moe_kernels.py --smoke --out /tmp/moe-smoke.json   (CPU, Triton interpreter, tiny, float32)
 
 Per geometry and token count T (decode 1 and 4, prefill chunks of 128 and 2,048), the
@@ -295,6 +295,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--tokens", default=None, help="token counts, comma separated (default 1,4,128,2048)")
     p.add_argument("--geometries", default=None, help=f"comma separated, of {', '.join(GEOMETRIES)} (default: all)")
+    p.add_argument("--cases", default=None, help="only the cases whose names contain one of these comma-separated strings")
     args = p.parse_args(argv)
     started = time.perf_counter()
     cuda = torch.cuda.is_available() and not args.smoke
@@ -322,12 +323,14 @@ def main(argv=None) -> int:
             sweeps = (DECODE_GATE_UP, DECODE_DOWN, DECODE_DOWN_WIDE) if cuda else ([(8, 16, 4)], [(16, 16, 4)],
                                                                                     [(16, 16, 4)])
             cases += cases_for(name, geo, T, device, dtype, rot, configs, sweeps, decode=cuda or T <= 4)
+    if args.cases:
+        cases = [c for c in cases if any(s in c.name for s in args.cases.split(","))]
     results = run(cases, args, cuda, started, lambda line: print(line, flush=True))
     report = dict(
         machine=dict(device=torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"),
         versions=dict(python=platform.python_version(), torch=torch.__version__, triton=triton.__version__),
         config=dict(smoke=args.smoke, geometries=geos, tokens=tokens, dtype=str(dtype), replays=args.replays,
-                    configs=configs),
+                    cases=args.cases, configs=configs),
         results=results, wall_s=round(time.perf_counter() - started, 1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
