@@ -4,7 +4,8 @@ sampler kernels (CUDA only).
 The tail after ``lm_head``: scores (penalties, temperature), the filters and draw
 (``sampling.choose``: softmax and sort, then ATen ops or ``kernels/sampler.draw_sorted``),
 and the log-probability block (``sampling.logprob_block``: ATen's log_softmax and topk,
-or ``kernels/sampler.logprob_block``). One CUDA graph holds CALLS tails on rotating rows of
+or ``kernels/sampler.logprob_block``); the kernels also with the draw's block walk alone
+(``CHUNK_BLOCKS`` 0: no chunk sums). One CUDA graph holds CALLS tails on rotating rows of
 random logits; its replay time over CALLS is a tail's time as a program pays it, launches
 included. Sampling parameters: temperature 1.0, top-p 0.95, top-k 20 (the serving
 benchmarks'), and no filter at all. The tokens and the log-probability ids of both ways are
@@ -25,6 +26,7 @@ import triton
 
 from bench.graphs import graph_ms
 from flare.prepare import sampling as S
+from flare.prepare.kernels import sampler as SK
 
 CALLS = 20
 LOGPROBS = 20
@@ -71,10 +73,16 @@ def main(argv=None) -> int:
                                for (_, l0), (_, l1) in zip(outs[False], outs[True]))
                 ops = graph_ms(lambda: tail(False, False), CALLS)
                 ker = graph_ms(lambda: tail(True, False), CALLS)
+                chunks, SK.CHUNK_BLOCKS = SK.CHUNK_BLOCKS, 0  # the draw's block walk without chunk sums
+                try:
+                    walk = graph_ms(lambda: tail(True, False), CALLS)
+                finally:
+                    SK.CHUNK_BLOCKS = chunks
                 entry[label] = {"ops_ms": ops, "kernel_ms": ker, "kernel_over_ops": ker / ops,
+                                "kernel_block_walk_ms": walk,
                                 "same_tokens": f"{same_tok}/{CALLS}", "same_logprob_ids": f"{same_ids}/{CALLS}"}
-                print(f"vocab {vocab} rows {rows} {label}: ops {ops * 1e3:.1f} us, kernel {ker * 1e3:.1f} us, "
-                      f"tokens {same_tok}/{CALLS}, ids {same_ids}/{CALLS}", flush=True)
+                print(f"vocab {vocab} rows {rows} {label}: ops {ops * 1e3:.1f} us, kernel {ker * 1e3:.1f} us "
+                      f"(block walk {walk * 1e3:.1f}), tokens {same_tok}/{CALLS}, ids {same_ids}/{CALLS}", flush=True)
             results[f"{vocab}@{rows}"] = entry
             json.dump({"meta": meta, "results": results}, open(a.out, "w"), indent=1)
     return 0

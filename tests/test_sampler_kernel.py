@@ -71,11 +71,13 @@ def test_draw_matches_the_tensor_definitions(V):
         sp, si = S._sorted(xs)
         kept, _, n_keep = S.filter_sorted(sp, si, tk.long(), tp, mp)
         want = S._draw(kept, si, n_keep, u)
-        got = K.draw_sorted(*_on(sp, si, tk, tp, mp, u)).cpu()
         skip = _near_boundary(kept, u)
+        kept_ids = [set(si[i, : int(n_keep[i])].tolist()) for i in range(n)]
+        # The default blocks at 100 tokens (one chunk); chunks of 256 tokens in blocks of 64 at
+        # 2,048 and 5,000, whose rows cross chunks whole and stop in one.
+        got = K.draw_sorted(*_on(sp, si, tk, tp, mp, u), **({} if V < 256 else dict(block=64, chunk=256))).cpu()
         assert torch.equal(got[~skip], want[~skip]), (top_k, top_p, min_p, got, want)
         # Whatever the rounding, the token is one the filters keep.
-        kept_ids = [set(si[i, : int(n_keep[i])].tolist()) for i in range(n)]
         assert all(int(got[i]) in kept_ids[i] for i in range(n)), (top_k, top_p, min_p)
         small = n_keep <= 64
         rows, draws, near = rows + int(small.sum()), draws + int((~skip).sum()), near + int((skip & small).sum())
@@ -131,6 +133,11 @@ def test_exact_rows_draw_and_verify_as_the_definitions_across_many_blocks(V):
     for got, want in ((plain, want_plain), (acc, want_acc), (tok, want_tok)):
         bad = (got.cpu() != want).nonzero().flatten().tolist()
         assert not bad, [combos[i // per] for i in bad[:5]]
+    if V > 16:  # the plain draw skips whole chunks (of two blocks) by their sums; the draws at 0 and near 1
+        at = torch.arange(n) % per < 2
+        got = K.draw_sorted(*_on(sp[at], si[at], tk[at], tp[at], mp[at], u[at]), block=16, chunk=32).cpu()
+        bad = (got != want_plain[at]).nonzero().flatten().tolist()
+        assert not bad, [combos[int(torch.arange(n)[at][i]) // per] for i in bad[:5]]
 
 
 def test_a_row_of_nans_draws_its_first_id():

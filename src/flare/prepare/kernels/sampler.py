@@ -42,6 +42,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
+# Blocks a chunk of the draw's skip-ahead (``draw_sorted``): 4 blocks of 2,048, so a 151,936-token
+# vocabulary is 19 chunk sums, read together by the walk.
+CHUNK_BLOCKS = 4
 
 
 @triton.jit
@@ -56,10 +59,48 @@ def _kept_block(sp_ptr, base, start, offs, V, thr):
 
 
 @triton.jit
+def _chunk_sums_kernel(sp_ptr, stride, V, sums_ptr, NC, CHUNK: tl.constexpr):
+    """Program (row, chunk): the sum of the chunk's CHUNK sorted probabilities (one reduction)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    s = tl.load(sp_ptr + row.to(tl.int64) * stride + idx, mask=idx < V, other=0.0)
+    tl.store(sums_ptr + row.to(tl.int64) * NC + c, tl.sum(s, 0))
+
+
+@triton.jit
+def _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, a0, a1, a2,
+                  MODE: tl.constexpr, CHUNK: tl.constexpr, NCP: tl.constexpr):
+    """The leading chunks whose every token passes a test of their last token (each test holds
+    on a prefix of the sorted row, so a chunk passes whole when its last token does): their
+    count and the mass through them (the chunk sums' running total; 0 for none). MODE 0, the
+    filters (args: kth, nucleus, floor: the mass before the chunk's last token under the
+    nucleus); 1, kept (arg0: the threshold); 2, kept and under the draw's target (arg0: the
+    threshold, arg1: the target, arg2: the whole-kept chunks' count)."""
+    c = tl.arange(0, NCP)
+    inc = c < NC
+    cs = tl.load(sums_ptr + sums_row + c, mask=inc, other=0.0)
+    cend = tl.cumsum(cs, 0)
+    last = tl.load(sp_ptr + base + tl.minimum((c + 1) * CHUNK, V) - 1, mask=inc, other=0.0)
+    if MODE == 0:
+        ok = (last >= a0) & (cend - last < a1) & (last >= a2)
+    elif MODE == 1:
+        ok = last >= a0
+    else:
+        ok = (last >= a0) & (cend <= a1) & (c < a2)
+    n = tl.min(tl.where(inc & ok, NCP, c), 0)  # the first chunk that fails (NCP: none)
+    n = tl.minimum(n, NC)
+    mass = tl.sum(tl.where(c == n - 1, cend, 0.0), 0)
+    return n, mass
+
+
+@triton.jit
 def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, prop_ptr, u_rej_ptr,
-                        tok_ptr, vtok_ptr, acc_ptr, VERIFY: tl.constexpr, BLOCK: tl.constexpr):
+                        tok_ptr, vtok_ptr, acc_ptr, sums_ptr, NC, VERIFY: tl.constexpr, BLOCK: tl.constexpr,
+                        CHUNK: tl.constexpr = 0, NCP: tl.constexpr = 1):
     row = tl.program_id(0)
     base = row.to(tl.int64) * stride
+    sums_row = row.to(tl.int64) * NC
     offs = tl.arange(0, BLOCK)
     top_k = tl.load(top_k_ptr + row).to(tl.int32)
     k = tl.where((top_k > 0) & (top_k < V), top_k, V)
@@ -75,6 +116,10 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     n_keep = tl.zeros([], tl.int32)
     carry = tl.zeros([], tl.float32)
     start = tl.zeros([], tl.int32)
+    if CHUNK > 0:  # whole chunks first (their sums), then blocks from the first chunk cut
+        nc, carry = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, kth, nucleus, floor, 0, CHUNK, NCP)
+        n_keep = tl.minimum(nc * CHUNK, V)
+        start = n_keep
     go = (start < V) & ~everything
     while go:
         idx = start + offs
@@ -100,6 +145,11 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     last_rest = tl.zeros([], tl.int32)
     n_kept = tl.zeros([], tl.int32)
     start = tl.zeros([], tl.int32)
+    n_whole = tl.zeros([], tl.int32)
+    if CHUNK > 0:
+        n_whole, total = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, 0.0, 0.0, 1, CHUNK, NCP)
+        n_kept = tl.minimum(n_whole * CHUNK, V)
+        start = n_kept
     go = start < V
     while go:
         idx, inb, s, kept, ks = _kept_block(sp_ptr, base, start, offs, V, thr)
@@ -127,6 +177,10 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     run = tl.zeros([], tl.float32)
     run_r = tl.zeros([], tl.float32)
     start = tl.zeros([], tl.int32)
+    if CHUNK > 0:  # the whole-kept chunks the target passes
+        n_pass, run = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, target, n_whole, 2, CHUNK, NCP)
+        below = tl.minimum(n_pass * CHUNK, V)
+        start = below
     go = start < V
     while go:
         idx, inb, s, kept, ks = _kept_block(sp_ptr, base, start, offs, V, thr)
@@ -158,12 +212,19 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
 
 def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, u: torch.Tensor, proposal: torch.Tensor | None = None,
-                u_rej: torch.Tensor | None = None, block: int = BLOCK):
+                u_rej: torch.Tensor | None = None, block: int = BLOCK, chunk: int | None = None):
     """Over probabilities sorted descending ``sp [N, V]`` (float32) and their token ids
     ``si``: the filters of ``sampling.filtered`` and the draw of ``sampling._draw`` with
     ``u`` (token ids int64 ``[N]``). With a ``proposal`` (int64 ``[N]``) and ``u_rej``,
     also ``sampling._verify``'s verdict: returns (tokens, verified tokens, accepted bool).
-    ``block``: tokens a step of the walk (tests use small ones to cross many blocks)."""
+    ``block``: tokens a step of the walk (tests use small ones to cross many blocks).
+
+    Without a proposal, a launch of a program per row and chunk of ``chunk`` tokens (default
+    ``CHUNK_BLOCKS`` blocks) first sums each chunk, and the walk skips the chunks that a filter,
+    the kept mass or the draw's target passes whole, walking blocks only in the chunk where it
+    stops: a row that keeps every token (no top-k, top-p 1: OpenAI clients' defaults) or a
+    long prefix costs a few blocks, not the vocabulary's. ``chunk`` 0: the block walk alone
+    (verification always walks blocks: the proposal's mass and the redraw need the ids)."""
     N, V = sp.shape
     if sp.stride(-1) != 1 or si.stride(-1) != 1 or si.stride(0) != sp.stride(0):
         raise ValueError("draw_sorted needs rows with unit stride and one row stride")
@@ -171,10 +232,18 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
     verify = proposal is not None
     vtok = torch.empty(N, dtype=torch.int64, device=sp.device) if verify else tok
     acc = torch.empty(N, dtype=torch.int8, device=sp.device) if verify else tok
+    chunk = 0 if verify else (block * CHUNK_BLOCKS if chunk is None else chunk)
+    if chunk and (chunk % block or chunk & (chunk - 1)):
+        raise ValueError(f"draw_sorted's chunk {chunk}: a power of two and a multiple of the block {block}")
+    nc = triton.cdiv(V, chunk) if chunk else 1
+    sums = torch.empty((N, nc), dtype=torch.float32, device=sp.device) if chunk else sp
+    if chunk:
+        _chunk_sums_kernel[(N, nc)](sp, sp.stride(0), V, sums, nc, CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
     _draw_sorted_kernel[(N,)](
         sp, si, sp.stride(0), V, top_k.contiguous(), top_p.float().contiguous(), min_p.float().contiguous(),
         u.float().contiguous(), proposal.contiguous() if verify else tok, u_rej.float().contiguous() if verify else u,
-        tok, vtok, acc, VERIFY=verify, BLOCK=block, num_warps=8 if block >= 1024 else 4)
+        tok, vtok, acc, sums, nc, VERIFY=verify, BLOCK=block, CHUNK=chunk, NCP=triton.next_power_of_2(nc),
+        num_warps=8 if block >= 1024 else 4)
     return (tok, vtok, acc.bool()) if verify else tok
 
 
