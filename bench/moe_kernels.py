@@ -258,11 +258,13 @@ def cases_for(name, geo, T, device, dtype, rotations, configs, sweeps=(DECODE_GA
         # Routing in the launch: the last ticket routes; with fewer warps (the routing's reductions
         # then stay within a warp or two, its GEMV programs streaming a row with fewer threads) too,
         # as a measure for ``ROUTE_WARPS``, which route_rows and a routing router share.
-        for bn, warps in ((1, 4), (4, 4), (1, 2), (1, 1)) if device == "cuda" else ((1, 4), (1, 1)):
-            out.append(Case(f"{tag}.router.gemv_route[bn{bn},w{warps}]",
-                            [(lambda s=s, bn=bn, w=warps: tuple(K.router_gemv(s[0], router, block_n=bn, num_warps=w,
-                                                                              route=(k, True, None, tickets),
-                                                                              exact=False)[2:]))
+        # ``ranks``: the top k by ranks (``ROUTE_RANKS``) instead of k maxima one after another.
+        for bn, warps, ranks in (((1, 4, 0), (4, 4, 0), (1, 2, 0), (1, 1, 0), (1, 4, 1), (1, 2, 1), (1, 1, 1))
+                                 if device == "cuda" else ((1, 4, 0), (1, 1, 1))):
+            out.append(Case(f"{tag}.router.gemv_route[bn{bn},w{warps}{',ranks' if ranks else ''}]",
+                            [(lambda s=s, bn=bn, w=warps, r=ranks: tuple(
+                                K.router_gemv(s[0], router, block_n=bn, num_warps=w, route=(k, True, None, tickets),
+                                              exact=False, ranks=bool(r))[2:]))
                              for s in sets],
                             [], None, "the router GEMV routing in its launch (decode steps with ticket counters)"))
     out.append(Case(f"{tag}.router.cublas", [(lambda s=s: (F.linear(s[0], router),)) for s in sets],

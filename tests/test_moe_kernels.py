@@ -16,6 +16,7 @@ DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be tested")
 
+from flare.prepare.kernels import moe  # noqa: E402
 from flare.prepare.kernels.moe import (  # noqa: E402
     combine,
     combine_triton,
@@ -230,6 +231,37 @@ def test_router_gemv_rows_do_not_depend_on_the_batch(E, H, dtype):
         router_gemv(x, w, route=(2, True, None, counts[:4]))
     with pytest.raises(ValueError, match="4 warps"):
         router_gemv(x, w, route=(2, True, None, counts), num_warps=8)
+
+
+@pytest.mark.parametrize("E,k", [(6, 2), (128, 8), (300 if DEVICE == "cuda" else 40, 10)])
+def test_routing_by_ranks_picks_what_the_maxima_pick(monkeypatch, E, k):
+    """``ROUTE_RANKS`` (the top k by every expert's rank, one comparison of every two): the ids
+    and the weights before renormalisation of the k maxima taken one after another, exact ties
+    (a row of equal logits: the lowest indices, in order) and a padded row included; the
+    renormalised weights within float32 rounding; and the router launch's routing, by ranks,
+    route_rows' by ranks to the bit."""
+    g = torch.Generator().manual_seed(E)
+    logits = torch.randn(6, E, generator=g)
+    logits[1] = 0.5  # every expert tied
+    logits[4, : E // 2] = logits[4, E // 2:(E // 2) * 2]  # pairs of ties
+    logits = logits.to(DEVICE)
+    valid = torch.tensor([True, True, True, False, True, True], device=DEVICE)
+    picks = [route_rows(logits, k, renorm, valid) for renorm in (False, True)]
+    monkeypatch.setattr(moe, "ROUTE_RANKS", True)
+    ranks = [route_rows(logits, k, renorm, valid) for renorm in (False, True)]
+    assert torch.equal(ranks[0][1], picks[0][1]) and torch.equal(ranks[1][1], picks[1][1])
+    assert ranks[1][1][1].tolist() == list(range(k)) and (ranks[1][1][3] == E).all()
+    assert torch.equal(ranks[0][0], picks[0][0])
+    torch.testing.assert_close(ranks[1][0], picks[1][0], atol=0, rtol=2.0 ** -22)
+    H = 32
+    x = torch.randn(6, H, generator=g).to(DEVICE)
+    w = (torch.randn(E, H, generator=g) * H ** -0.5).to(DEVICE)
+    counts = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    got = router_gemv(x, w, route=(k, True, valid, counts))
+    want_w, want_ids = route_rows(got[0], k, True, valid)
+    assert torch.equal(got[2], want_w) and torch.equal(got[3], want_ids) and not counts.any()
+    with pytest.raises(ValueError, match="ranks=True"):
+        router_gemv(x, w, route=(k, True, valid, counts), ranks=False)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tickets' race is the GPU's (the interpreter runs programs in order)")

@@ -226,11 +226,13 @@ def fits_route_plan(tokens: int, top_k: int) -> bool:
 
 @triton.jit
 def _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K: tl.constexpr, RENORM: tl.constexpr,
-           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, CG: tl.constexpr):
+           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, CG: tl.constexpr, RANKS: tl.constexpr = False):
     """Rows ``t``'s softmax over E experts, then (weights [BT, BK] float32, ids [BT, BK] int32) of
     the top K by repeated maxima (ties to the lower index), renormalised with RENORM. ``CG``: the
     logits were stored by other programs of this launch (read past L1, as the GEMV's ticket path
-    reads the slices)."""
+    reads the slices). ``RANKS``: the top K by every expert's rank among the row's keys (one
+    comparison of every two, then one masked sum a slot) instead of K maxima one after another:
+    the same ids and weights before the renormalisation (whose sum may round otherwise)."""
     e = tl.arange(0, BE)
     x = tl.load(logits_ptr + t[:, None] * stride_lt + e[None, :] * stride_le, mask=t_in[:, None] & (e[None, :] < E),
                 other=0.0, cache_modifier=".cg" if CG else "").to(tl.float32)
@@ -244,15 +246,22 @@ def _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K: tl.constexpr, REN
     # the largest probability at its lowest index.
     key = (prob.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BE - 1 - e)[None, :].to(tl.int64)
     j = tl.arange(0, BK)
-    top = tl.zeros([BT, BK], tl.float32)
-    sel = tl.zeros([BT, BK], tl.int32)
-    for i in tl.static_range(K):
-        best = tl.max(key, 1)
-        v = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        idx = BE - 1 - (best & 0xFFFFFFFF).to(tl.int32)
-        top = tl.where(j[None, :] == i, v[:, None], top)
-        sel = tl.where(j[None, :] == i, idx[:, None], sel)
-        key = tl.where(e[None, :] == idx[:, None], -1 << 62, key)
+    if RANKS:
+        # Keys are distinct: an expert's rank is the number of the row's keys above its own.
+        rank = tl.sum((key[:, None, :] > key[:, :, None]).to(tl.int32), 2)  # [BT, BE]
+        hit = (rank[:, None, :] == j[None, :, None]) & (j[None, :, None] < K)  # [BT, BK, BE]: one expert a slot
+        top = tl.sum(tl.where(hit, prob[:, None, :], 0.0), 2)
+        sel = tl.sum(tl.where(hit, e[None, None, :], 0), 2)
+    else:
+        top = tl.zeros([BT, BK], tl.float32)
+        sel = tl.zeros([BT, BK], tl.int32)
+        for i in tl.static_range(K):
+            best = tl.max(key, 1)
+            v = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            idx = BE - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+            top = tl.where(j[None, :] == i, v[:, None], top)
+            sel = tl.where(j[None, :] == i, idx[:, None], sel)
+            key = tl.where(e[None, :] == idx[:, None], -1 << 62, key)
     if RENORM:
         top = top / tl.sum(tl.where(j[None, :] < K, top, 0.0), 1)[:, None]
     return top, sel
@@ -263,7 +272,7 @@ def _route_plan_kernel(
     logits_ptr, valid_ptr, w_ptr, ids_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
     T, E, stride_lt, stride_le,
     K: tl.constexpr, RENORM: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-    BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr, PLAN: tl.constexpr,
+    BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr, PLAN: tl.constexpr, RANKS: tl.constexpr = False,
 ):
     """``route`` then ``plan`` for a small batch in one program: softmax, top-k by repeated
     maxima (ties to the lower index), renormalisation, and the pairs' order and row tiles
@@ -282,7 +291,7 @@ def _route_plan_kernel(
         top = tl.zeros([BT, BK], tl.float32)
         sel = tl.zeros([BT, BK], tl.int32)
         if tl.max(live.to(tl.int32), 0) > 0:
-            top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK, False)
+            top, sel = _top_k(logits_ptr, t, t_in, T, E, stride_lt, stride_le, K, RENORM, BT, BE, BK, False, RANKS)
     sel = tl.where(live[:, None], sel, E)
     top = tl.where(live[:, None], top, 0.0)
     out_mask = t_in[:, None] & (j[None, :] < K)
@@ -346,6 +355,9 @@ def route_plan(logits: torch.Tensor, top_k: int, renormalize: bool, valid: torch
 # its last program): the softmax's and the top-k's reductions follow their register layout, so
 # the two must agree for a token's weights to be the same bits in decode steps and prompt chunks.
 ROUTE_WARPS = 4
+# Whether a token's routing program takes the top k by ranks (``_top_k``'s RANKS) rather than k
+# maxima one after another; route_rows and a routing router share it, as they share the warps.
+ROUTE_RANKS = False
 
 
 def route_rows(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -365,7 +377,7 @@ def route_rows(logits: torch.Tensor, top_k: int, renormalize: bool,
     _route_plan_kernel[(T,)](  # the plan's four outputs are never touched with PLAN=False
         logits, valid, weights, ids, ids, ids, ids, ids, T, E, *logits.stride(),
         K=top_k, RENORM=renormalize, BM=16, BT=1, BE=triton.next_power_of_2(E), BK=BK, BP=BK, MT=1, PLAN=False,
-        num_warps=ROUTE_WARPS,
+        RANKS=ROUTE_RANKS, num_warps=ROUTE_WARPS,
     )
     return weights, ids
 
@@ -561,7 +573,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
                         stride_wn, stride_ot, stride_gt, r_ptr, nw_ptr, t_ptr, stride_rt, stride_tt, eps,
                         BN: tl.constexpr, BK: tl.constexpr, HAS_S: tl.constexpr,
                         ROUTE: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr,
-                        BKK: tl.constexpr, NORM: tl.constexpr = 0):
+                        BKK: tl.constexpr, NORM: tl.constexpr = 0, RANKS: tl.constexpr = False):
     """Program (token, block of BN router rows): the logits of those experts for the token, the
     whole of K in order (``_gemv_rows``), so a token's logits do not depend on its batch. With
     ``HAS_S`` the program past the last block computes the shared expert's one-column gate.
@@ -600,7 +612,8 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
             top = tl.zeros([1, BKK], tl.float32)
             sel = tl.zeros([1, BKK], tl.int32)
             if tl.max(live.to(tl.int32), 0) > 0:  # a padded row routes nowhere
-                top, sel = _top_k(out_ptr, rows, rows >= 0, t + 1, N, stride_ot, 1, TOPK, RENORM, 1, BE, BKK, True)
+                top, sel = _top_k(out_ptr, rows, rows >= 0, t + 1, N, stride_ot, 1, TOPK, RENORM, 1, BE, BKK, True,
+                                  RANKS)
             sel = tl.where(live[:, None], sel, N)
             top = tl.where(live[:, None], top, 0.0)
             at = rows[:, None] * TOPK + j[None, :]
@@ -611,7 +624,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
 def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor | None = None,
                 *, block_n: int | None = None, block_k: int = 512, num_warps: int | None = None,
                 route: tuple[int, bool, torch.Tensor | None, torch.Tensor] | None = None,
-                norm=None, exact: bool = True) -> tuple:
+                norm=None, exact: bool = True, ranks: bool | None = None) -> tuple:
     """The router's logits ``x @ weight.T`` (``[T, E]``, float32 sums, the model dtype out) for a
     decode-sized batch, and a shared expert's gate logits ``x @ shared_gate.T`` (``[T, 1]``;
     None without one) in the same launch. One program per token and block of router rows,
@@ -628,8 +641,9 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     ``route`` = (top k, renormalise, valid rows or None, ticket counters: zeroed int32, at least
     T, left zeroed): the token's last program also routes it, the weights and ids of
     ``route_rows`` on these logits to the bit (returned after the logits and gate), without
-    ``route_rows``' launch: with ``route_rows``' warps (``ROUTE_WARPS``; ``exact`` False lets a
-    benchmark route with others, whose softmax may then round otherwise).
+    ``route_rows``' launch: with ``route_rows``' warps and top k (``ROUTE_WARPS``, ``ROUTE_RANKS``;
+    ``exact`` False lets a benchmark route with other warps or ``ranks``, whose softmax or
+    renormalisation may then round otherwise).
 
     ``norm``: a ``gemv.Norm`` with a residual (the decoder layer's post-attention norm and the add
     before it, ``Norm.residual`` of x's shape and dtype): the router takes the norm of
@@ -642,8 +656,10 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     if x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError("router_gemv needs rows with unit stride and a contiguous router")
     num_warps = num_warps or (ROUTE_WARPS if route is not None else 4)
-    if route is not None and exact and num_warps != ROUTE_WARPS:  # (route_rows' layout: its bits need its warps)
-        raise ValueError(f"router_gemv routes with {ROUTE_WARPS} warps, as route_rows does, not {num_warps}")
+    ranks = ROUTE_RANKS if ranks is None else ranks
+    if route is not None and exact and (num_warps, ranks) != (ROUTE_WARPS, ROUTE_RANKS):  # (route_rows' bits)
+        raise ValueError(f"router_gemv routes with {ROUTE_WARPS} warps and ranks={ROUTE_RANKS}, as route_rows "
+                         f"does, not {num_warps} and {ranks}")
     if shared_gate is not None and (shared_gate.shape != (1, Kd) or not shared_gate.is_contiguous()):
         raise ValueError(f"shared gate {tuple(shared_gate.shape)}: expected a contiguous [1, {Kd}]")
     bn = block_n or 1
@@ -664,7 +680,7 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
         E, Kd, x.stride(0), weight.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, *nargs,
         BN=bn, BK=min(block_k, triton.next_power_of_2(Kd)), HAS_S=shared_gate is not None, ROUTE=route is not None,
         TOPK=top_k, RENORM=renorm, BE=triton.next_power_of_2(E), BKK=triton.next_power_of_2(top_k),
-        NORM=flags["NORM"], num_warps=num_warps)
+        NORM=flags["NORM"], RANKS=ranks, num_warps=num_warps)
     outs = (out, gate) if route is None else (out, gate, weights, ids)
     return outs if norm is None else (*outs, nargs[2])
 
