@@ -265,10 +265,13 @@ def test_routing_by_ranks_picks_what_the_maxima_pick(monkeypatch, E, k):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tickets' race is the GPU's (the interpreter runs programs in order)")
-def test_routing_in_the_router_launch_under_many_calls_on_the_gpu():
+@pytest.mark.parametrize("ranks", [False, True], ids=["maxima", "ranks"])
+def test_routing_in_the_router_launch_under_many_calls_on_the_gpu(monkeypatch, ranks):
     """On the GPU, where the router's programs race for the tickets: over 300 calls of fresh
     logits (60 to 512 experts, 1 to 16 tokens, a padded row, a shared gate or none), every call
-    routes as ``route_rows`` on its logits, to the bit, and leaves the counters at zero."""
+    routes as ``route_rows`` on its logits, to the bit, and leaves the counters at zero (top k by
+    maxima and by ranks)."""
+    monkeypatch.setattr(moe, "ROUTE_RANKS", ranks)
     counts = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     g = torch.Generator().manual_seed(7)
     for i in range(300):
