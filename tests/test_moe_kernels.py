@@ -229,7 +229,7 @@ def test_router_gemv_rows_do_not_depend_on_the_batch(E, H, dtype):
         assert (got[3][2] == E).all() and not got[2][2].any() and not counts.any()
     with pytest.raises(ValueError, match="counters"):
         router_gemv(x, w, route=(2, True, None, counts[:4]))
-    with pytest.raises(ValueError, match="4 warps"):
+    with pytest.raises(ValueError, match=f"{moe.ROUTE_WARPS} warps"):
         router_gemv(x, w, route=(2, True, None, counts), num_warps=8)
 
 
