@@ -246,6 +246,7 @@ def test_routing_by_ranks_picks_what_the_maxima_pick(monkeypatch, E, k):
     logits[4, : E // 2] = logits[4, E // 2:(E // 2) * 2]  # pairs of ties
     logits = logits.to(DEVICE)
     valid = torch.tensor([True, True, True, False, True, True], device=DEVICE)
+    monkeypatch.setattr(moe, "ROUTE_RANKS", False)
     picks = [route_rows(logits, k, renorm, valid) for renorm in (False, True)]
     monkeypatch.setattr(moe, "ROUTE_RANKS", True)
     ranks = [route_rows(logits, k, renorm, valid) for renorm in (False, True)]
