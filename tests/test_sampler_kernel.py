@@ -73,9 +73,9 @@ def test_draw_matches_the_tensor_definitions(V):
         want = S._draw(kept, si, n_keep, u)
         skip = _near_boundary(kept, u)
         kept_ids = [set(si[i, : int(n_keep[i])].tolist()) for i in range(n)]
-        # The default blocks at 100 tokens (one chunk); chunks of 256 tokens in blocks of 64 at
+        # The default blocks at 100 tokens (one chunk); chunks of 1,024 tokens in blocks of 256 at
         # 2,048 and 5,000, whose rows cross chunks whole and stop in one.
-        got = K.draw_sorted(*_on(sp, si, tk, tp, mp, u), **({} if V < 256 else dict(block=64, chunk=256))).cpu()
+        got = K.draw_sorted(*_on(sp, si, tk, tp, mp, u), **({} if V < 1024 else dict(block=256, chunk=1024))).cpu()
         assert torch.equal(got[~skip], want[~skip]), (top_k, top_p, min_p, got, want)
         # Whatever the rounding, the token is one the filters keep.
         assert all(int(got[i]) in kept_ids[i] for i in range(n)), (top_k, top_p, min_p)
