@@ -89,6 +89,11 @@ SCRIPT = textwrap.dedent('''
                          {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "g_ptr", "r_ptr", "nw_ptr", "t_ptr"),
                           "valid_ptr": "*i1", "rw_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32", "eps": "fp32"},
                          dict(BN=bn, BK=512, HAS_S=has_s, ROUTE=route, TOPK=8, RENORM=True, BE=256, BKK=8, NORM=norm))
+    # routing by ranks (ROUTE_RANKS): 256 experts, top 8
+    compile_for_sm90(M._router_gemv_kernel,
+                     {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "g_ptr", "r_ptr", "nw_ptr", "t_ptr"),
+                      "valid_ptr": "*i1", "rw_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32", "eps": "fp32"},
+                     dict(BN=1, BK=512, HAS_S=True, ROUTE=True, TOPK=8, RENORM=True, BE=256, BKK=8, NORM=1, RANKS=True))
     for norm in (0, 1, 2):
         compile_for_sm90(M._decode_gate_up_kernel,
                          {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "nw_ptr"), "ids_ptr": "*i64", "eps": "fp32"},
@@ -274,7 +279,8 @@ SCRIPT = textwrap.dedent('''
                           "top_k_ptr": "*i32", "prop_ptr": "*i64", "tok_ptr": "*i64", "vtok_ptr": "*i64",
                           "acc_ptr": "*i8", "sums_ptr": "*fp32"},
                          dict(VERIFY=verify, BLOCK=2048, CHUNK=0 if verify else 8192, NCP=32), num_warps=8)
-    compile_for_sm90(SK._chunk_sums_kernel, {**f32("sp_ptr", "sums_ptr")}, dict(CHUNK=8192), num_warps=8)
+    compile_for_sm90(SK._chunk_sums_kernel, {**f32("sp_ptr", "sums_ptr", "min_p_ptr"), "top_k_ptr": "*i32"},
+                     dict(CHUNK=8192), num_warps=8)
     lp = {**f32("x_ptr", "m_ptr", "s_ptr"), "key_ptr": "*u64"}
     compile_for_sm90(SK._logprob_part_kernel, lp, dict(N=20, NP=32, BLOCK=SK.LP_BLOCK), num_warps=8)
     compile_for_sm90(SK._logprob_merge_kernel, {**lp, "tok_ptr": "*i64", "out_ptr": "*i32"},
@@ -294,7 +300,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 188, proc.stdout
+    assert proc.stdout.count("compiled") == 189, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

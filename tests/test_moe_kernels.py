@@ -263,6 +263,10 @@ def test_routing_by_ranks_picks_what_the_maxima_pick(monkeypatch, E, k):
     assert torch.equal(got[2], want_w) and torch.equal(got[3], want_ids) and not counts.any()
     with pytest.raises(ValueError, match="ranks=True"):
         router_gemv(x, w, route=(k, True, valid, counts), ranks=False)
+    with pytest.raises(ValueError, match=f"top {E + 1} of {E}"):  # more picks than experts: refused
+        route_rows(logits, E + 1, True, valid)
+    with pytest.raises(ValueError, match=f"top {E + 1} of {E}"):
+        router_gemv(x, w, route=(E + 1, True, valid, counts))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the tickets' race is the GPU's (the interpreter runs programs in order)")

@@ -133,8 +133,8 @@ def test_exact_rows_draw_and_verify_as_the_definitions_across_many_blocks(V):
     for got, want in ((plain, want_plain), (acc, want_acc), (tok, want_tok)):
         bad = (got.cpu() != want).nonzero().flatten().tolist()
         assert not bad, [combos[i // per] for i in bad[:5]]
-    if V > 16:  # the plain draw skips whole chunks (of two blocks) by their sums; the draws at 0 and near 1
-        at = torch.arange(n) % per < 2
+    if V > 1:  # the plain draw skips whole chunks (of two blocks) by their sums: draws at 0, near 1, random
+        at = torch.arange(n) % per != 2
         got = K.draw_sorted(*_on(sp[at], si[at], tk[at], tp[at], mp[at], u[at]), block=16, chunk=32).cpu()
         bad = (got != want_plain[at]).nonzero().flatten().tolist()
         assert not bad, [combos[int(torch.arange(n)[at][i]) // per] for i in bad[:5]]

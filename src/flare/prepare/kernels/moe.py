@@ -275,7 +275,7 @@ def _route_plan_kernel(
     BK: tl.constexpr, BP: tl.constexpr, MT: tl.constexpr, PLAN: tl.constexpr, RANKS: tl.constexpr = False,
 ):
     """``route`` then ``plan`` for a small batch in one program: softmax, top-k by repeated
-    maxima (ties to the lower index), renormalisation, and the pairs' order and row tiles
+    maxima or by ranks (``RANKS``; ties to the lower index either way), renormalisation, and the pairs' order and row tiles
     from comparisons between every two pairs (no sort, no scatter of shared addresses)."""
     # One program for a planned batch; one per token when routing alone (BT = 1), so that a
     # token's softmax reduces over the same register layout whatever its batch.
@@ -368,6 +368,8 @@ def route_rows(logits: torch.Tensor, top_k: int, renormalize: bool,
     and in a prefill chunk of any capacity (the ids agree with ``route_logits``, the
     weights to float32 rounding)."""
     T, E = logits.shape
+    if not 0 < top_k <= E:
+        raise ValueError(f"route_rows: top {top_k} of {E} experts")
     dev = logits.device
     if valid is None:
         valid = torch.ones(T, dtype=torch.bool, device=dev)
@@ -667,6 +669,8 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     gate = torch.empty((T, 1), dtype=x.dtype, device=x.device) if shared_gate is not None else None
     blocks = triton.cdiv(E, bn) + (shared_gate is not None)
     top_k, renorm, valid, counts = route if route is not None else (1, False, None, None)
+    if route is not None and not 0 < top_k <= E:
+        raise ValueError(f"router_gemv's route: top {top_k} of {E} experts")
     if route is not None:
         if counts.dtype != torch.int32 or counts.numel() < T:
             raise ValueError(f"router_gemv's route: {counts.numel()} {counts.dtype} counters for {T} tokens")

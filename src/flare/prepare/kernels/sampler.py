@@ -25,8 +25,9 @@ and divides by a separate sum), so a token can differ from the torch path's only
 target falls within rounding of a boundary. A row
 reads nothing of another row and its blocks are walked in one order, so a row's result
 does not depend on the batch (ATen's scans of long rows may split by the row count).
-The work follows the kept prefix: one block for top-k 20, the whole vocabulary only
-when nothing filters (top_p 1, no top-k, no min-p).
+The work follows the kept prefix: one block for top-k 20; a long kept prefix (nothing
+filters: top_p 1, no top-k, no min-p) is passed chunk by chunk on the chunks' sums, a launch
+before the walk (``draw_sorted``), and walked in blocks only in the chunk where it ends.
 
 The CUDA default (``flare-prepare --sampler kernel``; ``ops`` keeps the tensor operations):
 on the H200 every program of the GPU suite's seven shapes replays bitwise with it, and the
@@ -59,13 +60,22 @@ def _kept_block(sp_ptr, base, start, offs, V, thr):
 
 
 @triton.jit
-def _chunk_sums_kernel(sp_ptr, stride, V, sums_ptr, NC, CHUNK: tl.constexpr):
-    """Program (row, chunk): the sum of the chunk's CHUNK sorted probabilities (one reduction)."""
+def _chunk_sums_kernel(sp_ptr, stride, V, sums_ptr, NC, top_k_ptr, min_p_ptr, CHUNK: tl.constexpr):
+    """Program (row, chunk): the sum of the chunk's CHUNK sorted probabilities (one reduction),
+    or 0 without reading them where the chunk's last token is below the row's top-k value or
+    min-p floor: such a chunk passes none of the walk's tests (the kept threshold is at least
+    both), so its sum is never read into a running total (a short top-k reads no chunk)."""
     row = tl.program_id(0)
     c = tl.program_id(1)
-    idx = c * CHUNK + tl.arange(0, CHUNK)
-    s = tl.load(sp_ptr + row.to(tl.int64) * stride + idx, mask=idx < V, other=0.0)
-    tl.store(sums_ptr + row.to(tl.int64) * NC + c, tl.sum(s, 0))
+    base = row.to(tl.int64) * stride
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    k = tl.where((top_k > 0) & (top_k < V), top_k, V)
+    last = tl.load(sp_ptr + base + tl.minimum((c + 1) * CHUNK, V) - 1)
+    total = tl.zeros([], tl.float32)
+    if (last >= tl.load(sp_ptr + base + k - 1)) & (last >= tl.load(min_p_ptr + row) * tl.load(sp_ptr + base)):
+        idx = c * CHUNK + tl.arange(0, CHUNK)
+        total = tl.sum(tl.load(sp_ptr + base + idx, mask=idx < V, other=0.0), 0)
+    tl.store(sums_ptr + row.to(tl.int64) * NC + c, total)
 
 
 @triton.jit
@@ -73,10 +83,10 @@ def _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, a0, a1, a2,
                   MODE: tl.constexpr, CHUNK: tl.constexpr, NCP: tl.constexpr):
     """The leading chunks whose every token passes a test of their last token (each test holds
     on a prefix of the sorted row, so a chunk passes whole when its last token does): their
-    count and the mass through them (the chunk sums' running total; 0 for none). MODE 0, the
-    filters (args: kth, nucleus, floor: the mass before the chunk's last token under the
-    nucleus); 1, kept (arg0: the threshold); 2, kept and under the draw's target (arg0: the
-    threshold, arg1: the target, arg2: the whole-kept chunks' count)."""
+    count and the mass through them (the chunk sums' running total; 0 for none; a prefix sum
+    reads no later chunk's sum). MODE 0, the filters: value >= a0 (the top-k value), mass
+    before it < a1 (the nucleus), value >= a2 (the min-p floor); 1, kept: value >= a0 (the
+    threshold); 2, kept (a0) with the running mass through it <= a1 (the draw's target)."""
     c = tl.arange(0, NCP)
     inc = c < NC
     cs = tl.load(sums_ptr + sums_row + c, mask=inc, other=0.0)
@@ -87,7 +97,7 @@ def _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, a0, a1, a2,
     elif MODE == 1:
         ok = last >= a0
     else:
-        ok = (last >= a0) & (cend <= a1) & (c < a2)
+        ok = (last >= a0) & (cend <= a1)
     n = tl.min(tl.where(inc & ok, NCP, c), 0)  # the first chunk that fails (NCP: none)
     n = tl.minimum(n, NC)
     mass = tl.sum(tl.where(c == n - 1, cend, 0.0), 0)
@@ -145,7 +155,6 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     last_rest = tl.zeros([], tl.int32)
     n_kept = tl.zeros([], tl.int32)
     start = tl.zeros([], tl.int32)
-    n_whole = tl.zeros([], tl.int32)
     if CHUNK > 0:
         n_whole, total = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, 0.0, 0.0, 1, CHUNK, NCP)
         n_kept = tl.minimum(n_whole * CHUNK, V)
@@ -178,7 +187,7 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     run_r = tl.zeros([], tl.float32)
     start = tl.zeros([], tl.int32)
     if CHUNK > 0:  # the whole-kept chunks the target passes
-        n_pass, run = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, target, n_whole, 2, CHUNK, NCP)
+        n_pass, run = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, target, 0.0, 2, CHUNK, NCP)
         below = tl.minimum(n_pass * CHUNK, V)
         start = below
     go = start < V
@@ -238,7 +247,8 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
     nc = triton.cdiv(V, chunk) if chunk else 1
     sums = torch.empty((N, nc), dtype=torch.float32, device=sp.device) if chunk else sp
     if chunk:
-        _chunk_sums_kernel[(N, nc)](sp, sp.stride(0), V, sums, nc, CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
+        _chunk_sums_kernel[(N, nc)](sp, sp.stride(0), V, sums, nc, top_k.contiguous(), min_p.float().contiguous(),
+                                    CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
     _draw_sorted_kernel[(N,)](
         sp, si, sp.stride(0), V, top_k.contiguous(), top_p.float().contiguous(), min_p.float().contiguous(),
         u.float().contiguous(), proposal.contiguous() if verify else tok, u_rej.float().contiguous() if verify else u,
