@@ -246,11 +246,12 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
         raise ValueError(f"draw_sorted's chunk {chunk}: a power of two and a multiple of the block {block}")
     nc = triton.cdiv(V, chunk) if chunk else 1
     sums = torch.empty((N, nc), dtype=torch.float32, device=sp.device) if chunk else sp
+    top_k, min_p = top_k.contiguous(), min_p.float().contiguous()  # (a copy each, in a program: once)
     if chunk:
-        _chunk_sums_kernel[(N, nc)](sp, sp.stride(0), V, sums, nc, top_k.contiguous(), min_p.float().contiguous(),
-                                    CHUNK=chunk, num_warps=8 if chunk >= 4096 else 4)
+        _chunk_sums_kernel[(N, nc)](sp, sp.stride(0), V, sums, nc, top_k, min_p, CHUNK=chunk,
+                                    num_warps=8 if chunk >= 4096 else 4)
     _draw_sorted_kernel[(N,)](
-        sp, si, sp.stride(0), V, top_k.contiguous(), top_p.float().contiguous(), min_p.float().contiguous(),
+        sp, si, sp.stride(0), V, top_k, top_p.float().contiguous(), min_p,
         u.float().contiguous(), proposal.contiguous() if verify else tok, u_rej.float().contiguous() if verify else u,
         tok, vtok, acc, sums, nc, VERIFY=verify, BLOCK=block, CHUNK=chunk, NCP=triton.next_power_of_2(nc),
         num_warps=8 if block >= 1024 else 4)
