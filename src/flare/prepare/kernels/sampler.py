@@ -126,10 +126,15 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     n_keep = tl.zeros([], tl.int32)
     carry = tl.zeros([], tl.float32)
     start = tl.zeros([], tl.int32)
-    if CHUNK > 0:  # whole chunks first (their sums), then blocks from the first chunk cut
-        nc, carry = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, kth, nucleus, floor, 0, CHUNK, NCP)
-        n_keep = tl.minimum(nc * CHUNK, V)
-        start = n_keep
+    if CHUNK > 0:
+        # Chunks matter only where the first passes top-k and min-p (a later one's last token is
+        # no larger, and the kept threshold is at least both): a short top-k reads no chunk sum.
+        last0 = tl.load(sp_ptr + base + tl.minimum(CHUNK, V) - 1)
+        chunky = (last0 >= kth) & (last0 >= floor)
+        if chunky:  # whole chunks first (their sums), then blocks from the first chunk cut
+            nc, carry = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, kth, nucleus, floor, 0, CHUNK, NCP)
+            n_keep = tl.minimum(nc * CHUNK, V)
+            start = n_keep
     go = (start < V) & ~everything
     while go:
         idx = start + offs
@@ -156,9 +161,10 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     n_kept = tl.zeros([], tl.int32)
     start = tl.zeros([], tl.int32)
     if CHUNK > 0:
-        n_whole, total = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, 0.0, 0.0, 1, CHUNK, NCP)
-        n_kept = tl.minimum(n_whole * CHUNK, V)
-        start = n_kept
+        if chunky:
+            n_whole, total = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, 0.0, 0.0, 1, CHUNK, NCP)
+            n_kept = tl.minimum(n_whole * CHUNK, V)
+            start = n_kept
     go = start < V
     while go:
         idx, inb, s, kept, ks = _kept_block(sp_ptr, base, start, offs, V, thr)
@@ -186,10 +192,11 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     run = tl.zeros([], tl.float32)
     run_r = tl.zeros([], tl.float32)
     start = tl.zeros([], tl.int32)
-    if CHUNK > 0:  # the whole-kept chunks the target passes
-        n_pass, run = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, target, 0.0, 2, CHUNK, NCP)
-        below = tl.minimum(n_pass * CHUNK, V)
-        start = below
+    if CHUNK > 0:
+        if chunky:  # the whole-kept chunks the target passes
+            n_pass, run = _whole_chunks(sp_ptr, base, V, sums_ptr, sums_row, NC, thr, target, 0.0, 2, CHUNK, NCP)
+            below = tl.minimum(n_pass * CHUNK, V)
+            start = below
     go = start < V
     while go:
         idx, inb, s, kept, ks = _kept_block(sp_ptr, base, start, offs, V, thr)
