@@ -60,6 +60,15 @@ def _kept_block(sp_ptr, base, start, offs, V, thr):
 
 
 @triton.jit
+def _row_cuts(sp_ptr, base, V, top_k_ptr, min_p_ptr, row):
+    """A sorted row's top-k and min-p cuts: (k, the k-th value, the min-p floor); a top-k of 0, a
+    negative one or one of V and more keeps the whole row."""
+    top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    k = tl.where((top_k > 0) & (top_k < V), top_k, V)
+    return k, tl.load(sp_ptr + base + k - 1), tl.load(min_p_ptr + row) * tl.load(sp_ptr + base)
+
+
+@triton.jit
 def _chunk_sums_kernel(sp_ptr, stride, V, sums_ptr, NC, top_k_ptr, min_p_ptr, CHUNK: tl.constexpr):
     """Program (row, chunk): the sum of the chunk's CHUNK sorted probabilities (one reduction),
     or 0 without reading them where the chunk's last token is below the row's top-k value or
@@ -68,11 +77,10 @@ def _chunk_sums_kernel(sp_ptr, stride, V, sums_ptr, NC, top_k_ptr, min_p_ptr, CH
     row = tl.program_id(0)
     c = tl.program_id(1)
     base = row.to(tl.int64) * stride
-    top_k = tl.load(top_k_ptr + row).to(tl.int32)
-    k = tl.where((top_k > 0) & (top_k < V), top_k, V)
+    _, kth, floor = _row_cuts(sp_ptr, base, V, top_k_ptr, min_p_ptr, row)
     last = tl.load(sp_ptr + base + tl.minimum((c + 1) * CHUNK, V) - 1)
     total = tl.zeros([], tl.float32)
-    if (last >= tl.load(sp_ptr + base + k - 1)) & (last >= tl.load(min_p_ptr + row) * tl.load(sp_ptr + base)):
+    if (last >= kth) & (last >= floor):
         idx = c * CHUNK + tl.arange(0, CHUNK)
         total = tl.sum(tl.load(sp_ptr + base + idx, mask=idx < V, other=0.0), 0)
     tl.store(sums_ptr + row.to(tl.int64) * NC + c, total)
@@ -112,11 +120,8 @@ def _draw_sorted_kernel(sp_ptr, si_ptr, stride, V, top_k_ptr, top_p_ptr, min_p_p
     base = row.to(tl.int64) * stride
     sums_row = row.to(tl.int64) * NC
     offs = tl.arange(0, BLOCK)
-    top_k = tl.load(top_k_ptr + row).to(tl.int32)
-    k = tl.where((top_k > 0) & (top_k < V), top_k, V)
-    kth = tl.load(sp_ptr + base + k - 1)
+    k, kth, floor = _row_cuts(sp_ptr, base, V, top_k_ptr, min_p_ptr, row)
     top_p = tl.load(top_p_ptr + row)
-    floor = tl.load(min_p_ptr + row) * tl.load(sp_ptr + base)
     # No filter holds anything back (no top-k, top-p >= 1, min-p under the smallest value, a
     # NaN-free row): every token is kept without a walk (the sampling defaults of OpenAI clients).
     everything = (k == V) & (top_p >= 1.0) & (tl.load(sp_ptr + base + V - 1) >= floor)
