@@ -17,12 +17,17 @@ positions, what an accepted draft must pay for.
 at a time on the same state (``program_times``): what a cold short prompt runs
 (admit, prefill of 16 tokens) against what a prefix hit runs (admit, restore,
 prefill of an 11-token tail after 4,096 cached tokens), and resume/snapshot.
+
+The slots ask for no log-probabilities, as the serving client's requests (the sampling
+programs then skip their log-probability blocks); ``FLARE_BENCH_LOGPROBS=1``: every slot
+asks (``slots_ask_logprobs`` in the JSON; bench/timeline.py sets its slots up the same way).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -36,6 +41,9 @@ from flare.runtime.cuda_driver import ck
 from flare.runtime.cuda_executor import CudaExecutor
 
 
+LOGPROBS = os.environ.get("FLARE_BENCH_LOGPROBS") == "1"
+
+
 def _setup_slots(ex: CudaExecutor, m, batch: int) -> None:
     c = m.capacities
     per = (m.pages.num_pages - 1) // c.slots
@@ -44,7 +52,7 @@ def _setup_slots(ex: CudaExecutor, m, batch: int) -> None:
         rows = io.slot_state(pending=100 + s, generated=0, max_new=1 << 30, seed=s,
                              sampling={**NEUTRAL, "top_k": 20, "top_p": 0.95}, stop_ids=(), stop_capacity=c.stop_ids,
                              pages=range(1 + (s - 1) * per, 1 + (s - 1) * per + n), max_pages=c.max_pages_per_slot,
-                             mask_on=False)
+                             mask_on=False, logprobs=LOGPROBS)
         rows["state.len"] = np.int32(16)  # a short history already in KV
         for name, value in rows.items():
             ex.write(name, value, s)
@@ -184,7 +192,7 @@ async def main(core: str, out: str, steps: int, decode_only: bool = False) -> No
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
     await ex.start()
-    results = {"core": core, "device": ex.device.name, "steps": steps, "decode": {}}
+    results = {"core": core, "device": ex.device.name, "steps": steps, "slots_ask_logprobs": LOGPROBS, "decode": {}}
     if not decode_only:
         results["copy_bandwidth_Bps"] = copy_bandwidth(ex, m)
     for b in m.capacities.decode_capacities:

@@ -48,7 +48,7 @@ async def _one(ex, m, slot: int, pages: list[int], prompt: list[int], chunks: li
     c = m.capacities
     for name, value in io.slot_state(pending=0, generated=0, max_new=4096, seed=1, sampling={**NEUTRAL, "top_k": 1},
                                      stop_ids=m.frontend.eos_ids, stop_capacity=c.stop_ids, pages=pages,
-                                     max_pages=c.max_pages_per_slot, mask_on=False).items():
+                                     max_pages=c.max_pages_per_slot, mask_on=False, logprobs=False).items():
         ex.write(name, np.asarray(value), slot)
     C = m.programs_of(ProgramKind.admit)[0].capacity
     for i in range(0, len(prompt), C):

@@ -112,15 +112,16 @@ def write_input(r: Rig, row) -> None:
 
 
 def admit(r: Rig, slot: int, prompt: list[int], pages: list[int], seed: int, *, top_k: int = 1,
-          chunks: int | None = None, sampling: dict | None = None) -> None:
+          chunks: int | None = None, sampling: dict | None = None, logprobs: bool = True) -> None:
     """Write the slot's state rows and run the admit programs over the prompt (only its
     first ``chunks`` admit chunks when given). Sampling is neutral but for ``top_k``
-    (1 = greedy: the sampled token is the argmax of out.logits) and ``sampling``."""
+    (1 = greedy: the sampled token is the argmax of out.logits) and ``sampling``;
+    ``logprobs``: whether the slot's records carry log-probability blocks (zeros otherwise)."""
     c = r.m.capacities
     write_rows(r, slot, io.slot_state(
         pending=0, generated=0, max_new=4096, seed=seed, sampling={**NEUTRAL, "top_k": top_k, **(sampling or {})},
         stop_ids=r.m.frontend.eos_ids, stop_capacity=c.stop_ids, pages=pages, max_pages=c.max_pages_per_slot,
-        mask_on=False))
+        mask_on=False, logprobs=logprobs))
     C = r.m.programs_of(ProgramKind.admit)[0].capacity
     for i in range(0, max(len(prompt), 1), C)[:chunks]:
         chunk = prompt[i : i + C]

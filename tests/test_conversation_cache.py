@@ -132,7 +132,7 @@ async def partitioned(ex, m: Manifest, prompt: list[int], cuts: list[int], force
     n_pages = -(-(len(prompt) + len(forced)) // ps)
     for name, value in io.slot_state(pending=0, generated=0, max_new=1 << 20, seed=1, sampling=NEUTRAL, stop_ids=(),
                                      stop_capacity=c.stop_ids, pages=range(1, n_pages + 1),
-                                     max_pages=c.max_pages_per_slot, mask_on=False).items():
+                                     max_pages=c.max_pages_per_slot, mask_on=False, logprobs=False).items():
         ex.write(name, value, slot)
     # Clears the slot's continuation state.
     ex.write(io.AdmitInput.buffer, io.pack(io.AdmitInput(slot, 0, clear=1, mode=io.AdmitMode.prompt)))

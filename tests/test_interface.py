@@ -1,4 +1,4 @@
-"""The program interface's layout is the contract of ABI 5: every core on disk was
+"""The program interface's layout is the contract of ABI 6: every core on disk was
 prepared with it. The runtime and the programs use the same typed rows, so no test
 that packs with them could notice a reordering; these literals can."""
 
@@ -13,7 +13,7 @@ from flare.core.errors import ExecutionError
 from flare.core.sampling_params import INTEGER_STATE, SAMPLING_COLUMNS, SAMPLING_NAMES
 
 
-def test_row_layouts_are_abi_5():
+def test_row_layouts_are_abi_6():
     assert io.AdmitInput._fields == ("slot", "count", "clear", "mode")
     assert io.PrefillInput._fields == ("slot", "count", "sample", "reserved")
     assert io.StateInput._fields == ("slot", "row", "page", "count")
@@ -28,7 +28,7 @@ def test_row_layouts_are_abi_5():
                                                                                     "in.state")
 
 
-def test_sampling_state_columns_are_abi_5():
+def test_sampling_state_columns_are_abi_6():
     assert SAMPLING_NAMES == ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                               "frequency_penalty")
     assert SAMPLING_COLUMNS == ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -36,14 +36,14 @@ def test_sampling_state_columns_are_abi_5():
     assert dict(INTEGER_STATE) == {"top_k": "state.top_k"}
 
 
-def test_runtime_buffer_order_is_abi_5():
+def test_runtime_buffer_order_is_abi_6():
     caps = mf.Capacities(context_limit=64, prefill_chunk=64, prefill_capacities=(64,), decode_capacities=(1, 2),
                          slots=2, max_pages_per_slot=4, stop_ids=4, vocab_size=100, sampling_vocab=100,
                          hidden_size=8, snapshot_rows=2)
     assert list(mf.runtime_buffer_shapes(caps)) == [
         "state.len", "state.pending", "state.generated", "state.max_new", "state.done", "state.seed",
         "state.counter", "state.top_k", "state.sampling", "state.stop_ids", "state.page_table", "state.hist",
-        "state.mask_on", "in.tokens", "in.prefill", "in.admit", "in.decode_slots", "in.token_mask", "in.state",
+        "state.mask_on", "state.logprobs_on", "in.tokens", "in.prefill", "in.admit", "in.decode_slots", "in.token_mask", "in.state",
         "out.prefill_completion", "out.state_completion", "out.decode_completion", "out.logits"]
 
 
@@ -74,7 +74,8 @@ def test_pack_and_unpack():
         io.verify_record([5, 5, 11, 0, 40, 41, 42, 43], 3)
     rows = io.slot_state(pending=7, generated=2, max_new=9, seed=-5, sampling=dict(
         temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3,
-        frequency_penalty=0.4), stop_ids=(2, 5), stop_capacity=4, pages=(6, 8), max_pages=3, mask_on=True)
+        frequency_penalty=0.4), stop_ids=(2, 5), stop_capacity=4, pages=(6, 8), max_pages=3, mask_on=True,
+        logprobs=True)
     assert rows["state.sampling"].tolist() == pytest.approx([0.5, 0.9, 0.1, 1.2, 0.3, 0.4])
     assert rows["state.top_k"] == 3 and rows["state.stop_ids"].tolist() == [2, 5, -1, -1]
     assert rows["state.page_table"].tolist() == [6, 8, 0] and rows["state.mask_on"] == 1

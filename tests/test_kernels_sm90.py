@@ -281,10 +281,12 @@ SCRIPT = textwrap.dedent('''
                          dict(VERIFY=verify, BLOCK=2048, CHUNK=0 if verify else 8192, NCP=32), num_warps=8)
     compile_for_sm90(SK._chunk_sums_kernel, {**f32("sp_ptr", "sums_ptr", "min_p_ptr"), "top_k_ptr": "*i32"},
                      dict(CHUNK=8192), num_warps=8)
-    lp = {**f32("x_ptr", "m_ptr", "s_ptr"), "key_ptr": "*u64"}
-    compile_for_sm90(SK._logprob_part_kernel, lp, dict(N=20, NP=32, BLOCK=SK.LP_BLOCK), num_warps=8)
-    compile_for_sm90(SK._logprob_merge_kernel, {**lp, "tok_ptr": "*i64", "out_ptr": "*i32"},
-                     dict(N=20, NP=32, NBP=64))
+    # (gated: a row's slot's flag, int32 state.logprobs_on, says whether it computes its block)
+    lp = {**f32("x_ptr", "m_ptr", "s_ptr"), "key_ptr": "*u64", "slots_ptr": "*i64", "on_ptr": "*i32"}
+    for gated in (False, True):
+        compile_for_sm90(SK._logprob_part_kernel, lp, dict(N=20, NP=32, BLOCK=SK.LP_BLOCK, GATED=gated), num_warps=8)
+        compile_for_sm90(SK._logprob_merge_kernel, {**lp, "tok_ptr": "*i64", "out_ptr": "*i32"},
+                         dict(N=20, NP=32, NBP=64, GATED=gated))
     # the commit of a sampled token, as the state buffers' dtypes are
     compile_for_sm90(SK._commit_kernel, {"slots_ptr": "*i64", "live_ptr": "*u8", "tok_ptr": "*i64",
                                          "counter_ptr": "*i64", **{n: "*i32" for n in (
@@ -300,7 +302,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 189, proc.stdout
+    assert proc.stdout.count("compiled") == 191, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

@@ -38,7 +38,7 @@ def _reject(d: dict, *, param: str | None, match: str, error=ManifestError) -> M
 def test_load_prepared_core(tiny_core, raw):
     m = mf.load_manifest(tiny_core)
     # Numbers come from TINY_OPTS in conftest.py.
-    assert m.abi == mf.ABI_VERSION == 5
+    assert m.abi == mf.ABI_VERSION == 6
     assert m.identity.device == "cpu" and m.identity.compute_capability is None
     c = m.capacities
     assert (c.context_limit, c.prefill_chunk, c.prefill_capacities) == (1024, 128, (128,))
@@ -91,8 +91,9 @@ def test_abi_mismatch(raw):
     assert err.code == "abi_mismatch"
     # The probe runs first: an older or future ABI is reported as such even if the rest of
     # the document would not decode under this ABI's schema (ABI 1 cores have no checkpoints,
-    # ABI 2 cores no grammar masks, ABI 3 cores no parallel section, ABI 4 cores no verify room).
-    for abi in (1, 2, 3, 4, 6):
+    # ABI 2 cores no grammar masks, ABI 3 cores no parallel section, ABI 4 cores no verify room,
+    # ABI 5 cores no log-probability flags).
+    for abi in (1, 2, 3, 4, 5, 7):
         d = {"abi": abi, "something": "else"}
         err = _reject(d, param="abi", match=f"exported with ABI {abi}", error=CoreCompatibilityError)
         assert err.code == "abi_mismatch"

@@ -290,6 +290,24 @@ def test_the_programs_log_probability_block_is_the_same_with_the_kernel():
     assert torch.equal(ker[:, 7:], ops[:, 7:])
     assert (ker[:, :7].view(torch.float32) - ops[:, :7].view(torch.float32)).abs().max() < 1e-5
 
+@pytest.mark.parametrize("kernel", [False, True])
+def test_rows_whose_slots_ask_for_no_log_probabilities_get_zeros(kernel):
+    """``wants``: rows whose slot's flag is 0 get zeros (the kernels read none of their logits),
+    the others exactly the block they get without the gate; a flag is read through the row's slot."""
+    gen = torch.Generator().manual_seed(14)
+    V = 3000
+    logits = torch.randn(4, V + 8, generator=gen) * 5
+    tok = torch.randint(0, V, (4,), generator=gen)
+    slots = torch.tensor([3, 1, 0, 2])  # row 0 on slot 3, ...
+    on = torch.tensor([0, 1, 0, 1], dtype=torch.int32)  # slots 1 and 3 ask: rows 0 and 1
+    full = S.logprob_block(*_on(logits, tok), 6, V, kernel=kernel).cpu()
+    got = S.logprob_block(*_on(logits, tok), 6, V, kernel=kernel, wants=tuple(_on(slots, on))).cpu()
+    assert got.shape == full.shape == (4, 13)
+    assert torch.equal(got[:2], full[:2])
+    assert torch.equal(got[2:], torch.zeros(2, 13, dtype=torch.int32))
+    assert full[2:].abs().sum() > 0
+
+
 def test_top_p_of_one_keeps_every_token_even_where_the_mass_rounds_to_one():
     """A peaked row whose float32 mass before its tail tokens rounds to 1: with top-p 1 (the
     default of OpenAI clients, as top-k 0) every token stays a candidate on both paths, and
@@ -384,21 +402,35 @@ def test_programs_with_the_kernels_commit_what_the_tensor_programs_commit(tiny_c
     """A core's prefill and decode programs with the sampler's and the commit's kernels
     (``--sampler kernel``) against the same programs in tensor operations, greedy (the draw
     cannot differ): the same completion records and the same slot state after every program
-    (tokens, counts, counters, flags, histograms, hidden vectors, lengths)."""
+    (tokens, counts, counters, flags, histograms, hidden vectors, lengths); slot 1 asks for
+    log-probabilities, slot 2 not: its records' blocks are zeros on both paths, slot 1's carry
+    the same ids and values within float32 rounding."""
+    from flare.core import interface as io
     from tests.rig import admit, decode, load_rig, prefill
 
     rigs = [load_rig(tiny_core, seed=1, sampler_kernel=kernel) for kernel in (False, True)]
     names = ["state.pending", "state.generated", "state.counter", "state.done", "state.hist", "state.hidden",
              "state.len"]
-    records = []
+    records, blocks = [], []
     for r in rigs:
-        got = []
+        got, rows = [], {1: [], 2: []}
         for slot, prompt in ((1, list(range(40, 57))), (2, list(range(300, 309)))):
-            admit(r, slot, prompt, r.pages(4), seed=slot)
+            admit(r, slot, prompt, r.pages(4), seed=slot, logprobs=slot == 1)
             got.append(prefill(r, slot, prompt)[2])
+            rows[slot].append(r.v[io.PREFILL_COMPLETION][0, 4:].clone())
         for step in range(3):
             got.append(decode(r, [2, 1], [int(r.v["state.pending"][s]) for s in (2, 1)])[1])
+            rows[2].append(r.v[io.DECODE_COMPLETION][0, 4:].clone())
+            rows[1].append(r.v[io.DECODE_COMPLETION][1, 4:].clone())
         records.append(got)
+        blocks.append({s: torch.stack(b) for s, b in rows.items()})
     assert records[0] == records[1]
     for name in names:
         assert torch.equal(rigs[0].v[name], rigs[1].v[name]), name
+    n = rigs[0].m.capacities.max_logprobs
+    assert n > 0 and blocks[0][1].shape == (4, 1 + 2 * n)
+    for b in blocks:
+        assert torch.equal(b[2], torch.zeros_like(b[2])) and b[1][:, 1 + n:].abs().sum() > 0
+    assert torch.equal(blocks[0][1][:, 1 + n:], blocks[1][1][:, 1 + n:])
+    vals = [b[1][:, : 1 + n].view(torch.float32) for b in blocks]
+    assert (vals[0] - vals[1]).abs().max() < 1e-5

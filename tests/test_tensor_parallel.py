@@ -80,7 +80,8 @@ class Driver:
         # Greedy (top_k 1); no stop token: generations run their full length.
         for name, value in io.slot_state(pending=0, generated=0, max_new=4096, seed=slot,
                                          sampling={**NEUTRAL, "top_k": 1}, stop_ids=(), stop_capacity=c.stop_ids,
-                                         pages=pages, max_pages=c.max_pages_per_slot, mask_on=False).items():
+                                         pages=pages, max_pages=c.max_pages_per_slot, mask_on=False,
+                                         logprobs=True).items():
             w(name, value, slot)
         C = self.m.programs_of(ProgramKind.admit)[0].capacity
         for i in range(0, len(prompt), C):

@@ -35,7 +35,7 @@ async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
         n_pages = -(-len(ids) // m.pages.page_size) + 1
         for name, value in io.slot_state(pending=0, generated=0, max_new=1 << 30, seed=7, sampling=NEUTRAL,
                                          stop_ids=(), stop_capacity=c.stop_ids, pages=range(1, n_pages + 1),
-                                         max_pages=c.max_pages_per_slot, mask_on=False).items():
+                                         max_pages=c.max_pages_per_slot, mask_on=False, logprobs=False).items():
             ex.write(name, value, slot)
         # Admission's first admit chunk clears the slot's continuation state: a hybrid's
         # recurrent and convolution rows must not carry the previous prompt's state.

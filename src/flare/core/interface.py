@@ -200,6 +200,9 @@ TOKENS = "in.tokens"
 PREFILL_COMPLETION = "out.prefill_completion"
 DECODE_COMPLETION = "out.decode_completion"
 STATE_COMPLETION = "out.state_completion"
+# Whether a slot's request asks for log-probabilities (int32 per slot, written at admission): the
+# sampling programs compute a row's log-probability block only then (zeros otherwise).
+LOGPROBS_ON = "state.logprobs_on"
 
 Row = TypeVar("Row", AdmitInput, PrefillInput, PackSegment, VerifyInput, StateInput, Completion, VerifyCompletion,
               StateCompletion)
@@ -261,10 +264,12 @@ def columns(cls: type[Row], row):
 
 
 def slot_state(*, pending: int, generated: int, max_new: int, seed: int, sampling, stop_ids: Sequence[int],
-               stop_capacity: int, pages: Sequence[int], max_pages: int, mask_on: bool) -> dict[str, np.ndarray]:
+               stop_capacity: int, pages: Sequence[int], max_pages: int, mask_on: bool,
+               logprobs: bool) -> dict[str, np.ndarray]:
     """The state rows that start (or restart) a request in a slot: buffer name -> row value.
     ``sampling`` holds one resolved value per sampling parameter (mapping or attributes);
-    stop ids beyond the given ones are -1, page table entries beyond ``pages`` the null page 0.
+    stop ids beyond the given ones are -1, page table entries beyond ``pages`` the null page 0;
+    ``logprobs``: whether the request reads its tokens' log-probability blocks.
     ``state.len`` starts at 0: prefill (or a restore) sets the history."""
     if len(stop_ids) > stop_capacity:
         raise ValueError(f"{len(stop_ids)} stop ids exceed the capacity {stop_capacity}")
@@ -285,6 +290,7 @@ def slot_state(*, pending: int, generated: int, max_new: int, seed: int, samplin
         "state.stop_ids": stops,
         "state.page_table": table,
         "state.mask_on": np.int32(bool(mask_on)),
+        LOGPROBS_ON: np.int32(bool(logprobs)),
     }
     for name, buffer in INTEGER_STATE.items():
         rows[buffer] = np.int32(get(name))

@@ -33,7 +33,7 @@ from flare.core import interface as io
 from flare.core.errors import CoreCompatibilityError, ManifestError
 from flare.core.sampling_params import INTEGER_STATE, SAMPLING_COLUMNS, SAMPLING_NAMES, SAMPLING_PARAMS
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 MANIFEST_FILE = "manifest.json"
 
 
@@ -334,6 +334,7 @@ def runtime_buffer_shapes(c: Capacities) -> dict[str, tuple[BufferRole, DType, t
         "state.page_table": (BufferRole.state, DType.int32, (rows, c.max_pages_per_slot)),
         "state.hist": (BufferRole.state, DType.int32, (rows, c.vocab_size)),
         "state.mask_on": (BufferRole.state, DType.int32, (rows,)),
+        io.LOGPROBS_ON: (BufferRole.state, DType.int32, (rows,)),
         io.TOKENS: (BufferRole.input, DType.int32, (cmax,)),
         io.PrefillInput.buffer: (BufferRole.input, DType.int32, (len(io.PrefillInput._fields),)),
         io.AdmitInput.buffer: (BufferRole.input, DType.int32, (len(io.AdmitInput._fields),)),

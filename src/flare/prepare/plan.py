@@ -273,7 +273,8 @@ def program_table(caps: mf.Capacities, graphs: dict[str, str] | None,
     state = ("state.len", "state.pending", "state.generated", "state.max_new", "state.done", "state.seed",
              "state.counter", "state.top_k", "state.sampling", "state.stop_ids", "state.page_table",
              "state.hist", *continuation.state)
-    mask = ("state.mask_on", "in.token_mask")  # grammar masks: read by every sampling program
+    # grammar masks and the log-probability flags: read by every sampling program
+    mask = ("state.mask_on", "in.token_mask", io.LOGPROBS_ON)
     snaps = (*(mf.snapshot_buffer(n) for n in continuation.state), continuation.tail)
     progs = []
 

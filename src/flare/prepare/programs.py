@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from flare.core import interface as io
-from flare.core.interface import (AdmitInput, AdmitMode, Completion, PackSegment, PrefillInput, StateCompletion,
-                                  StateInput, Status, VerifyCompletion)
+from flare.core.interface import (LOGPROBS_ON, AdmitInput, AdmitMode, Completion, PackSegment, PrefillInput,
+                                  StateCompletion, StateInput, Status, VerifyCompletion)
 from flare.core.manifest import (HIST_PROMPT_BIT, Capacities, Continuation, ProgramKind, snapshot_buffer,
                                  stepped_state, verify_buffer)
 from flare.core.sampling_params import INTEGER_STATE, column
@@ -552,7 +552,7 @@ class ProgramSet:
             commit_rows(v, slots, live, tok, completion)
             if self.caps.max_logprobs:
                 block(logits.float(), tok, self.caps.max_logprobs, self.caps.sampling_vocab,
-                      out=completion[:, len(Completion._fields):])
+                      out=completion[:, len(Completion._fields):], wants=(slots, v[LOGPROBS_ON]))
             return
         pending, generated, counter, done, hist_at, count, record = self._commit_rows(slots, live, tok)
         v["state.pending"].index_copy_(0, slots, pending)
@@ -561,9 +561,11 @@ class ProgramSet:
         v["state.done"].index_copy_(0, slots, done)
         v["state.hist"].view(-1).index_add_(0, hist_at, count)
         if self.caps.max_logprobs:
-            record = torch.cat([record, self._logprob_block(logits, tok)], dim=-1)
+            record = torch.cat([record, self._logprob_block(logits, tok, wants=(slots, v[LOGPROBS_ON]))], dim=-1)
         completion.copy_(record)
 
-    def _logprob_block(self, logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
-        """``sampling.logprob_block`` of the core's ``max_logprobs`` over its sampling vocabulary."""
-        return logprob_block(logits, tok, self.caps.max_logprobs, self.caps.sampling_vocab, kernel=self.sampler_kernel)
+    def _logprob_block(self, logits: torch.Tensor, tok: torch.Tensor, wants=None) -> torch.Tensor:
+        """``sampling.logprob_block`` of the core's ``max_logprobs`` over its sampling vocabulary
+        (``wants``: only for the rows whose slots ask, zeros elsewhere)."""
+        return logprob_block(logits, tok, self.caps.max_logprobs, self.caps.sampling_vocab, kernel=self.sampler_kernel,
+                             wants=wants)

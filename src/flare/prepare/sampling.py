@@ -123,21 +123,28 @@ def choose(
     return _draw(*filtered(x, top_k, top_p, min_p), u)
 
 
-def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, kernel: bool = False) -> torch.Tensor:
+def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, kernel: bool = False,
+                  wants: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A log-probability block per row (``interface.logprob_columns``): log_softmax of the
     raw logits over the first ``vocab`` columns, token ``tok``'s value and the ``n`` largest
     (torch.topk: exact ties in a fixed but unspecified order), float32 bits then ids as int32.
     Per-row reductions (eager ATen, as :func:`choose`): a row's values never depend on the
     batch it shares. ``kernel``: two Triton kernels instead (``kernels/sampler.logprob_block``:
-    equal logits ordered by ascending id; the CUDA default, ``flare-prepare --sampler``)."""
+    equal logits ordered by ascending id; the CUDA default, ``flare-prepare --sampler``).
+    ``wants``: (the rows' slots, ``state.logprobs_on``): a row whose slot asks for no
+    log-probabilities gets zeros (the kernels then skip its work)."""
     if kernel:
         from flare.prepare.kernels.sampler import logprob_block as block
 
-        return block(logits.float(), tok, n, vocab)
+        return block(logits.float(), tok, n, vocab, wants=wants)
     lp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)
     chosen = lp.gather(1, tok.clamp(0, vocab - 1)[:, None])
     top, ids = torch.topk(lp, n, dim=-1, sorted=True)
-    return torch.cat([torch.cat([chosen, top], dim=-1).view(torch.int32), ids.int()], dim=-1)
+    out = torch.cat([torch.cat([chosen, top], dim=-1).view(torch.int32), ids.int()], dim=-1)
+    if wants is not None:
+        slots, on = wants
+        out = torch.where(on.index_select(0, slots)[:, None] != 0, out, 0)
+    return out
 
 
 def _sorted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,7 @@ class StepEncoder:
             pages=req.pages,
             max_pages=self.caps.max_pages_per_slot,
             mask_on=req.grammar is not None,
+            logprobs=p.logprobs >= 0,
         )
         writes = [Write(name, value, req.slot) for name, value in rows.items()]
         cap = self.admit_program.capacity

@@ -96,6 +96,8 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     # Grammar masks on about half the rows, each allowing a random half of the vocabulary:
     # the sampler's mask path is qualified with real bitmasks, not only switched off.
     state["state.mask_on"][:] = rng.integers(0, 2, rows)
+    # Log-probability blocks asked for on about half the rows (zeros on the others).
+    state[io.LOGPROBS_ON][:] = rng.integers(0, 2, rows)
     words = state["in.token_mask"]
     words[:] = rng.integers(0, 1 << 32, words.shape, dtype=np.uint64).astype(np.uint32).view(np.int32)
     state[io.TOKENS][:] = rng.integers(0, c.sampling_vocab, state[io.TOKENS].shape)

@@ -297,59 +297,76 @@ def _order_key(x, idx):
 
 
 @triton.jit
-def _logprob_part_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, N: tl.constexpr, NP: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    idx = blk * BLOCK + tl.arange(0, BLOCK)
-    inb = idx < V
-    x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, 0)
-    # A block of -inf logits has no mass (x - m would be NaN there and poison the row's sum).
-    s = tl.sum(tl.where(inb, tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0.0), 0)
-    at = row.to(tl.int64) * NB + blk
-    tl.store(m_ptr + at, m)
-    tl.store(s_ptr + at, s)
-    keys = tl.where(inb, _order_key(x, idx), 0)
-    out = key_ptr + at * NP
-    for k in tl.static_range(N):
-        top = tl.max(keys, 0)
-        tl.store(out + k, top)
-        keys = tl.where(keys == top, 0, keys)
+def _wants_block(slots_ptr, on_ptr, row, GATED: tl.constexpr):
+    """Whether a row's slot asks for its log-probability block (every row without a gate)."""
+    want = True
+    if GATED:
+        want = tl.load(on_ptr + tl.load(slots_ptr + row).to(tl.int64)) != 0
+    return want
 
 
 @triton.jit
-def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, out_ptr, stride_out, N: tl.constexpr,
-                          NP: tl.constexpr, NBP: tl.constexpr):
+def _logprob_part_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, slots_ptr, on_ptr, N: tl.constexpr,
+                         NP: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr):
     row = tl.program_id(0)
-    b = tl.arange(0, NBP)
-    at = row.to(tl.int64) * NB
-    m = tl.load(m_ptr + at + b, mask=b < NB, other=float("-inf"))
-    big = tl.max(m, 0)
-    s = tl.sum(tl.where(b < NB, tl.load(s_ptr + at + b, mask=b < NB, other=0.0) * tl.exp(m - big), 0.0), 0)
-    log_s = tl.log(s)
-    base = x_ptr + row.to(tl.int64) * stride
+    blk = tl.program_id(1)
+    if _wants_block(slots_ptr, on_ptr, row, GATED):  # (a row that asks for none reads nothing)
+        idx = blk * BLOCK + tl.arange(0, BLOCK)
+        inb = idx < V
+        x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        # A block of -inf logits has no mass (x - m would be NaN there and poison the row's sum).
+        s = tl.sum(tl.where(inb, tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0.0), 0)
+        at = row.to(tl.int64) * NB + blk
+        tl.store(m_ptr + at, m)
+        tl.store(s_ptr + at, s)
+        keys = tl.where(inb, _order_key(x, idx), 0)
+        out = key_ptr + at * NP
+        for k in tl.static_range(N):
+            top = tl.max(keys, 0)
+            tl.store(out + k, top)
+            keys = tl.where(keys == top, 0, keys)
+
+
+@triton.jit
+def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, out_ptr, stride_out, slots_ptr,
+                          on_ptr, N: tl.constexpr, NP: tl.constexpr, NBP: tl.constexpr, GATED: tl.constexpr):
+    row = tl.program_id(0)
     out = out_ptr + row.to(tl.int64) * stride_out
-    tok = tl.minimum(tl.maximum(tl.load(tok_ptr + row), 0), V - 1)
-    tl.store(out, ((tl.load(base + tok).to(tl.float32) - big) - log_s).to(tl.int32, bitcast=True))
-    c = tl.arange(0, NBP * NP)
-    keys = tl.load(key_ptr + at * NP + c, mask=(c < NB * NP) & (c % NP < N), other=0)
-    for k in tl.static_range(N):
-        top = tl.max(keys, 0)
-        keys = tl.where(keys == top, 0, keys)
-        i = (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32)
-        tl.store(out + 1 + k, ((tl.load(base + i).to(tl.float32) - big) - log_s).to(tl.int32, bitcast=True))
-        tl.store(out + 1 + N + k, i)
+    if _wants_block(slots_ptr, on_ptr, row, GATED):
+        b = tl.arange(0, NBP)
+        at = row.to(tl.int64) * NB
+        m = tl.load(m_ptr + at + b, mask=b < NB, other=float("-inf"))
+        big = tl.max(m, 0)
+        s = tl.sum(tl.where(b < NB, tl.load(s_ptr + at + b, mask=b < NB, other=0.0) * tl.exp(m - big), 0.0), 0)
+        log_s = tl.log(s)
+        base = x_ptr + row.to(tl.int64) * stride
+        tok = tl.minimum(tl.maximum(tl.load(tok_ptr + row), 0), V - 1)
+        tl.store(out, ((tl.load(base + tok).to(tl.float32) - big) - log_s).to(tl.int32, bitcast=True))
+        c = tl.arange(0, NBP * NP)
+        keys = tl.load(key_ptr + at * NP + c, mask=(c < NB * NP) & (c % NP < N), other=0)
+        for k in tl.static_range(N):
+            top = tl.max(keys, 0)
+            keys = tl.where(keys == top, 0, keys)
+            i = (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32)
+            tl.store(out + 1 + k, ((tl.load(base + i).to(tl.float32) - big) - log_s).to(tl.int32, bitcast=True))
+            tl.store(out + 1 + N + k, i)
+    else:  # zeros where the slot asks for none (the host reads no block there)
+        j = tl.arange(0, 2 * NP)  # (not c: a name bound in both branches must keep one type)
+        tl.store(out + 1 + j, tl.zeros([2 * NP], tl.int32), mask=j < 2 * N)
+        tl.store(out, 0)
 
 
 def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, block: int = LP_BLOCK,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None,
+                  wants: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``sampling.logprob_block`` in two kernels: for logits ``[R, >= vocab]`` (rows with
     unit stride) and a token per row, int32 ``[R, 1 + 2 n]``: the token's log_softmax over the
     first ``vocab`` columns, the ``n`` largest (descending; equal logits by ascending id) as
     float32 bits, then their ids. ``block``: columns a program (tests use small ones); ``out``:
     where to write them (int32 ``[R, 1 + 2 n]``, rows of unit stride: a completion record's
-    columns)."""
+    columns). ``wants``: (the rows' slots ``[R]``, a flag per slot): a row whose slot's flag is 0
+    reads no logit and gets zeros (``sampling.logprob_block``'s ``wants``)."""
     if logits.stride(-1) != 1:
         raise ValueError("logprob_block needs rows with unit stride")
     if not 0 < n <= vocab:
@@ -365,11 +382,16 @@ def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, b
         out = torch.empty((R, 1 + 2 * n), dtype=torch.int32, device=dev)
     elif out.shape != (R, 1 + 2 * n) or out.dtype != torch.int32 or out.stride(1) != 1:
         raise ValueError(f"logprob_block's out {tuple(out.shape)} {out.dtype}: expected int32 [{R}, {1 + 2 * n}]")
-    _logprob_part_kernel[(R, nb)](logits, logits.stride(0), vocab, nb, m, s, keys, N=n, NP=np_, BLOCK=block,
-                                  num_warps=8 if block >= 2048 else 4)
+    slots, on = wants if wants is not None else (m, m)  # (unread without a gate)
+    if wants is not None and (slots.shape != (R,) or on.dim() != 1):
+        raise ValueError(f"logprob_block's wants: {R} slots and a flag per slot, got {tuple(slots.shape)}, "
+                         f"{tuple(on.shape)}")
+    slots, on = slots.contiguous(), on.contiguous()
+    _logprob_part_kernel[(R, nb)](logits, logits.stride(0), vocab, nb, m, s, keys, slots, on, N=n, NP=np_,
+                                  BLOCK=block, GATED=wants is not None, num_warps=8 if block >= 2048 else 4)
     _logprob_merge_kernel[(R,)](logits, logits.stride(0), vocab, nb, m, s, keys, tok.contiguous(), out, out.stride(0),
-                                N=n, NP=np_,
-                                NBP=triton.next_power_of_2(nb), num_warps=4)
+                                slots, on, N=n, NP=np_, NBP=triton.next_power_of_2(nb), GATED=wants is not None,
+                                num_warps=4)
     return out
 
 
