@@ -196,9 +196,7 @@ class ProgramSet:
         v = self.v
         meta = io.columns(PrefillInput, v[PrefillInput.buffer])
         slot = meta.slot.long()
-        last = v["state.hidden"].index_select(0, slot)
-        logits = self.recipe.lm_head(self.model, last).float()
-        v["out.logits"][:1].copy_(logits)
+        logits = self._logits(v["state.hidden"].index_select(0, slot))
         live = (meta.sample != 0) & (v["state.done"].index_select(0, slot) == 0)
         self._sample_and_commit(slot, logits, live, v[io.PREFILL_COMPLETION])
 
@@ -275,8 +273,7 @@ class ProgramSet:
         last = hidden.index_select(0, (n - 1).clamp(min=0))
         v["state.hidden"].index_copy_(0, slot, last)
         v["state.len"].index_copy_(0, slot, (start + n).int())
-        logits = self.recipe.lm_head(self.model, last).float()
-        v["out.logits"][:1].copy_(logits)
+        logits = self._logits(last)
         live = (meta.sample != 0) & (v["state.done"].index_select(0, slot) == 0)
         self._sample_and_commit(slot, logits, live, v[io.PREFILL_COMPLETION])
         return hidden
@@ -316,8 +313,7 @@ class ProgramSet:
         old_hidden = v["state.hidden"].index_select(0, slots)
         v["state.hidden"].index_copy_(0, slots, torch.where(live_seg[:, None], last, old_hidden))
         v["state.len"].index_copy_(0, slots, (start + counts * live_seg).int())
-        logits = self.recipe.lm_head(self.model, last).float()
-        v["out.logits"][:S].copy_(logits)
+        logits = self._logits(last)
         live = live_seg & (sample != 0)
         self._sample_and_commit(slots, logits, live, v[io.PACK_COMPLETION][:S])
 
@@ -346,8 +342,7 @@ class ProgramSet:
             old_hidden = v["state.hidden"].index_select(0, slots)
             v["state.hidden"].index_copy_(0, slots, torch.where(live[:, None], hidden, old_hidden))
             v["state.len"].index_copy_(0, slots, (length + live.long()).int())
-        logits = self.recipe.lm_head(self.model, hidden).float()
-        v["out.logits"][:B].copy_(logits)
+        logits = self._logits(hidden)
         self._sample_and_commit(slots, logits, live, v[io.DECODE_COMPLETION][:B])
 
     def verify(self, B: int) -> None:
@@ -499,9 +494,17 @@ class ProgramSet:
             tickets=self.v.get(TICKETS_BUFFER),
         )
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows' logits in float32, converted straight into ``out.logits`` (the program's raw
+        logits) and read from there by the sampler: one pass, no float32 copy beside it."""
+        out = self.v["out.logits"][: hidden.shape[0]]
+        out.copy_(self.recipe.lm_head(self.model, hidden))
+        return out
+
     def _select_eager(self, slots: torch.Tensor, logits: torch.Tensor):
-        """Mask, penalties and temperature for each row's slot, and its uniform draw:
-        elementwise and integer work only (compiled on CUDA). Returns (scores, draw)."""
+        """Mask, penalties and temperature for each row's slot, its uniform draw and its filters:
+        elementwise and integer work only (compiled on CUDA). Returns (scores, draw, top_k, top_p,
+        min_p), the filters contiguous (a strided column would be a copy kernel of its own)."""
         v = self.v
         # Grammar masks first, before penalties and filters: a masked token is never a
         # candidate, whatever its penalised probability. The host wrote the slot's row of
@@ -512,7 +515,9 @@ class ProgramSet:
         x = scores(logits, v["state.hist"].index_select(0, slots), temperature=samp[:, column("temperature")],
                    repetition=samp[:, column("repetition_penalty")], presence=samp[:, column("presence_penalty")],
                    frequency=samp[:, column("frequency_penalty")], sampling_vocab=self.caps.sampling_vocab)
-        return x, uniform(v["state.seed"].index_select(0, slots), v["state.counter"].index_select(0, slots))
+        return (x, uniform(v["state.seed"].index_select(0, slots), v["state.counter"].index_select(0, slots)),
+                v[INTEGER_STATE["top_k"]].index_select(0, slots), samp[:, column("top_p")].contiguous(),
+                samp[:, column("min_p")].contiguous())
 
     def _commit_rows_eager(self, slots: torch.Tensor, live: torch.Tensor, tok: torch.Tensor):
         """The state rows a sampled token leaves behind (not written here) and the
@@ -537,10 +542,8 @@ class ProgramSet:
         pending token, generated count, RNG counter, penalty histogram, done flag.
         Rows that are not live keep their state; their completion says inactive."""
         v = self.v
-        x, u = self._select(slots, logits)
-        samp = v["state.sampling"].index_select(0, slots)
-        tok = choose(x, v[INTEGER_STATE["top_k"]].index_select(0, slots), samp[:, column("top_p")],
-                     samp[:, column("min_p")], u, kernel=self.sampler_kernel)
+        x, u, top_k, top_p, min_p = self._select(slots, logits)
+        tok = choose(x, top_k, top_p, min_p, u, kernel=self.sampler_kernel)
         # Every rank sampled the same gathered logits from replicated state; committing
         # rank 0's tokens everywhere makes divergence impossible even so (no-op at TP=1).
         tok = self.tp.from_rank_zero(tok)
