@@ -271,7 +271,7 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import kv_write as KW
     compile_for_sm90(KW._write_kv_kernel, {**bf16("k_ptr", "v_ptr", "k_cache", "v_cache"), "slot_mapping": "*i64",
                                            "pool_rows": "i64"}, dict(KVH=8, KVH_PAD=8, D=128, D_PAD=128, PAGE=16))
-    # The sampler: the draw after the sort, and the log-probability block (float32 logits,
+    # The sampler: the softmax before the sort, the draw after it, and the log-probability block (float32 logits,
     # 64-bit candidate keys; 20 values, a 248,320-token vocabulary's 61 blocks).
     for verify in (False, True):
         compile_for_sm90(SK._draw_sorted_kernel,
@@ -279,6 +279,9 @@ SCRIPT = textwrap.dedent('''
                           "top_k_ptr": "*i32", "prop_ptr": "*i64", "tok_ptr": "*i64", "vtok_ptr": "*i64",
                           "acc_ptr": "*i8", "sums_ptr": "*fp32"},
                          dict(VERIFY=verify, BLOCK=2048, CHUNK=0 if verify else 8192, NCP=32), num_warps=8)
+    compile_for_sm90(SK._softmax_part_kernel, f32("x_ptr", "m_ptr", "s_ptr"), dict(CHUNK=SK.SM_CHUNK), num_warps=8)
+    compile_for_sm90(SK._softmax_norm_kernel, f32("x_ptr", "p_ptr", "m_ptr", "s_ptr"), dict(CHUNK=SK.SM_CHUNK, NCP=64),
+                     num_warps=8)
     compile_for_sm90(SK._chunk_sums_kernel, {**f32("sp_ptr", "sums_ptr", "min_p_ptr"), "top_k_ptr": "*i32"},
                      dict(CHUNK=8192), num_warps=8)
     # (gated: a row's slot's flag, int32 state.logprobs_on, says whether it computes its block)
@@ -302,7 +305,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 191, proc.stdout
+    assert proc.stdout.count("compiled") == 193, proc.stdout
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

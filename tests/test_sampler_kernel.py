@@ -290,6 +290,28 @@ def test_the_programs_log_probability_block_is_the_same_with_the_kernel():
     assert torch.equal(ker[:, 7:], ops[:, 7:])
     assert (ker[:, :7].view(torch.float32) - ops[:, :7].view(torch.float32)).abs().max() < 1e-5
 
+@pytest.mark.parametrize("V", [100, 1000, 4096 + 17])
+def test_the_split_softmax_is_torchs_within_rounding(V):
+    """``softmax_rows`` (chunks of 64: several a row, a last partial one) against torch.softmax:
+    peaked, flat and tied rows, a row with a chunk of -inf only, within float32 rounding; a row
+    of -inf only and a row with one NaN come out NaN as torch's; rows do not depend on the batch."""
+    gen = torch.Generator().manual_seed(15)
+    x = _rows(V, gen)
+    x[4, :64] = float("-inf")  # (the masked row: its first chunk has no mass)
+    want = torch.softmax(x.double(), dim=-1)
+    got = K.softmax_rows(*_on(x), chunk=64).cpu()
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert ((got.double() - want).abs() <= 1e-6 * want + 1e-12).all(), ((got.double() - want).abs() / want).max()
+    assert torch.equal(got[4, :64], torch.zeros(64))
+    alone = torch.cat([K.softmax_rows(*_on(x[i:i + 1]), chunk=64).cpu() for i in range(x.shape[0])])
+    assert torch.equal(got, alone)
+    bad = torch.randn(2, V, generator=gen)
+    bad[0] = float("-inf")
+    bad[1, V // 2] = float("nan")
+    assert torch.isnan(torch.softmax(bad, dim=-1)).all()
+    assert torch.isnan(K.softmax_rows(*_on(bad), chunk=64).cpu()).all()
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_rows_whose_slots_ask_for_no_log_probabilities_get_zeros(kernel):
     """``wants``: rows whose slot's flag is 0 get zeros (the kernels read none of their logits),

@@ -119,7 +119,7 @@ def choose(
     if kernel:
         from flare.prepare.kernels.sampler import draw_sorted
 
-        return draw_sorted(*_sorted(x), top_k, top_p, min_p, u)
+        return draw_sorted(*_sorted(x, kernel=True), top_k, top_p, min_p, u)
     return _draw(*filtered(x, top_k, top_p, min_p), u)
 
 
@@ -147,9 +147,17 @@ def logprob_block(logits: torch.Tensor, tok: torch.Tensor, n: int, vocab: int, k
     return out
 
 
-def _sorted(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's probabilities sorted descending (ties in token order) and their token ids."""
-    return torch.sort(torch.softmax(x, dim=-1), dim=-1, descending=True, stable=True)
+def _sorted(x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities sorted descending (ties in token order) and their token ids.
+    ``kernel``: the softmax split over programs (``kernels/sampler.softmax_rows``), not ATen's
+    one block a row."""
+    if kernel:
+        from flare.prepare.kernels.sampler import softmax_rows
+
+        p = softmax_rows(x.float().contiguous())
+    else:
+        p = torch.softmax(x, dim=-1)
+    return torch.sort(p, dim=-1, descending=True, stable=True)
 
 
 def _draw(kept: torch.Tensor, si: torch.Tensor, n_keep: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -287,7 +295,7 @@ def verify_chain(
     if kernel:
         from flare.prepare.kernels.sampler import draw_sorted
 
-        plain, tok_v, acc = draw_sorted(*_sorted(x), *filters, u, proposal, u_rej)
+        plain, tok_v, acc = draw_sorted(*_sorted(x, kernel=True), *filters, u, proposal, u_rej)
     else:
         kept, si, n_keep = filtered(x, *filters)
         plain = _draw(kept, si, n_keep, u)

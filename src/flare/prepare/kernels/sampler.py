@@ -270,6 +270,70 @@ def draw_sorted(sp: torch.Tensor, si: torch.Tensor, top_k: torch.Tensor, top_p: 
     return (tok, vtok, acc.bool()) if verify else tok
 
 
+# -- the softmax before the sort ---------------------------------------------------------------
+#
+# ``sampling._sorted`` sorts each row's probabilities: ATen's softmax of a row is one block of
+# threads walking the whole vocabulary (about 13-16 µs of a decode step's tail for 151,936
+# tokens, bench/timeline.py). Here a row is split over programs of SM_CHUNK tokens: each leaves
+# its chunk's maximum and sum of exponentials relative to it, then each rescales the row's
+# partial sums to the row's maximum (in chunk order: a row's result does not depend on the
+# batch) and writes its chunk's probabilities, exp(x - max) / sum with a correctly rounded
+# division. A row of -inf only is NaN and a NaN anywhere makes its row NaN, as torch's softmax.
+
+SM_CHUNK = 4096
+
+
+@triton.jit
+def _softmax_part_kernel(x_ptr, stride, V, NC, m_ptr, s_ptr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    inb = idx < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf"))
+    m = tl.max(x, 0)
+    # (a chunk of -inf has no mass: x - m would be NaN there; a NaN makes the row's sum NaN)
+    s = tl.sum(tl.where(inb, tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0.0), 0)
+    s = tl.where(tl.sum((x != x).to(tl.int32), 0) > 0, float("nan"), s)
+    at = row.to(tl.int64) * NC + c
+    tl.store(m_ptr + at, m)
+    tl.store(s_ptr + at, s)
+
+
+@triton.jit
+def _softmax_norm_kernel(x_ptr, p_ptr, stride, stride_p, V, NC, m_ptr, s_ptr, CHUNK: tl.constexpr,
+                         NCP: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    j = tl.arange(0, NCP)
+    at = row.to(tl.int64) * NC
+    mj = tl.load(m_ptr + at + j, mask=j < NC, other=float("-inf"))
+    big = tl.max(mj, 0)
+    sj = tl.load(s_ptr + at + j, mask=j < NC, other=0.0)
+    total = tl.sum(tl.where(mj == float("-inf"), sj, sj * tl.exp(mj - big)), 0)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    inb = idx < V
+    x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf"))
+    tl.store(p_ptr + row.to(tl.int64) * stride_p + idx, tl.div_rn(tl.exp(x - big), total), mask=inb)
+
+
+def softmax_rows(x: torch.Tensor, chunk: int = SM_CHUNK) -> torch.Tensor:
+    """torch.softmax(x, dim=-1) of float32 rows ``[N, V]`` (unit stride) in two launches of a
+    program per row and chunk of ``chunk`` tokens (tests use small ones)."""
+    N, V = x.shape
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        raise ValueError(f"softmax_rows needs float32 rows of unit stride, got {x.dtype} {tuple(x.stride())}")
+    nc = triton.cdiv(V, chunk)
+    m = torch.empty((N, nc), dtype=torch.float32, device=x.device)
+    s = torch.empty((N, nc), dtype=torch.float32, device=x.device)
+    p = torch.empty((N, V), dtype=torch.float32, device=x.device)
+    if N and V:
+        warps = 8 if chunk >= 4096 else 4
+        _softmax_part_kernel[(N, nc)](x, x.stride(0), V, nc, m, s, CHUNK=chunk, num_warps=warps)
+        _softmax_norm_kernel[(N, nc)](x, p, x.stride(0), p.stride(0), V, nc, m, s, CHUNK=chunk,
+                                      NCP=triton.next_power_of_2(nc), num_warps=warps)
+    return p
+
+
 # -- the log-probability block ------------------------------------------------------------
 #
 # ``sampling.logprob_block``: log_softmax of the raw logits over the sampling vocabulary,
