@@ -1,5 +1,6 @@
 """The sampler's kernels: the filters and draw over the sorted probabilities in one program a
-row, and the log-probability block (at the end of this module) in two kernels.
+row, the softmax before the sort and the log-probability block (further down) in two launches
+each, and the commit of a sampled token in one.
 
 ``sampling.choose`` and ``sampling.verify_chain`` sort each row's probabilities and then
 apply top-k, top-p and min-p, widen the kept prefix to the ties of its last member and draw
