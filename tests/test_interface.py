@@ -79,3 +79,4 @@ def test_pack_and_unpack():
     assert rows["state.sampling"].tolist() == pytest.approx([0.5, 0.9, 0.1, 1.2, 0.3, 0.4])
     assert rows["state.top_k"] == 3 and rows["state.stop_ids"].tolist() == [2, 5, -1, -1]
     assert rows["state.page_table"].tolist() == [6, 8, 0] and rows["state.mask_on"] == 1
+    assert rows[io.LOGPROBS_ON] == 1

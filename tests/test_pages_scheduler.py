@@ -898,6 +898,22 @@ def test_grammar_masks_at_every_sampling_step_and_only_there(tiny_core):
     assert free.output == [token_fn(4, i) for i in range(12)]  # unconstrained, unaffected
 
 
+def test_admission_writes_whether_the_request_reads_log_probabilities(tiny_core):
+    """state.logprobs_on is written at admission: 1 for a request that asks for log-probabilities
+    (any count, 0 included), 0 for one that does not (its rows' blocks are then skipped)."""
+    m = small_manifest(tiny_core, num_pages=64, slots=4)
+    d = Driver(m)
+    reqs = [make_request("N", 10, 4, seed=1), make_request("Z", 10, 4, seed=2, logprobs=0),
+            make_request("T", 10, 4, seed=3, logprobs=3)]
+    d.add(*reqs)
+
+    def admitted():
+        return {s.requests[0].id: int({w.buffer: w.value for w in s.writes}[io.LOGPROBS_ON])
+                for s in d.steps if s.kind == ProgramKind.admit and any(w.buffer == io.LOGPROBS_ON for w in s.writes)}
+    d.run(until=lambda: len(admitted()) == 3)
+    assert admitted() == {"N": 0, "Z": 1, "T": 1}
+
+
 def test_grammar_survives_preemption(tiny_core):
     """A constrained request preempted mid-output keeps its grammar state: after
     readmission its next masks continue the script where it stopped."""

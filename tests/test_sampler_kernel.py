@@ -294,7 +294,8 @@ def test_the_programs_log_probability_block_is_the_same_with_the_kernel():
 def test_the_split_softmax_is_torchs_within_rounding(V):
     """``softmax_rows`` (chunks of 64: several a row, a last partial one) against torch.softmax:
     peaked, flat and tied rows, a row with a chunk of -inf only, within float32 rounding; a row
-    of -inf only and a row with one NaN come out NaN as torch's; rows do not depend on the batch."""
+    of -inf only, a row with one NaN and one with a +inf come out NaN where torch's does; rows do
+    not depend on the batch."""
     gen = torch.Generator().manual_seed(15)
     x = _rows(V, gen)
     x[4, :64] = float("-inf")  # (the masked row: its first chunk has no mass)
@@ -305,11 +306,12 @@ def test_the_split_softmax_is_torchs_within_rounding(V):
     assert torch.equal(got[4, :64], torch.zeros(64))
     alone = torch.cat([K.softmax_rows(*_on(x[i:i + 1]), chunk=64).cpu() for i in range(x.shape[0])])
     assert torch.equal(got, alone)
-    bad = torch.randn(2, V, generator=gen)
+    bad = torch.randn(3, V, generator=gen)
     bad[0] = float("-inf")
     bad[1, V // 2] = float("nan")
-    assert torch.isnan(torch.softmax(bad, dim=-1)).all()
-    assert torch.isnan(K.softmax_rows(*_on(bad), chunk=64).cpu()).all()
+    bad[2, V - 1] = float("inf")
+    assert torch.equal(torch.isnan(K.softmax_rows(*_on(bad), chunk=64).cpu()), torch.isnan(torch.softmax(bad, dim=-1)))
+    assert torch.isnan(torch.softmax(bad[:2], dim=-1)).all()
 
 
 @pytest.mark.parametrize("kernel", [False, True])

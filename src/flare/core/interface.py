@@ -41,11 +41,12 @@ The per-slot request state written at admission (``slot_state``) and the
 sampling columns (``flare.core.sampling_params``) complete the interface.
 
 Log-probabilities: a core prepared with ``max_logprobs`` N > 0 widens every sampling
-record (prefill, resume, decode) by ``logprob_columns(N)`` int32 columns after the
+record (prefill, resume, decode, pack) by ``logprob_columns(N)`` int32 columns after the
 ``Completion`` fields: the sampled token's log-probability, the N largest
 log-probabilities (descending) as float32 bit patterns, then their N token ids. The
 values are ``log_softmax`` of the model's raw logits over the sampling vocabulary
-(before grammar masks, penalties, temperature and filters).
+(before grammar masks, penalties, temperature and filters). A row whose slot's
+``LOGPROBS_ON`` flag is 0 (its request asks for none) carries zeros there instead.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def base_state(m: Manifest, seed: int = 0) -> BaseState:
     # Grammar masks on about half the rows, each allowing a random half of the vocabulary:
     # the sampler's mask path is qualified with real bitmasks, not only switched off.
     state["state.mask_on"][:] = rng.integers(0, 2, rows)
-    # Log-probability blocks asked for on about half the rows (zeros on the others).
+    # Log-probability blocks asked for on about half the rows (zeros on the others; each input
+    # set of a sampling program sets its own: input_writes).
     state[io.LOGPROBS_ON][:] = rng.integers(0, 2, rows)
     words = state["in.token_mask"]
     words[:] = rng.integers(0, 1 << 32, words.shape, dtype=np.uint64).astype(np.uint32).view(np.int32)
@@ -204,6 +205,13 @@ def input_writes(m: Manifest, program: str, index: int, base_state: BaseState) -
             done = base["state.done"].copy()
             done[slots[0]] = 1
             out["state.done"] = done
+    if p.kind not in (ProgramKind.admit, ProgramKind.snapshot, ProgramKind.restore) and io.LOGPROBS_ON in base:
+        # The log-probability flags of a sampling program's set: every slot asks in the first
+        # (whose rows sample and are live), a random half in the second, none in the third, so
+        # the golden replays cover the blocks computed and skipped whatever slots a set picks.
+        on = np.zeros_like(base[io.LOGPROBS_ON])
+        on[1:] = 1 if index == 0 else rng.integers(0, 2, len(on) - 1) if index == 1 else 0
+        out[io.LOGPROBS_ON] = on
     return out
 
 
