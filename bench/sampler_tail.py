@@ -5,9 +5,10 @@ The tail after ``lm_head``: scores (penalties, temperature), the filters and dra
 (``sampling.choose``: softmax and sort, then ATen ops or ``kernels/sampler.draw_sorted``),
 and the log-probability block (``sampling.logprob_block``: ATen's log_softmax and topk,
 or ``kernels/sampler.logprob_block``); the kernels also with the draw's block walk alone
-(``CHUNK_BLOCKS`` 0: no chunk sums). One CUDA graph holds CALLS tails on rotating rows of
-random logits; its replay time over CALLS is a tail's time as a program pays it, launches
-included. Sampling parameters: temperature 1.0, top-p 0.95, top-k 20 (the serving
+(``CHUNK_BLOCKS`` 0: no chunk sums), with ATen's softmax instead of ``softmax_rows``, and for
+rows that ask for no log-probabilities (the block's kernels gated off). One CUDA graph holds
+CALLS tails on rotating rows of random logits; its replay time over CALLS is a tail's time as a
+program pays it, launches included. Sampling parameters: temperature 1.0, top-p 0.95, top-k 20 (the serving
 benchmarks'), and no filter at all. The tokens and the log-probability ids of both ways are
 compared (they may differ only where a draw falls within rounding of a boundary).
 
@@ -58,11 +59,11 @@ def main(argv=None) -> int:
                 tp = torch.full((rows,), top_p, device=dev)
                 outs = {}
 
-                def tail(kernel, keep):
+                def tail(kernel, keep, wants=None):
                     for i, lg in enumerate(logits):
                         x = S.scores(lg, hist, ones, ones, zeros, zeros, vocab)
                         tok = S.choose(x, tk, tp, zeros, u, kernel=kernel)
-                        lp = S.logprob_block(lg, tok, LOGPROBS, vocab, kernel=kernel)
+                        lp = S.logprob_block(lg, tok, LOGPROBS, vocab, kernel=kernel, wants=wants)
                         if keep:
                             outs.setdefault(kernel, []).append((tok, lp))
 
@@ -78,11 +79,21 @@ def main(argv=None) -> int:
                     walk = graph_ms(lambda: tail(True, False), CALLS)
                 finally:
                     SK.CHUNK_BLOCKS = chunks
+                split, SK.softmax_rows = SK.softmax_rows, lambda x, chunk=0: torch.softmax(x, dim=-1)
+                try:  # the kernels with ATen's one-block softmax before the sort
+                    aten_sm = graph_ms(lambda: tail(True, False), CALLS)
+                finally:
+                    SK.softmax_rows = split
+                # rows whose slots ask for no log-probabilities (state.logprobs_on 0: the block's kernels skip them)
+                off = (torch.arange(rows, device=dev), torch.zeros(rows, dtype=torch.int32, device=dev))
+                no_lp = graph_ms(lambda: tail(True, False, off), CALLS)
                 entry[label] = {"ops_ms": ops, "kernel_ms": ker, "kernel_over_ops": ker / ops,
-                                "kernel_block_walk_ms": walk,
+                                "kernel_block_walk_ms": walk, "kernel_aten_softmax_ms": aten_sm,
+                                "kernel_no_logprobs_ms": no_lp,
                                 "same_tokens": f"{same_tok}/{CALLS}", "same_logprob_ids": f"{same_ids}/{CALLS}"}
                 print(f"vocab {vocab} rows {rows} {label}: ops {ops * 1e3:.1f} us, kernel {ker * 1e3:.1f} us "
-                      f"(block walk {walk * 1e3:.1f}), tokens {same_tok}/{CALLS}, ids {same_ids}/{CALLS}", flush=True)
+                      f"(block walk {walk * 1e3:.1f}, ATen softmax {aten_sm * 1e3:.1f}, no log-probabilities "
+                      f"{no_lp * 1e3:.1f}), tokens {same_tok}/{CALLS}, ids {same_ids}/{CALLS}", flush=True)
             results[f"{vocab}@{rows}"] = entry
             json.dump({"meta": meta, "results": results}, open(a.out, "w"), indent=1)
     return 0
