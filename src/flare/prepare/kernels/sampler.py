@@ -285,16 +285,33 @@ SM_CHUNK = 4096
 
 
 @triton.jit
+def _max_sum_exp(x, inb):
+    """A block's maximum and its sum of exp(x - maximum) over ``inb`` (``_softmax_part_kernel`` and
+    ``_logprob_part_kernel``); a block of -inf has no mass (x - m would be NaN there)."""
+    m = tl.max(x, 0)
+    return m, tl.sum(tl.where(inb, tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0.0), 0)
+
+
+@triton.jit
+def _row_max_sum(m_ptr, s_ptr, at, NB, NBP: tl.constexpr):
+    """A row's maximum and sum of exp(x - maximum) from its NB blocks' (``_max_sum_exp``), in
+    block order; blocks of no mass add nothing."""
+    b = tl.arange(0, NBP)
+    m = tl.load(m_ptr + at + b, mask=b < NB, other=float("-inf"))
+    big = tl.max(m, 0)
+    s = tl.load(s_ptr + at + b, mask=b < NB, other=0.0)
+    return big, tl.sum(tl.where(m == float("-inf"), s, s * tl.exp(m - big)), 0)
+
+
+@triton.jit
 def _softmax_part_kernel(x_ptr, stride, V, NC, m_ptr, s_ptr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
     idx = c * CHUNK + tl.arange(0, CHUNK)
     inb = idx < V
     x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf"))
-    m = tl.max(x, 0)
-    # (a chunk of -inf has no mass: x - m would be NaN there; a NaN makes the row's sum NaN)
-    s = tl.sum(tl.where(inb, tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0.0), 0)
-    s = tl.where(tl.sum((x != x).to(tl.int32), 0) > 0, float("nan"), s)
+    m, s = _max_sum_exp(x, inb)
+    s = tl.where(tl.sum((x != x).to(tl.int32), 0) > 0, float("nan"), s)  # (a NaN makes the row's sum NaN)
     at = row.to(tl.int64) * NC + c
     tl.store(m_ptr + at, m)
     tl.store(s_ptr + at, s)
@@ -305,12 +322,7 @@ def _softmax_norm_kernel(x_ptr, p_ptr, stride, stride_p, V, NC, m_ptr, s_ptr, CH
                          NCP: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    j = tl.arange(0, NCP)
-    at = row.to(tl.int64) * NC
-    mj = tl.load(m_ptr + at + j, mask=j < NC, other=float("-inf"))
-    big = tl.max(mj, 0)
-    sj = tl.load(s_ptr + at + j, mask=j < NC, other=0.0)
-    total = tl.sum(tl.where(mj == float("-inf"), sj, sj * tl.exp(mj - big)), 0)
+    big, total = _row_max_sum(m_ptr, s_ptr, row.to(tl.int64) * NC, NC, NCP)
     idx = c * CHUNK + tl.arange(0, CHUNK)
     inb = idx < V
     x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf"))
@@ -379,9 +391,7 @@ def _logprob_part_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, slots_ptr,
         idx = blk * BLOCK + tl.arange(0, BLOCK)
         inb = idx < V
         x = tl.load(x_ptr + row.to(tl.int64) * stride + idx, mask=inb, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, 0)
-        # A block of -inf logits has no mass (x - m would be NaN there and poison the row's sum).
-        s = tl.sum(tl.where(inb, tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0.0), 0)
+        m, s = _max_sum_exp(x, inb)
         at = row.to(tl.int64) * NB + blk
         tl.store(m_ptr + at, m)
         tl.store(s_ptr + at, s)
@@ -399,11 +409,8 @@ def _logprob_merge_kernel(x_ptr, stride, V, NB, m_ptr, s_ptr, key_ptr, tok_ptr, 
     row = tl.program_id(0)
     out = out_ptr + row.to(tl.int64) * stride_out
     if _wants_block(slots_ptr, on_ptr, row, GATED):
-        b = tl.arange(0, NBP)
         at = row.to(tl.int64) * NB
-        m = tl.load(m_ptr + at + b, mask=b < NB, other=float("-inf"))
-        big = tl.max(m, 0)
-        s = tl.sum(tl.where(b < NB, tl.load(s_ptr + at + b, mask=b < NB, other=0.0) * tl.exp(m - big), 0.0), 0)
+        big, s = _row_max_sum(m_ptr, s_ptr, at, NB, NBP)
         log_s = tl.log(s)
         base = x_ptr + row.to(tl.int64) * stride
         tok = tl.minimum(tl.maximum(tl.load(tok_ptr + row), 0), V - 1)
