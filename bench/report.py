@@ -930,6 +930,33 @@ index copies: 92 kernels a layer in `prefill.128`, 10.1 ms for a cold 16-token p
 4,096-token prefix hit costs 1.09x (35B) and 1.15x (30B) a cold short prompt, and every agent
 turn found the previous prompt cached.
 
+**2026-12-07, on an H100 80 GB again** (the H200 was asked for; at f9fff06, ABI 6, with the
+day's sampling-tail cuts: the logits straight into the output buffer, the rows' filters gathered by
+the compiled selection, the split softmax, log-probability blocks only for rows that ask;
+`STEPS="prepare floor timeline" TIMELINE_PREFILLS="" bash bench/run_gpu.sh qwen3-30b-a3b-shape
+--step-gemms measure --step-norms invariant`; `floor-` and `timeline-qwen3-30b-a3b-shape-2026-12-07.json`).
+The 30B's decode.1 is 195 kernels (280 on 12-06), a layer 7 (q/k/v GEMV 14.0 µs, q/k norm-rotary
+with the KV write 5.8, attend 13.3, o_proj GEMV 11.2, router 10.7, gate/up 23.4, down 14.6;
+serialized) and the tail 30 kernels, 360 µs serialized, of which lm_head 206 µs (3.0 TB/s):
+
+| shape (depth), H100 | c | floor ms per step (12-06) | active GB | fraction (floor) | full depth (derived) |
+|---|---|---|---|---|---|
+| Qwen3-30B-A3B (24 of 48) | 1 | 2.031 (2.123) | 3.35 | **0.54** (0.52) | 3.75 ms, 267 tok/s, 0.53 |
+| | 2 | 2.742 (2.825) | 5.05 | 0.60 | |
+| | 4 | 3.826 (3.923) | 8.14 | 0.70 | 7.21 ms |
+
+Full depth as before: the graph time scaled by (head and tail + 2 x layers) over (head and tail
++ layers) of the serialized times, against 6.08 GB (lm_head 0.62 GB plus twice the layers').
+The log-probability gate's A/B (`FLARE_BENCH_LOGPROBS=1`, every slot asking, same core, same
+machine: `floor-...-2026-12-07-logprobs-on.json`): 2.047 / 2.759 / 3.842 ms, 16 µs a step more at each
+concurrency. The sampling tail alone (`sampler-tail-2026-12-07-h100.json`, one graph of 20
+tails, 151,936 tokens, one row, top-k 20 / top-p 0.95): 111 µs with the kernels against 298
+with tensor ops; with ATen's softmax in place of the split one 151 µs; for a row asking no
+log-probabilities 101 µs. 0.60 at c = 1 needs 1.83 ms here, 200 µs less; the short-context
+attend (13.3 µs a layer for a 16-token history, 320 µs a step: launch and fold latency, no
+bytes), the router (10.7 µs for 1 MB) and the q/k norm-rotary (5.8) are 0.72 ms of the
+2.55 ms serialized, and the sampler's sort about 60 µs.
+
 Where a step's time goes (`timeline-qwen3-30b-a3b-shape-2026-12-02.json`,
 `timeline-qwen3_5-35b-a3b-shape-2026-12-02.json`; serialized times, every node paying
 about 2.5 µs of event cost): the 30B shape's decode.1 is 467 kernels, 15 a layer, for 2.41
