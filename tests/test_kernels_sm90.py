@@ -166,7 +166,7 @@ SCRIPT = textwrap.dedent('''
     # either way), at a head dim the loads must mask (80 in 128), Qwen3.5's 256 (32-key
     # blocks), and 128- and 256-row prompt tiles of 8 warps (bench/attention_prefill.py's).
     # A decode launch folds its splits in its last program (FOLD, with a CUDA core's tickets), at 128
-    # and at Qwen3.5's 256.
+    # and at Qwen3.5's 256; decode launches give a split at least SPLIT_BLOCKS key blocks.
     for block_t, heads, splits, seg, nseg, rtiles, full, d, warps, fold in (
             (1, 16, 32, 0, 0, 0, False, 128, 4, False), (1, 16, 32, 0, 0, 0, True, 128, 4, False),
             (16, 4, 32, 16, 128, 3, True, 128, 4, False), (16, 4, 1, 16, 128, 1, True, 128, 4, False),
@@ -180,7 +180,8 @@ SCRIPT = textwrap.dedent('''
                                        SPLITS=splits, PRECISION="tf32", TILES_PAD=16, TARGET=264, SEG=seg, NSEG=nseg,
                                        RTILES=rtiles, FULL_BLOCKS=full, FOLD=fold,
                                        SPLITS_PAD=triton.next_power_of_2(splits),
-                                       FOLD_CH=A.fold_splits(block_t * heads, max(128, d), splits)),
+                                       FOLD_CH=A.fold_splits(block_t * heads, max(128, d), splits),
+                                       SPLIT_BLOCKS=A.SPLIT_BLOCKS if seg == 0 else 0),
                                   num_warps=warps, num_stages=2)
         print("ex2", ex2_feeds(kernel.asm["ptx"]))
     for seg, nseg in ((0, 0), (16, 128)):

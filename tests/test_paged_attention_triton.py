@@ -332,6 +332,39 @@ def test_decode_splits_folded_by_the_last_program(window, monkeypatch):
             assert not tickets.any()
 
 
+@pytest.mark.parametrize("window", [0, 150])
+def test_a_decode_split_works_on_at_least_split_blocks_key_blocks(window):
+    """A decode tile's keys go to at most one split for each ``split_blocks`` key blocks they
+    span: a row whose keys span no more (17 keys: one block of 64; 100: two; 384 under the
+    150-key window: blocks 3-5) is one program's work, the bits of an unsplit launch, with the
+    combine kernel and with ticket counters (the fold, whose counters stay at zero); the other rows
+    split, within float32 rounding of the split without the limit (``split_blocks=0``: every
+    program the launch offers), and every row within the reference's tolerance; padded rows zeros."""
+    step = decode_step(LONG, [17, None, 100, 384], torch.float32, 43, DEVICE)
+    ref, _ = run_reference(step, scale(LONG), window)
+    kv = step.kv.clone()
+    b = step.batch(kv, "triton")
+    write_kv_triton(b, step.layer, step.k, step.v)
+    whole = attend_triton(b, step.layer, step.q, scale(LONG), num_splits=1, window=window)
+    unlimited = attend_triton(b, step.layer, step.q, scale(LONG), num_splits=6, target=10**6, window=window,
+                              split_blocks=0)
+    spans = {0: 1, 2: 2, 3: 3 if window else 6}  # row -> key blocks its keys span
+    tickets = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    for split_blocks in (1, 2, 3):
+        for batch in (b, dataclasses.replace(b, tickets=tickets)):
+            out = attend_triton(batch, step.layer, step.q, scale(LONG), num_splits=6, target=10**6, window=window,
+                                split_blocks=split_blocks)
+            assert not tickets.any()
+            assert torch.equal(out[~step.valid], torch.zeros_like(out[~step.valid]))
+            torch.testing.assert_close(out, ref, **TOL[torch.float32])
+            torch.testing.assert_close(out, unlimited, atol=1e-6, rtol=1e-6)
+            for row, span in spans.items():
+                if span <= split_blocks:
+                    assert torch.equal(out[row], whole[row]), (split_blocks, row)
+                elif split_blocks == 1 and batch is b:  # a block a split, the combine's sum as without the limit
+                    assert torch.equal(out[row], unlimited[row]), row
+
+
 # Rows 300..316 under a window of 100 see keys from 201 on, of 150 from 151 on: in segments of 3
 # blocks (192 keys) the first segment is skipped whole or cut; in one segment, or in segments of 2
 # blocks (128 keys), both windows start inside the same segment (the second: 150 alone covers it).

@@ -63,8 +63,14 @@ room for ``RTILES`` such tiles (128 MiB); a launch with more does not split (it 
 enough, and the bits do not depend on it). Decode steps keep the even split (their rows
 need not equal a prompt's), whose partition of a row's keys follows ``eff``, hence the
 step's live rows: past about ``eff`` key blocks of context a decode row's bits depend on
-what shares its step. ``segments=True`` gives a decode launch the prompt launches'
-segments (one token a tile), so its rows do not; no program takes it: on the H200 it is
+what shares its step. A decode tile's ``eff`` is also at most one program for each
+``SPLIT_BLOCKS`` key blocks its rows span (``_key_splits``): a 16-token history is one program's
+work rather than 32 programs' partials that the last folds (13.3 µs an attention layer on the
+H100's 30B-A3B decode step at one row, against 5.8 for its q/k norm-rotary launch:
+`timeline-qwen3-30b-a3b-shape-2026-12-07.json`); below ``SPLIT_BLOCKS`` x ``eff`` blocks the
+partition of a decode row's keys follows from its own length alone. ``segments=True`` gives a
+decode launch the prompt launches' segments (one token a tile), so its rows do not depend on
+what shares the step at any length; no program takes it: on the H200 it is
 1.4-1.8x slower at four live rows of 16K-128K context (``bench/attention_decode.py``,
 docs/gpu.md).
 
@@ -95,6 +101,10 @@ _SEG_COUNT = 128  # most key segments of a prompt row (segments grow with the co
 _SEG_MIN = 4  # fewest key blocks a segment (the key loop is pipelined within a segment)
 _SEG_PARTIAL_BYTES = 128 << 20  # largest segment partials buffer of one prompt launch
 _DOT_MIN = 16  # tl.dot needs at least 16 rows
+# Fewest key blocks a decode split works on: a row's keys go to at most one split per
+# SPLIT_BLOCKS blocks of them (``_key_splits``), so a short history is not spread over the
+# chip's worth of programs that each store a partial for the last one to fold.
+SPLIT_BLOCKS = 2
 
 
 @triton.jit
@@ -199,25 +209,12 @@ def _attend_kernel(
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     TILES_PAD: tl.constexpr, TARGET: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
     RTILES: tl.constexpr, FULL_BLOCKS: tl.constexpr, tickets=None, FOLD: tl.constexpr = False,
-    SPLITS_PAD: tl.constexpr = 1, FOLD_CH: tl.constexpr = 1,
+    SPLITS_PAD: tl.constexpr = 1, FOLD_CH: tl.constexpr = 1, SPLIT_BLOCKS: tl.constexpr = 0,
 ):
     tb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ROWS: tl.constexpr = BLOCK_T * HEADS
-
-    if SPLITS > 1:
-        eff = _effective_splits(valid, T, stride_val, tl.num_programs(1), BLOCK_T, TILES_PAD, SPLITS, TARGET,
-                                RTILES)
-        if (tb == 0) & (kvh == 0) & (split == 0):
-            tl.store(part_eff, eff)
-    else:
-        eff = 1
-    # Segment partials go by the tile's rank among the tiles holding tokens (at most RTILES).
-    rank = 0
-    if SEG > 0:
-        if SPLITS > 1:
-            rank = _tile_rank(valid, T, stride_val, tb, BLOCK_T, TILES_PAD)
 
     r = tl.arange(0, ROWS)
     tok = r // HEADS  # token within the tile
@@ -232,6 +229,24 @@ def _attend_kernel(
     slot = tl.load(token_slot + t * stride_ts, mask=t_in, other=0).to(tl.int32)
     pos = tl.load(positions + t * stride_pos, mask=t_in, other=0).to(tl.int32)
     row_valid = row_in & (tl.load(valid + t * stride_val, mask=t_in, other=0) != 0)
+    key_limit = max_pages * PAGE
+    win = tl.where(window > 0, window, key_limit + 1)  # 0: the whole history
+
+    if SPLITS > 1:
+        eff = _effective_splits(valid, T, stride_val, tl.num_programs(1), BLOCK_T, TILES_PAD, SPLITS, TARGET,
+                                RTILES)
+        if SEG == 0:
+            if SPLIT_BLOCKS > 0:
+                eff = tl.minimum(eff, _key_splits(row_valid, pos, win, key_limit, BLOCK_N, SPLIT_BLOCKS))
+        if (kvh == 0) & (split == 0):
+            tl.store(part_eff + tb, eff)
+    else:
+        eff = 1
+    # Segment partials go by the tile's rank among the tiles holding tokens (at most RTILES).
+    rank = 0
+    if SEG > 0:
+        if SPLITS > 1:
+            rank = _tile_rank(valid, T, stride_val, tb, BLOCK_T, TILES_PAD)
 
     # One slot for the whole tile (prefill, or a single token) -> one pass whose
     # key tiles every row shares. Otherwise one pass per token of the tile.
@@ -252,8 +267,6 @@ def _attend_kernel(
     m = tl.full([ROWS], -1.0e30, tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    key_limit = max_pages * PAGE
-    win = tl.where(window > 0, window, key_limit + 1)  # 0: the whole history
 
     for p_i in range(0, n_pass):
         t_pass = tb * BLOCK_T + p_i
@@ -392,6 +405,17 @@ def _effective_splits(valid, T, stride_val, KVH, BLOCK_T: tl.constexpr, TILES_PA
 
 
 @triton.jit
+def _key_splits(row_valid, pos, win, key_limit, BLOCK_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr):
+    """Most programs a decode tile's keys give work to: one for each ``SPLIT_BLOCKS`` key blocks
+    its valid rows span (their windows' first block up to the last row's), at least one. A
+    function of the tile's rows alone, so its programs and the combine agree."""
+    n_blocks = (tl.minimum(tl.max(tl.where(row_valid, pos, -1), 0) + 1, key_limit) + BLOCK_N - 1) // BLOCK_N
+    first = tl.maximum(tl.min(tl.where(row_valid, pos, key_limit), 0) - win + 1, 0) // BLOCK_N
+    span = n_blocks - tl.minimum(first, n_blocks)
+    return tl.maximum((span + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS, 1)
+
+
+@triton.jit
 def _combine_kernel(
     part_acc, part_m, part_l, part_eff, out_ptr, valid, positions,
     T, H, stride_ot, stride_oh, stride_od, stride_val, stride_pos, key_limit, window,
@@ -401,7 +425,7 @@ def _combine_kernel(
     row = tl.program_id(0)  # t * H + h
     t = row // H
     h = row % H
-    eff = tl.load(part_eff)
+    eff = tl.load(part_eff + t // BLOCK_T)  # the row's tile's
     if eff > 1:  # eff == 1: the attend kernel wrote the output itself
         ok = tl.load(valid + t * stride_val) != 0
         d = tl.arange(0, D_PAD)
@@ -472,6 +496,9 @@ class Launch:
     # Score the key blocks every row of a tile sees whole without masks (``_key_range``; the
     # same bits): prompt launches, where at long context nearly every block is whole.
     full_blocks: bool = False
+    # Decode launches (``seg`` 0): at most one split per this many key blocks of a tile's keys
+    # (0: as many as ``splits`` and ``target`` give, however short the history).
+    split_blocks: int = SPLIT_BLOCKS
 
     @property
     def rows(self) -> int:
@@ -482,12 +509,14 @@ def plan_launch(
     T: int, H: int, KVH: int, D: int, max_pages: int, page_size: int, *,
     tile_tokens: bool, sm_count: int, num_splits: int | None = None, segments: bool | None = None,
     rows: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    split_blocks: int = SPLIT_BLOCKS,
 ) -> Launch:
     """``segments``: keys in segments at fixed positions (default: in prompt launches, those
     that tile query tokens); True for a decode launch gives its rows the same bits whatever
     the step's live rows (module docstring). ``rows`` (query rows of a prompt tile, default
     ``QUERY_TILE_ROWS``), ``block_n``, ``num_warps`` and ``num_stages``: other tilings,
-    for benchmarks (a core's prompt programs must all share one tile height)."""
+    for benchmarks (a core's prompt programs must all share one tile height); ``split_blocks``:
+    the fewest key blocks a decode split works on (0: no such limit)."""
     tiled = tile_tokens and T > 1
     segments = tiled if segments is None else segments
     heads = triton.next_power_of_2(H // KVH)
@@ -520,7 +549,7 @@ def plan_launch(
         num_splits = min(-(-2 * sm_count // KVH), key_blocks, _MAX_SPLITS, budget)
     return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits),
                   target=2 * sm_count, seg=seg, nseg=nseg, rtiles=rtiles, num_warps=num_warps,
-                  num_stages=num_stages, full_blocks=tiled)
+                  num_stages=num_stages, full_blocks=tiled, split_blocks=split_blocks)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -552,7 +581,7 @@ def _check(batch: PagedBatch, layer: int, q: torch.Tensor) -> None:
 def attend_triton(
     batch: PagedBatch, layer: int, q: torch.Tensor, scaling: float, *, num_splits: int | None = None,
     target: int | None = None, window: int = 0, segments: bool | None = None, full_blocks: bool | None = None,
-    launch: Launch | None = None,
+    launch: Launch | None = None, split_blocks: int = SPLIT_BLOCKS,
 ) -> torch.Tensor:
     """Paged attention of ``q`` (``[T, H, D]``) over ``batch``'s pages -> ``[T, H, D]`` in ``q.dtype``;
     ``window`` > 0 limits each token to the keys at positions ``> position - window``.
@@ -565,7 +594,7 @@ def attend_triton(
     scores the key blocks every row of a tile sees whole without masks (the same bits; tests
     and ``bench/attention_prefill.py`` set it either way); ``launch`` replaces the planned launch
     (benchmarks of other tilings: ``plan_launch``'s ``block_n``, ``rows``, ``num_warps``,
-    ``num_stages``).
+    ``num_stages``); ``split_blocks`` the fewest key blocks a decode split works on (0: no limit).
     """
     _check(batch, layer, q)
     kv = batch.kv
@@ -578,7 +607,7 @@ def attend_triton(
     lc = launch or plan_launch(
         T, H, KVH, D, max_pages, ps,
         tile_tokens=batch.single_slot or batch.tiles, sm_count=_sm_count(q.device), num_splits=num_splits,
-        segments=segments,
+        segments=segments, split_blocks=split_blocks,
     )
     d_pad = max(16, triton.next_power_of_2(D))
     k_cache, v_cache = kv[layer, 0], kv[layer, 1]  # [P, page_size, KVH, D] views
@@ -587,7 +616,7 @@ def attend_triton(
         part_acc = torch.empty((rows, H, slots, d_pad), dtype=torch.float32, device=q.device)
         part_m = torch.empty((rows, H, slots), dtype=torch.float32, device=q.device)
         part_l = torch.empty((rows, H, slots), dtype=torch.float32, device=q.device)
-        part_eff = torch.empty((1,), dtype=torch.int32, device=q.device)
+        part_eff = torch.empty((triton.cdiv(T, lc.block_t),), dtype=torch.int32, device=q.device)  # a tile's
     else:
         part_acc = part_m = part_l = part_eff = out  # never touched when SPLITS == 1
     valid = batch.valid.view(torch.uint8)
@@ -612,7 +641,8 @@ def attend_triton(
         SEG=lc.seg, NSEG=lc.nseg, RTILES=lc.rtiles,
         FULL_BLOCKS=lc.full_blocks if full_blocks is None else full_blocks,
         tickets=tickets if fold else part_eff, FOLD=fold, SPLITS_PAD=triton.next_power_of_2(lc.splits),
-        FOLD_CH=fold_splits(lc.rows, d_pad, lc.splits), num_warps=lc.num_warps, num_stages=lc.num_stages,
+        FOLD_CH=fold_splits(lc.rows, d_pad, lc.splits), SPLIT_BLOCKS=lc.split_blocks, num_warps=lc.num_warps,
+        num_stages=lc.num_stages,
     )
     if lc.splits > 1 and not fold:
         _combine_kernel[(T * H,)](
