@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import sys
 import time
 
@@ -37,7 +38,7 @@ from cuda.bindings import driver as d
 from flare.core import interface as io
 from flare.core.manifest import ProgramKind, load_manifest
 from flare.core.sampling_params import NEUTRAL
-from flare.runtime.cuda_driver import ck
+from flare.runtime.cuda_driver import ck, driver_version
 from flare.runtime.cuda_executor import CudaExecutor
 
 
@@ -188,11 +189,23 @@ def verify_times(ex: CudaExecutor, m, steps: int, decode: dict) -> dict:
     return out
 
 
+def run_meta(m, ex) -> dict:
+    """Where and with what a figure was measured: this machine and its driver, the command, and
+    the core's preparation (its versions, fingerprint and device, from the manifest)."""
+    ident = m.identity
+    return {"machine": platform.node(), "device": ex.device.name, "python": sys.version.split()[0],
+            "cuda_driver": driver_version(), "command": " ".join(sys.argv),
+            "prepared": {"versions": dict(ident.versions), "fingerprint": ident.fingerprint,
+                         "model_type": ident.model_type, "device_name": ident.device_name,
+                         "compute_capability": ident.compute_capability}}
+
+
 async def main(core: str, out: str, steps: int, decode_only: bool = False) -> None:
     m = load_manifest(core)
     ex = CudaExecutor(core, m)
     await ex.start()
-    results = {"core": core, "device": ex.device.name, "steps": steps, "slots_ask_logprobs": LOGPROBS, "decode": {}}
+    results = {"core": core, "device": ex.device.name, "meta": run_meta(m, ex), "steps": steps,
+               "slots_ask_logprobs": LOGPROBS, "decode": {}}
     if not decode_only:
         results["copy_bandwidth_Bps"] = copy_bandwidth(ex, m)
     for b in m.capacities.decode_capacities:

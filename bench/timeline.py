@@ -40,7 +40,7 @@ import numpy as np
 from cuda.bindings import driver as d
 
 from bench.collect import step_bytes
-from bench.floor import LOGPROBS, _setup_slots, _timed_launch, copy_bandwidth, gpu_ms_per_step, prefill_writes
+from bench.floor import LOGPROBS, _setup_slots, _timed_launch, copy_bandwidth, gpu_ms_per_step, prefill_writes, run_meta
 from bench.kernel_parts import op_of, part_of
 from flare.core import graph as G
 from flare.core import interface as io
@@ -321,7 +321,8 @@ async def main(core: str, batches: list[int], launches: int, prefills: list[tupl
     bw = copy_bandwidth(ex, m)
     weight_bytes = sum(b.nbytes for b in m.buffers if b.name.startswith("w."))
     roofline_ms = weight_bytes / bw * 1e3
-    results = {"core": core, "device": ex.device.name, "slots_ask_logprobs": LOGPROBS, "launches": launches,
+    results = {"core": core, "device": ex.device.name, "meta": run_meta(m, ex), "slots_ask_logprobs": LOGPROBS,
+               "launches": launches,
                "copy_bandwidth_Bps": bw,
                "weight_bytes": weight_bytes, "roofline_ms": roofline_ms, "batches": {}, "prefills": {}, "packs": {}}
     spans = _spans(m, ex.arena.base)
