@@ -141,8 +141,8 @@ def main(argv=None) -> int:
         p.add_argument("--geometries", default=None, help=f"comma separated, of {', '.join(GEOMETRIES)}")
         p.add_argument("--limit", type=int, default=None,
                        help="page table width in keys, a core's context limit (default: each context)")
-        p.add_argument("--split-blocks", default="0",
-                       help=f"comma separated: fold.sbN cases besides the default's {SPLIT_BLOCKS} (empty: none)")
+        p.add_argument("--split-blocks", default="",
+                       help=f"comma separated: fold.sbN cases besides the default's {SPLIT_BLOCKS} (--smoke: 0)")
     _, args, device = kernel_bench_args(__doc__, argv, add, replays=50, budget_s=240.0)
     if device is None:
         return 2
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             "limit": limit, "split_blocks": SPLIT_BLOCKS,
             "command": "python bench/attention_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     started = time.perf_counter()
-    sbs = [int(v) for v in args.split_blocks.split(",") if v]
+    sbs = [int(v) for v in (args.split_blocks or ("0" if args.smoke else "")).split(",") if v]
     results = run(cases(geos, contexts, device, l2, limit, sbs), args, cuda, started, print)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0 if all("error" not in r for r in results) else 1

@@ -35,14 +35,14 @@ falls back to one pass per token, so any batch is correct and the tiling hint
 Splits: ``SPLITS`` (static, the grid's third dimension) is the most programs
 that may share one tile's key range. How many do (``eff``) is decided on the
 device from the tiles that hold a valid token, so that about ``TARGET``
-programs work: a prefill of 11 tokens after a 4,096-token cached prefix (one
+programs work (and, in a decode launch, from the tile's own keys: below), a prefill of 11 tokens after a 4,096-token cached prefix (one
 tile of ``prefill.128``) spreads its keys over up to ``SPLITS`` programs,
 where a split sized statically for the capacity's 8 tiles gave each of its
 few programs 13 key blocks in series. With ``eff > 1`` each working program
 writes unnormalised partials for its valid rows and a second kernel combines
 them; with ``eff == 1`` the program writes the output itself and the combine
-does nothing. Every program computes the same ``eff``,
-and program (0, 0, 0) stores it for the combine. A decode launch with ticket counters (a CUDA
+does nothing. Every program of a tile computes the same ``eff``, and the tile's program
+(tb, 0, 0) stores it for the combine. A decode launch with ticket counters (a CUDA
 core's, ``PagedBatch.tickets``: ``FOLD``) needs no second kernel: each of a tile's programs
 takes a ticket after storing its partials, and the one that takes the last folds the tile's
 rows (every split's maximum and sum in one load, the partial outputs ``FOLD_CH`` splits at a
@@ -65,7 +65,8 @@ need not equal a prompt's), whose partition of a row's keys follows ``eff``, hen
 step's live rows: past about ``eff`` key blocks of context a decode row's bits depend on
 what shares its step. A decode tile's ``eff`` is also at most one program for each
 ``SPLIT_BLOCKS`` key blocks its rows span (``_key_splits``): a 16-token history is one program's
-work rather than 32 programs' partials that the last folds (13.3 µs an attention layer on the
+work rather than 32 programs' partials that the last folds; a row's bits change with it only where
+the old split gave each program one block (histories of 2 to ``eff`` blocks) (13.3 µs an attention layer on the
 H100's 30B-A3B decode step at one row, against 5.8 for its q/k norm-rotary launch:
 `timeline-qwen3-30b-a3b-shape-2026-12-07.json`); below ``SPLIT_BLOCKS`` x ``eff`` blocks the
 partition of a decode row's keys follows from its own length alone. ``segments=True`` gives a
@@ -497,7 +498,7 @@ class Launch:
     # same bits): prompt launches, where at long context nearly every block is whole.
     full_blocks: bool = False
     # Decode launches (``seg`` 0): at most one split per this many key blocks of a tile's keys
-    # (0: as many as ``splits`` and ``target`` give, however short the history).
+    # (0: as many as ``splits`` and ``target`` give, however short the history; prompt launches 0).
     split_blocks: int = SPLIT_BLOCKS
 
     @property
@@ -549,7 +550,7 @@ def plan_launch(
         num_splits = min(-(-2 * sm_count // KVH), key_blocks, _MAX_SPLITS, budget)
     return Launch(block_t=block_t, heads=heads, block_n=block_n, splits=max(1, num_splits),
                   target=2 * sm_count, seg=seg, nseg=nseg, rtiles=rtiles, num_warps=num_warps,
-                  num_stages=num_stages, full_blocks=tiled, split_blocks=split_blocks)
+                  num_stages=num_stages, full_blocks=tiled, split_blocks=0 if seg else split_blocks)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -594,7 +595,8 @@ def attend_triton(
     scores the key blocks every row of a tile sees whole without masks (the same bits; tests
     and ``bench/attention_prefill.py`` set it either way); ``launch`` replaces the planned launch
     (benchmarks of other tilings: ``plan_launch``'s ``block_n``, ``rows``, ``num_warps``,
-    ``num_stages``); ``split_blocks`` the fewest key blocks a decode split works on (0: no limit).
+    ``num_stages``); ``split_blocks`` the fewest key blocks a decode split works on (0: no limit;
+    a ``launch`` given brings its own).
     """
     _check(batch, layer, q)
     kv = batch.kv
