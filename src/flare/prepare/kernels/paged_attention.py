@@ -35,10 +35,10 @@ falls back to one pass per token, so any batch is correct and the tiling hint
 Splits: ``SPLITS`` (static, the grid's third dimension) is the most programs
 that may share one tile's key range. How many do (``eff``) is decided on the
 device from the tiles that hold a valid token, so that about ``TARGET``
-programs work (and, in a decode launch, from the tile's own keys: below), a prefill of 11 tokens after a 4,096-token cached prefix (one
-tile of ``prefill.128``) spreads its keys over up to ``SPLITS`` programs,
-where a split sized statically for the capacity's 8 tiles gave each of its
-few programs 13 key blocks in series. With ``eff > 1`` each working program
+programs work (in a decode launch also from the tile's own keys, below). A prefill of 11
+tokens after a 4,096-token cached prefix (one tile of ``prefill.128``) spreads its keys
+over up to ``SPLITS`` programs, where a split sized statically for the capacity's 8 tiles
+gave each of its few programs 13 key blocks in series. With ``eff > 1`` each working program
 writes unnormalised partials for its valid rows and a second kernel combines
 them; with ``eff == 1`` the program writes the output itself and the combine
 does nothing. Every program of a tile computes the same ``eff``, and the tile's program
@@ -65,11 +65,12 @@ need not equal a prompt's), whose partition of a row's keys follows ``eff``, hen
 step's live rows: past about ``eff`` key blocks of context a decode row's bits depend on
 what shares its step. A decode tile's ``eff`` is also at most one program for each
 ``SPLIT_BLOCKS`` key blocks its rows span (``_key_splits``): a 16-token history is one program's
-work rather than 32 programs' partials that the last folds; a row's bits change with it only where
-the old split gave each program one block (histories of 2 to ``eff`` blocks) (13.3 µs an attention layer on the
+work rather than 32 programs' partials that the last folds (13.3 µs an attention layer on the
 H100's 30B-A3B decode step at one row, against 5.8 for its q/k norm-rotary launch:
-`timeline-qwen3-30b-a3b-shape-2026-12-07.json`); below ``SPLIT_BLOCKS`` x ``eff`` blocks the
-partition of a decode row's keys follows from its own length alone. ``segments=True`` gives a
+`timeline-qwen3-30b-a3b-shape-2026-12-07.json`). A row's bits change with it only where the
+split without it gave each program one block (histories of 2 to ``eff`` blocks); below
+``SPLIT_BLOCKS`` x ``eff`` blocks the partition of a decode row's keys follows from its own
+length alone. ``segments=True`` gives a
 decode launch the prompt launches' segments (one token a tile), so its rows do not depend on
 what shares the step at any length; no program takes it: on the H200 it is
 1.4-1.8x slower at four live rows of 16K-128K context (``bench/attention_decode.py``,
@@ -276,11 +277,7 @@ def _attend_kernel(
         # Rows of this pass: the whole tile, or token p_i alone. (Bounds rather than
         # `uniform | (tok == p_i)`: Triton's interpreter mis-types scalar-tensor `|`.)
         act = row_valid & (tok >= tl.where(uniform, 0, p_i)) & (tok <= tl.where(uniform, BLOCK_T, p_i))
-        n_keys = tl.minimum(tl.max(tl.where(act, pos, -1), 0) + 1, key_limit)
-        n_blocks = (n_keys + BLOCK_N - 1) // BLOCK_N
-        # A sliding window: blocks wholly before every active row's window are skipped.
-        first_key = tl.maximum(tl.min(tl.where(act, pos, key_limit), 0) - win + 1, 0)
-        b_first = tl.minimum(first_key // BLOCK_N, n_blocks)
+        n_keys, n_blocks, b_first = _key_blocks(act, pos, win, key_limit, BLOCK_N)
         pt_row = page_table + kslot.to(tl.int64) * stride_pts
         # FULL_BLOCKS: blocks every active row sees whole (inside each one's window, up to
         # the lowest position) are scored unmasked where the pass is the whole tile (a
@@ -406,14 +403,23 @@ def _effective_splits(valid, T, stride_val, KVH, BLOCK_T: tl.constexpr, TILES_PA
 
 
 @triton.jit
+def _key_blocks(rows, pos, win, key_limit, BLOCK_N: tl.constexpr):
+    """The keys of ``rows`` (a mask of the tile's rows): how many (up to the last row's position,
+    at most ``key_limit``), in how many blocks, and the first block not wholly before every row's
+    window (a sliding window skips the blocks before it)."""
+    n_keys = tl.minimum(tl.max(tl.where(rows, pos, -1), 0) + 1, key_limit)
+    n_blocks = (n_keys + BLOCK_N - 1) // BLOCK_N
+    first_key = tl.maximum(tl.min(tl.where(rows, pos, key_limit), 0) - win + 1, 0)
+    return n_keys, n_blocks, tl.minimum(first_key // BLOCK_N, n_blocks)
+
+
+@triton.jit
 def _key_splits(row_valid, pos, win, key_limit, BLOCK_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr):
     """Most programs a decode tile's keys give work to: one for each ``SPLIT_BLOCKS`` key blocks
-    its valid rows span (their windows' first block up to the last row's), at least one. A
-    function of the tile's rows alone, so its programs and the combine agree."""
-    n_blocks = (tl.minimum(tl.max(tl.where(row_valid, pos, -1), 0) + 1, key_limit) + BLOCK_N - 1) // BLOCK_N
-    first = tl.maximum(tl.min(tl.where(row_valid, pos, key_limit), 0) - win + 1, 0) // BLOCK_N
-    span = n_blocks - tl.minimum(first, n_blocks)
-    return tl.maximum((span + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS, 1)
+    its valid rows span (``_key_blocks``, as its passes take them), at least one. A function of the
+    tile's rows alone, so its programs and the combine agree."""
+    _, n_blocks, b_first = _key_blocks(row_valid, pos, win, key_limit, BLOCK_N)
+    return tl.maximum((n_blocks - b_first + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS, 1)
 
 
 @triton.jit
