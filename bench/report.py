@@ -957,6 +957,23 @@ attend (13.3 µs a layer for a 16-token history, 320 µs a step: launch and fold
 bytes), the router (10.7 µs for 1 MB) and the q/k norm-rotary (5.8) are 0.72 ms of the
 2.55 ms serialized, and the sampler's sort about 60 µs.
 
+**2026-12-07, later (`-run2`), H100 again, at b14b45e**: the decode split limited to one split for
+two key blocks (5fa1592; the same command, `floor-` and `timeline-qwen3-30b-a3b-shape-2026-12-07-run2.json`).
+The attention launch is 8.2 µs a layer serialized (13.3), the layer 85.8 µs (90.3), the graph 1.906 ms
+(2.027), 195 kernels as before:
+
+| shape (depth), H100 | c | floor ms per step (earlier 12-07) | active GB | fraction (floor) | full depth (derived) |
+|---|---|---|---|---|---|
+| Qwen3-30B-A3B (24 of 48) | 1 | 1.978 (2.031) | 3.35 | **0.555** (0.54) | 3.64 ms, 275 tok/s, 0.55 |
+| | 2 | 2.681 (2.742) | 5.05 | 0.62 | |
+| | 4 | 3.779 (3.826) | 8.14 | 0.71 | |
+
+0.60 at c = 1 needs 1.83 ms, 150 µs less. Left in a layer's serialized 85.8 µs against its 37 µs
+of bytes: q/k/v GEMV 13.8 (21 MB, 1.5 TB/s), q/k norm-rotary with the KV write 4.9, attend 8.2,
+o_proj 10.7 (16.8 MB, 1.6 TB/s), router with the routing 10.7 (1 MB), gate/up 22.5 (50 MB, 2.2
+TB/s), down 14.9 (25 MB, 1.7 TB/s); in the tail the sampler's stable radix sort of the 151,936
+probabilities (13 kernels, 82 µs serialized) after lm_head's 207 µs.
+
 Where a step's time goes (`timeline-qwen3-30b-a3b-shape-2026-12-02.json`,
 `timeline-qwen3_5-35b-a3b-shape-2026-12-02.json`; serialized times, every node paying
 about 2.5 µs of event cost): the 30B shape's decode.1 is 467 kernels, 15 a layer, for 2.41
