@@ -60,3 +60,46 @@ def test_helpers_in_a_launch_are_not_patched_again(monkeypatch):
     finally:
         scope.restore()
     assert patches == ["_twice"], patches
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr):
+    """Rows 0..15 of a @ b, the columns in blocks of BN (the program's), K in blocks of 32."""
+    m = tl.arange(0, 16)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    acc = tl.zeros([16, BN], tl.float32)
+    for k0 in range(0, K, 32):
+        k = k0 + tl.arange(0, 32)
+        a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+        b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+        acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_dot_is_the_rounding_of_its_exact_sum_whatever_the_block(dtype):
+    """``tl.dot`` under the interpreter (``_interpreter.exact_dots``): each block's product is the
+    float32 rounding of its exact sum, so 16- and 32-column blocks give the same bits (OpenBLAS's
+    float32 products did not on an AVX2 EPYC), and bfloat16 operands are their values (the
+    interpreter multiplied their raw 16-bit patterns)."""
+    import math
+
+    import flare.prepare.kernels  # noqa: F401  (installs the exact dot under the interpreter)
+
+    g = torch.Generator().manual_seed(5)
+    K, N = 96, 64
+    a = torch.randn(16, K, generator=g).to(dtype)
+    b = torch.randn(K, N, generator=g).to(dtype)
+    outs = {}
+    for bn in (16, 32):
+        outs[bn] = torch.empty(16, N)
+        _dot_kernel[(N // bn,)](a, b, outs[bn], N, K=K, BN=bn)
+    assert torch.equal(outs[16], outs[32])
+    a64, b64 = a.double().numpy(), b.double().numpy()
+    want = np.zeros((16, N), dtype=np.float32)
+    for i in range(16):
+        for j in range(N):
+            for k0 in range(0, K, 32):  # the kernel's blocks, each rounded, then added in float32
+                part = np.float32(math.fsum((a64[i, k0:k0 + 32] * b64[k0:k0 + 32, j]).tolist()))
+                want[i, j] = np.float32(want[i, j] + part)
+    assert torch.equal(outs[16], torch.from_numpy(want))

@@ -12,10 +12,22 @@ set to the same wrappers), so :func:`quicker_device_calls` skips it there. A hel
 outside a launch is patched as before, and so is the first in a launch whose module sees a language
 module the launch's did not (``triton.language``'s own helpers, ``tl.zeros``, ``tl.sum``, see
 ``triton.language.core``): that patch is never undone, so it holds for the launch's later calls.
+
+:func:`exact_dots` makes the interpreter's ``tl.dot`` a function of its operands' values alone.
+The interpreter multiplies each block with ``np.matmul`` in float32, whose summation order is
+the BLAS kernel's: OpenBLAS picks it by the CPU and the shapes, so on some CPUs (an AMD EPYC
+with AVX2) a row's products summed in a 16-column block are other bits than the same row in a
+32-column block. Tests that compare tilings bit for bit, as the GPU's fixed reduction order
+allows, then failed on those machines only. Here each output is the float32 rounding of the
+float64 rounding of its exact sum (float32 and half-precision products are exact in float64;
+bfloat16 operands, which the interpreter stores as raw 16-bit integers and multiplied as
+such, are widened first). A float64 ``np.matmul`` gives that value wherever its error bound
+leaves one float32 in reach; the rare others are summed exactly (``math.fsum``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 
@@ -67,3 +79,59 @@ def quicker_device_calls() -> bool:
     grid_cls.__call__, fn_cls.__call__ = launch, call
     fn_cls._flare_quick_calls = True
     return True
+
+
+def exact_dots() -> bool:
+    """Install the exact ``tl.dot`` on the interpreter (once); False where its builder is not the
+    one this was written against (then nothing changes). Accumulators other than float32 and
+    8-bit or integer operands keep the interpreter's own product."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    builder, handle = getattr(ti, "InterpreterBuilder", None), getattr(ti, "TensorHandle", None)
+    real = getattr(builder, "create_dot", None)
+    if real is None or handle is None:
+        return False
+    if getattr(real, "_flare_exact", False):
+        return True
+
+    def widened(x):
+        """The operand's values as float64 (exact), or None for a type left to the interpreter."""
+        if x.data.dtype == np.uint16 and getattr(x.dtype, "is_bf16", lambda: False)():
+            return (x.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        if x.data.dtype in (np.float16, np.float32):
+            return x.data.astype(np.float64)
+        return None
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a64, b64 = widened(a), widened(b)
+        if a64 is None or b64 is None or d.data.dtype != np.float32:
+            return real(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return handle(rounded_products(a64, b64) + d.data, d.dtype.scalar)
+
+    create_dot._flare_exact = True
+    builder.create_dot = create_dot
+    return True
+
+
+def rounded_products(a, b):
+    """``a @ b`` (float64 arrays ``[..., M, K]`` and ``[..., K, N]`` of float32-exact values) as
+    float32: each element the float32 rounding of the float64 rounding of the exact sum."""
+    import numpy as np
+
+    k = a.shape[-1]
+    r = np.matmul(a, b)
+    # |BLAS - exact| <= K u sum |a b| (u = 2^-53, with or without FMA); doubled for the bound's
+    # own rounding. Where both ends of r +- bound round to one float32, so does the exact sum.
+    bound = np.matmul(np.abs(a), np.abs(b)) * (2.0 * (k + 2) * 2.0 ** -53)
+    with np.errstate(over="ignore", invalid="ignore"):  # (beyond float32: inf, as float32 sums give)
+        out = r.astype(np.float32)
+        unsure = (r - bound).astype(np.float32) != (r + bound).astype(np.float32)
+    if not unsure.any():
+        return out
+    for at in zip(*np.nonzero(unsure & np.isfinite(out))):
+        *batch, i, j = at
+        out[at] = np.float32(math.fsum((a[(*batch, i)] * b[(*batch, slice(None), j)]).tolist()))
+    return out
