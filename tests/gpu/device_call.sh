@@ -22,6 +22,6 @@ for step in "$@"; do
   PHASE_NAME=$phase timeout -k 10 $limit $G/run_on_device.sh "${args[@]}" > $OUT/run-$phase.txt 2>&1; rc=$?
   echo "$phase: exit $rc at $((SECONDS - S)) s"
   # timeout signals the whole process group; a phase it cut short left its results unbundled.
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && $G/run_on_device.sh --collect $phase-cut > /dev/null 2>&1
-  grep -v "^WARNING" $OUT/run-$phase.txt | grep -E "exit|prepared|passed|failed" | tail -8
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && $G/run_on_device.sh --collect $phase-cut 2>&1 | grep bitwise_equal
+  grep -v "^WARNING" $OUT/run-$phase.txt | grep -E "exit|prepared|passed|failed|bitwise_equal" | tail -8
 done
