@@ -94,7 +94,7 @@ def _context_cases(gname, H, KVH, D, context, device, l2_bytes, limit=None, spli
     row_bytes = context * KVH * D * 2 * 2  # K and V, bfloat16
     layers = max(2, min(64, -(-3 * l2_bytes // row_bytes))) if device == "cuda" else 2
     gen = torch.Generator(device=device).manual_seed(context)
-    # bfloat16 on the GPU; float32 under the interpreter (whose bfloat16 tl.dot is wrong)
+    # bfloat16 on the GPU; float32 under the interpreter (which truncates float32 -> bfloat16 casts)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     try:
         kv, table, q = _pool(H, KVH, D, width, layers, device, gen, dtype)

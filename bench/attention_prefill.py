@@ -150,7 +150,7 @@ def _cases(gname, geo, history, chunk, context, configs, sdpa, device) -> list[C
     scale = D ** -0.5
     keys = history + chunk
     gen = torch.Generator(device=device).manual_seed(history + 1)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bfloat16 dot is wrong
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter truncates bfloat16 casts
     layers = 2
     name = f"{gname}.h{history}.c{chunk}"
     try:

@@ -5,8 +5,9 @@ Without CUDA this runs the kernels in Triton's CPU interpreter
 CUDA it runs the same cases compiled on the GPU. tests/gpu/ adds bf16, a large
 prefill and CUDA-graph capture.
 
-bf16 attention is checked on the GPU only: Triton's interpreter multiplies bf16 tl.dot
-operands as raw uint16 bits (3.6 to 3.9) and truncates fp32 -> bf16 casts.
+bf16 attention is checked on the GPU only: Triton's interpreter truncates fp32 -> bf16 casts
+(3.6 to 3.9; its bf16 tl.dot, which multiplied the raw uint16 bits, is replaced by
+``kernels/_interpreter.exact_dots``).
 """
 
 from __future__ import annotations
