@@ -57,7 +57,10 @@ flags = []
 def walk(x):
     if isinstance(x, dict):
         for k, v in x.items():
-            flags.append(bool(v)) if k == "bitwise_equal" else walk(v)
+            if k == "bitwise_equal":
+                flags.append(bool(v))
+            else:
+                walk(v)
     elif isinstance(x, list):
         for v in x:
             walk(v)
