@@ -103,3 +103,48 @@ def test_a_dot_is_the_rounding_of_its_exact_sum_whatever_the_block(dtype):
                 part = np.float32(math.fsum((a64[i, k0:k0 + 32] * b64[k0:k0 + 32, j]).tolist()))
                 want[i, j] = np.float32(want[i, j] + part)
     assert torch.equal(outs[16], torch.from_numpy(want))
+
+
+@triton.jit
+def _index_kernel(x_ptr, out_ptr, n, stride, BLOCK: tl.constexpr):
+    """int32 index arithmetic (mul, add, sub) and a load through it, wrapping past 2^31."""
+    i = tl.arange(0, BLOCK)
+    big = (i + n) * stride - 1  # int32: n * stride overflows for the last rows
+    tl.store(out_ptr + i, big)
+    tl.store(out_ptr + BLOCK + i, tl.load(x_ptr + (i * 3) % BLOCK).to(tl.int32))
+
+
+def test_integer_operations_are_not_checked_twice_and_dtypes_are_the_interpreters(monkeypatch):
+    """``_interpreter.cheaper_ops``: the interpreter's builder asks no overflow checks (their
+    64-bit recomputation fed an assertion it never makes without ``debug``), so an int32 add, sub
+    or mul is one operation, its result still wrapping as the GPU's; ``_get_np_dtype`` cached by
+    element gives the interpreter's own answer for every scalar, pointer and block type."""
+    import flare.prepare.kernels  # noqa: F401  (installs it under the interpreter)
+    from flare.prepare.kernels import _interpreter as fi
+    from triton.runtime import interpreter as ti
+
+    assert not ti.interpreter_builder.options.sanitize_overflow and not ti.interpreter_builder.options.debug
+    assert fi.cheaper_ops()  # (installed once: again is a no-op)
+    ops = []
+    real = ti.InterpreterBuilder.binary_op
+
+    def counted(self, lhs, rhs, op):
+        ops.append(op.__name__)
+        return real(self, lhs, rhs, op)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "binary_op", counted)
+    x = torch.arange(8, dtype=torch.int32) * 10
+    out = torch.empty(16, dtype=torch.int32)
+    n, stride = 2**20, 2**11
+    _index_kernel[(1,)](x, out, n, stride, BLOCK=8)
+    want = [((i + n) * stride - 1 + 2**31) % 2**32 - 2**31 for i in range(8)]
+    assert out[:8].tolist() == want and out[8:].tolist() == [(i * 3) % 8 * 10 for i in range(8)]
+    # The kernel's integer adds, subs and muls, each once (checked, every one would come again in int64).
+    assert len(ops) <= 8, ops
+    original = ti._get_np_dtype.__closure__  # (the wrapper's: the interpreter's own function)
+    np_dtype = next(c.cell_contents for c in original if callable(c.cell_contents)
+                    and c.cell_contents.__name__ == "_get_np_dtype")
+    for el in (tl.int1, tl.int8, tl.uint8, tl.int16, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16,
+               tl.float32, tl.float64, tl.float8e4nv, tl.pointer_type(tl.float32), tl.pointer_type(tl.bfloat16)):
+        for tt in (el, tl.block_type(el, [4, 8]), tl.block_type(el, [2])):
+            assert ti._get_np_dtype(tt) == np_dtype(tt), tt

@@ -23,6 +23,14 @@ float64 rounding of its exact sum (float32 and half-precision products are exact
 bfloat16 operands, which the interpreter stores as raw 16-bit integers and multiplied as
 such, are widened first). A float64 ``np.matmul`` gives that value wherever its error bound
 leaves one float32 in reach; the rare others are summed exactly (``math.fsum``).
+
+:func:`cheaper_ops` drops work whose result the interpreter throws away. Its builder's options
+ask for integer-overflow checks (``sanitize_overflow``) but not ``debug``, and its
+``device_assert`` does nothing without ``debug``: every 32-bit integer add, sub and mul (index
+arithmetic, most of a kernel's operations) was computed a second time in 64 bits and compared
+with both bounds for an assertion that was never made, about four times the operation's own
+cost. The compiled kernels check no overflow either without ``debug``. It also caches
+``_get_np_dtype`` by element type: it built a dict of 19 Triton dtypes on each of its calls.
 """
 
 from __future__ import annotations
@@ -113,6 +121,40 @@ def exact_dots() -> bool:
 
     create_dot._flare_exact = True
     builder.create_dot = create_dot
+    return True
+
+
+def cheaper_ops() -> bool:
+    """Install both on the interpreter (once); False where its module is not the one this was
+    written against, or its builder asserts (``debug``: then its overflow checks count)."""
+    try:
+        import dataclasses
+
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    builder, np_dtype = getattr(ti, "interpreter_builder", None), getattr(ti, "_get_np_dtype", None)
+    options = getattr(builder, "options", None)
+    if options is None or np_dtype is None or not dataclasses.is_dataclass(options) or options.debug:
+        return False
+    if getattr(np_dtype, "_flare_cached", False):
+        return True
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    block, cache = ti.tl.block_type, {}
+
+    def cached(tt_dtype):
+        """A block's NumPy dtype is its element's (block types do not hash: they key by element)."""
+        el = tt_dtype.element_ty if isinstance(tt_dtype, block) else tt_dtype
+        try:
+            return cache[el]
+        except KeyError:
+            cache[el] = out = np_dtype(el)
+            return out
+        except TypeError:  # (an unhashable type)
+            return np_dtype(tt_dtype)
+
+    cached._flare_cached = True
+    ti._get_np_dtype = cached
     return True
 
 
