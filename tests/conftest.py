@@ -73,7 +73,7 @@ HYBRID_OPTS = ["--device", "cpu", "--context-limit", "2048", "--prefill-chunk-si
 # Added to a core's options for the tests that run the CUDA path's programs against the
 # reference path under Triton's CPU interpreter: prefill programs of 64 rows instead of 128.
 # The interpreter runs every row of a program, padded or not (the paged attention's combine
-# runs one program per row and head), so a short chunk in prefill.64 costs about half what it
+# runs one program per row), so a short chunk in prefill.64 costs about half what it
 # does in prefill.128; 64 rows are still two attention tiles of 32 tokens (the second empty
 # for chunks up to 32) and one delta-rule block, and the chunks those tests prefill (up to 49
 # tokens) fit either program.

@@ -188,7 +188,7 @@ SCRIPT = textwrap.dedent('''
         compile_for_sm90(A._combine_kernel, {**bf16("out_ptr"), **f32("part_acc", "part_m", "part_l"),
                                              "part_eff": "*i32", "valid": "*u8", "positions": "*i64"},
                          dict(SPLITS=32, SPLITS_PAD=32, D=128, D_PAD=128, SEG=seg, NSEG=nseg, BLOCK_N=64,
-                              BLOCK_T=16, TILES_PAD=16))
+                              BLOCK_T=16, TILES_PAD=16, H_PAD=32 if seg else 1))  # (segments: a token's 32 heads)
     # The few-row GEMV at the step tilings (no split: no workspace), one and four rows, and
     # with the gated MLP's activation in its loads (and the residual add after it in its
     # epilogue) at the tilings that may take them.

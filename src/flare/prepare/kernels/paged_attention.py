@@ -428,38 +428,50 @@ def _combine_kernel(
     T, H, stride_ot, stride_oh, stride_od, stride_val, stride_pos, key_limit, window,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     SEG: tl.constexpr, NSEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, TILES_PAD: tl.constexpr,
+    H_PAD: tl.constexpr = 1,
 ):
-    row = tl.program_id(0)  # t * H + h
-    t = row // H
-    h = row % H
-    eff = tl.load(part_eff + t // BLOCK_T)  # the row's tile's
-    if eff > 1:  # eff == 1: the attend kernel wrote the output itself
-        ok = tl.load(valid + t * stride_val) != 0
-        d = tl.arange(0, D_PAD)
-        if SEG > 0:
-            # The row's own segments, in order, folded as the attend kernel folds them
-            # (segments of the tile this row sees nothing of would leave the state as it is).
+    """The splits' partial outputs of an attend launch that did not fold them, summed into ``out``.
+    Decode's even splits (``SEG`` 0): a program per row (t * H + h) sums its splits in one tensor.
+    A prompt launch's segments: a program per token folds each of its heads' segments in order
+    (``H_PAD`` >= H rows), as the attend kernel folds them, a row's elementwise arithmetic the same
+    whatever the rows beside it, so a token's heads share its position, tile rank and loop."""
+    d = tl.arange(0, D_PAD)
+    if SEG > 0:
+        t = tl.program_id(0)
+        hh = tl.arange(0, H_PAD)
+        h_in = hh < H
+        if tl.load(part_eff + t // BLOCK_T) > 1:  # 1: the attend kernel wrote the output itself
+            # Segments of the tile this row sees nothing of would leave the state as it is.
             # An invalid row (a prompt program's padding, most of a short chunk's rows) reads no
             # partial and writes zeros without ranking its tile.
-            o = tl.zeros([D_PAD], tl.float32)
-            if ok:
+            o = tl.zeros([H_PAD, D_PAD], tl.float32)
+            if tl.load(valid + t * stride_val) != 0:
                 pos = tl.load(positions + t * stride_pos).to(tl.int32)
                 n_blocks = (tl.minimum(pos + 1, key_limit) + BLOCK_N - 1) // BLOCK_N
                 win = tl.where(window > 0, window, key_limit + 1)
                 s_lo = tl.maximum(pos - win + 1, 0) // BLOCK_N // SEG
                 s_hi = (n_blocks + SEG - 1) // SEG
                 rank = _tile_rank(valid, T, stride_val, t // BLOCK_T, BLOCK_T, TILES_PAD)
-                prow0 = ((rank * BLOCK_T + t % BLOCK_T) * H + h) * NSEG
-                one = tl.arange(0, 1)
-                M = tl.full([1], -1.0e30, tl.float32)
-                L = tl.zeros([1], tl.float32)
-                O = tl.zeros([1, D_PAD], tl.float32)
+                prow0 = ((rank * BLOCK_T + t % BLOCK_T) * H + hh) * NSEG
+                M = tl.full([H_PAD], -1.0e30, tl.float32)
+                L = tl.zeros([H_PAD], tl.float32)
+                O = tl.zeros([H_PAD, D_PAD], tl.float32)
                 for sg in range(s_lo, s_hi):
-                    prow = prow0 + sg + one
-                    M, L, O = _fold(M, L, O, tl.load(part_m + prow), tl.load(part_l + prow),
-                                    tl.load(part_acc + prow[:, None] * D_PAD + d[None, :]))
-                o = tl.reshape(O / tl.where(L > 0, L, 1.0)[:, None], [D_PAD])
-        else:
+                    prow = prow0 + sg
+                    M, L, O = _fold(M, L, O, tl.load(part_m + prow, mask=h_in, other=-1.0e30),
+                                    tl.load(part_l + prow, mask=h_in, other=0.0),
+                                    tl.load(part_acc + prow[:, None] * D_PAD + d[None, :], mask=h_in[:, None],
+                                            other=0.0))
+                o = O / tl.where(L > 0, L, 1.0)[:, None]
+            tl.store(out_ptr + t * stride_ot + hh[:, None] * stride_oh + d[None, :] * stride_od,
+                     o.to(out_ptr.dtype.element_ty), mask=h_in[:, None] & (d[None, :] < D))
+    else:
+        row = tl.program_id(0)  # t * H + h
+        t = row // H
+        h = row % H
+        eff = tl.load(part_eff + t // BLOCK_T)  # the row's tile's
+        if eff > 1:  # eff == 1: the attend kernel wrote the output itself
+            ok = tl.load(valid + t * stride_val) != 0
             sp = tl.arange(0, SPLITS_PAD)
             sp_in = sp < tl.where(ok, eff, 0)  # an invalid row reads no partial
             m = tl.load(part_m + row * SPLITS + sp, mask=sp_in, other=-1.0e30)
@@ -469,8 +481,8 @@ def _combine_kernel(
             acc = tl.load(part_acc + (row * SPLITS + sp[:, None]) * D_PAD + d[None, :], mask=sp_in[:, None],
                           other=0.0)
             o = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)  # an invalid row: zeros
-        tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
-                 mask=d < D)
+            tl.store(out_ptr + t * stride_ot + h * stride_oh + d * stride_od, o.to(out_ptr.dtype.element_ty),
+                     mask=d < D)
 
 
 # Partial outputs the split fold loads at a time (float32 elements of a [rows, splits, D] block).
@@ -653,11 +665,11 @@ def attend_triton(
         num_stages=lc.num_stages,
     )
     if lc.splits > 1 and not fold:
-        _combine_kernel[(T * H,)](
+        _combine_kernel[(T if lc.seg else T * H,)](  # (a program per token for segments, per row otherwise)
             part_acc, part_m, part_l, part_eff, out, valid, batch.positions, T, H, *out.stride(), valid.stride(0),
             batch.positions.stride(0), max_pages * ps, window,
             SPLITS=lc.splits, SPLITS_PAD=triton.next_power_of_2(lc.splits), D=D, D_PAD=d_pad,
             SEG=lc.seg, NSEG=lc.nseg, BLOCK_N=lc.block_n, BLOCK_T=lc.block_t,
-            TILES_PAD=triton.next_power_of_2(tiles), num_warps=4,
+            TILES_PAD=triton.next_power_of_2(tiles), H_PAD=triton.next_power_of_2(H) if lc.seg else 1, num_warps=4,
         )
     return out
