@@ -6,6 +6,8 @@
 #     PHASE: prepare | kernels (prepare's kernel tests alone) | alone | replay-serve (alone's first two files) | generation (its third)
 #   e.g.   tests/gpu/device_call.sh prepare:330 replay-serve:200     (first call)
 #          tests/gpu/device_call.sh generation:540                    (second call, right after)
+#          tests/gpu/device_call.sh kernels:240                       (on a card under 100 GiB, an
+#                                            H100: prepare leaves the kernel tests to this call)
 G=tests/gpu
 mkdir -p "$OUT"
 S=$SECONDS
