@@ -141,9 +141,8 @@ def test_integer_operations_are_not_checked_twice_and_dtypes_are_the_interpreter
     assert out[:8].tolist() == want and out[8:].tolist() == [(i * 3) % 8 * 10 for i in range(8)]
     # The kernel's integer adds, subs and muls, each once (checked, every one would come again in int64).
     assert len(ops) <= 8, ops
-    original = ti._get_np_dtype.__closure__  # (the wrapper's: the interpreter's own function)
-    np_dtype = next(c.cell_contents for c in original if callable(c.cell_contents)
-                    and c.cell_contents.__name__ == "_get_np_dtype")
+    np_dtype = ti._get_np_dtype.__wrapped__  # (the interpreter's own function)
+    assert np_dtype.__module__ == ti.__name__ and np_dtype.__name__ == "_get_np_dtype"
     for el in (tl.int1, tl.int8, tl.uint8, tl.int16, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16,
                tl.float32, tl.float64, tl.float8e4nv, tl.pointer_type(tl.float32), tl.pointer_type(tl.bfloat16)):
         for tt in (el, tl.block_type(el, [4, 8]), tl.block_type(el, [2])):

@@ -153,7 +153,7 @@ def cheaper_ops() -> bool:
         except TypeError:  # (an unhashable type)
             return np_dtype(tt_dtype)
 
-    cached._flare_cached = True
+    cached._flare_cached, cached.__wrapped__ = True, np_dtype
     ti._get_np_dtype = cached
     return True
 
