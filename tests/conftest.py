@@ -7,6 +7,7 @@ and the options, so a change to any of them re-prepares.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +61,38 @@ if "FLARE_TEST_TORCH_THREADS" in os.environ:  # also for in-process programs and
 
     torch.set_num_threads(TORCH_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
+
+
+def _start_zygote() -> None:
+    """The preparation and reference workers the tests start (about 100 in a run, through
+    flare-prepare and the servers' reference executors) are forked from one zygote per
+    pytest process that has imported torch and Transformers once (``flare.zygote``):
+    each worker started afresh spent about 8 s of a CI core importing them. After the
+    environment above is set (the zygote compares the variables its imports read with
+    each client's). Not on a CUDA machine (the GPU suite), nor with FLARE_TEST_ZYGOTE=0."""
+    from flare import zygote
+
+    if os.environ.get("FLARE_TEST_ZYGOTE", "1") == "0" or zygote.ENV in os.environ or not _no_cuda():
+        return
+    path = os.path.join(tempfile.mkdtemp(prefix="flare-zygote-"), "socket")
+    proc = subprocess.Popen([sys.executable, "-m", "flare.zygote", "serve", path], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # it listens before its imports: clients queue behind them
+    if not os.path.exists(path):  # workers then start afresh, as without it
+        proc.kill()
+        return
+    os.environ[zygote.ENV] = path
+
+    def stop():
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+    atexit.register(stop)
+
+
+_start_zygote()
 
 # Options shared by the test cores: small context, small chunks so that chunking and
 # page boundaries are exercised with short prompts.

@@ -11,6 +11,7 @@ import sys
 import time
 
 from flare.core import interface as io
+from flare.zygote import worker_command
 
 
 def _capacities(text: str) -> list[int]:
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flare-prepare: error: --tp must be at least 1, got {a.tp}", file=sys.stderr)
         return 2
     if a.tp == 1:
-        return subprocess.run([sys.executable, "-m", "flare.prepare.worker", json.dumps(args)]).returncode
+        return subprocess.run([*worker_command("flare.prepare.worker"), json.dumps(args)]).returncode
     return _run_ranks(args, a.tp)
 
 
@@ -206,7 +207,7 @@ def _run_ranks(args: dict, size: int) -> int:
         env = dict(os.environ)
         if gpus:  # rank r on GPU r (round-robin when there are fewer GPUs than ranks)
             env["CUDA_VISIBLE_DEVICES"] = gpus[r % len(gpus)]
-        procs.append(subprocess.Popen([sys.executable, "-m", "flare.prepare.worker",
+        procs.append(subprocess.Popen([*worker_command("flare.prepare.worker"),
                                        json.dumps({**args, "tp_rank": r, "tp_addr": addr})], env=env))
     try:
         while True:

@@ -26,7 +26,6 @@ import asyncio
 import mmap
 import os
 import socket
-import sys
 import tempfile
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from flare.core.errors import ExecutionError, ManifestError
 from flare.core.image import iter_image
 from flare.core.manifest import Manifest, rank_images
 from flare.runtime.executor import MAX_IN_FLIGHT, NUMPY_DTYPES, check_row
+from flare.zygote import worker_command
 
 READY_TIMEOUT_S = 300.0
 PEER_DEATH_GRACE_S = 1.0  # how long a rank's error waits to be explained by a peer's death
@@ -165,7 +165,7 @@ class ReferenceExecutor:
             if len(self._ranks) > 1:
                 group = [str(r), addr]
             rank.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "flare.prepare.reference_worker", str(self.core_dir), rank.path, *group,
+                *worker_command("flare.prepare.reference_worker"), str(self.core_dir), rank.path, *group,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             )
 
