@@ -64,31 +64,42 @@ if "FLARE_TEST_TORCH_THREADS" in os.environ:  # also for in-process programs and
 
 
 def _start_zygote() -> None:
-    """The preparation and reference workers the tests start (about 100 in a run, through
-    flare-prepare and the servers' reference executors) are forked from one zygote per
-    pytest process that has imported torch and Transformers once (``flare.zygote``):
-    each worker started afresh spent about 8 s of a CI core importing them. After the
-    environment above is set (the zygote compares the variables its imports read with
-    each client's). Not on a CUDA machine (the GPU suite), nor with FLARE_TEST_ZYGOTE=0."""
+    """The preparation and reference workers the tests start (about 120 in a run, through
+    flare-prepare and the reference executors of the servers and engines) are forked from
+    a zygote that has imported torch and Transformers once (``flare.zygote``): each worker
+    started afresh spent about 8 s of a CI core importing them. Started where this file is
+    first imported (under xdist: the controller, whose environment the workers inherit,
+    ``FLARE_WORKER_ZYGOTE`` with it), after the environment above is set. Not on a CUDA
+    machine (the GPU suite), nor with FLARE_TEST_ZYGOTE=0. Its log (a worker that ran
+    afresh says why there) is CACHE/zygote.log."""
     from flare import zygote
 
     if os.environ.get("FLARE_TEST_ZYGOTE", "1") == "0" or zygote.ENV in os.environ or not _no_cuda():
         return
-    path = os.path.join(tempfile.mkdtemp(prefix="flare-zygote-"), "socket")
-    proc = subprocess.Popen([sys.executable, "-m", "flare.zygote", "serve", path], stdin=subprocess.DEVNULL)
+    folder = tempfile.mkdtemp(prefix="flare-zygote-")
+    path = os.path.join(folder, "socket")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "zygote.log", "w") as log:  # its own session: a Ctrl-C reaches it through its clients
+        proc = subprocess.Popen([sys.executable, "-m", "flare.zygote", "serve", path, "--exit-with-parent"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop():
+        try:
+            proc.terminate()
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     deadline = time.monotonic() + 10
     while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # it listens before its imports: clients queue behind them
     if not os.path.exists(path):  # workers then start afresh, as without it
-        proc.kill()
+        stop()
         return
     os.environ[zygote.ENV] = path
-
-    def stop():
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-
     atexit.register(stop)
 
 

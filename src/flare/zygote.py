@@ -7,24 +7,31 @@ on a 2-core machine, before it does any work). Where many workers are started on
 after another (a test suite, a CPU machine restarting servers), a *zygote* imports
 those modules once and forks a child for each worker:
 
-    python -m flare.zygote serve SOCKET [--preload MODULE,...]     # the zygote (PRELOAD by default)
-    FLARE_WORKER_ZYGOTE=SOCKET flare-serve CORE ...                # its clients
+    python -m flare.zygote serve SOCKET [--preload M,...] [--exit-with-parent]  # the zygote
+    FLARE_WORKER_ZYGOTE=SOCKET flare-serve CORE ...                             # its clients
 
 With ``FLARE_WORKER_ZYGOTE`` set, ``worker_command(module)`` is a small client
 (``python -m flare.zygote run SOCKET MODULE ARGS...``, no torch) in place of
 ``python -m MODULE ARGS...``. The client hands the zygote its standard input,
-output and error, environment and working directory; the zygote forks, and the
-child runs the module as ``__main__`` with them, in a process of its own as a
-fresh worker would (nothing runs in the zygote but imports). The client forwards
-the signals it is sent to the child, exits with the child's status, and the zygote
-kills a child whose client is gone (killed). A zygote that is not there, or that
-was started with other values of the variables its imports read (``TRITON_*``,
-``TORCH*``, ``HF_*``, ...: ``SENSITIVE``), refuses nothing silently: the client
-then runs the module itself, as without a zygote.
+output and error, arguments, environment, working directory and ignored signals;
+the zygote forks, and the child runs the module as ``__main__`` with them, in a
+process of its own, and leaves through the interpreter's normal exit (threads
+joined, exit functions run, files flushed). Nothing runs in the zygote but imports.
+The client forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to the
+child and ends as the child did (its exit code, or killed by the same signal); a
+client that is killed takes its child with it (the zygote sees its connection
+close), and so does a zygote that goes away.
+
+What a forked worker does not get from its client: values read when the preloaded
+modules were imported. A client whose import-time variables (``SENSITIVE``:
+``TRITON_*``, ``TORCH*``, ``HF_*``, locale, ``HOME``, ...) differ from the zygote's,
+or that finds no zygote, runs the module itself, as without one (quietly: the result
+is the same, only slower). ``OMP_NUM_THREADS`` may differ when the client sets it (the
+reference executor's ``--torch-threads``): the child sets torch's thread count. The
+process's limits, affinity, session and hash seed are the zygote's.
 
 Only the Linux process model is supported (``os.fork``, ``SCM_RIGHTS``, pidfds).
-Use it on CPU machines: on a GPU machine a worker's CUDA context is made after the
-fork in any case, but nothing here has been qualified there.
+Meant for CPU machines; the GPU suite does not use it.
 """
 
 from __future__ import annotations
@@ -39,15 +46,20 @@ import sys
 
 ENV = "FLARE_WORKER_ZYGOTE"
 # Environment variables that modules read when they are imported: a client whose values
-# differ from the zygote's runs its module itself. OMP_NUM_THREADS differs on purpose
-# (the reference executor's --torch-threads): the child sets torch's thread count.
+# differ from the zygote's runs its module itself.
 SENSITIVE = ("TRITON_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TQDM_",
-             "PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOMP_", "LD_", "NCCL_", "XDG_CACHE_HOME")
-_HEADER = struct.Struct("!I")
+             "PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOMP_", "LD_", "NCCL_", "XDG_", "HOME", "TMPDIR",
+             "LANG", "LC_")
+# What the worker modules set before their own imports, and so the zygote before its.
+WORKER_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                   "TQDM_DISABLE": "1"}
 # What ``serve`` imports when not told: the workers' heavy imports (torch, Transformers and
-# its model-building machinery, the preparation and reference worker modules).
-PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "flare.prepare.programs", "flare.prepare.worker",
-           "flare.prepare.reference_worker", "flare.prepare.recipes")
+# its model-building machinery, the preparation modules; not the worker modules, which
+# run as ``__main__``).
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "flare.prepare.programs", "flare.prepare.recipes")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_HEADER = struct.Struct("!I")
+_PR_SET_PDEATHSIG = 1
 
 
 def worker_command(module: str) -> list[str]:
@@ -58,43 +70,66 @@ def worker_command(module: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def _sensitive(env: dict[str, str]) -> dict[str, str]:
+def _compared(env: dict[str, str]) -> dict[str, str]:
+    env = {**WORKER_DEFAULTS, **env}
     return {k: v for k, v in env.items() if k.startswith(SENSITIVE) and k != "OMP_NUM_THREADS"}
+
+
+def _threads(env: dict[str, str]) -> int | None:
+    value = env.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 # -- the client ------------------------------------------------------------
 
 
 def _run_client(path: str, module: str, args: list[str]) -> int:
-    request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    ignored = [int(s) for s in FORWARDED if signal.getsignal(s) is signal.SIG_IGN]  # kept ignored, as across exec
+    request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd(),
+                          "ignored": ignored}).encode()
+    # Signals wait (blocked) until the child is known: then they are forwarded, not lost with the client.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    first: list[bytes] = []
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
-        socket.send_fds(sock, [_HEADER.pack(len(request)) + request], [0, 1, 2])
+        data = _HEADER.pack(len(request)) + request
+        sent = socket.send_fds(sock, [data], [0, 1, 2])
+        sock.sendall(data[sent:])
         reader = sock.makefile("rb")
         first = reader.readline().split()
     except OSError:
-        first = []
+        pass
     if first[:1] != [b"pid"]:  # no zygote, or one that refuses (another environment): run it here
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         os.execv(sys.executable, [sys.executable, "-m", module, *args])
-    child = int(first[1])
+    try:  # signals go to this process, not to whatever reuses its pid after the zygote reaps it
+        pidfd = os.pidfd_open(int(first[1]))
+    except ProcessLookupError:
+        pidfd = None
 
-    def forward(signum, _frame):
-        try:
-            os.kill(child, signum)
-        except ProcessLookupError:
-            pass
+    def forward(signum, _frame=None):
+        if pidfd is not None:
+            try:
+                signal.pidfd_send_signal(pidfd, signum)
+            except ProcessLookupError:
+                pass
 
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(s, forward)
+    for s in FORWARDED:
+        if s not in ignored:
+            signal.signal(s, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     line = reader.readline().split()  # (signals forwarded meanwhile: the read resumes, PEP 475)
-    if line[:1] != [b"exit"]:  # the zygote is gone: so is the child's only waiter
-        forward(signal.SIGKILL, None)
+    if line[:1] != [b"exit"]:  # the zygote is gone (its children die with it): make sure
+        forward(signal.SIGKILL)
         return 1
     code = int(line[1])
     if code < 0:  # killed by a signal: so is the client, as a process started afresh would be
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
         os.kill(os.getpid(), -code)
+        return 128 - code
     return code
 
 
@@ -102,62 +137,67 @@ def _run_client(path: str, module: str, args: list[str]) -> int:
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    conn.settimeout(10)
+    """The client's request and its three descriptors (closed here if the request is bad)."""
+    conn.settimeout(5)
     data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-    if len(data) < _HEADER.size:
-        raise ConnectionError("short request")
-    (n,) = _HEADER.unpack_from(data)
-    data = data[_HEADER.size:]
-    while len(data) < n:
-        more = conn.recv(n - len(data))
-        if not more:
-            raise ConnectionError("request cut short")
-        data += more
-    conn.settimeout(None)
-    return json.loads(data), fds
-
-
-def _child(request: dict, fds: list[int]) -> None:
-    """In the forked child: become the worker (never returns)."""
-    code = 1
     try:
-        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
-            signal.signal(s, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
+        if len(data) < _HEADER.size or len(fds) != 3:
+            raise ValueError("short request")
+        (n,) = _HEADER.unpack_from(data)
+        data = data[_HEADER.size:]
+        while len(data) < n:
+            more = conn.recv(n - len(data))
+            if not more:
+                raise ValueError("request cut short")
+            data += more
+        request = json.loads(data)
+        if not (isinstance(request, dict) and isinstance(request.get("module"), str)
+                and isinstance(request.get("args"), list) and all(isinstance(a, str) for a in request["args"])
+                and isinstance(request.get("env"), dict) and isinstance(request.get("cwd"), str)
+                and isinstance(request.get("ignored"), list)):
+            raise ValueError("malformed request")
+    except BaseException:
+        for fd in fds:
             os.close(fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        import random
+        raise
+    conn.settimeout(None)
+    return request, fds
 
-        random.seed()  # a fresh process's seed, not the zygote's state
-        if "torch" in sys.modules and request["env"].get("OMP_NUM_THREADS", "").isdigit():
-            sys.modules["torch"].set_num_threads(int(request["env"]["OMP_NUM_THREADS"]))
-        import runpy
 
-        sys.argv = [request["module"], *request["args"]]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 (reported as a fresh interpreter would)
-        import traceback
+def _child(request: dict, fds: list[int], zygote: int) -> None:
+    """In the forked child: become the worker. Leaves only by raising (SystemExit with the
+    worker's code, or what the worker raised), which unwinds to the interpreter's exit."""
+    import ctypes
 
-        traceback.print_exc()
-    finally:
-        try:
-            import atexit
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # gone with the zygote, as its client would be
+    if os.getppid() != zygote:
+        os._exit(1)
+    ignored = set(request["ignored"])
+    for s in (*FORWARDED, signal.SIGCHLD):
+        signal.signal(s, signal.SIG_IGN if s in ignored else
+                      signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the zygote around the fork
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path[0] = os.getcwd()  # as ``python -m`` puts it
+    import tempfile
 
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    tempfile.tempdir = None  # from this environment
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()  # (random reseeds itself after a fork; numpy's global state does not)
+    threads = _threads(request["env"])
+    if threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+    import runpy
+
+    sys.argv = [request["module"], *request["args"]]
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
 
 
 class _Child:
@@ -170,72 +210,105 @@ class _Child:
         self.watched = True  # its connection in the selector
 
 
-def serve(path: str, preload: list[str]) -> None:
+def serve(path: str, preload: list[str], exit_with_parent: bool = False) -> None:
     """Listen at ``path`` (before the imports, so that clients queue rather than fall back
     while they run), import ``preload``, then fork a worker for each client."""
-    import ctypes
     import importlib
 
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: gone with its parent
-    started_env = _sensitive(dict(os.environ))
+    owner = os.getpid()
+    if exit_with_parent:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    for k, v in WORKER_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    before = dict(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.exists(path):
-        os.unlink(path)
-    listener.bind(path)
+    staging = f"{path}.{owner}"  # renamed to ``path`` once listening: a client never finds it unready
+    if os.path.exists(staging):
+        os.unlink(staging)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(staging)
+    finally:
+        os.umask(old_umask)
     listener.listen(64)
-    for module in preload:
-        importlib.import_module(module)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    os.rename(staging, path)
+    try:
+        for module in preload:
+            importlib.import_module(module)
+        # What the imports set themselves (torch: TORCHINDUCTOR_CACHE_DIR) is not compared.
+        own = {k for k in {*before, *os.environ} if before.get(k) != os.environ.get(k)}
+        started = _compared({k: v for k, v in os.environ.items() if k not in own})
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        _loop(listener, started, own, owner)
+    finally:
+        if os.getpid() == owner:  # never in a forked child that unwinds through here
+            listener.close()
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _loop(listener: socket.socket, started: dict[str, str], own: set[str], owner: int) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     children: set[_Child] = set()
-    try:
-        while True:
-            for key, _ in sel.select():
-                if key.fileobj is listener:
-                    child = _accept(listener, started_env, sel, children)
-                    if child is not None:
-                        children.add(child)
-                        sel.register(child.pidfd, selectors.EVENT_READ, ("exited", child))
-                        sel.register(child.conn, selectors.EVENT_READ, ("client", child))
-                    continue
-                what, child = key.data
-                if child.done:
-                    continue
-                if what == "exited":  # reap it and tell its client how it ended
-                    _, status = os.waitpid(child.pid, 0)
-                    child.done = True
-                    children.discard(child)
-                    sel.unregister(child.pidfd)
-                    if child.watched:
-                        sel.unregister(child.conn)
-                    os.close(child.pidfd)
-                    try:
-                        child.conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
-                    except OSError:
-                        pass
-                    child.conn.close()
-                else:  # its client is gone (killed): so goes the child, reaped when its pidfd says so
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is listener:
+                child = _accept(listener, started, own, owner, sel, children)
+                if child is not None:
+                    children.add(child)
+                    sel.register(child.pidfd, selectors.EVENT_READ, ("exited", child))
+                    sel.register(child.conn, selectors.EVENT_READ, ("client", child))
+                continue
+            what, child = key.data
+            if child.done:
+                continue
+            if what == "exited":  # reap it and tell its client how it ended
+                _, status = os.waitpid(child.pid, 0)
+                child.done = True
+                children.discard(child)
+                sel.unregister(child.pidfd)
+                if child.watched:
                     sel.unregister(child.conn)
-                    child.watched = False
-                    try:
-                        os.kill(child.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-    finally:
-        listener.close()
-        if os.path.exists(path):
-            os.unlink(path)
+                os.close(child.pidfd)
+                try:
+                    child.conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass
+                child.conn.close()
+            else:  # its client is gone (killed): so goes the child, reaped when its pidfd says so
+                sel.unregister(child.conn)
+                child.watched = False
+                try:
+                    signal.pidfd_send_signal(child.pidfd, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
-def _accept(listener: socket.socket, started_env: dict[str, str], sel, children: set[_Child]) -> _Child | None:
-    conn, _ = listener.accept()
+def _accept(listener, started: dict[str, str], own: set[str], owner: int, sel, children) -> _Child | None:
     try:
-        request, fds = _recv_request(conn)
-    except (OSError, ValueError, ConnectionError):
+        conn, _ = listener.accept()
+    except OSError:
+        return None
+    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+    if uid != os.getuid():
         conn.close()
         return None
-    if len(fds) != 3 or _sensitive(request["env"]) != started_env:
+    try:
+        request, fds = _recv_request(conn)
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    env = request["env"]
+    same = _compared({k: v for k, v in env.items() if k not in own}) == started
+    if not same or ("OMP_NUM_THREADS" in env and _threads(env) is None) or (
+            "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" in os.environ):
+        theirs = _compared({k: v for k, v in env.items() if k not in own})
+        differ = sorted(k for k in {*theirs, *started} if theirs.get(k) != started.get(k)) or ["OMP_NUM_THREADS"]
+        print(f"flare.zygote: {request['module']} runs afresh: its environment differs in {', '.join(differ)}",
+              file=sys.stderr, flush=True)
         for fd in fds:
             os.close(fd)
         try:
@@ -246,7 +319,11 @@ def _accept(listener: socket.socket, started_env: dict[str, str], sel, children:
         return None
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # until the child has reset its handlers
+    try:
+        pid = os.fork()
+    except OSError:
+        pid = -1
     if pid == 0:  # nothing of the zygote's stays open in the worker
         sel.close()
         listener.close()
@@ -254,9 +331,13 @@ def _accept(listener: socket.socket, started_env: dict[str, str], sel, children:
             other.conn.close()
             os.close(other.pidfd)
         conn.close()
-        _child(request, fds)
+        _child(request, fds, owner)
+    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     for fd in fds:
         os.close(fd)
+    if pid < 0:
+        conn.close()  # its client runs nothing: it reads no pid, and falls back
+        return None
     child = _Child(pid, conn)
     try:
         conn.sendall(f"pid {pid}\n".encode())
@@ -270,12 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) >= 3 and argv[0] == "run":
         return _run_client(argv[1], argv[2], argv[3:])
     if len(argv) >= 2 and argv[0] == "serve":
-        preload = list(PRELOAD)
-        if len(argv) >= 4 and argv[2] == "--preload":
-            preload = [m for m in argv[3].split(",") if m]
-        serve(argv[1], preload)
+        preload, rest = list(PRELOAD), argv[2:]
+        exit_with_parent = "--exit-with-parent" in rest
+        rest = [a for a in rest if a != "--exit-with-parent"]
+        if len(rest) == 2 and rest[0] == "--preload":
+            preload = [m for m in rest[1].split(",") if m]
+        elif rest:
+            return _usage()
+        serve(argv[1], preload, exit_with_parent)
         return 0
-    print("usage: python -m flare.zygote serve SOCKET [--preload MODULE,...]\n"
+    return _usage()
+
+
+def _usage() -> int:
+    print("usage: python -m flare.zygote serve SOCKET [--preload MODULE,...] [--exit-with-parent]\n"
           "       python -m flare.zygote run SOCKET MODULE [ARGS...]", file=sys.stderr)
     return 2
 
