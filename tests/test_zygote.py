@@ -7,6 +7,7 @@ input, and exits as told.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -44,9 +45,8 @@ def _worker() -> int:
             time.sleep(60)
         if cmd == "interrupt":
             raise KeyboardInterrupt
-        if cmd == "thread":  # a non-daemon thread the exit waits for, and a buffered file left open
-            f = open(sys.argv[1], "w")
-            f.write("written at exit")
+        if cmd == "thread":  # a non-daemon thread the exit waits for, and an exit function
+            atexit.register(lambda: open(sys.argv[1], "w").write("written at exit"))
 
             def late():
                 time.sleep(0.5)
@@ -117,9 +117,9 @@ def test_a_forked_worker_has_the_clients_io_arguments_environment_and_status(zyg
 
 
 def test_the_worker_leaves_through_the_interpreters_exit(zygote_at, tmp_path):
-    """Non-daemon threads joined, buffered files flushed, as at a fresh interpreter's exit."""
+    """Non-daemon threads joined, then the exit functions run, as at a fresh interpreter's exit."""
     path, _ = zygote_at
-    target = tmp_path / "left-open.txt"
+    target = tmp_path / "from-atexit.txt"
     proc = _start(path, str(target))
     _hello(proc)
     out, _ = proc.communicate("thread\n", timeout=30)

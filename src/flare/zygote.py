@@ -15,8 +15,10 @@ With ``FLARE_WORKER_ZYGOTE`` set, ``worker_command(module)`` is a small client
 ``python -m MODULE ARGS...``. The client hands the zygote its standard input,
 output and error, arguments, environment, working directory and ignored signals;
 the zygote forks, and the child runs the module as ``__main__`` with them, in a
-process of its own, and leaves through the interpreter's normal exit (threads
-joined, exit functions run, files flushed). Nothing runs in the zygote but imports.
+process of its own, and exits as the interpreter does (threads joined, exit
+functions run, standard streams flushed) without tearing its modules down (``_exit``:
+2 s with torch imported; so files the worker leaves open unflushed are lost).
+Nothing runs in the zygote but imports.
 The client forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to the
 child and ends as the child did (its exit code, or killed by the same signal); a
 client that is killed takes its child with it (the zygote sees its connection
@@ -165,39 +167,76 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _child(request: dict, fds: list[int], zygote: int) -> None:
-    """In the forked child: become the worker. Leaves only by raising (SystemExit with the
-    worker's code, or what the worker raised), which unwinds to the interpreter's exit."""
-    import ctypes
+    """In the forked child: become the worker, then exit as ``_exit`` says (never returns)."""
+    code: object = 1
+    try:
+        import ctypes
 
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # gone with the zygote, as its client would be
-    if os.getppid() != zygote:
-        os._exit(1)
-    ignored = set(request["ignored"])
-    for s in (*FORWARDED, signal.SIGCHLD):
-        signal.signal(s, signal.SIG_IGN if s in ignored else
-                      signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the zygote around the fork
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    sys.path[0] = os.getcwd()  # as ``python -m`` puts it
-    import tempfile
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # gone with the zygote, as its client would be
+        if os.getppid() != zygote:
+            os._exit(1)
+        ignored = set(request["ignored"])
+        for s in (*FORWARDED, signal.SIGCHLD):
+            signal.signal(s, signal.SIG_IGN if s in ignored else
+                          signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the zygote around the fork
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path[0] = os.getcwd()  # as ``python -m`` puts it
+        import tempfile
 
-    tempfile.tempdir = None  # from this environment
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed()  # (random reseeds itself after a fork; numpy's global state does not)
-    threads = _threads(request["env"])
-    if threads and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(threads)
-    import runpy
+        tempfile.tempdir = None  # from this environment
+        np = sys.modules.get("numpy")
+        if np is not None:
+            np.random.seed()  # (random reseeds itself after a fork; numpy's global state does not)
+        threads = _threads(request["env"])
+        if threads and "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+        import runpy
 
-    sys.argv = [request["module"], *request["args"]]
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    raise SystemExit(0)
+        sys.argv = [request["module"], *request["args"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:  # noqa: BLE001 (reported as the interpreter reports it)
+        sys.excepthook(*sys.exc_info())
+    _exit(code)
+
+
+def _exit(code: object) -> None:
+    """A fresh interpreter's exit, less the teardown of its modules (about 2 s once torch and
+    Transformers are imported, the worker's whole exit otherwise): non-daemon threads joined,
+    exit functions run, standard streams flushed. Files the worker left open and unflushed
+    are not flushed (close them: the workers do)."""
+    try:
+        import atexit
+        import threading
+
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        if code is None or isinstance(code, int):
+            status = (code or 0) & 0xFF
+        else:  # SystemExit("message"): printed, status 1
+            print(code, file=sys.stderr)
+            status = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt: killed by SIGINT, as CPython does
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        os._exit(locals().get("status", 1))
 
 
 class _Child:

@@ -230,7 +230,8 @@ class ReferenceExecutor:
         return self._ranks[rank].views[buffer]
 
     def worker_pids(self) -> list[int]:
-        """Each rank's worker process id, in rank order (tests and diagnostics)."""
+        """Each rank's worker process id, in rank order (tests and diagnostics); with a zygote
+        (``flare.zygote``), its client's, whose end is the worker's."""
         return [rank.proc.pid for rank in self._ranks if rank.proc is not None]
 
     def stats(self) -> dict[str, int]:
