@@ -63,13 +63,15 @@ if "FLARE_TEST_TORCH_THREADS" in os.environ:  # also for in-process programs and
     os.environ.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
 
 
-def _start_zygote() -> None:
+def _start_zygote(threads: int | None) -> None:
     """The preparation and reference workers the tests start (about 120 in a run, through
     flare-prepare and the reference executors of the servers and engines) are forked from
     a zygote that has imported torch and Transformers once (``flare.zygote``): each worker
     started afresh spent about 8 s of a CI core importing them. Started where this file is
     first imported (under xdist: the controller, whose environment the workers inherit,
-    ``FLARE_WORKER_ZYGOTE`` with it), after the environment above is set. Not on a CUDA
+    ``FLARE_WORKER_ZYGOTE`` with it), with the environment above and the workers' torch
+    threads (``threads``: the xdist workers' share of the cores), so that OpenBLAS and OpenMP
+    in its children count the threads as in workers started afresh. Not on a CUDA
     machine (the GPU suite), nor with FLARE_TEST_ZYGOTE=0. Its log (a worker that ran
     afresh says why there) is CACHE/zygote.log."""
     from flare import zygote
@@ -80,7 +82,8 @@ def _start_zygote() -> None:
     path = os.path.join(folder, "socket")
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "zygote.log", "w") as log:  # its own session: a Ctrl-C reaches it through its clients
-        proc = subprocess.Popen([sys.executable, "-m", "flare.zygote", "serve", path, "--exit-with-parent"],
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        proc = subprocess.Popen([sys.executable, "-m", "flare.zygote", "serve", path, "--exit-with-parent"], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop():
@@ -103,7 +106,15 @@ def _start_zygote() -> None:
     atexit.register(stop)
 
 
-_start_zygote()
+def pytest_configure(config):
+    """The zygote, before xdist starts its workers (at the session's start), which inherit it."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller started it
+        return
+    n = getattr(config.option, "numprocesses", None)
+    workers = n if isinstance(n, int) and n > 0 else None
+    threads = os.environ.get("FLARE_TEST_TORCH_THREADS") or (
+        str(max(1, len(os.sched_getaffinity(0)) // workers)) if workers else os.environ.get("OMP_NUM_THREADS"))
+    _start_zygote(int(threads) if threads else None)
 
 # Options shared by the test cores: small context, small chunks so that chunking and
 # page boundaries are exercised with short prompts.

@@ -144,6 +144,9 @@ def test_two_clients_at_once_and_the_way_each_worker_ended(zygote_at):
     _hello(c)
     _, err = c.communicate("interrupt\n", timeout=30)
     assert c.returncode == -signal.SIGINT and "KeyboardInterrupt" in err
+    c = _start(path)  # a negative exit code is a code (254), not a signal
+    _hello(c)
+    assert c.communicate("exit -2\n", timeout=30)[0] == "" and c.returncode == 254
 
 
 def test_signals_reach_the_worker_and_a_killed_client_takes_its_worker(zygote_at):

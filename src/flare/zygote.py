@@ -29,8 +29,9 @@ modules were imported. A client whose import-time variables (``SENSITIVE``:
 ``TRITON_*``, ``TORCH*``, ``HF_*``, locale, ``HOME``, ...) differ from the zygote's,
 or that finds no zygote, runs the module itself, as without one (quietly: the result
 is the same, only slower). ``OMP_NUM_THREADS`` may differ when the client sets it (the
-reference executor's ``--torch-threads``): the child sets torch's thread count. The
-process's limits, affinity, session and hash seed are the zygote's.
+reference executor's ``--torch-threads``): the child sets torch's thread count (not
+OpenBLAS's or OpenMP's other users', which keep the zygote's). The process's limits,
+affinity, session and hash seed are the zygote's.
 
 Only the Linux process model is supported (``os.fork``, ``SCM_RIGHTS``, pidfds).
 Meant for CPU machines; the GPU suite does not use it.
@@ -89,8 +90,22 @@ def _run_client(path: str, module: str, args: list[str]) -> int:
     ignored = [int(s) for s in FORWARDED if signal.getsignal(s) is signal.SIG_IGN]  # kept ignored, as across exec
     request = json.dumps({"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd(),
                           "ignored": ignored}).encode()
-    # Signals wait (blocked) until the child is known: then they are forwarded, not lost with the client.
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    # Until the child is known, signals are kept, then forwarded (or, running the module here, raised again).
+    pending: list[int] = []
+    target: list[int] = []  # the child's pidfd, once known
+
+    def forward(signum, _frame=None):
+        if not target:
+            pending.append(signum)
+            return
+        try:
+            signal.pidfd_send_signal(target[0], signum)
+        except OSError:  # gone (or never seen: -1)
+            pass
+
+    for s in FORWARDED:
+        if s not in ignored:
+            signal.signal(s, forward)
     first: list[bytes] = []
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -103,24 +118,18 @@ def _run_client(path: str, module: str, args: list[str]) -> int:
     except OSError:
         pass
     if first[:1] != [b"pid"]:  # no zygote, or one that refuses (another environment): run it here
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        for s in FORWARDED:
+            if s not in ignored:
+                signal.signal(s, signal.SIG_DFL)
+        for s in pending:  # what this process was sent meanwhile ends it, as it would have
+            os.kill(os.getpid(), s)
         os.execv(sys.executable, [sys.executable, "-m", module, *args])
     try:  # signals go to this process, not to whatever reuses its pid after the zygote reaps it
-        pidfd = os.pidfd_open(int(first[1]))
+        target.append(os.pidfd_open(int(first[1])))
     except ProcessLookupError:
-        pidfd = None
-
-    def forward(signum, _frame=None):
-        if pidfd is not None:
-            try:
-                signal.pidfd_send_signal(pidfd, signum)
-            except ProcessLookupError:
-                pass
-
-    for s in FORWARDED:
-        if s not in ignored:
-            signal.signal(s, forward)
-    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        target.append(-1)
+    for s in pending:
+        forward(s)
     line = reader.readline().split()  # (signals forwarded meanwhile: the read resumes, PEP 475)
     if line[:1] != [b"exit"]:  # the zygote is gone (its children die with it): make sure
         forward(signal.SIGKILL)
@@ -129,7 +138,6 @@ def _run_client(path: str, module: str, args: list[str]) -> int:
     if code < 0:  # killed by a signal: so is the client, as a process started afresh would be
         if -code != signal.SIGKILL:
             signal.signal(-code, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
         os.kill(os.getpid(), -code)
         return 128 - code
     return code
@@ -166,9 +174,10 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return request, fds
 
 
-def _child(request: dict, fds: list[int], zygote: int) -> None:
+def _child(request: dict, fds: list[int], zygote: int, env: dict[str, str]) -> None:
     """In the forked child: become the worker, then exit as ``_exit`` says (never returns)."""
     code: object = 1
+    interrupted = False
     try:
         import ctypes
 
@@ -179,12 +188,11 @@ def _child(request: dict, fds: list[int], zygote: int) -> None:
         for s in (*FORWARDED, signal.SIGCHLD):
             signal.signal(s, signal.SIG_IGN if s in ignored else
                           signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the zygote around the fork
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(env)
         os.chdir(request["cwd"])
         sys.path[0] = os.getcwd()  # as ``python -m`` puts it
         import tempfile
@@ -193,50 +201,62 @@ def _child(request: dict, fds: list[int], zygote: int) -> None:
         np = sys.modules.get("numpy")
         if np is not None:
             np.random.seed()  # (random reseeds itself after a fork; numpy's global state does not)
-        threads = _threads(request["env"])
+        threads = _threads(env)
         if threads and "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)
         import runpy
 
         sys.argv = [request["module"], *request["args"]]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the zygote around the fork
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         code = e.code
     except KeyboardInterrupt:
         sys.excepthook(*sys.exc_info())
-        code = -signal.SIGINT
+        interrupted = True
     except BaseException:  # noqa: BLE001 (reported as the interpreter reports it)
         sys.excepthook(*sys.exc_info())
-    _exit(code)
+    _exit(code, interrupted)
 
 
-def _exit(code: object) -> None:
+def _exit(code: object, interrupted: bool) -> None:
     """A fresh interpreter's exit, less the teardown of its modules (about 2 s once torch and
     Transformers are imported, the worker's whole exit otherwise): non-daemon threads joined,
     exit functions run, standard streams flushed. Files the worker left open and unflushed
     are not flushed (close them: the workers do)."""
+    status = 130 if interrupted else 1
     try:
+        if not interrupted:
+            if code is None or isinstance(code, int):
+                status = (code or 0) & 0xFF
+            else:  # SystemExit("message"): printed, status 1
+                print(code, file=sys.stderr)
         import atexit
         import threading
 
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        if code is None or isinstance(code, int):
-            status = (code or 0) & 0xFF
-        else:  # SystemExit("message"): printed, status 1
-            print(code, file=sys.stderr)
-            status = 1
+        for step in (threading._shutdown, atexit._run_exitfuncs):
+            try:
+                step()
+            except BaseException:  # noqa: BLE001 (as the interpreter reports an error at exit)
+                sys.unraisablehook(_Unraisable(*sys.exc_info(), f"Exception ignored in {step.__name__}", None))
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt: killed by SIGINT, as CPython does
+        if interrupted:  # an uncaught KeyboardInterrupt: killed by SIGINT, as CPython does
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
             os.kill(os.getpid(), signal.SIGINT)
     finally:
-        os._exit(locals().get("status", 1))
+        os._exit(status)
+
+
+class _Unraisable:
+    def __init__(self, exc_type, exc_value, exc_traceback, err_msg, obj):
+        self.exc_type, self.exc_value, self.exc_traceback = exc_type, exc_value, exc_traceback
+        self.err_msg, self.object = err_msg, obj
 
 
 class _Child:
@@ -341,11 +361,15 @@ def _accept(listener, started: dict[str, str], own: set[str], owner: int, sel, c
         conn.close()
         return None
     env = request["env"]
-    same = _compared({k: v for k, v in env.items() if k not in own}) == started
+    # What the zygote's imports set (and its modules now use) stays in the child where the client has
+    # nothing else for it.
+    same = _compared({k: v for k, v in env.items() if k not in own}) == started and all(
+        env.get(k, os.environ.get(k)) == os.environ.get(k) for k in own)
     if not same or ("OMP_NUM_THREADS" in env and _threads(env) is None) or (
             "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" in os.environ):
         theirs = _compared({k: v for k, v in env.items() if k not in own})
-        differ = sorted(k for k in {*theirs, *started} if theirs.get(k) != started.get(k)) or ["OMP_NUM_THREADS"]
+        differ = sorted({k for k in {*theirs, *started} if theirs.get(k) != started.get(k)}
+                        | {k for k in own if env.get(k, os.environ.get(k)) != os.environ.get(k)}) or ["OMP_NUM_THREADS"]
         print(f"flare.zygote: {request['module']} runs afresh: its environment differs in {', '.join(differ)}",
               file=sys.stderr, flush=True)
         for fd in fds:
@@ -370,7 +394,7 @@ def _accept(listener, started: dict[str, str], own: set[str], owner: int, sel, c
             other.conn.close()
             os.close(other.pidfd)
         conn.close()
-        _child(request, fds, owner)
+        _child(request, fds, owner, {**{k: os.environ[k] for k in own if k in os.environ}, **env})
     signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     for fd in fds:
         os.close(fd)

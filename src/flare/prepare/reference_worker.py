@@ -20,6 +20,8 @@ import traceback
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
     core_dir, arena_path = sys.argv[1], sys.argv[2]
     rank, addr = (int(sys.argv[3]), sys.argv[4]) if len(sys.argv) > 4 else (0, None)
     try:
