@@ -32,9 +32,12 @@ CACHE = Path(os.environ.get("FLARE_TEST_CACHE", ROOT / ".cache" / "test-cores"))
 # worker, 238 s with two beside another busy process). The cores are shared out instead, as
 # FLARE_TEST_TORCH_THREADS sets them (below): in-process programs, preparation subprocesses
 # and the workers the tests start take cores // workers threads each (one on CI).
+def _threads_per_worker(workers: int) -> int:
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "FLARE_TEST_TORCH_THREADS" not in os.environ:
-    os.environ["FLARE_TEST_TORCH_THREADS"] = str(
-        max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ["FLARE_TEST_TORCH_THREADS"] = str(_threads_per_worker(int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 # Torch threads of the reference workers the tests start. One: two spin against the
 # event loop and the client on a 2-core machine (each OpenMP barrier waits for a
 # descheduled thread; the sampler's elementwise ops take ~10 ms instead of ~0.1 ms).
@@ -113,7 +116,7 @@ def pytest_configure(config):
     n = getattr(config.option, "numprocesses", None)
     workers = n if isinstance(n, int) and n > 0 else None
     threads = os.environ.get("FLARE_TEST_TORCH_THREADS") or (
-        str(max(1, len(os.sched_getaffinity(0)) // workers)) if workers else os.environ.get("OMP_NUM_THREADS"))
+        str(_threads_per_worker(workers)) if workers else os.environ.get("OMP_NUM_THREADS"))
     _start_zygote(int(threads) if threads else None)
 
 # Options shared by the test cores: small context, small chunks so that chunking and

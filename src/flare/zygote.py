@@ -53,7 +53,7 @@ ENV = "FLARE_WORKER_ZYGOTE"
 SENSITIVE = ("TRITON_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TQDM_",
              "PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOMP_", "LD_", "NCCL_", "XDG_", "HOME", "TMPDIR",
              "LANG", "LC_")
-# What the worker modules set before their own imports, and so the zygote before its.
+# What the worker modules set before their imports (they read them), and so the zygote before its.
 WORKER_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
                    "TQDM_DISABLE": "1"}
 # What ``serve`` imports when not told: the workers' heavy imports (torch, Transformers and
@@ -363,14 +363,14 @@ def _accept(listener, started: dict[str, str], own: set[str], owner: int, sel, c
     env = request["env"]
     # What the zygote's imports set (and its modules now use) stays in the child where the client has
     # nothing else for it.
-    same = _compared({k: v for k, v in env.items() if k not in own}) == started and all(
-        env.get(k, os.environ.get(k)) == os.environ.get(k) for k in own)
-    if not same or ("OMP_NUM_THREADS" in env and _threads(env) is None) or (
+    theirs = _compared({k: v for k, v in env.items() if k not in own})
+    differ = {k for k in {*theirs, *started} if theirs.get(k) != started.get(k)} | {
+        k for k in own if env.get(k, os.environ.get(k)) != os.environ.get(k)}
+    if ("OMP_NUM_THREADS" in env and _threads(env) is None) or (
             "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" in os.environ):
-        theirs = _compared({k: v for k, v in env.items() if k not in own})
-        differ = sorted({k for k in {*theirs, *started} if theirs.get(k) != started.get(k)}
-                        | {k for k in own if env.get(k, os.environ.get(k)) != os.environ.get(k)}) or ["OMP_NUM_THREADS"]
-        print(f"flare.zygote: {request['module']} runs afresh: its environment differs in {', '.join(differ)}",
+        differ.add("OMP_NUM_THREADS")
+    if differ:
+        print(f"flare.zygote: {request['module']} runs afresh: its environment differs in {', '.join(sorted(differ))}",
               file=sys.stderr, flush=True)
         for fd in fds:
             os.close(fd)

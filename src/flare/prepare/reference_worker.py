@@ -16,12 +16,12 @@ import os
 import sys
 import traceback
 
+from flare.zygote import WORKER_DEFAULTS
+
 
 def main() -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")
+    for k, v in WORKER_DEFAULTS.items():  # read by the imports below
+        os.environ.setdefault(k, v)
     core_dir, arena_path = sys.argv[1], sys.argv[2]
     rank, addr = (int(sys.argv[3]), sys.argv[4]) if len(sys.argv) > 4 else (0, None)
     try:

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from flare.zygote import WORKER_DEFAULTS
+
 _T0 = time.time()  # replaced by flare-prepare's own start (``started_at``): one clock for every line
 
 
@@ -20,10 +22,8 @@ def progress(msg: str) -> None:
 
 
 def main() -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")
+    for k, v in WORKER_DEFAULTS.items():  # read by the imports below
+        os.environ.setdefault(k, v)
     global _T0
     args = json.loads(sys.argv[1])
     _T0 = args.pop("started_at", _T0)
