@@ -94,6 +94,24 @@ SCRIPT = textwrap.dedent('''
                      {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "g_ptr", "r_ptr", "nw_ptr", "t_ptr"),
                       "valid_ptr": "*i1", "rw_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32", "eps": "fp32"},
                      dict(BN=1, BK=512, HAS_S=True, ROUTE=True, TOPK=8, RENORM=True, BE=256, BKK=8, NORM=1, RANKS=True))
+    # launched dependent (PDL: ``pdl``, griddepcontrol in the code): the router, gate/up and wide down kernels
+    pdl = [compile_for_sm90(M._router_gemv_kernel,
+                            {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "g_ptr", "r_ptr", "nw_ptr", "t_ptr"),
+                             "valid_ptr": "*i1", "rw_ptr": "*fp32", "ids_ptr": "*i64", "count_ptr": "*i32",
+                             "eps": "fp32"},
+                            dict(BN=1, BK=512, HAS_S=True, ROUTE=True, TOPK=8, RENORM=True, BE=256, BKK=8, NORM=1,
+                                 PDL=True)),
+           compile_for_sm90(M._decode_gate_up_kernel,
+                            {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "nw_ptr"), "ids_ptr": "*i64", "eps": "fp32"},
+                            dict(BN=16, BK=512, NORM=2, PDL=True)),
+           compile_for_sm90(M._decode_down_wide_kernel,
+                            {**bf16("h_ptr", "w_ptr", "s_ptr", "g_ptr", "r_ptr", "out_ptr"), "ids_ptr": "*i64",
+                             "weights_ptr": "*fp32"},
+                            dict(TOPK=8, KP=8, BN=8, BK=128, SHARED=True, RESIDUAL=True, PDL=True), num_warps=4)]
+    for kernel in pdl:
+        ptx = kernel.asm["ptx"]
+        print("griddepcontrol", ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
+              "ld.global.cg", ptx.count("ld.global.cg"))
     for norm in (0, 1, 2):
         compile_for_sm90(M._decode_gate_up_kernel,
                          {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "nw_ptr"), "ids_ptr": "*i64", "eps": "fp32"},
@@ -306,7 +324,12 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 193, proc.stdout
+    assert proc.stdout.count("compiled") == 196, proc.stdout
+    # The dependent launches wait and let the next launch start, in every program; the down kernel reads the
+    # router's ids through L2 before its wait (what a kernel before it in the chain wrote, not in L1).
+    pdl = [line.split() for line in proc.stdout.splitlines() if line.startswith("griddepcontrol")]
+    assert [(int(p[1]), int(p[2])) for p in pdl] == [(1, 1)] * 3, pdl
+    assert int(pdl[2][4]) > 0 and int(pdl[1][4]) == 0, pdl
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

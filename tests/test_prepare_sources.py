@@ -111,6 +111,14 @@ def test_row_invariant_step_norms_without_the_prompt_programs_norms_are_refused(
     assert "Traceback" not in proc.stderr and not (tmp_path / "core").exists()
 
 
+def test_dependent_launch_is_refused_off_cuda(tmp_path):
+    """``--dependent-launch on`` (Hopper's programmatic dependent launch of the MoE decode kernels) on
+    the CPU: a typed error before any program is built, no core."""
+    proc = _prepare("qwen3-moe-tiny", tmp_path / "core", "--dependent-launch", "on")
+    assert proc.returncode == 2 and "--dependent-launch on is a CUDA option" in proc.stderr, proc.stderr[-1000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "core").exists()
+
+
 WINDOW = 24
 
 

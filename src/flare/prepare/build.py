@@ -128,6 +128,10 @@ def _check_request(opts: Options, session, tp: TensorParallel) -> None:
     if opts.step_norms == "invariant" and opts.split_prompt_gemms:
         raise PrepareError("--step-norms invariant takes the prompt programs' row-invariant norms, which "
                            "--split-prompt-gemms leaves to the compiler")
+    if opts.dependent_launch not in ("off", "on"):
+        raise PrepareError(f"--dependent-launch {opts.dependent_launch!r}: expected off or on")
+    if opts.dependent_launch == "on" and opts.device != "cuda":
+        raise PrepareError("--dependent-launch on is a CUDA option (Hopper's programmatic dependent launch)")
 
 
 def _plan_sizes(buffers, caps: mf.Capacities, pages: int) -> dict[str, int]:
@@ -239,6 +243,16 @@ class _CudaArena:
             block.flare_route_tickets = self.tickets
         if routers and self.tickets is not None:
             progress(f"decode steps route in the router's launch ({len(routers)} layers)")
+        if opts.dependent_launch == "on":
+            from flare.prepare.kernels.moe import dependent_launch
+
+            if not dependent_launch(self.device):
+                raise PrepareError(f"--dependent-launch on needs compiled Triton on a GPU of compute capability 9.0 "
+                                   f"or later (this one: {torch.cuda.get_device_capability(self.device)})")
+            for block in routers:
+                block.flare_dependent_launch = True
+            progress(f"decode steps launch the router and the experts dependent ({len(routers)} layers)"
+                     if routers else "--dependent-launch on: no mixture-of-experts block, nothing launched dependent")
         if opts.step_norms not in ("compiled", "invariant"):
             raise ValueError(f"step_norms {opts.step_norms!r}: expected compiled or invariant")
         if not opts.split_prompt_gemms:

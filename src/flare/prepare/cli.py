@@ -134,6 +134,11 @@ def parser() -> argparse.ArgumentParser:
                         "its batch), or row-invariant: each norm one launch, one program a row, with the residual add "
                         "before a layer's post-attention norm in it where the layer's forward has Transformers' shape; with --step-gemms measure or gemv, the norms' share of a decode row's dependence on "
                         "its batch removed (lm_head and the decode attention's even split remain)")
+    p.add_argument("--dependent-launch", choices=("off", "on"), default="off",
+                   help="CUDA, compute capability 9.0 or later: decode steps' mixture-of-experts kernels (the router "
+                        "and the two expert launches) launched dependent (programmatic dependent launch: each starts "
+                        "while the one before runs and waits for it in the kernel; the down launch loads its first "
+                        "weight tiles before it waits); the same bits")
     p.add_argument("--scratch-memory", type=float, default=None,
                    help="CUDA: GiB of arena for torch's pool during preparation (only the used part is kept; "
                         "default: 6 or a fifth of the weights, whichever is larger)")
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "split_prompt_gemms": a.split_prompt_gemms,
         "step_gemms": a.step_gemms,
         "step_norms": a.step_norms,
+        "dependent_launch": a.dependent_launch,
         "served_name": a.served_name,
         "scratch_memory_gib": a.scratch_memory,
         "reserve_gib": a.gpu_reserve,

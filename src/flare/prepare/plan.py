@@ -70,6 +70,9 @@ class Options:
     # "kernel" (Triton, kernels/sampler.py) or "ops" (the tensor operations of sampling.py and
     # sampling.logprob_block, some 65 kernels)
     sampler: str = "kernel"
+    # CUDA: decode steps' router and expert kernels launched dependent ("on": Hopper's programmatic
+    # dependent launch, each waiting in the kernel for the one before: kernels/moe.py) or not ("off")
+    dependent_launch: str = "off"
     scratch_memory_gib: float | None = None  # CUDA: arena tail for torch's pool (default: scratch_gib)
     reserve_gib: float = 4.0  # CUDA: device memory left free when sizing KV pages from free memory
     qualify: int = 0  # CUDA: golden replays per program recorded for the runtime to reproduce

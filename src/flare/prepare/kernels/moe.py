@@ -58,6 +58,7 @@ rows) and ``down_proj [E, H, I]``; each program reads whole contiguous rows.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,11 @@ from torch.nn import functional as F
 
 from flare.prepare.kernels.gemm import launch
 from flare.prepare.kernels.gemv import _norm_args
+
+try:  # Hopper's programmatic dependent launch (``experts_decode``'s and ``router_gemv``'s ``pdl``)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - a Triton without them: ``pdl`` is refused
+    gdc_launch_dependents = gdc_wait = None
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
@@ -512,6 +518,25 @@ def combine_triton(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, nu
 DECODE_PAIRS = 64
 
 
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the decode kernels can be launched dependent on ``device`` (``pdl``): Hopper's
+    programmatic dependent launch, compute capability 9.0 or later, compiled (not Triton's
+    interpreter) and a Triton with ``gdc_wait``."""
+    return (device.type == "cuda" and gdc_wait is not None and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def _check_pdl(pdl: bool, x: torch.Tensor) -> None:
+    if pdl and not dependent_launch(x.device):
+        raise ValueError(f"a dependent launch (pdl) needs compiled Triton on a GPU of compute capability 9.0 or "
+                         f"later, not {x.device}")
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch's keywords: the kernel's ``PDL`` and Triton's launch attribute."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 @triton.jit
 def _gemv_rows(x_row_ptr, w_rows_ptr, n, n_in, K, stride_wn, BN: tl.constexpr, BK: tl.constexpr):
     """float32 ``w[n, :] @ x`` for a block of weight rows (K contiguous), reduced once at the end."""
@@ -571,11 +596,25 @@ def _rows_product(x_row, r_row, nw_ptr, t_row, store, w_rows_ptr, n, n_in, K, st
 
 
 @triton.jit
+def _dependent():
+    """The start of a kernel launched dependent (Hopper's programmatic dependent launch, ``pdl``):
+    wait until the kernel before it has completed and its writes are visible, then let the
+    kernel after it launch, whose programs become resident and issue the loads that need nothing
+    of this kernel's (its weights) while this one runs. Waiting before letting the next launch
+    keeps the chain transitive: a kernel that passed its wait knows every earlier kernel complete,
+    so the next one may read, before its own wait, what the kernels before this one wrote
+    (``_decode_down_wide_kernel`` reads the router's ids so)."""
+    gdc_wait()
+    gdc_launch_dependents()
+
+
+@triton.jit
 def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, ids_ptr, count_ptr, N, K, stride_xt,
                         stride_wn, stride_ot, stride_gt, r_ptr, nw_ptr, t_ptr, stride_rt, stride_tt, eps,
                         BN: tl.constexpr, BK: tl.constexpr, HAS_S: tl.constexpr,
                         ROUTE: tl.constexpr, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr,
-                        BKK: tl.constexpr, NORM: tl.constexpr = 0, RANKS: tl.constexpr = False):
+                        BKK: tl.constexpr, NORM: tl.constexpr = 0, RANKS: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """Program (token, block of BN router rows): the logits of those experts for the token, the
     whole of K in order (``_gemv_rows``), so a token's logits do not depend on its batch. With
     ``HAS_S`` the program past the last block computes the shared expert's one-column gate.
@@ -585,7 +624,9 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
     ``NORM`` (1 zero-centred, 2 Llama's): the rows are the RMS norm (weight ``nw_ptr``) of
     ``residual + x`` (``r_ptr``), a decoder layer's add and post-attention norm in the loads
     (``_gemv_rows_norm``); program (t, 0) stores the sum to ``t_ptr``, the experts' input and the
-    layer's next residual."""
+    layer's next residual. ``PDL``: launched dependent (``_dependent``)."""
+    if PDL:
+        _dependent()
     t = tl.program_id(0)
     b = tl.program_id(1)
     x_row = x_ptr + t.to(tl.int64) * stride_xt
@@ -626,7 +667,7 @@ def _router_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, g_ptr, valid_ptr, rw_ptr, 
 def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor | None = None,
                 *, block_n: int | None = None, block_k: int = 512, num_warps: int | None = None,
                 route: tuple[int, bool, torch.Tensor | None, torch.Tensor] | None = None,
-                norm=None, exact: bool = True, ranks: bool | None = None) -> tuple:
+                norm=None, exact: bool = True, ranks: bool | None = None, pdl: bool = False) -> tuple:
     """The router's logits ``x @ weight.T`` (``[T, E]``, float32 sums, the model dtype out) for a
     decode-sized batch, and a shared expert's gate logits ``x @ shared_gate.T`` (``[T, 1]``;
     None without one) in the same launch. One program per token and block of router rows,
@@ -650,8 +691,12 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
     ``norm``: a ``gemv.Norm`` with a residual (the decoder layer's post-attention norm and the add
     before it, ``Norm.residual`` of x's shape and dtype): the router takes the norm of
     ``residual + x`` in its loads and writes that sum (returned last: the experts' input, which
-    ``experts_decode`` normalises with the same ``norm`` in its loads, and their residual)."""
+    ``experts_decode`` normalises with the same ``norm`` in its loads, and their residual).
+
+    ``pdl``: launched dependent (``dependent_launch``: Hopper's programmatic dependent launch; the
+    kernel waits for the launch before it first, then lets the next launch start)."""
     T, Kd = x.shape
+    _check_pdl(pdl, x)
     E = weight.shape[0]
     # (gemv's norm arguments: the router requires the residual, and writes the sum to ``total``)
     nargs, flags = _norm_args(None if norm is None else norm._replace(total=torch.empty_like(x)), x)
@@ -684,7 +729,7 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
         E, Kd, x.stride(0), weight.stride(0), out.stride(0), gate.stride(0) if gate is not None else 0, *nargs,
         BN=bn, BK=min(block_k, triton.next_power_of_2(Kd)), HAS_S=shared_gate is not None, ROUTE=route is not None,
         TOPK=top_k, RENORM=renorm, BE=triton.next_power_of_2(E), BKK=triton.next_power_of_2(top_k),
-        NORM=flags["NORM"], RANKS=ranks, num_warps=num_warps)
+        NORM=flags["NORM"], RANKS=ranks, num_warps=num_warps, **_pdl_launch(pdl))
     outs = (out, gate) if route is None else (out, gate, weights, ids)
     return outs if norm is None else (*outs, nargs[2])
 
@@ -692,11 +737,14 @@ def router_gemv(x: torch.Tensor, weight: torch.Tensor, shared_gate: torch.Tensor
 @triton.jit
 def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, E, N, NS, K, TOPK, ROWS, stride_xt, stride_we,
                            stride_wn, stride_om, nw_ptr, eps, BN: tl.constexpr, BK: tl.constexpr,
-                           NORM: tl.constexpr = 0):
+                           NORM: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (pair, block of features): pair ``t * ROWS + j`` is token t's slot j; with a
     shared expert (``ROWS = TOPK + 1``) slot TOPK is the shared expert's pair (weights
     ``s_ptr``, ``NS`` features), computed for tokens whose first slot is routed (not padding).
-    ``NORM``: the rows are the RMS norm (weight ``nw_ptr``) of x, in the loads."""
+    ``NORM``: the rows are the RMS norm (weight ``nw_ptr``) of x, in the loads. ``PDL``: launched
+    dependent (``_dependent``; its rows are the router's picks: nothing to load before the wait)."""
+    if PDL:
+        _dependent()
     pair = tl.program_id(0)
     t = pair // ROWS
     j = pair % ROWS
@@ -744,10 +792,36 @@ def _decode_down_kernel(h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, E, N, K, st
 
 
 @triton.jit
+def _down_wide_tiles(w_rows, s_ptr, n, n_in, live, kk, K, s_width, stride_wn, stride_sn, BN: tl.constexpr,
+                     BK: tl.constexpr, SHARED: tl.constexpr):
+    """One step's weight tiles of ``_decode_down_wide_kernel``: [k, BN, BK] of the token's experts
+    and [BN, BK] of its shared expert (zeros without one)."""
+    w = tl.load(w_rows[:, None, None] + n[None, :, None].to(tl.int64) * stride_wn + kk[None, None, :],
+                mask=live[:, None, None] & n_in[None, :, None] & (kk < K)[None, None, :], other=0.0)
+    if SHARED:
+        ws = tl.load(s_ptr + n[:, None].to(tl.int64) * stride_sn + kk[None, :],
+                     mask=n_in[:, None] & (kk < s_width)[None, :], other=0.0)
+    else:
+        ws = tl.zeros([BN, BK], w.dtype)
+    return w, ws
+
+
+@triton.jit
+def _down_wide_step(acc, acc_s, w, ws, h_rows, h_s, live, kk, K, s_width, SHARED: tl.constexpr):
+    """``acc += w * h`` (and the shared pair's) for one step of K."""
+    hv = tl.load(h_rows[:, None] + kk[None, :], mask=live[:, None] & (kk < K)[None, :], other=0.0)
+    acc += w.to(tl.float32) * hv.to(tl.float32)[:, None, :]
+    if SHARED:
+        hs = tl.load(h_s + kk, mask=kk < s_width, other=0.0)
+        acc_s += ws.to(tl.float32) * hs.to(tl.float32)[None, :]
+    return acc, acc_s
+
+
+@triton.jit
 def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, r_ptr, out_ptr, E, N, K, KS, KMAX,
                              ROWS, stride_hp, stride_we, stride_wn, stride_sn, stride_g, stride_rt, stride_ot,
                              TOPK: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                             SHARED: tl.constexpr, RESIDUAL: tl.constexpr):
+                             SHARED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
     """``_decode_down_kernel`` with the token's k pairs loaded together: one [k, BN, BK] tile of
     their experts' rows per step of the reduction instead of k tiles one after another (a
     reduction only I wide leaves a program few loads in flight otherwise). Each pair's GEMV
@@ -756,34 +830,37 @@ def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, r
     ``t * ROWS + TOPK``, down rows ``s_ptr``, ``KS`` wide) is reduced beside them, rounded to
     the model dtype as its down projection, and added last, weighted by sigmoid(gate logit).
     ``RESIDUAL``: the decoder layer's residual row is added to the output rounded to the model
-    dtype, in float32, rounded again: the bits of the add as a kernel of its own."""
+    dtype, in float32, rounded again: the bits of the add as a kernel of its own.
+    ``PDL``: launched dependent (``_dependent``): the first step's weight tiles are loaded before
+    the wait, while the gate/up launch runs, their rows picked by the router's ids, which that
+    launch waited for before letting this one launch (read through L2: ``.cg``)."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_in = n < N
     j = tl.arange(0, KP)
-    e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=E)
+    if PDL:
+        e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=E, cache_modifier=".cg")
+        s_live = tl.load(ids_ptr + t * TOPK, cache_modifier=".cg") < E
+    else:
+        e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=E)
+        # The shared pair of a token whose first slot is routed (a padded token has none).
+        s_live = tl.load(ids_ptr + t * TOPK) < E
     live = e < E  # sentinel pairs (id E) and the padding to KP read nothing
     h_rows = h_ptr + (t * ROWS + j).to(tl.int64) * stride_hp
     w_rows = w_ptr + tl.where(live, e, 0).to(tl.int64) * stride_we
-    # The shared pair of a token whose first slot is routed (a padded token has none).
-    s_live = tl.load(ids_ptr + t * TOPK) < E
     s_width = tl.where(s_live, KS, 0)  # a padded token's shared pair reads nothing
     h_s = h_ptr + (t * ROWS + TOPK).to(tl.int64) * stride_hp
+    kk = tl.arange(0, BK)
+    w, ws = _down_wide_tiles(w_rows, s_ptr, n, n_in, live, kk, K, s_width, stride_wn, stride_sn, BN, BK, SHARED)
+    if PDL:
+        _dependent()
     acc = tl.zeros([KP, BN, BK], tl.float32)
     acc_s = tl.zeros([BN, BK], tl.float32)
-    for k0 in range(0, KMAX, BK):
+    acc, acc_s = _down_wide_step(acc, acc_s, w, ws, h_rows, h_s, live, kk, K, s_width, SHARED)
+    for k0 in range(BK, KMAX, BK):
         kk = k0 + tl.arange(0, BK)
-        k_in = kk < K
-        hv = tl.load(h_rows[:, None] + kk[None, :], mask=live[:, None] & k_in[None, :], other=0.0)
-        w = tl.load(w_rows[:, None, None] + n[None, :, None].to(tl.int64) * stride_wn + kk[None, None, :],
-                    mask=live[:, None, None] & n_in[None, :, None] & k_in[None, None, :], other=0.0)
-        acc += w.to(tl.float32) * hv.to(tl.float32)[:, None, :]
-        if SHARED:
-            ks_in = kk < s_width
-            hs = tl.load(h_s + kk, mask=ks_in, other=0.0)
-            ws = tl.load(s_ptr + n[:, None].to(tl.int64) * stride_sn + kk[None, :],
-                         mask=n_in[:, None] & ks_in[None, :], other=0.0)
-            acc_s += ws.to(tl.float32) * hs.to(tl.float32)[None, :]
+        w, ws = _down_wide_tiles(w_rows, s_ptr, n, n_in, live, kk, K, s_width, stride_wn, stride_sn, BN, BK, SHARED)
+        acc, acc_s = _down_wide_step(acc, acc_s, w, ws, h_rows, h_s, live, kk, K, s_width, SHARED)
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, 2).to(dtype).to(tl.float32) * tl.load(weights_ptr + t * TOPK + j, mask=live, other=0.0)[:, None]
     total = tl.zeros([BN], tl.float32)
@@ -802,7 +879,7 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
                    down: torch.Tensor, *, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    gate_up_blocks: tuple[int, int, int] = (16, 512, 4),
                    down_blocks: tuple[int, int, int] | None = None, wide_down: bool = True,
-                   residual: torch.Tensor | None = None, norm=None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, norm=None, pdl: bool = False) -> torch.Tensor:
     """The routed experts of a decode-sized batch (``x [T, H]``, ``T * k <= DECODE_PAIRS``) in
     two launches: gate/up GEMVs per pair, then down GEMVs summed over each token's pairs in
     slot order. The same roundings as ``experts_triton`` and ``experts_torch``; sentinel
@@ -834,8 +911,13 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
 
     ``norm`` (a ``gemv.Norm``; its residual is not read): the experts' input is the RMS norm of
     x, taken in the gate/up kernel's loads (``router_gemv``'s ``norm`` wrote x, the sum before it:
-    the decoder layer's post-attention norm is no launch of its own)."""
+    the decoder layer's post-attention norm is no launch of its own).
+
+    ``pdl``: both launches dependent (``dependent_launch``): the gate/up launch waits for the launch
+    before it (the router's) first; the down launch loads its first weight tiles before it waits
+    for the gate/up launch. The same bits either way."""
     T, k = ids.shape
+    _check_pdl(pdl, x)
     E, two_i, H = gate_up.shape
     I = two_i // 2
     if ids.numel() > DECODE_PAIRS:
@@ -868,7 +950,8 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     (_, nw, _, _, _, eps), flags = _norm_args(None if norm is None else norm._replace(residual=None, total=None), x)
     _decode_gate_up_kernel[(T * rows, triton.cdiv(width, bn))](
         x, gate_up, s_gate_up, ids, h, E, I, I_s, H, k, rows, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        h.stride(0), nw, eps, BN=bn, BK=min(bk, triton.next_power_of_2(H)), NORM=flags["NORM"], num_warps=warps)
+        h.stride(0), nw, eps, BN=bn, BK=min(bk, triton.next_power_of_2(H)), NORM=flags["NORM"], num_warps=warps,
+        **_pdl_launch(pdl))
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_blocks or ((8, 128, 4) if shared is not None else (8, 128, 8))
     if wide_down:
@@ -877,8 +960,10 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
             h, down, s_down, s_gate, ids, weights.contiguous(), r, out, E, H, I, I_s, width, rows, h.stride(0),
             down.stride(0), down.stride(1), s_down.stride(0), s_gate.stride(0), r.stride(0), out.stride(0), TOPK=k,
             KP=triton.next_power_of_2(k), BN=bn, BK=min(bk, triton.next_power_of_2(width)), num_warps=warps,
-            SHARED=shared is not None, RESIDUAL=residual is not None)
+            SHARED=shared is not None, RESIDUAL=residual is not None, **_pdl_launch(pdl))
     else:
+        if pdl:
+            raise ValueError("experts_decode launches dependent only with the wide down kernel")
         _decode_down_kernel[(T, triton.cdiv(H, bn))](
             h, down, ids, weights.contiguous(), out, E, H, I, h.stride(0), down.stride(0), down.stride(1),
             out.stride(0), TOPK=k, BN=bn, BK=min(bk, triton.next_power_of_2(I)), num_warps=warps)

@@ -64,6 +64,8 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
     # The expert GEMVs (no plan) for decode-sized steps; prompt programs always tile, so that a
     # prompt row is computed the same in a 16-row prefill as in a 2,048-row one.
     decode = triton and T * k <= K.DECODE_PAIRS and not prompt_rows.active()
+    # Hopper's programmatic dependent launch for the router and both expert launches (``--dependent-launch``).
+    pdl = decode and block.flare_dependent_launch
     # The router's logits in the model dtype, as Transformers computes them; on the Triton path
     # with the whole of K summed in order for each row, so that a token routes the same
     # whatever it is batched with: in decode steps a GEMV program per token and block of
@@ -75,7 +77,7 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
         tickets = block.flare_route_tickets
         route = None if tickets is None else (k, renorm, valid, tickets)
         logits, gate_logits, *routed = K.router_gemv(x, gate.weight, s_gate.weight if shared else None, route=route,
-                                                     norm=norm)
+                                                     norm=norm, pdl=pdl)
         if norm is not None:
             *routed, x = routed
             residual = x  # (the sum: the experts normalise it in their loads and add it after)
@@ -109,9 +111,10 @@ def _routed(block, x: torch.Tensor, paged: PagedBatch | None, shared: bool = Fal
         if shared:
             s = block.shared_expert
             folded = (s.gate_up_proj.weight, s.down_proj.weight, gate_logits)
-        return K.experts_decode(*args, shared=folded, residual=residual, norm=norm), None, residual is not None
+        return (K.experts_decode(*args, shared=folded, residual=residual, norm=norm, pdl=pdl), None,
+                residual is not None)
     if decode:
-        out = K.experts_decode(*args)
+        out = K.experts_decode(*args, pdl=pdl)
     else:
         out = K.experts_triton(*args) if triton else K.experts_torch(*args)
     return block.flare_tp.all_reduce(out) if split else out, gate_logits, False
@@ -159,6 +162,8 @@ def prepared_moe(base: type) -> type:
         flare_tp: TensorParallel = SINGLE  # set by the recipe base for a tensor-parallel rank
         # The core's ticket counters (CUDA cores: ``build``): decode steps route in the router's launch.
         flare_route_tickets: torch.Tensor | None = None
+        # ``--dependent-launch on`` (CUDA, SM90+): decode steps launch the router and the experts dependent.
+        flare_dependent_launch: bool = False
 
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
             return self.flare_residual_forward(hidden_states, None)[0]
