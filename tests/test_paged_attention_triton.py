@@ -101,6 +101,44 @@ def test_sliding_windows_match_the_masked_reference(shape, window):
         check_step(step, shape, torch.float32, num_splits=splits, window=window)
 
 
+def _released(step, window: int):
+    """``step`` with the page-table entries the scheduler releases (``Scheduler._release_window``)
+    pointing at the null page 0: each slot's pages that end a page before the window of its earliest
+    query row."""
+    pt = step.page_table.clone()
+    ps = step.kv.shape[3]
+    released = 0
+    for slot in step.token_slot[step.valid].unique().tolist():
+        first = int(step.positions[step.valid & (step.token_slot == slot)].min())
+        before = (first - window + 1) // ps - 1
+        if before > 0:
+            pt[slot, :before] = 0
+            released += before
+    return dataclasses.replace(step, page_table=pt), released
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=IDS[1:3])
+@pytest.mark.parametrize("window", [5, 37])
+def test_pages_released_before_the_window_change_no_bit(shape, window):
+    """The pages the scheduler gives back when they leave every layer's window (the page table's
+    entries then the null page, whose rows hold other keys and values) change no bit of a decode
+    batch or a prefill chunk, split or not, in the kernel (which skips the key blocks before a tile's
+    earliest window and masks a block across it) and in the reference."""
+    ps, top = shape.page_size, shape.max_keys
+    steps = [decode_step(shape, [min(window + 3 * ps, top), None, top, min(2 * window + ps + 1, top)], torch.float32,
+                         41, DEVICE),
+             prefill_step(shape, top - 20, 16, 16, torch.float32, 42, DEVICE),
+             prefill_step(shape, min(window + 2 * ps + 3, top - 16), 16, 16, torch.float32, 43, DEVICE)]
+    total = 0
+    for step, splits in zip(steps, (3, None, 2)):
+        cut, released = _released(step, window)
+        total += released
+        for run in (lambda st: run_triton(st, scale(shape), num_splits=splits, window=window)[0],
+                    lambda st: run_reference(st, scale(shape), window)[0]):
+            assert torch.equal(run(step), run(cut))
+    assert total > 0
+
+
 def test_a_window_changes_attention_only_beyond_it():
     """The masked reference is the definition: with a window longer than every history it
     equals full attention, and with a shorter one a long history's output differs."""

@@ -175,3 +175,114 @@ def test_sliding_window_attention_matches_transformers(mistral_core):
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item() + 1e-5
     assert (full - want)[WINDOW:].abs().max().item() > 100 * (got - want).abs().max().item()
     assert torch.allclose(full[:WINDOW], want[:WINDOW], atol=1e-5)
+
+
+def test_a_windowed_core_declares_its_window_and_a_full_one_none(mistral_core, tmp_path):
+    """``pages.kv_window``: the largest window of the layers that own KV pages (every tiny Mistral
+    layer: 24); a core whose layers read their whole history declares none."""
+    from flare.core.manifest import load_manifest
+
+    assert load_manifest(mistral_core).pages.kv_window == WINDOW
+    proc = _prepare("llama-tiny", tmp_path / "core")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert load_manifest(tmp_path / "core").pages.kv_window is None
+
+
+def test_pages_that_leave_every_window_are_released_and_nothing_changes(mistral_core):
+    """A two-turn conversation on the windowed core (window 24, pages of 16): the first turn
+    generates 150 tokens past a 40-token prompt, the second continues its history from the
+    first's terminal checkpoint. With the release (the manifest's ``kv_window``), the request holds
+    at most the pages of its window and the margin once it is past them, the second turn restores
+    a checkpoint whose segment has released (null) entries, and every generated token and every
+    logit at a generated position is the same as without the release (``kv_window`` None), the
+    tokens also as with the prefix cache off; the scheduler's invariants hold after every step."""
+    import asyncio
+
+    import msgspec
+    import numpy as np
+
+    from flare.core.manifest import load_manifest
+    from flare.runtime.reference import ReferenceExecutor
+    from flare.runtime.request import Request
+    from flare.runtime.scheduler import Scheduler
+    from flare.server.params import resolve_sampling
+    from tests.test_conversation_cache import _step
+
+    m = load_manifest(mistral_core)
+    ps, window = m.pages.page_size, m.pages.kv_window
+    assert (ps, window) == (16, WINDOW)
+    rng = np.random.default_rng(5)
+    first, extra = rng.integers(3, 49152, 40).tolist(), rng.integers(3, 49152, 10).tolist()
+    bound = -(-window // ps) + 3  # the window's pages, the one before it, the margin, the next page
+
+    async def converse(manifest, prefix_cache):
+        ex = ReferenceExecutor(mistral_core, manifest)
+        await ex.start()
+        sched = Scheduler(manifest, prefix_cache=prefix_cache)
+        outputs, logits, held = [], [], []
+        prompt = first
+        try:
+            for i, n in enumerate((150, 20)):
+                params = resolve_sampling(manifest, prompt_len=len(prompt), fields={"top_k": 1}, max_tokens=n,
+                                          seed=7 + i, stop_token_ids=None, ignore_eos=True)
+                req = Request(list(prompt), params, request_id=f"turn{i}")
+                sched.add(req)
+                rows = []
+
+                def on_logits(r, row, rows=rows, req=req):
+                    rows.append(row.copy())
+                    # the request's own pages (the prompt end's checkpoint holds the first ones too)
+                    held.append((i, r.consumed, sum(p != m.pages.null_page and sched.pages.refcount(p) == 1
+                                                    for p in req.pages)))
+
+                while await _step(ex, sched, on_logits):
+                    pass
+                assert req.finished and req.error is None and len(req.output) == n
+                outputs.append(list(req.output))
+                logits.append(np.stack(rows))
+                if i == 1:
+                    cached = req.cached_tokens
+                prompt = prompt + list(req.output) + extra
+        finally:
+            await ex.close()
+        return outputs, logits, held, cached, sched
+
+    plain = msgspec.structs.replace(m, pages=msgspec.structs.replace(m.pages, kv_window=None))
+    out, lg, held, cached, sched = asyncio.run(converse(m, True))
+    out_kept, lg_kept, held_kept, cached_kept, sched_kept = asyncio.run(converse(plain, True))
+    out_off, lg_off, _, _, _ = asyncio.run(converse(m, False))
+    assert out == out_kept == out_off
+    # The release changes no bit; the cache off changes the second turn's prefill partition (the
+    # whole history, not the tail after the checkpoint), which rounds otherwise (tests/test_conversation_cache.py).
+    assert all(np.array_equal(a, b) for a, b in zip(lg, lg_kept))
+    assert np.array_equal(lg[0], lg_off[0])
+    assert np.abs(lg[1] - lg_off[1]).max() < 1e-4 * np.abs(lg_off[1]).max()
+    # Released as they left the window; the second turn resumed the first's whole history.
+    assert sched.window_pages_released_total > 0 and sched_kept.window_pages_released_total == 0
+    assert cached == cached_kept >= 180
+    # (the first turn: the second's anchor chain, shared with the cache, is not the request's to release)
+    late = [h for i, c, h in held if i == 0 and c >= window + 3 * ps]
+    assert late and max(late) <= bound, held
+    assert max(h for _, _, h in held_kept) >= (40 + 150) // ps - 40 // ps  # (the prompt's pages: the cache's)
+
+    # Through the engine, two steps in flight: a steady decode batch's steps are scheduled ahead.
+    async def engine_turn():
+        from flare.runtime.engine import Engine
+        from tests.test_pipeline import Sink
+
+        engine = Engine(ReferenceExecutor(mistral_core, m), steps_in_flight=2)
+        await engine.start()
+        try:
+            params = resolve_sampling(m, prompt_len=len(first), fields={"top_k": 1}, max_tokens=150, seed=7,
+                                      stop_token_ids=None, ignore_eos=True)
+            req = Request(list(first), params, Sink())
+            engine.submit(req)
+            await asyncio.wait_for(req.sink.done.wait(), 300)
+            return list(req.output), engine.gauges()
+        finally:
+            await engine.shutdown(1.0)
+
+    tokens, gauges = asyncio.run(engine_turn())
+    assert tokens == out[0] and gauges["flare_engine_steps_ahead_total"] > 100
+    # (the prompt's pages are its checkpoint's; one page of margin before the window)
+    assert gauges["flare_kv_window_pages_released_total"] >= (40 + 150 - window) // ps - 40 // ps - 2, gauges

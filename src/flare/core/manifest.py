@@ -121,6 +121,10 @@ class PageGeometry(_Frozen):
     num_pages: int  # including the null page
     null_page: int  # never allocated; unused page-table entries point here
     bytes_per_page: int  # over every layer, for memory reporting
+    # Sliding windows: no attention layer reads a key more than kv_window - 1 positions before its
+    # query (the largest of the layers' windows), so the scheduler releases a request's pages that lie
+    # wholly before that for its next position; None: some layer reads its whole history, none is released.
+    kv_window: int | None = None
 
 
 class Capacities(_Frozen):
@@ -527,6 +531,8 @@ def validate(m: Manifest) -> None:
     p = m.pages
     if p.page_size <= 0 or p.num_pages < 2 or not 0 <= p.null_page < p.num_pages:
         _fail("page geometry is inconsistent", "pages")
+    if p.kv_window is not None and p.kv_window < 1:
+        _fail("kv_window must be at least 1 (or absent: every layer reads its whole history)", "pages.kv_window")
     if c.max_pages_per_slot != -(-c.context_limit // p.page_size):
         _fail("max_pages_per_slot must equal ceil(context_limit / page_size)", "capacities.max_pages_per_slot")
 

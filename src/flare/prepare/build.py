@@ -28,6 +28,7 @@ from flare.core.image import persistent_buffers, write_image
 from flare.core.manifest import BufferRole, DType
 from flare.core.sampling_params import NEUTRAL
 from flare.prepare import recipes
+from flare.prepare.recipes import fused
 from flare.prepare.layout import align, plan
 from flare.prepare.parallel import SINGLE, ShardingError, TensorParallel
 from flare.prepare.plan import (GEMV_TICKETS, GiB, KV_TAIL, TP_EXCHANGE, TP_FLAGS, TP_PEERS, Options, PrepareError,
@@ -67,9 +68,11 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
     shown = {k: v for k, v in sampling[0].items() if k == "temperature" or v != NEUTRAL[k]}
     progress(f"sampling defaults ({sampling[1]}): " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     window = recipe.sliding_window(src.config)
+    kv_window = fused.kv_window(model.module) if window is not None else None
     if window is not None:
-        progress(f"sliding-window attention: {window} tokens (every KV page is kept: none is released when it "
-                 f"leaves the window)")
+        progress(f"sliding-window attention: {window} tokens" + (
+            f" (pages wholly before every layer's window, {kv_window} tokens, are released)" if kv_window else
+            " (a layer reads its whole history: every KV page is kept)"))
     buffers, planned = plan(buffer_requests(src, recipe, model, caps, pages, opts, specs))
     continuation = mf.Continuation(state=tuple(n for n, _, _ in continuation_rows(recipe, src.config, caps, dtype)),
                                    tail=KV_TAIL, prefill_only=prefill_only_state(recipe, src.config, dtype))
@@ -93,7 +96,7 @@ def prepare(src: ModelSource, opts: Options, out: Path, progress: Callable[[str]
         programs = target.programs(recipe, model, views, caps, opts, continuation)
         table = program_table(caps, target.graph_files(caps, continuation), continuation)
         partial = partial_manifest(src, recipe, opts, caps, pages, buffers, planned, table, continuation,
-                                   base=target.base, device=target.device, sampling=sampling)
+                                   base=target.base, device=target.device, sampling=sampling, kv_window=kv_window)
         out.mkdir(parents=True, exist_ok=True)
     partial, report = target.finish(programs, partial, views, out / mf.rank_dir(tp.rank, tp.size), opts, progress)
     return _write_core(src, recipe, partial, target, out, tp, progress, t0, {**sizes, **report})

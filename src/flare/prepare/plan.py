@@ -352,8 +352,9 @@ def sampling_defaults(src, opts: Options, sampling_vocab: int) -> tuple[dict, st
 
 
 def partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, continuation, *, base,
-                      device, sampling: tuple[dict, str]) -> mf.Manifest:
-    """``sampling``: ``sampling_defaults``' (defaults, source), checked before the build."""
+                      device, sampling: tuple[dict, str], kv_window: int | None = None) -> mf.Manifest:
+    """``sampling``: ``sampling_defaults``' (defaults, source), checked before the build; ``kv_window``:
+    ``recipes.fused.kv_window``'s."""
     import transformers
 
     from flare import __version__
@@ -386,6 +387,7 @@ def partial_manifest(src, recipe, opts, caps, pages, buffers, nbytes, table, con
             num_pages=pages,
             null_page=0,
             bytes_per_page=[b for b in buffers if b.role == BufferRole.kv][0].nbytes // pages,
+            kv_window=kv_window,
         ),
         capacities=caps,
         frontend=mf.Frontend(

@@ -218,6 +218,11 @@ class Checkpoints:
     def cached_pages(self) -> set[PageId]:
         return self.cache.cached_pages() if self.cache else set()
 
+    def shared_pages(self, req: Request) -> int:
+        """How many of the request's first pages are its anchor's chain (shared with the cache)."""
+        t = self._tracks.get(req)
+        return t.anchor.complete_pages if t is not None and t.anchor is not None else 0
+
     def check_integrity(self, holders: list[Request], waiting=()) -> None:
         """Cache invariants, plus: every request's pages extend its anchor's chain and
         are private beyond it; pins are exactly the anchors; owned snapshot rows are
@@ -239,6 +244,8 @@ class Checkpoints:
             if req.pages[: len(shared)] != shared:
                 raise AssertionError(f"{req}: pages do not extend its anchor {t.anchor}")
             for p in req.pages[len(shared):]:
+                if p == self.cache.pool.null_page:  # released: outside every layer's window
+                    continue
                 if p in cached or self.cache.pool.refcount(p) != 1:
                     raise AssertionError(f"{req}: private page {p} is shared "
                                          f"({self.cache.pool.refcount(p)} references)")

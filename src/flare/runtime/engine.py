@@ -253,6 +253,7 @@ class Engine:
             "flare_engine_admission_wait_seconds_total": round(self.admission_wait_s_total, 6),
             "flare_prefill_tokens_total": sched.prefill_tokens_total,
             "flare_preemptions_total": sched.preemptions_total,
+            "flare_kv_window_pages_released_total": sched.window_pages_released_total,
             "flare_engine_ready": int(self.ready),
             **{f"flare_executor_{k}": v for k, v in self.executor.stats().items()},
         }

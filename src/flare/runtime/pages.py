@@ -79,6 +79,15 @@ class PagePool:
             if self._refs[p] == 0:
                 self._free.append(p)
 
+    def retain_held(self, pages: list[PageId]) -> None:
+        """``retain`` of a request's or a checkpoint's pages: their null entries (pages given back when
+        they left every layer's sliding window, ``Scheduler._release_window``) are nobody's."""
+        self.retain([p for p in pages if p != self.null_page])
+
+    def release_held(self, pages: list[PageId]) -> None:
+        """``release`` of a request's or a checkpoint's pages, their null entries skipped."""
+        self.release([p for p in pages if p != self.null_page])
+
     def refcount(self, page: PageId) -> int:
         return self._refs[page]
 

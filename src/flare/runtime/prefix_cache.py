@@ -162,7 +162,9 @@ class PrefixCache:
         return key in self._by_key
 
     def cached_pages(self) -> set[PageId]:
-        return {p for c in self._by_key.values() for p in c.segment}
+        """The pages checkpoints hold (a segment's null entries, pages its request released when they
+        left every layer's sliding window, are none)."""
+        return {p for c in self._by_key.values() for p in c.segment if p != self.pool.null_page}
 
     # -- publication and pins ------------------------------------------------
 
@@ -187,7 +189,7 @@ class PrefixCache:
         if len(pages) < own:
             raise CacheError(f"an endpoint at {length} needs {own} complete pages, the request holds {len(pages)}")
         segment = list(pages[base:own])
-        self.pool.retain(segment)
+        self.pool.retain_held(segment)
         c = Checkpoint(CheckpointId(next(self._ids)), length, key, row, parent, segment)
         if parent is not None:
             parent.children.append(c)
@@ -294,7 +296,7 @@ class PrefixCache:
         self._unindex(c)
         if c.parent is not None:
             c.parent.children.remove(c)
-        self.pool.release(c.segment)
+        self.pool.release_held(c.segment)
         self.rows.retire(c.row)
 
     def _thin(self, a: Checkpoint) -> None:
@@ -329,6 +331,8 @@ class PrefixCache:
                 raise AssertionError(f"{c}: bad pin count or snapshot row")
             rows.add(c.row)
             for p in c.segment:
+                if p == self.pool.null_page:  # released out of every layer's window before publication
+                    continue
                 if p in seen_pages:
                     raise AssertionError(f"page {p} lies in two checkpoint segments")
                 if self.pool.refcount(p) < 1:

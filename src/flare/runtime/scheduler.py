@@ -114,6 +114,7 @@ class Scheduler:
         self._device_past: Request | None = None  # a verify row's request whose slot is past its current token
         self.steps_ahead_total = 0
         self.prefill_tokens_total = 0
+        self.window_pages_released_total = 0  # pages given back when they left every layer's window
         self.preemptions_total = 0
 
     # -- intake ------------------------------------------------------------
@@ -242,7 +243,7 @@ class Scheduler:
                 continue  # a blocked request does not stop smaller ones behind it
             self.waiting.remove(req)
             req.slot = self.slots.allocate()
-            self.pages.retain(reuse.pages)
+            self.pages.retain_held(reuse.pages)
             req.pages = reuse.pages + self.pages.allocate(need)
             req.status = Status.PREFILLING
             req.consumed = reuse.length
@@ -317,10 +318,11 @@ class Scheduler:
         """The chunks' segments first, then, for a decode step that carries them, every
         decoder's pending token. None when every decoder was preempted or ended."""
         segments = []
+        writes: list[Write] = []
         for req, n in chunks:
             end = req.consumed + n
             segments.append((req, req.target[req.consumed : end], self._samples(req, end), req.consumed > 0))
-        writes: list[Write] = []
+            self._release_window(req, writes)
         if decoders:
             batch = self._decoders(writes)
             if not batch:
@@ -336,6 +338,7 @@ class Scheduler:
             step = self.encode.score(req, req.target[start:end], sample=sample)
         else:
             step = self.encode.prefill(req, req.target[start:end], sample=sample)
+        self._release_window(req, step.writes)
         if sample and req.grammar is not None:
             self._mask_write(req, step.writes)
             if req.finished:
@@ -404,6 +407,7 @@ class Scheduler:
         for req in sorted((r for r in self.running if r.status == Status.DECODING), key=lambda r: r.admission_seq):
             if req.status != Status.DECODING:  # preempted while growing an earlier request
                 continue
+            self._release_window(req, writes)
             if not self._grow(req, writes):
                 continue
         for req in [r for r in self.running if r.status == Status.DECODING and r.grammar is not None]:
@@ -438,6 +442,8 @@ class Scheduler:
             if not self.checkpoints.evict_pages(len(short)) or not self.pages.can_allocate(len(short)):
                 return None
         writes: list[Write] = []
+        for r in batch:  # (a steady batch's steps are all ahead: schedule() would rarely see them)
+            self._release_window(r, writes)
         for r in short:
             self._add_pages(r, 1, writes)
         self._ahead = self.encode.decode_again(step, writes)
@@ -453,6 +459,33 @@ class Scheduler:
                 f"the output grammar failed: {req.grammar.error()}", code="grammar_failed"))
             return
         writes.append(write)
+
+    def _release_window(self, req: Request, writes: list[Write]) -> None:
+        """Give back the request's pages that lie wholly before every attention layer's sliding
+        window for its next position (``pages.kv_window``: a core whose every KV layer is windowed),
+        where no checkpoint holds them: its anchor's chain and the pages a published checkpoint took
+        stay (the cache keeps them for other requests either way). Their page-table entries then
+        point at the null page, which no query reads for a key it sees: the attention kernels skip
+        the key blocks before a query's window, and a block they read across its start masks those
+        keys (the null page's rows are finite: zeroed, then only padded rows' keys and values). One
+        page of margin stays before the window for the steps in flight, whose queries are a few
+        positions earlier. A checkpoint published later at this request's endpoint takes the null
+        entries into its segment: what continues from it reads only its window."""
+        window = self.m.pages.kv_window
+        if window is None or req.slot is None:
+            return
+        # Pages [0, before) end before position consumed - window + 1 - page_size.
+        before = min((req.consumed - window + 1) // self.page_size - 1, len(req.pages))
+        null = self.pages.null_page
+        drop = [i for i in range(self.checkpoints.shared_pages(req), before)
+                if req.pages[i] != null and self.pages.refcount(req.pages[i]) == 1]
+        if not drop:
+            return
+        self.pages.release([req.pages[i] for i in drop])
+        for i in drop:
+            req.pages[i] = null
+        self.window_pages_released_total += len(drop)
+        writes.append(self.encode.page_table(req, drop[0]))
 
     def _grow(self, req: Request, writes: list[Write]) -> bool:
         """Make sure the page for the next position exists (and one more, when free).
@@ -661,7 +694,7 @@ class Scheduler:
                 self.checkpoints.drop(s)
         self.checkpoints.release(req, finished=req.finished)
         if req.slot is not None:
-            self.pages.release(req.pages)
+            self.pages.release_held(req.pages)
             self.slots.release(req.slot)
             req.pages = []
             req.slot = None
@@ -707,7 +740,7 @@ class Scheduler:
 
     def page_usage(self) -> tuple[int, int, int]:
         """(free, used by requests, held only by the prefix cache): they sum to the total."""
-        held = {p for r in self.running + self.retiring for p in r.pages}
+        held = {p for r in self.running + self.retiring for p in r.pages} - {self.pages.null_page}
         cached = self.checkpoints.cached_pages() - held
         return self.pages.free, len(held), len(cached)
 
@@ -719,10 +752,14 @@ class Scheduler:
         holders = self.running + self.retiring
         cached = self.checkpoints.cached_pages()
         refs: dict[int, int] = {}
+        null = self.pages.null_page
         for r in holders:
-            if len(set(r.pages)) != len(r.pages):
+            held = [p for p in r.pages if p != null]  # (null: released out of every layer's window)
+            if len(set(held)) != len(held):
                 raise AssertionError(f"{r} holds a page twice")
-            for p in r.pages:
+            if null in r.pages and self.m.pages.kv_window is None:
+                raise AssertionError(f"{r} holds the null page without a sliding window")
+            for p in held:
                 refs[p] = refs.get(p, 0) + 1
         for p in set(refs) | cached:
             expected = refs.get(p, 0) + (p in cached)

@@ -93,6 +93,14 @@ def layer_window(attn) -> int | None:
     return getattr(attn, "sliding_window", None)
 
 
+def kv_window(model) -> int | None:
+    """The manifest's ``pages.kv_window``: the largest window of the attention layers that own KV
+    pages (``kv_layer``), as their forwards pass it to the paged attention; None where one of them
+    reads its whole history (or none owns KV): then no page ever leaves every layer's window."""
+    windows = [int(layer_window(m) or 0) for m in model.modules() if hasattr(m, "kv_layer")]
+    return max(windows) if windows and min(windows) > 0 else None
+
+
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """Transformers' decoder attention forward (Llama / Mistral / Qwen2 / Qwen3) with one
     q/k/v GEMM. Flare never passes a KV cache object: the paged attention function
