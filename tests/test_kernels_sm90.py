@@ -110,8 +110,9 @@ SCRIPT = textwrap.dedent('''
                             dict(TOPK=8, KP=8, BN=8, BK=128, SHARED=True, RESIDUAL=True, PDL=True), num_warps=4)]
     for kernel in pdl:
         ptx = kernel.asm["ptx"]
+        before = ptx[: ptx.find("griddepcontrol.wait")]  # (the weight tiles the down kernel loads first)
         print("griddepcontrol", ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
-              "ld.global.cg", ptx.count("ld.global.cg"))
+              "ld.global.cg", ptx.count("ld.global.cg"), "loads_before_wait", before.count("ld.global"))
     for norm in (0, 1, 2):
         compile_for_sm90(M._decode_gate_up_kernel,
                          {**bf16("x_ptr", "w_ptr", "s_ptr", "out_ptr", "nw_ptr"), "ids_ptr": "*i64", "eps": "fp32"},
@@ -330,6 +331,8 @@ def test_gdn_kernels_compile_for_sm90():
     pdl = [line.split() for line in proc.stdout.splitlines() if line.startswith("griddepcontrol")]
     assert [(int(p[1]), int(p[2])) for p in pdl] == [(1, 1)] * 3, pdl
     assert int(pdl[2][4]) > 0 and int(pdl[1][4]) == 0, pdl
+    # The gate/up and router wait first; the down kernel issues its ids' and first weight tiles' loads before.
+    assert int(pdl[0][6]) == int(pdl[1][6]) == 0 and int(pdl[2][6]) > int(pdl[2][4]), pdl
     # The paged attention's unmasked key blocks (full_blocks) keep the masked blocks' bits on
     # the GPU only if the compiler does not fuse the scores' scaling multiply and the softmax's
     # subtraction into one FMA (without a select between them it does): every ex2 of every

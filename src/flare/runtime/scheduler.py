@@ -319,15 +319,14 @@ class Scheduler:
         decoder's pending token. None when every decoder was preempted or ended."""
         segments = []
         writes: list[Write] = []
+        batch = self._decoders(writes) if decoders else []
+        if decoders and not batch:
+            return None  # (before any release below: its table writes would go with the dropped step)
         for req, n in chunks:
             end = req.consumed + n
             segments.append((req, req.target[req.consumed : end], self._samples(req, end), req.consumed > 0))
             self._release_window(req, writes)
-        if decoders:
-            batch = self._decoders(writes)
-            if not batch:
-                return None
-            segments += [(req, [req.output[-1]], True, False) for req in batch]
+        segments += [(req, [req.output[-1]], True, False) for req in batch]
         return self.encode.pack(capacity, segments, writes)
 
     def _prefill_step(self, req: Request) -> Step | None:
@@ -467,10 +466,12 @@ class Scheduler:
         stay (the cache keeps them for other requests either way). Their page-table entries then
         point at the null page, which no query reads for a key it sees: the attention kernels skip
         the key blocks before a query's window, and a block they read across its start masks those
-        keys (the null page's rows are finite: zeroed, then only padded rows' keys and values). One
-        page of margin stays before the window for the steps in flight, whose queries are a few
-        positions earlier. A checkpoint published later at this request's endpoint takes the null
-        entries into its segment: what continues from it reads only its window."""
+        keys (the null page's rows are finite: zeroed, then only padded rows' keys and values). No
+        query of a step in flight or ahead lies before ``consumed`` (a step ahead is scheduled with the
+        position of the step in flight); one page more than the window needs is kept anyway, as
+        insurance at the cost of a page a request. A checkpoint published later at this request's
+        endpoint takes the null entries into its segment: what continues from it reads only its window.
+        The table writes go with the step being built: a caller that drops its step must not release."""
         window = self.m.pages.kv_window
         if window is None or req.slot is None:
             return

@@ -839,6 +839,9 @@ def _decode_down_wide_kernel(h_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, weights_ptr, r
     n_in = n < N
     j = tl.arange(0, KP)
     if PDL:
+        # Before the wait: the router has completed (the gate/up launch waited for it before it let this
+        # one launch); ``.cg`` reads its ids from L2, where its stores are, not a line another kernel
+        # left in this SM's L1.
         e = tl.load(ids_ptr + t * TOPK + j, mask=j < TOPK, other=E, cache_modifier=".cg")
         s_live = tl.load(ids_ptr + t * TOPK, cache_modifier=".cg") < E
     else:
@@ -918,6 +921,8 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     for the gate/up launch. The same bits either way."""
     T, k = ids.shape
     _check_pdl(pdl, x)
+    if pdl and not wide_down:
+        raise ValueError("experts_decode launches dependent only with the wide down kernel")
     E, two_i, H = gate_up.shape
     I = two_i // 2
     if ids.numel() > DECODE_PAIRS:
@@ -962,8 +967,6 @@ def experts_decode(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
             KP=triton.next_power_of_2(k), BN=bn, BK=min(bk, triton.next_power_of_2(width)), num_warps=warps,
             SHARED=shared is not None, RESIDUAL=residual is not None, **_pdl_launch(pdl))
     else:
-        if pdl:
-            raise ValueError("experts_decode launches dependent only with the wide down kernel")
         _decode_down_kernel[(T, triton.cdiv(H, bn))](
             h, down, ids, weights.contiguous(), out, E, H, I, h.stride(0), down.stride(0), down.stride(1),
             out.stride(0), TOPK=k, BN=bn, BK=min(bk, triton.next_power_of_2(I)), num_warps=warps)

@@ -96,8 +96,12 @@ def layer_window(attn) -> int | None:
 def kv_window(model) -> int | None:
     """The manifest's ``pages.kv_window``: the largest window of the attention layers that own KV
     pages (``kv_layer``), as their forwards pass it to the paged attention; None where one of them
-    reads its whole history (or none owns KV): then no page ever leaves every layer's window."""
-    windows = [int(layer_window(m) or 0) for m in model.modules() if hasattr(m, "kv_layer")]
+    reads its whole history (or none owns KV): then no page ever leaves every layer's window. Only
+    the fused forwards here pass ``layer_window``; a layer on another forward (Transformers' own,
+    which may keep a ``sliding_window`` attribute it never passes) counts as reading its whole history."""
+    ours = (_attention_forward, _gated_attention_forward)
+    windows = [int(layer_window(m) or 0) if type(m).forward in ours else 0
+               for m in model.modules() if hasattr(m, "kv_layer")]
     return max(windows) if windows and min(windows) > 0 else None
 
 
