@@ -1,11 +1,14 @@
 """Teacher-forced run of a CUDA core through the torch-free executor.
 
-usage: python -m tests.gpu.drive_teacher CORE PROMPTS.json OUT.npz DECODE_STEPS
+usage: python -m tests.gpu.drive_teacher CORE PROMPTS.json OUT.npz DECODE_STEPS [release]
 
 For each prompt (token ids): prefill all but the last DECODE_STEPS tokens in
 chunks with sampling off and keep the final hidden rows (bf16 bits); then feed
 the remaining tokens one decode step at a time (overwriting the pending token)
 and keep the decode logits. Writes prompt i's arrays as hidden_i / logits_i.
+``release`` (a core with ``pages.kv_window``): before each chunk and step the page-table
+entries of the pages the scheduler would have given back (``Scheduler._release_window``: those
+ending a page before the window of the chunk's first position) point at the null page.
 """
 
 from __future__ import annotations
@@ -22,8 +25,18 @@ from flare.core.sampling_params import NEUTRAL
 from flare.runtime.cuda_tp import open_executor
 
 
-async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
+def _release(ex, m, slot: int, position: int) -> None:
+    """Point the slot's pages that end a page before ``position``'s window at the null page."""
+    ps = m.pages.page_size
+    before = (position - m.pages.kv_window + 1) // ps - 1
+    if before > 0:
+        ex.write("state.page_table", np.full(before, m.pages.null_page, np.int32), (slot, slice(0, before)))
+
+
+async def main(core: str, prompts_path: str, out: str, steps: int, release: bool = False) -> None:
     m = load_manifest(core)
+    if release and m.pages.kv_window is None:
+        raise SystemExit("release: the core declares no kv_window")
     ex = open_executor(core, m)
     await ex.start()
     c = m.capacities
@@ -46,6 +59,8 @@ async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
         for start in range(0, len(prefix), c.prefill_chunk):
             chunk = prefix[start : start + c.prefill_chunk]
             cap = next(x for x in caps if x >= len(chunk))
+            if release:
+                _release(ex, m, slot, start)
             ex.write(io.TOKENS, np.asarray(chunk, np.int32))
             ex.write(io.PrefillInput.buffer, io.pack(io.PrefillInput(slot, len(chunk), 0)))
             ex.submit(f"prefill.{cap}")
@@ -55,7 +70,9 @@ async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
         logits = []
         slots = np.zeros(max(c.decode_capacities), np.int32)
         slots[0] = slot
-        for t in tail:
+        for k, t in enumerate(tail):
+            if release:
+                _release(ex, m, slot, len(prefix) + k)
             ex.write("state.pending", np.int32(t), slot)
             ex.write("in.decode_slots", slots)
             ex.submit("decode.1")
@@ -68,4 +85,4 @@ async def main(core: str, prompts_path: str, out: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:] == ["release"]))

@@ -35,13 +35,14 @@ DECODE_STEPS = 12
 LENGTHS = [15, 16, 17, 40, 255, 256, 257, 600, 1100]
 
 
-def teacher_forced(core, prompts: list[list[int]], steps: int) -> dict:
-    """tests/gpu/drive_teacher.py's arrays for ``prompts``, run in a torch-free subprocess."""
+def teacher_forced(core, prompts: list[list[int]], steps: int, release: bool = False) -> dict:
+    """tests/gpu/drive_teacher.py's arrays for ``prompts``, run in a torch-free subprocess
+    (``release``: with the pages that left every layer's window pointing at the null page)."""
     with tempfile.TemporaryDirectory() as tmp:
         pj, out = f"{tmp}/prompts.json", f"{tmp}/out.npz"
         json.dump(prompts, open(pj, "w"))
-        proc = subprocess.run([sys.executable, "-m", "tests.gpu.drive_teacher", str(core), pj, out, str(steps)],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, "-m", "tests.gpu.drive_teacher", str(core), pj, out, str(steps),
+                               *(["release"] if release else [])], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         return dict(np.load(out))
 
@@ -145,6 +146,29 @@ def test_teacher_forced_logits_match_transformers(gpu_shape_core, results_dir):
     measured_logit_error_path(model_name).write_text(json.dumps({"err_flare": worst_flare}))
     assert worst_flare <= 2 * worst_ref, summary
     assert hard_flips == 0, summary
+
+
+def test_pages_released_out_of_the_window_change_no_bit_on_the_gpu(gpu_shape_core, results_dir):
+    """A core whose every layer is windowed (``pages.kv_window``): a prompt past two windows,
+    prefilled in chunks and decoded, with the page-table entries the scheduler gives back pointing
+    at the null page before each chunk and step, gives the same hidden rows and logits, bit for
+    bit, as with every page mapped (the compiled kernels skip or mask every key before a query's
+    window)."""
+    import pytest
+
+    from flare.core.manifest import load_manifest
+
+    model_name, core = gpu_shape_core
+    m = load_manifest(core)
+    window = m.pages.kv_window
+    if window is None or 2 * window + 200 >= m.capacities.context_limit:
+        pytest.skip("the core declares no window (or none a prompt past two of them fits)")
+    ids = np.random.default_rng(1).integers(0, m.capacities.sampling_vocab, 2 * window + 200).tolist()
+    kept, released = teacher_forced(core, [ids], DECODE_STEPS), teacher_forced(core, [ids], DECODE_STEPS, True)
+    same = {k: bool(np.array_equal(kept[k], released[k])) for k in kept}
+    record(results_dir, "qualification", {f"{model_name}-window-release": {"window": window, "length": len(ids),
+                                                                           "bitwise_equal": same}})
+    assert all(same.values()), same
 
 
 def test_hybrid_triton_path_matches_the_reference_path_on_the_gpu(results_dir):
