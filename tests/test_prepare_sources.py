@@ -177,15 +177,13 @@ def test_sliding_window_attention_matches_transformers(mistral_core):
     assert torch.allclose(full[:WINDOW], want[:WINDOW], atol=1e-5)
 
 
-def test_a_windowed_core_declares_its_window_and_a_full_one_none(mistral_core, tmp_path):
+def test_a_windowed_core_declares_its_window_and_a_full_one_none(mistral_core, tiny_core):
     """``pages.kv_window``: the largest window of the layers that own KV pages (every tiny Mistral
-    layer: 24); a core whose layers read their whole history declares none."""
+    layer: 24); a core whose layers read their whole history (the tiny Llama) declares none."""
     from flare.core.manifest import load_manifest
 
     assert load_manifest(mistral_core).pages.kv_window == WINDOW
-    proc = _prepare("llama-tiny", tmp_path / "core")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert load_manifest(tmp_path / "core").pages.kv_window is None
+    assert load_manifest(tiny_core).pages.kv_window is None
 
 
 def test_pages_that_leave_every_window_are_released_and_nothing_changes(mistral_core):
