@@ -249,7 +249,7 @@ class _CudaArena:
         if opts.dependent_launch == "on":
             from flare.prepare.kernels.moe import dependent_launch
 
-            if not dependent_launch(self.device):
+            if not dependent_launch(torch.device("cuda", torch.cuda.current_device())):
                 raise PrepareError(f"--dependent-launch on needs compiled Triton on a GPU of compute capability 9.0 "
                                    f"or later (this one: {torch.cuda.get_device_capability(self.device)})")
             for block in routers:
