@@ -974,6 +974,14 @@ o_proj 10.7 (16.8 MB, 1.6 TB/s), router with the routing 10.7 (1 MB), gate/up 22
 TB/s), down 14.9 (25 MB, 1.7 TB/s); in the tail the sampler's stable radix sort of the 151,936
 probabilities (13 kernels, 82 µs serialized) after lm_head's 207 µs.
 
+**2026-12-07, `-run3` and `-run4`, one H100 (another machine), at ed037d3**: the same command with
+`--dependent-launch on` (`-run3`: the MoE launches dependent, docs/gpu.md) and without (`-run4`),
+one after the other. Floor ms per step at c = 1 / 2 / 4: 2.016 / 2.696 / 3.756 with it (again:
+2.015 / 2.696 / 3.736), 1.980 / 2.679 / 3.774 without (0.555 of the active-bytes roofline at c = 1,
+as at b14b45e); decode.1 graph 1.950 against 1.913 ms. `--step-gemms measure` chose another o_proj
+tiling in each preparation (the layer's dense GEMVs 25.29 against 24.34 µs serialized), so the
+comparison is not clean; no gain at c = 1. The dependent launch stays off.
+
 Where a step's time goes (`timeline-qwen3-30b-a3b-shape-2026-12-02.json`,
 `timeline-qwen3_5-35b-a3b-shape-2026-12-02.json`; serialized times, every node paying
 about 2.5 µs of event cost): the 30B shape's decode.1 is 467 kernels, 15 a layer, for 2.41
