@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 from flare.prepare.attention import PagedBatch, flare_paged_attention  # noqa: E402
 from flare.prepare.kernels.kv_write import write_kv_triton  # noqa: E402
 from flare.prepare.kernels.paged_attention import attend_triton, plan_launch  # noqa: E402
+from flare.runtime.pages import window_released  # noqa: E402
 from tests.paged_cases import Shape, decode_step, prefill_step, run_fp32_truth, run_reference, run_triton  # noqa: E402
 
 SHAPES = [
@@ -110,7 +111,7 @@ def _released(step, window: int):
     released = 0
     for slot in step.token_slot[step.valid].unique().tolist():
         first = int(step.positions[step.valid & (step.token_slot == slot)].min())
-        before = (first - window + 1) // ps - 1
+        before = window_released(first, window, ps)
         if before > 0:
             pt[slot, :before] = 0
             released += before

@@ -23,12 +23,12 @@ from flare.core import interface as io
 from flare.core.manifest import ProgramKind, load_manifest
 from flare.core.sampling_params import NEUTRAL
 from flare.runtime.cuda_tp import open_executor
+from flare.runtime.pages import window_released
 
 
 def _release(ex, m, slot: int, position: int) -> None:
     """Point the slot's pages that end a page before ``position``'s window at the null page."""
-    ps = m.pages.page_size
-    before = (position - m.pages.kv_window + 1) // ps - 1
+    before = window_released(position, m.pages.kv_window, m.pages.page_size)
     if before > 0:
         ex.write("state.page_table", np.full(before, m.pages.null_page, np.int32), (slot, slice(0, before)))
 

@@ -249,9 +249,10 @@ class _CudaArena:
         if opts.dependent_launch == "on":
             from flare.prepare.kernels.moe import dependent_launch
 
-            if not dependent_launch(torch.device("cuda", torch.cuda.current_device())):
+            device = torch.device("cuda", torch.cuda.current_device())
+            if not dependent_launch(device):
                 raise PrepareError(f"--dependent-launch on needs compiled Triton on a GPU of compute capability 9.0 "
-                                   f"or later (this one: {torch.cuda.get_device_capability(self.device)})")
+                                   f"or later (this one: {torch.cuda.get_device_capability(device)})")
             for block in routers:
                 block.flare_dependent_launch = True
             progress(f"decode steps launch the router and the experts dependent ({len(routers)} layers)"

@@ -28,6 +28,13 @@ SlotId = NewType("SlotId", int)
 RowId = NewType("RowId", int)
 
 
+def window_released(position: int, window: int, page_size: int) -> int:
+    """How many of a slot's first pages a query at ``position`` and every later one never read under
+    a sliding window of ``window`` tokens (keys at positions > position - window), less one page kept
+    as margin: the pages ``Scheduler._release_window`` gives back."""
+    return max(0, (position - window + 1) // page_size - 1)
+
+
 class PoolExhausted(Exception):
     """Not enough free pages / slots right now (the caller decides: wait, evict, preempt)."""
 

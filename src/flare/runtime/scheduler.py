@@ -61,7 +61,7 @@ from flare.runtime import packing
 from flare.runtime.checkpoints import Checkpoints
 from flare.runtime.encoder import StepEncoder, derive_seed
 from flare.runtime.metrics import ServingMetrics
-from flare.runtime.pages import PagePool, SlotPool
+from flare.runtime.pages import PagePool, SlotPool, window_released
 from flare.runtime.request import FinishReason, Request, Status
 from flare.runtime.speculation import Speculation
 from flare.runtime.steps import Step, Write
@@ -475,8 +475,7 @@ class Scheduler:
         window = self.m.pages.kv_window
         if window is None or req.slot is None:
             return
-        # Pages [0, before) end before position consumed - window + 1 - page_size.
-        before = min((req.consumed - window + 1) // self.page_size - 1, len(req.pages))
+        before = min(window_released(req.consumed, window, self.page_size), len(req.pages))
         null = self.pages.null_page
         drop = [i for i in range(self.checkpoints.shared_pages(req), before)
                 if req.pages[i] != null and self.pages.refcount(req.pages[i]) == 1]
