@@ -17,6 +17,8 @@ from torch.nn import functional as F
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+import triton  # noqa: E402
+
 from flare.prepare import prompt_rows  # noqa: E402
 from flare.prepare.kernels import gemm  # noqa: E402
 from flare.prepare.kernels.gemv import ticket_counters  # noqa: E402
@@ -41,6 +43,24 @@ def test_nonsplit_linear_is_a_linear_layer(rows, k, n, bias):
     torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tiling", [(16, 64, 128, 4), (32, 32, 64, 4, 4)])
+def test_whole_tiles_load_without_masks_and_give_the_same_bits(tiling):
+    """K a multiple of BK and N of BN: the kernel drops the loads' K masks and the weight's
+    (EVEN_K, EVEN_N, what ``launch`` passes); the rows are the bits of the masked loads."""
+    bm, bn, bk, warps = tiling[:4]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(128, 256, generator=g) / 16).to(torch.bfloat16).to(DEVICE)
+    out = torch.empty((37, 128), dtype=x.dtype, device=DEVICE)
+    gemm.launch(x, w, None, out, tiling)
+    masked = torch.empty_like(out)
+    gemm.nonsplit_kernel[(triton.cdiv(37, bm), triton.cdiv(128, bn))](
+        x, w, w, masked, 37, 128, 256, x.stride(0), w.stride(0), masked.stride(0), BM=bm, BN=bn, BK=bk,
+        PRECISION="tf32", HAS_BIAS=False, EVEN_K=False, EVEN_N=False, num_warps=warps)
+    assert torch.equal(out, masked)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), atol=2e-2, rtol=2e-2)
+
+
 def test_linear_layers_switch_only_in_prompt_programs_at_their_split_row_counts(monkeypatch):
     """``make_row_invariant`` measures each shape once, swaps the class of the layers that
     split (plain and fused linears), and their forward takes the unsplit kernel only while a
@@ -54,7 +74,8 @@ def test_linear_layers_switch_only_in_prompt_programs_at_their_split_row_counts(
 
     monkeypatch.setattr(gemm, "split_rows", fake_split_rows)
     real = gemm.nonsplit_linear
-    monkeypatch.setattr(gemm, "nonsplit_linear", lambda x, w, b=None: calls.append(x.shape[:-1]) or real(x, w, b))
+    monkeypatch.setattr(gemm, "nonsplit_linear",
+                        lambda x, w, b=None, t=None: calls.append(x.shape[:-1]) or real(x, w, b, t))
     fused = FusedLinear((Part("q_proj", 24), Part("k_proj", 8)), 96, True, torch.float32)
     nn.init.normal_(fused.weight)
     nn.init.normal_(fused.bias)
@@ -119,6 +140,42 @@ def test_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu():
         assert torch.equal(compiled(x[:16]), plain)  # a decode-sized step outside a prompt program
     for c in capacities:
         assert torch.equal(outs[c], outs[512][:c]), c
+
+
+def test_prompt_rows_take_the_unsplit_tiling_that_times_fastest_with_the_same_bits(monkeypatch):
+    """Where cuBLAS splits a layer at a prompt row count, preparation on a GPU (here: a timer
+    given) times ``PROMPT_TILINGS`` against ``tiles``' tiling and takes the fastest under 0.97 x
+    its time; a tiling whose rows differ is never timed nor taken; the layer's prompt rows then
+    run with it."""
+    slow_bits = (64, 64, 64, 4, 4)  # made to give other bits below: the fastest, never taken
+    times = {(64, slow_bits): 0.1, (64, (16, 128, 128, 4, 4)): 0.5, (64, (32, 64, 128, 4, 4)): 0.6,
+             (16, (16, 32, 128, 4, 4)): 0.98}  # at 16 rows within the margin: tiles' stays
+    real = gemm.nonsplit_linear
+    seen = []
+
+    def nonsplit(x, w, b=None, t=None):
+        seen.append((x.shape[0], t))
+        y = real(x, w, b, t)
+        return y + 1 if t == slow_bits else y
+
+    def timer(fn):
+        fn()
+        return times.get(seen[-1], 1.0)
+
+    monkeypatch.setattr(gemm, "nonsplit_linear", nonsplit)
+    monkeypatch.setattr(gemm, "split_rows", lambda w, b, counts, remedy="": frozenset({16, 64}))
+    layers = [nn.ModuleDict({"down": nn.Linear(160, 48, bias=False)}).to(DEVICE)]
+    assert gemm.make_row_invariant(layers, [16, 64, 128], measure=True, timer=timer) == {"0.down": frozenset({16, 64})}
+    down = layers[0]["down"]
+    assert down.flare_split_tiling == {64: (16, 128, 128, 4, 4)}
+    timed = {t for rows, t in seen if rows == 64}
+    assert slow_bits in timed and len(timed) == len(gemm.PROMPT_TILINGS)  # each tried once (tiles' as itself)
+    seen.clear()
+    with prompt_rows.marked(True):
+        x = torch.randn(64, 160, device=DEVICE)
+        assert torch.equal(down(x), real(x, down.weight, None))
+        down(torch.randn(16, 160, device=DEVICE))
+    assert seen == [(64, (16, 128, 128, 4, 4)), (16, None)]
 
 
 @pytest.mark.parametrize("tiling", gemm.STEP_TILINGS)

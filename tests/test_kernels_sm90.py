@@ -125,9 +125,15 @@ SCRIPT = textwrap.dedent('''
                          {**bf16("h_ptr", "w_ptr", "s_ptr", "g_ptr", "r_ptr", "out_ptr"), "ids_ptr": "*i64",
                           "weights_ptr": "*fp32"}, dict(TOPK=topk, KP=kp, BN=8, BK=128, SHARED=shared, RESIDUAL=res),
                          num_warps=8)
-    for bm, bn, bk, bias in ((16, 16, 128, False), (16, 64, 128, True), (64, 128, 64, False)):
+    # the masked loads, K whole steps, K and N whole tiles (four stages)
+    for bm, bn, bk, bias, even_k, even_n, stages in ((16, 16, 128, False, False, False, 3),
+                                                      (16, 64, 128, True, False, False, 3),
+                                                      (64, 128, 64, False, False, False, 3),
+                                                      (64, 64, 64, False, True, False, 3),
+                                                      (128, 128, 64, False, True, True, 4)):
         compile_for_sm90(G.nonsplit_kernel, bf16("x_ptr", "w_ptr", "b_ptr", "out_ptr"),
-                         dict(BM=bm, BN=bn, BK=bk, PRECISION="tf32", HAS_BIAS=bias))
+                         dict(BM=bm, BN=bn, BK=bk, PRECISION="tf32", HAS_BIAS=bias, EVEN_K=even_k, EVEN_N=even_n),
+                         num_warps=8 if bm == 128 else 4, num_stages=stages)
     compile_for_sm90(M._combine_kernel, {**bf16("y_ptr", "out_ptr"), "ids_ptr": "*i64", "weights_ptr": "*fp32"},
                      dict(TOPK=8, BN=512))
     # plan_triton: int64 expert ids (the routing's), the columns of 256 and of 512 experts and the sentinel
@@ -325,7 +331,7 @@ def test_gdn_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 196, proc.stdout
+    assert proc.stdout.count("compiled") == 198, proc.stdout
     # The dependent launches wait and let the next launch start, in every program; the down kernel reads the
     # router's ids through L2 before its wait (what a kernel before it in the chain wrote, not in L1).
     pdl = [line.split() for line in proc.stdout.splitlines() if line.startswith("griddepcontrol")]

@@ -239,6 +239,8 @@ class _CudaArena:
         their mean of squares from a row-invariant kernel there (kernels/rownorm.py)."""
         if opts.step_gemms not in ("cublas", "measure", "gemv"):
             raise ValueError(f"step_gemms {opts.step_gemms!r}: expected cublas, measure or gemv")
+        if opts.prompt_gemms not in ("default", "measure"):
+            raise ValueError(f"prompt_gemms {opts.prompt_gemms!r}: expected default or measure")
         # A mixture-of-experts block's decode steps route in the router's launch (its last
         # program for each token, by the core's ticket counters; recipes/moe.py).
         routers = [m for m in model.module.modules() if hasattr(type(m), "flare_route_tickets")]
@@ -279,10 +281,18 @@ class _CudaArena:
 
         rows = {p.capacity for p in program_table(caps, None, continuation) if p.kind in PROMPT_PROGRAMS}
         by_name: dict[str, set[int]] = {}
-        for name, counts in make_row_invariant(recipe.decoder_layers(model.module), rows).items():
+        for name, counts in make_row_invariant(recipe.decoder_layers(model.module), rows,
+                                               measure=opts.prompt_gemms == "measure").items():
             by_name.setdefault(name.split(".", 1)[1], set()).update(counts)  # over the layers
         for name, counts in sorted(by_name.items()):
             progress(f"unsplit GEMM for {name} at {', '.join(map(str, sorted(counts)))} rows of prompt programs")
+        timed: dict[str, dict[int, tuple]] = {}
+        for layer in recipe.decoder_layers(model.module):
+            for name, module in layer.named_modules():
+                timed.setdefault(name, {}).update(getattr(module, "flare_split_tiling", {}))
+        for name, tilings in sorted((n, t) for n, t in timed.items() if t):
+            progress(f"unsplit GEMM tilings timed for {name}: "
+                     + ", ".join(f"{c} rows {t}" for c, t in sorted(tilings.items())))
 
     def _step_gemms(self, recipe, model, caps, continuation, progress, forced: bool = False,
                     fold_convs: bool = True) -> None:

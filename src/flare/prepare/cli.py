@@ -120,6 +120,10 @@ def parser() -> argparse.ArgumentParser:
                         "and Inductor's norm reductions (faster short prefills, but a prompt prefilled in pieces, "
                         "as with the prefix cache, may then generate other tokens than the same prompt prefilled "
                         "whole)")
+    p.add_argument("--prompt-gemms", choices=("default", "measure"), default="default",
+                   help="CUDA: where prompt programs take the unsplit Triton GEMM (layers cuBLAS splits at their row "
+                        "count), its fixed tiling (default) or the fastest of several timed at preparation for each "
+                        "layer shape and row count (measure: the same bits; not yet measured on the GPU)")
     p.add_argument("--step-gemms", choices=("cublas", "measure", "gemv"), default="cublas",
                    help="CUDA: decode and verify steps' linear layers on cuBLAS, or on the unsplit Triton GEMM or "
                         "(no bias) the few-row GEMV where one times faster at preparation (no split-K reduce "
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "combo_kernels": a.combo_kernels,
         "split_prompt_gemms": a.split_prompt_gemms,
         "step_gemms": a.step_gemms,
+        "prompt_gemms": a.prompt_gemms,
         "step_norms": a.step_norms,
         "dependent_launch": a.dependent_launch,
         "served_name": a.served_name,

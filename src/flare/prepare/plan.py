@@ -61,6 +61,10 @@ class Options:
     # GEMM or, without a bias, the few-row GEMV, at the row counts and layers where it times
     # faster than cuBLAS: kernels/gemm.py, kernels/gemv.py)
     step_gemms: str = "cublas"
+    # CUDA: where prompt programs take the unsplit Triton GEMM (a layer cuBLAS splits at that row
+    # count), its tiling: "default" (kernels/gemm.tiles') or "measure" (the fastest of
+    # gemm.PROMPT_TILINGS timed at preparation, at each such row count; the same bits)
+    prompt_gemms: str = "default"
     # CUDA: decode and verify steps' RMS norms: "compiled" (Inductor's reduction, its blocks and
     # warps picked per program, by timing above 1,024 values a row) or "invariant" (the mean of
     # squares from kernels/rownorm.py, as prompt programs take it: a row's bits the same in every

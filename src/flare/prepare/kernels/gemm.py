@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import nn
 from torch.library import triton_op, wrap_triton
+from triton.runtime.errors import OutOfResources
 from torch.nn import functional as F
 
 from flare.prepare import prompt_rows
@@ -42,9 +43,11 @@ from flare.prepare.kernels.gemv import (Conv, GemvTiling, Norm, gemv_conv_linear
 @triton.jit
 def nonsplit_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, K, stride_xt, stride_wn, stride_ot,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     """``out = x @ w.T (+ b)``, float32 accumulation over the whole of K in order in one
-    program (no split to reduce), the bias added in float32 before the one rounding."""
+    program (no split to reduce), the bias added in float32 before the one rounding.
+    ``EVEN_K`` (K a multiple of BK) and ``EVEN_N`` (N of BN): the loads need no mask on K,
+    and the weight's none at all (the same values loaded: the same bits)."""
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     m_in, n_in = m < T, n < N
@@ -52,10 +55,17 @@ def nonsplit_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, N, K, stride_xt, stride_wn,
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         k_in = kk < K
-        a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xt + kk[None, :], mask=m_in[:, None] & k_in[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None], mask=n_in[None, :] & k_in[:, None],
-                    other=0.0)
+        x_at = x_ptr + m[:, None].to(tl.int64) * stride_xt + kk[None, :]
+        w_at = w_ptr + n[None, :].to(tl.int64) * stride_wn + kk[:, None]
+        if EVEN_K:
+            a = tl.load(x_at, mask=m_in[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_at)
+            else:
+                w = tl.load(w_at, mask=n_in[None, :], other=0.0)
+        else:
+            a = tl.load(x_at, mask=m_in[:, None] & k_in[None, :], other=0.0)
+            w = tl.load(w_at, mask=n_in[None, :] & k_in[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_in, other=0.0).to(tl.float32)[None, :]
@@ -72,30 +82,31 @@ def tiles(rows: int, k: int, *, block_m: int | None = None, block_n: int | None 
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           tiling: tuple[int, int, int, int], kernel=nonsplit_kernel) -> None:
+           tiling: tuple[int, ...], kernel=nonsplit_kernel) -> None:
     """Run the kernel over rows ``x [T, K]`` into ``out [T, N]`` (``kernel``: the plain
-    Triton kernel eagerly, or its ``wrap_triton`` form inside a custom op)."""
+    Triton kernel eagerly, or its ``wrap_triton`` form inside a custom op). ``tiling``: (BM,
+    BN, BK, warps) or with a fifth, the software pipeline's stages (Triton's default 3)."""
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("nonsplit_linear needs rows with unit stride")
     T, K = x.shape
     N = weight.shape[0]
-    bm, bn, bk, warps = tiling
+    bm, bn, bk, warps, *rest = tiling
     kernel[(triton.cdiv(T, bm), triton.cdiv(N, bn))](
         x, weight, bias if bias is not None else weight, out, T, N, K, x.stride(0), weight.stride(0), out.stride(0),
         BM=bm, BN=bn, BK=bk, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", HAS_BIAS=bias is not None,
-        num_warps=warps)
+        EVEN_K=K % bk == 0, EVEN_N=N % bn == 0, num_warps=warps, num_stages=rest[0] if rest else 3)
 
 
 @triton_op("flare::nonsplit_linear", mutates_args=())
 def _nonsplit_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiling: list[int]) -> torch.Tensor:
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps = tiling if tiling else tiles(x.shape[0], x.shape[1])
-    launch(x, weight, bias, out, (bm, bn, bk, warps), wrap_triton(nonsplit_kernel))
+    launch(x, weight, bias, out, tuple(tiling) if tiling else tiles(x.shape[0], x.shape[1]),
+           wrap_triton(nonsplit_kernel))
     return out
 
 
 def nonsplit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    tiling: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    tiling: tuple[int, ...] | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose rows are the same bits whatever the number of
     rows (a custom op, so a compiled layer calls it without a graph break). ``tiling``
     (BM, BN, BK, warps) overrides ``tiles``' choice: the bits stay the same, the time not."""
@@ -149,6 +160,7 @@ class _RowInvariant:
     ``choose_step_gemms``); everything else as before."""
 
     flare_split_rows: frozenset[int] = frozenset()
+    flare_split_tiling: dict[int, tuple[int, ...]] = {}  # the unsplit GEMM's tiling where timed faster
     flare_step_tiling: dict[int, tuple[int, ...]] = {}
     # the core's GEMV ticket counters (``gemv_linear``, ``gemv_norm_linear`` with a split)
     flare_tickets: torch.Tensor | None = None
@@ -162,7 +174,7 @@ class _RowInvariant:
         rows = x.numel() // x.shape[-1]
         if prompt_rows.active():
             if rows in self.flare_split_rows:
-                return nonsplit_linear(x, self.weight, self.bias)
+                return nonsplit_linear(x, self.weight, self.bias, self.flare_split_tiling.get(rows))
         elif rows in self.flare_step_tiling:
             tiling = self.flare_step_tiling[rows]
             if isinstance(tiling, GemvTiling):  # (called as a linear layer, a GLU tiling's plain product)
@@ -278,25 +290,73 @@ def _key(module: nn.Module) -> tuple:
     return tuple(w.shape), w.dtype, None if b is None else b.dtype
 
 
-def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int]) -> dict[str, frozenset[int]]:
+# Tilings of the unsplit GEMM timed for prompt rows where cuBLAS splits (on a GPU; the CPU keeps
+# ``tiles``'): (BM, BN, BK, warps, stages), ``tiles``' two first, then deeper pipelines, longer K
+# steps and 8-warp tiles (bench/gemm_invariance.py times the same set). Every one sums K in order:
+# the same bits, checked on the device before a tiling is taken.
+PROMPT_TILINGS = ((16, 64, 128, 4, 3), (64, 128, 64, 4, 3),
+                  (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4),
+                  (32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4),
+                  (64, 128, 64, 8, 4), (64, 256, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3),
+                  (128, 128, 64, 8, 4), (128, 256, 64, 8, 3))
+
+
+def prompt_tilings(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iterable[int], *, timer=None,
+                   margin: float = 0.97) -> tuple[dict[int, tuple[int, ...]], dict]:
+    """For each row count, the fastest of ``PROMPT_TILINGS`` over a weight of this shape where it
+    takes at most ``margin`` x the time of ``tiles``' tiling and gives the rows the same bits (on
+    random rows; a tiling whose rows differ is never taken); none where ``tiles``' stays. And
+    the times (ms by row count and tiling). The weight's copies rotate as ``step_tiling``'s."""
+    counts = sorted(set(row_counts))
+    if not counts:
+        return {}, {}
+    w, b, x = _random_operands(weight, bias, counts[-1], seed=3)
+    rotating, timer = _rotation(w, timer)
+    chosen, times = {}, {}
+    for c in counts:
+        base = tiles(c, w.shape[1])
+        ref = nonsplit_linear(x[:c], w, b, base)
+        t_c = {base: timer(rotating(lambda w, t=base: nonsplit_linear(x[:c], w, b, t)))}
+        for t in PROMPT_TILINGS:
+            try:
+                if t == (*base, 3) or not torch.equal(nonsplit_linear(x[:c], w, b, t), ref):
+                    continue
+            except OutOfResources:  # (more shared memory than this device has: not a tiling here)
+                continue
+            t_c[t] = timer(rotating(lambda w, t=t: nonsplit_linear(x[:c], w, b, t)))
+        best = min(t_c, key=t_c.get)
+        if best != base and t_c[best] <= margin * t_c[base]:
+            chosen[c] = best
+        times[c] = t_c
+    return chosen, times
+
+
+def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int], *, measure: bool = False,
+                       timer=None) -> dict[str, frozenset[int]]:
     """Give every plain linear layer under ``layers`` (``_plain_linears``) the row counts
     at which cuBLAS splits it; returns {module name: row counts} for those with any. (A
     layer whose weight a prepared module uses directly, such as a routed block's
-    shared-expert gate, is measured too; its forward is never called.)"""
+    shared-expert gate, is measured too; its forward is never called.) ``measure`` (on a GPU,
+    or with a ``timer``): each such layer also takes, at each of those counts, the unsplit GEMM's
+    tiling that timed fastest (``prompt_tilings``: the same bits, only the time differs)."""
     counts = tuple(row_counts)
-    measured: dict[tuple, frozenset[int]] = {}
+    measured: dict[tuple, tuple[frozenset[int], dict]] = {}
     found = {}
     for name, module in _plain_linears(layers):
         if getattr(module, "flare_split_rows", None):
             continue  # already measured
         key = _key(module)
         if key not in measured:
-            measured[key] = split_rows(module.weight, module.bias, counts)
-        if not measured[key]:
+            split = split_rows(module.weight, module.bias, counts)
+            timed = split and measure and (timer is not None or module.weight.device.type == "cuda")
+            measured[key] = split, prompt_tilings(module.weight, module.bias, split, timer=timer)[0] if timed else {}
+        split, tiling = measured[key]
+        if not split:
             continue
         _switch(module)
-        module.flare_split_rows = measured[key]
-        found[name] = measured[key]
+        module.flare_split_rows = split
+        module.flare_split_tiling = tiling
+        found[name] = split
     return found
 
 
