@@ -52,7 +52,19 @@ def test_whole_tiles_load_without_masks_and_give_the_same_bits(tiling):
     x = torch.randn(37, 256, generator=g).to(torch.bfloat16).to(DEVICE)
     w = (torch.randn(128, 256, generator=g) / 16).to(torch.bfloat16).to(DEVICE)
     out = torch.empty((37, 128), dtype=x.dtype, device=DEVICE)
-    gemm.launch(x, w, None, out, tiling)
+    passed = []
+
+    class Recording:  # the kernel as launch() launches it, its constexprs recorded
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                passed.append((kw["EVEN_K"], kw["EVEN_N"]))
+                return gemm.nonsplit_kernel[grid](*args, **kw)
+            return run
+
+    gemm.launch(x, w, None, out, tiling, kernel=Recording())
+    assert passed == [(True, True)]
+    gemm.launch(x, w[:100], None, torch.empty((37, 100), dtype=x.dtype, device=DEVICE), tiling, kernel=Recording())
+    assert passed[-1] == (True, False)  # 100 columns: the weight's loads keep their column mask
     masked = torch.empty_like(out)
     gemm.nonsplit_kernel[(triton.cdiv(37, bm), triton.cdiv(128, bn))](
         x, w, w, masked, 37, 128, 256, x.stride(0), w.stride(0), masked.stride(0), BM=bm, BN=bn, BK=bk,
@@ -117,17 +129,20 @@ def test_program_set_marks_prompt_programs_while_they_run():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's split-K choice is the GPU's")
-def test_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu():
+@pytest.mark.parametrize("measure", [False, True])
+def test_prompt_rows_are_the_same_bits_at_every_capacity_on_the_gpu(measure):
     """On the GPU, compiled as the programs are (one graph, no break): an o_proj-like layer
     (K large against N, which the H200's cuBLAS splits for 16-64 rows), one with a bias and
     a wide one, made row invariant for the capacities 16 ... 512, give every row the same
-    bits at each capacity inside a prompt program; outside one they are cuBLAS's."""
+    bits at each capacity inside a prompt program; outside one they are cuBLAS's. ``measure``
+    (``--prompt-gemms measure``): with the tilings timed fastest at each split count, too."""
     dev = torch.device("cuda")
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(4096, 2048, bias=False), nn.Linear(2048, 2048), nn.Linear(2048, 5120, bias=False))
     block = block.to(dev, torch.bfloat16)
     capacities = (16, 32, 64, 128, 256, 512)
-    found = gemm.make_row_invariant([block], capacities)
+    found = gemm.make_row_invariant([block], capacities, measure=measure)
+    print("tilings timed:", {i: m.flare_split_tiling for i, m in enumerate(block) if hasattr(m, "flare_split_tiling")})
     assert found.get("0.0"), found  # bench/results/gemm-row-invariance-2026-12-02.json: split at 16-64 rows
     compiled = torch.compile(block, dynamic=False, fullgraph=True)
     x = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16)
@@ -151,7 +166,7 @@ def test_prompt_rows_take_the_unsplit_tiling_that_times_fastest_with_the_same_bi
     times = {(64, slow_bits): 0.1, (64, (16, 128, 128, 4, 4)): 0.5, (64, (32, 64, 128, 4, 4)): 0.6,
              (16, (16, 32, 128, 4, 4)): 0.98}  # at 16 rows within the margin: tiles' stays
     real = gemm.nonsplit_linear
-    seen = []
+    seen, timed = [], []
 
     def nonsplit(x, w, b=None, t=None):
         seen.append((x.shape[0], t))
@@ -160,6 +175,7 @@ def test_prompt_rows_take_the_unsplit_tiling_that_times_fastest_with_the_same_bi
 
     def timer(fn):
         fn()
+        timed.append(seen[-1])
         return times.get(seen[-1], 1.0)
 
     monkeypatch.setattr(gemm, "nonsplit_linear", nonsplit)
@@ -168,8 +184,13 @@ def test_prompt_rows_take_the_unsplit_tiling_that_times_fastest_with_the_same_bi
     assert gemm.make_row_invariant(layers, [16, 64, 128], measure=True, timer=timer) == {"0.down": frozenset({16, 64})}
     down = layers[0]["down"]
     assert down.flare_split_tiling == {64: (16, 128, 128, 4, 4)}
-    timed = {t for rows, t in seen if rows == 64}
-    assert slow_bits in timed and len(timed) == len(gemm.PROMPT_TILINGS)  # each tried once (tiles' as itself)
+    # Timed at 64 rows: tiles' own first, then each tiling whose rows are its bits (on the GPU every
+    # one should be; the interpreter rounds each K step's dot, so there only those of its K step).
+    base = gemm.tiles(64, 160)
+    w, _, x = gemm._random_operands(down.weight, None, 64, seed=3)
+    same = [t for t in gemm.PROMPT_TILINGS if t not in ((*base, 3), slow_bits)
+            and torch.equal(real(x, w, None, t), real(x, w, None, base))]
+    assert [t for rows, t in timed if rows == 64] == [base, *same] and (16, 128, 128, 4, 4) in same
     seen.clear()
     with prompt_rows.marked(True):
         x = torch.randn(64, 160, device=DEVICE)

@@ -41,8 +41,8 @@ SCRIPT = textwrap.dedent('''
     from flare.prepare.kernels import sampler as SK
     from flare.prepare.kernels import sm90
 
-    def compile_for_sm90(fn, types, constexprs, num_warps=4, num_stages=3):
-        kernel = sm90.compile_for_sm90(fn, types, constexprs, num_warps, num_stages)
+    def compile_for_sm90(fn, types, constexprs, num_warps=4, num_stages=3, aligned=()):
+        kernel = sm90.compile_for_sm90(fn, types, constexprs, num_warps, num_stages, aligned)
         print("compiled", fn.__name__)
         return kernel
 
@@ -125,15 +125,21 @@ SCRIPT = textwrap.dedent('''
                          {**bf16("h_ptr", "w_ptr", "s_ptr", "g_ptr", "r_ptr", "out_ptr"), "ids_ptr": "*i64",
                           "weights_ptr": "*fp32"}, dict(TOPK=topk, KP=kp, BN=8, BK=128, SHARED=shared, RESIDUAL=res),
                          num_warps=8)
-    # the masked loads, K whole steps, K and N whole tiles (four stages)
+    # the masked loads, K whole steps, K and N whole tiles (four stages); the last two as a launch on
+    # Llama-8B's weights specializes them (aligned pointers, sizes and strides): their loads pipelined,
+    # a tile's shared memory for each stage
+    aligned = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xt", "stride_wn", "stride_ot")
     for bm, bn, bk, bias, even_k, even_n, stages in ((16, 16, 128, False, False, False, 3),
                                                       (16, 64, 128, True, False, False, 3),
                                                       (64, 128, 64, False, False, False, 3),
                                                       (64, 64, 64, False, True, False, 3),
                                                       (128, 128, 64, False, True, True, 4)):
-        compile_for_sm90(G.nonsplit_kernel, bf16("x_ptr", "w_ptr", "b_ptr", "out_ptr"),
-                         dict(BM=bm, BN=bn, BK=bk, PRECISION="tf32", HAS_BIAS=bias, EVEN_K=even_k, EVEN_N=even_n),
-                         num_warps=8 if bm == 128 else 4, num_stages=stages)
+        kernel = compile_for_sm90(G.nonsplit_kernel, bf16("x_ptr", "w_ptr", "b_ptr", "out_ptr"),
+                                  dict(BM=bm, BN=bn, BK=bk, PRECISION="tf32", HAS_BIAS=bias, EVEN_K=even_k,
+                                       EVEN_N=even_n), num_warps=8 if bm == 128 else 4, num_stages=stages,
+                                  aligned=aligned if even_k else ())
+        if even_k:
+            assert kernel.metadata.shared >= stages * (bm + bn) * bk * 2, (bm, bn, bk, kernel.metadata.shared)
     compile_for_sm90(M._combine_kernel, {**bf16("y_ptr", "out_ptr"), "ids_ptr": "*i64", "weights_ptr": "*fp32"},
                      dict(TOPK=8, BN=512))
     # plan_triton: int64 expert ids (the routing's), the columns of 256 and of 512 experts and the sentinel

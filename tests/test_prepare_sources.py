@@ -102,12 +102,16 @@ def test_bad_sampling_options_are_errors(value, message, tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "core").exists()
 
 
-def test_row_invariant_step_norms_without_the_prompt_programs_norms_are_refused(tmp_path):
+@pytest.mark.parametrize("option, message", [
+    (("--step-norms", "invariant"), "--split-prompt-gemms leaves to the compiler"),
+    (("--prompt-gemms", "measure"), "--split-prompt-gemms leaves to cuBLAS")])
+def test_row_invariant_options_without_the_prompt_programs_unsplit_products_are_refused(tmp_path, option, message):
     """``--step-norms invariant`` takes the prompt programs' row-invariant norms, which
-    ``--split-prompt-gemms`` leaves to the compiler: refused before any program is built, a
-    typed error, no core."""
-    proc = _prepare("qwen3-tiny", tmp_path / "core", "--step-norms", "invariant", "--split-prompt-gemms")
-    assert proc.returncode == 2 and "--split-prompt-gemms leaves to the compiler" in proc.stderr, proc.stderr[-1000:]
+    ``--split-prompt-gemms`` leaves to the compiler, and ``--prompt-gemms measure`` times their
+    unsplit GEMM, which it leaves to cuBLAS: refused before any program is built, a typed error,
+    no core."""
+    proc = _prepare("qwen3-tiny", tmp_path / "core", *option, "--split-prompt-gemms")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "core").exists()
 
 

@@ -131,6 +131,9 @@ def _check_request(opts: Options, session, tp: TensorParallel) -> None:
     if opts.step_norms == "invariant" and opts.split_prompt_gemms:
         raise PrepareError("--step-norms invariant takes the prompt programs' row-invariant norms, which "
                            "--split-prompt-gemms leaves to the compiler")
+    if opts.prompt_gemms == "measure" and opts.split_prompt_gemms:
+        raise PrepareError("--prompt-gemms measure times the unsplit GEMM of prompt programs, which "
+                           "--split-prompt-gemms leaves to cuBLAS")
     if opts.dependent_launch not in ("off", "on"):
         raise PrepareError(f"--dependent-launch {opts.dependent_launch!r}: expected off or on")
     if opts.dependent_launch == "on" and opts.device != "cuda":

@@ -15,10 +15,14 @@ ATTEND_TYPES = {**{n: "*bf16" for n in ("q_ptr", "out_ptr", "k_cache", "v_cache"
                 "tickets": "*i32"}
 
 
-def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+def compile_for_sm90(fn, types: dict, constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                     aligned: tuple[str, ...] = ()):
     """``fn`` compiled for sm_90: ``types`` names the arguments' types (int32 where it does not),
-    ``constexprs`` their values; a constexpr left out takes its default, as at a launch."""
+    ``constexprs`` their values; a constexpr left out takes its default, as at a launch.
+    ``aligned``: arguments a launch finds multiples of 16 (pointers 16-byte aligned, sizes and
+    strides), which it specializes on as Triton's launcher does (vector loads, pipelining)."""
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
