@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent(r'''
     import collections
     import re
 
