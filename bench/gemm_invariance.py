@@ -8,9 +8,9 @@ at M = 2048; each M compares the first M rows bit for bit, for cuBLAS (``F.linea
 for Triton GEMMs that sum the whole of K in order in one program
 (``kernels/gemm.py``'s ``nonsplit_kernel``) at several tilings (BM, BN, BK, warps, stages),
 whose rows are also compared with the unsplit reference's (``gemm.tiles``' tiling at M = 2048).
-Times: microseconds a product inside a CUDA graph of 20 (``prepare.timing.graph_ms``, as
-preparation times its choices), each product on the next of several weight copies (more than
-the L2 together), so a weight is streamed from memory as a program streams it.
+Times: microseconds a product as preparation times its choices (``gemm._rotation``: inside a CUDA
+graph of 20 or more, each product on the next of several weight copies, more than the L2 together,
+so a weight is streamed from memory as a program streams it).
 
     python -m bench.gemm_invariance OUT.json [--shapes 8b-down,8b-o] [--rows 16,64,256,2048]
 """
@@ -27,7 +27,6 @@ from torch.nn import functional as F
 from triton.runtime.errors import OutOfResources
 
 from flare.prepare.kernels import gemm
-from flare.prepare.timing import graph_ms
 
 SHAPES = {"moe-qkv": (2048, 5120), "moe-o": (4096, 2048), "8b-qkv": (4096, 6144), "8b-o": (4096, 4096),
           "8b-gateup": (4096, 28672), "8b-down": (14336, 4096), "smol-qkv": (576, 960), "smol-gateup": (576, 3072),
@@ -36,19 +35,12 @@ ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # (BM, BN, BK, warps, stages): the tilings preparation times for prompt rows (--prompt-gemms measure),
 # gemm.tiles' two first.
 TILES = gemm.PROMPT_TILINGS
-CALLS = 20
 
 
 def nonsplit(x: torch.Tensor, w: torch.Tensor, tiling: tuple[int, ...]) -> torch.Tensor:
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     gemm.launch(x, w, None, out, tiling)
     return out
-
-
-def micros(fn, ws: list[torch.Tensor]) -> float:
-    """µs of one ``fn(w)`` in a graph of ``CALLS`` or more, each on the next weight copy."""
-    calls = max(CALLS, len(ws))
-    return round(graph_ms(lambda: [fn(ws[i % len(ws)]) for i in range(calls)], calls) * 1000, 1)
 
 
 def main() -> None:
@@ -65,15 +57,19 @@ def main() -> None:
         top = max(rows)
         x = torch.randn(top, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        ws = [w] + [w.clone() for _ in range(gemm._copies(w.numel() * 2) - 1)]
+        rotating, timer = gemm._rotation(w)  # (preparation's timing: its graph, its weight copies)
+
+        def micros(fn) -> float:
+            return round(timer(rotating(fn)) * 1000, 1)
+
         ref_cublas = F.linear(x, w)
         ref = nonsplit(x, w, gemm.tiles(top, k))
         r = {"cublas": {m: [bool(torch.equal(F.linear(x[:m], w), ref_cublas[:m])),
-                            micros(lambda w, m=m: F.linear(x[:m], w), ws)] for m in rows}}
+                            micros(lambda w, m=m: F.linear(x[:m], w))] for m in rows}}
         for tile in TILES:
             try:
                 r[str(tile)] = {m: [bool(torch.equal(nonsplit(x[:m], w, tile), ref[:m])),
-                                    micros(lambda w, m=m, tile=tile: nonsplit(x[:m], w, tile), ws)] for m in rows}
+                                    micros(lambda w, m=m, tile=tile: nonsplit(x[:m], w, tile))] for m in rows}
             except OutOfResources as e:
                 print(name, tile, "does not run here:", e, flush=True)
         # (None where no tiling's rows equal the reference's: what this benchmark is there to catch)
@@ -81,8 +77,8 @@ def main() -> None:
                 for m in rows}
         results[name] = {"K_N": [k, n], "rows_equal_and_us": r,
                          "best_nonsplit": {m: best[m] and [best[m], r[best[m]][m][1]] for m in rows},
-                         "default_nonsplit": {m: r[str(gemm.tiles(m, k) + (3,))][m][1] if str(gemm.tiles(m, k) + (3,))
-                                              in r else None for m in rows}}
+                         "default_nonsplit": {m: r.get(str((*gemm.tiles(m, k), 3)), {}).get(m, [None, None])[1]
+                                              for m in rows}}
         print(name, "cublas", {m: r["cublas"][m] for m in rows}, "best", results[name]["best_nonsplit"],
               "default", results[name]["default_nonsplit"],
               "all equal", all(v[0] for t, rr in r.items() if t != "cublas" for v in rr.values()), flush=True)

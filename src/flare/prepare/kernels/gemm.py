@@ -302,17 +302,17 @@ PROMPT_TILINGS = ((16, 64, 128, 4, 3), (64, 128, 64, 4, 3),
 
 
 def prompt_tilings(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: Iterable[int], *, timer=None,
-                   margin: float = 0.97) -> tuple[dict[int, tuple[int, ...]], dict]:
+                   margin: float = 0.97) -> dict[int, tuple[int, ...]]:
     """For each row count, the fastest of ``PROMPT_TILINGS`` over a weight of this shape where it
     takes at most ``margin`` x the time of ``tiles``' tiling and gives the rows the same bits (on
-    random rows; a tiling whose rows differ is never taken); none where ``tiles``' stays. And
-    the times (ms by row count and tiling). The weight's copies rotate as ``step_tiling``'s."""
+    random rows; a tiling whose rows differ is never taken); none where ``tiles``' stays. The
+    weight's copies rotate as ``step_tiling``'s."""
     counts = sorted(set(row_counts))
     if not counts:
-        return {}, {}
+        return {}
     w, b, x = _random_operands(weight, bias, counts[-1], seed=3)
     rotating, timer = _rotation(w, timer)
-    chosen, times = {}, {}
+    chosen = {}
     for c in counts:
         base = tiles(c, w.shape[1])
         ref = nonsplit_linear(x[:c], w, b, base)
@@ -327,8 +327,7 @@ def prompt_tilings(weight: torch.Tensor, bias: torch.Tensor | None, row_counts: 
         best = min(t_c, key=t_c.get)
         if best != base and t_c[best] <= margin * t_c[base]:
             chosen[c] = best
-        times[c] = t_c
-    return chosen, times
+    return chosen
 
 
 def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int], *, measure: bool = False,
@@ -349,7 +348,7 @@ def make_row_invariant(layers: Iterable[nn.Module], row_counts: Iterable[int], *
         if key not in measured:
             split = split_rows(module.weight, module.bias, counts)
             timed = split and measure and (timer is not None or module.weight.device.type == "cuda")
-            measured[key] = split, prompt_tilings(module.weight, module.bias, split, timer=timer)[0] if timed else {}
+            measured[key] = split, prompt_tilings(module.weight, module.bias, split, timer=timer) if timed else {}
         split, tiling = measured[key]
         if not split:
             continue
